@@ -1,0 +1,43 @@
+// BlockReader: reads many aligned blocks from files at a high queue depth.
+// Two engines: io_uring (one ring per calling thread, raw syscalls) and a pool
+// of pread workers; the store picks one by its options, and the benchmark
+// compares them.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "status.h"
+
+namespace mlkv {
+
+struct ReadRequest {
+  int fd = -1;
+  uint64_t offset = 0;
+  uint32_t length = 0;
+  uint8_t* buffer = nullptr;
+  int64_t result = 0;  // bytes read, or -errno
+};
+
+enum class IoEngine { kAuto = 0, kUring = 1, kThreads = 2 };
+
+class BlockReader {
+ public:
+  // `depth`: reads in flight per call; `threads`: workers for kThreads.
+  static Status Create(IoEngine engine, uint32_t depth, uint32_t threads, std::unique_ptr<BlockReader>* out);
+  virtual ~BlockReader() = default;
+  // Reads every request; sets each `result`. Returns an error only when the
+  // engine itself fails; per-request errors are left in `result`.
+  virtual Status ReadAll(ReadRequest* requests, size_t n) = 0;
+  virtual const char* name() const = 0;
+};
+
+// True when this kernel lets the process set up an io_uring.
+bool UringAvailable();
+
+}  // namespace mlkv

@@ -1,0 +1,908 @@
+#include "kv_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "crc32c.h"
+
+namespace mlkv {
+namespace {
+
+constexpr uint64_t kBlockBytes = 4096;  // O_DIRECT alignment and the disk read unit
+constexpr uint16_t kRecordMagic = 0x4B56;  // "VK" little-endian
+constexpr uint16_t kFlagTombstone = 1;
+constexpr uint32_t kFormatVersion = 1;
+constexpr size_t kMaxUnitsPerRound = 4096;  // bounds the read buffer of one get
+constexpr uint64_t kNone = HashIndex::kNoAddress;
+
+// Every record starts with this header; the value bytes follow.
+struct RecordHeader {
+  int64_t key;
+  uint32_t checksum;  // CRC-32C over key, magic, flags and the value
+  uint16_t magic;
+  uint16_t flags;
+};
+static_assert(sizeof(RecordHeader) == 16, "record header is 16 bytes");
+
+// The CHECKPOINT file: the whole of it, little-endian.
+struct CheckpointMeta {
+  char magic[8];
+  uint32_t format_version;
+  uint32_t dim;
+  uint32_t element_type;
+  uint32_t record_bytes;
+  uint64_t page_bytes;
+  uint64_t pages_per_segment;
+  uint64_t sequence;
+  uint64_t begin;    // first slot in the log
+  uint64_t flushed;  // slots below are in segment files
+  uint64_t tail;     // slots below are the log at the checkpoint
+  uint64_t rows;     // live keys, a cross-check for recovery
+  uint32_t reserved;
+  uint32_t crc;      // CRC-32C of every byte before this field
+};
+static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
+constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
+
+uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+struct AlignedBuffer {
+  uint8_t* data = nullptr;
+  explicit AlignedBuffer(size_t bytes) {
+    if (bytes) data = static_cast<uint8_t*>(std::aligned_alloc(kBlockBytes, RoundUp(bytes, kBlockBytes)));
+  }
+  ~AlignedBuffer() { std::free(data); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+Status WriteFully(int fd, const void* data, size_t n, uint64_t offset, const std::string& file) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t k = pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return Status::IOError("writing " + file + ": " + ErrnoText(errno));
+    }
+    done += static_cast<size_t>(k);
+  }
+  return Status::OK();
+}
+
+Status ReadExactly(int fd, void* data, size_t n, uint64_t offset, const std::string& file) {
+  auto* p = static_cast<uint8_t*>(data);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t k = pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return Status::IOError("reading " + file + ": " + ErrnoText(errno));
+    }
+    if (k == 0) {
+      return Status::Corruption(file + " is truncated: expected " + std::to_string(offset + n) + " bytes, found " +
+                                std::to_string(offset + done));
+    }
+    done += static_cast<size_t>(k);
+  }
+  return Status::OK();
+}
+
+Status SyncDirectory(const std::string& dir) {
+  int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Status::IOError("opening directory " + dir + ": " + ErrnoText(errno));
+  int rc = fsync(fd);
+  int err = errno;
+  close(fd);
+  if (rc != 0) return Status::IOError("syncing directory " + dir + ": " + ErrnoText(err));
+  return Status::OK();
+}
+
+bool FileExists(const std::string& p) {
+  struct stat st;
+  return stat(p.c_str(), &st) == 0;
+}
+
+uint64_t FileSize(int fd) {
+  struct stat st;
+  return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+}
+
+Status MakeDirectories(const std::string& path) {
+  std::string partial;
+  size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    partial = path.substr(0, pos);
+    if (partial.empty()) continue;
+    if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      return Status::InvalidArgument("cannot create store directory " + path + ": " + ErrnoText(errno));
+    }
+  }
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return Status::InvalidArgument("path " + path + " exists and is not a directory");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+uint32_t ElementSize(ElementType t) {
+  switch (t) {
+    case ElementType::kFloat32: return 4;
+    case ElementType::kFloat16: return 2;
+    case ElementType::kBFloat16: return 2;
+  }
+  return 0;
+}
+
+struct KVStore::SegmentFile {
+  std::string path;
+  int fd = -1;
+  ~SegmentFile() {
+    if (fd >= 0) close(fd);
+  }
+};
+
+KVStore::KVStore(const std::string& path, const StoreOptions& options)
+    : path_(path), options_(options), index_(options.expected_keys) {}
+
+Status KVStore::Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out) {
+  if (path.empty()) return Status::InvalidArgument("path is empty");
+  if (options.dim == 0 || options.dim > (1u << 20)) {
+    return Status::InvalidArgument("dim must be in [1, 1048576], got " + std::to_string(options.dim));
+  }
+  if (ElementSize(options.element_type) == 0) return Status::InvalidArgument("unknown element type");
+  if (!(options.mutable_fraction > 0.0 && options.mutable_fraction < 1.0)) {
+    return Status::InvalidArgument("mutable_fraction must be in (0, 1)");
+  }
+  if (options.compaction_ratio != 0.0 && options.compaction_ratio < 1.2) {
+    return Status::InvalidArgument("compaction_ratio must be 0 (off) or at least 1.2, got " +
+                                   std::to_string(options.compaction_ratio));
+  }
+  std::unique_ptr<KVStore> store(new KVStore(path, options));
+  MLKV_RETURN_IF_ERROR(store->Init());
+  *out = std::move(store);
+  return Status::OK();
+}
+
+Status KVStore::Init() {
+  struct stat st;
+  if (stat(path_.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+    return Status::InvalidArgument("path " + path_ + " exists and is not a directory");
+  }
+  MLKV_RETURN_IF_ERROR(MakeDirectories(path_));
+  if (access(path_.c_str(), W_OK) != 0) return Status::InvalidArgument("store directory " + path_ + " is not writable");
+  const std::string lock_path = path_ + "/LOCK";
+  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) return Status::InvalidArgument("cannot create " + lock_path + ": " + ErrnoText(errno));
+  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    close(lock_fd_);
+    lock_fd_ = -1;
+    return Status::Busy("store at " + path_ + " is already open (in this or another process)");
+  }
+  // O_DIRECT works on most file systems but not on tmpfs; probe once.
+  direct_io_ = false;
+  if (options_.direct_io) {
+    const std::string probe = path_ + "/.direct_probe";
+    int fd = open(probe.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      direct_io_ = true;
+      close(fd);
+    }
+    unlink(probe.c_str());
+  }
+  MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads, &reader_));
+  MLKV_RETURN_IF_ERROR(FileExists(path_ + "/CHECKPOINT") ? Recover() : CreateFresh());
+  closed_ = false;
+  return Status::OK();
+}
+
+Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
+  value_bytes_ = options_.dim * ElementSize(options_.element_type);
+  record_bytes_ = static_cast<uint32_t>(RoundUp(sizeof(RecordHeader) + value_bytes_, 8));
+  unit_bytes_ = record_bytes_ <= kBlockBytes ? kBlockBytes : RoundUp(record_bytes_, kBlockBytes);
+  records_per_unit_ = unit_bytes_ / record_bytes_;
+  if (page_bytes == 0) {
+    page_bytes = std::min<uint64_t>(1ull << 20, options_.memory_budget_bytes / 16) / unit_bytes_ * unit_bytes_;
+    page_bytes = std::max(page_bytes, unit_bytes_);
+  }
+  if (page_bytes % unit_bytes_ != 0) {
+    return Status::InvalidArgument("page_bytes must be a multiple of " + std::to_string(unit_bytes_));
+  }
+  page_bytes_ = page_bytes;
+  records_per_page_ = page_bytes_ / unit_bytes_ * records_per_unit_;
+  num_frames_ = options_.memory_budget_bytes / page_bytes_;
+  if (num_frames_ < 4) {
+    return Status::InvalidArgument("memory_budget_bytes=" + std::to_string(options_.memory_budget_bytes) +
+                                   " holds fewer than 4 log pages of " + std::to_string(page_bytes_) +
+                                   " bytes; use at least " + std::to_string(4 * page_bytes_));
+  }
+  mutable_pages_ = static_cast<uint64_t>(static_cast<double>(num_frames_) * options_.mutable_fraction);
+  mutable_pages_ = std::min(std::max<uint64_t>(mutable_pages_, 1), num_frames_ - 1);
+  pages_per_segment_ = pages_per_segment ? pages_per_segment : std::max<uint64_t>(1, options_.segment_bytes / page_bytes_);
+  frames_ = static_cast<uint8_t*>(std::aligned_alloc(kBlockBytes, num_frames_ * page_bytes_));
+  if (!frames_) return Status::IOError("cannot allocate " + std::to_string(num_frames_ * page_bytes_) + " bytes of log pages");
+  std::memset(frames_, 0, num_frames_ * page_bytes_);
+  return Status::OK();
+}
+
+Status KVStore::CreateFresh() {
+  MLKV_RETURN_IF_ERROR(ComputeLayout(options_.page_bytes, 0));
+  // The first checkpoint fixes dim and dtype on disk, so a reopen can check them.
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  return CheckpointLocked();
+}
+
+std::string KVStore::SegmentPath(uint64_t segment) const {
+  char name[64];
+  std::snprintf(name, sizeof(name), "/segment-%010" PRIu64 ".log", segment);
+  return path_ + name;
+}
+
+std::string KVStore::SnapshotPath(uint64_t sequence) const {
+  char name[64];
+  std::snprintf(name, sizeof(name), "/snapshot-%010" PRIu64 ".dat", sequence);
+  return path_ + name;
+}
+
+uint64_t KVStore::OffsetInPage(uint64_t slot) const {
+  uint64_t i = slot % records_per_page_;
+  return (i / records_per_unit_) * unit_bytes_ + (i % records_per_unit_) * record_bytes_;
+}
+
+uint32_t KVStore::RecordChecksum(const uint8_t* rec) const {
+  uint32_t crc = Crc32c(0, rec, 8);                                   // key
+  crc = Crc32c(crc, rec + 12, 4);                                     // magic, flags
+  return Crc32c(crc, rec + sizeof(RecordHeader), value_bytes_);       // value
+}
+
+void KVStore::WriteRecord(uint8_t* rec, int64_t key, uint16_t flags, const uint8_t* value) const {
+  RecordHeader h{key, 0, kRecordMagic, flags};
+  std::memcpy(rec, &h, sizeof(h));
+  if (value == rec + sizeof(RecordHeader)) {
+    // the value stays where it is
+  } else if (value) {
+    std::memcpy(rec + sizeof(RecordHeader), value, value_bytes_);
+  } else {
+    std::memset(rec + sizeof(RecordHeader), 0, value_bytes_);
+  }
+  uint32_t crc = RecordChecksum(rec);
+  std::memcpy(rec + 8, &crc, 4);
+}
+
+Status KVStore::VerifyRecord(const uint8_t* rec, const std::string& file, uint64_t offset) const {
+  RecordHeader h;
+  std::memcpy(&h, rec, sizeof(h));
+  if (h.magic != kRecordMagic) {
+    return Status::Corruption(file + ": no record at byte offset " + std::to_string(offset) + " (bad magic)");
+  }
+  if (h.checksum != RecordChecksum(rec)) {
+    return Status::Corruption(file + ": record at byte offset " + std::to_string(offset) + " (key " +
+                              std::to_string(h.key) + ") fails its checksum");
+  }
+  if (h.key < 0) return Status::Corruption(file + ": record at byte offset " + std::to_string(offset) + " has a negative key");
+  return Status::OK();
+}
+
+Status KVStore::CheckKeys(const int64_t* keys, size_t n) const {
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] < 0) {
+      return Status::InvalidArgument("keys must be non-negative; keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]));
+    }
+  }
+  return Status::OK();
+}
+
+void KVStore::MoveLive(uint64_t old_slot, uint64_t new_slot) {
+  if (old_slot != kNone) --live_per_segment_[SegmentOfSlot(old_slot)];
+  if (new_slot != kNone) {
+    uint64_t s = SegmentOfSlot(new_slot);
+    if (s >= live_per_segment_.size()) live_per_segment_.resize(s + 1, 0);
+    ++live_per_segment_[s];
+  }
+}
+
+Status KVStore::SegmentFor(uint64_t segment, bool create, std::shared_ptr<SegmentFile>* out) {
+  auto it = segments_.find(segment);
+  if (it != segments_.end()) {
+    *out = it->second;
+    return Status::OK();
+  }
+  auto file = std::make_shared<SegmentFile>();
+  file->path = SegmentPath(segment);
+  int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0) | (direct_io_ ? O_DIRECT : 0);
+  file->fd = open(file->path.c_str(), flags, 0644);
+  if (file->fd < 0) {
+    if (!create && errno == ENOENT) return Status::Corruption("segment file " + file->path + " is missing");
+    return Status::IOError("opening " + file->path + ": " + ErrnoText(errno));
+  }
+  segments_[segment] = file;
+  *out = file;
+  return Status::OK();
+}
+
+Status KVStore::SegmentOf(uint64_t slot, std::shared_ptr<SegmentFile>* out) const {
+  auto it = segments_.find(SegmentOfSlot(slot));
+  if (it == segments_.end()) {
+    return Status::Corruption("the index of " + path_ + " points at slot " + std::to_string(slot) + " in a segment it has no file for");
+  }
+  *out = it->second;
+  return Status::OK();
+}
+
+Status KVStore::FlushPage(uint64_t page) {
+  std::shared_ptr<SegmentFile> file;
+  uint64_t segment = SegmentOfPage(page);
+  MLKV_RETURN_IF_ERROR(SegmentFor(segment, true, &file));
+  MLKV_RETURN_IF_ERROR(WriteFully(file->fd, FrameOf(page), page_bytes_, (page % pages_per_segment_) * page_bytes_, file->path));
+  if (dirty_segments_.empty() || dirty_segments_.back() != segment) dirty_segments_.push_back(segment);
+  return Status::OK();
+}
+
+// Makes room for `page` at the tail: pages that leave the mutable region are
+// written to their segment, and the oldest page leaves memory.
+Status KVStore::StartPage(uint64_t page) {
+  while (read_only_page_ + mutable_pages_ < page + 1) {
+    MLKV_RETURN_IF_ERROR(FlushPage(read_only_page_));
+    ++read_only_page_;
+  }
+  if (page >= num_frames_ && head_page_ < page - num_frames_ + 1) head_page_ = page - num_frames_ + 1;
+  return Status::OK();
+}
+
+Status KVStore::Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot) {
+  if (tail_ > HashIndex::kMaxAddress) return Status::IOError("log address space exhausted at " + path_);
+  if (tail_ % records_per_page_ == 0) MLKV_RETURN_IF_ERROR(StartPage(PageOf(tail_)));
+  *slot = tail_;
+  WriteRecord(RecordInMemory(tail_), key, flags, value);
+  ++tail_;
+  ++appends_;
+  return Status::OK();
+}
+
+Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
+  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  const auto* vals = static_cast<const uint8_t*>(values);
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t* value = vals + i * value_bytes_;
+    uint64_t slot = index_.Find(keys[i]);
+    if (slot != kNone && slot >= ReadOnlySlot()) {
+      WriteRecord(RecordInMemory(slot), keys[i], 0, value);
+      ++in_place_updates_;
+      continue;
+    }
+    uint64_t fresh;
+    MLKV_RETURN_IF_ERROR(Append(keys[i], 0, value, &fresh));
+    MoveLive(index_.Upsert(keys[i], fresh), fresh);
+  }
+  return MaybeAutoCompactLocked();
+}
+
+Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
+  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  *deleted = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t slot = index_.Find(keys[i]);
+    if (slot == kNone) continue;
+    if (slot >= ReadOnlySlot()) {
+      // The record is not on disk yet: turn it into a tombstone where it lies.
+      uint8_t* rec = RecordInMemory(slot);
+      WriteRecord(rec, keys[i], kFlagTombstone, rec + sizeof(RecordHeader));
+    } else {
+      uint64_t tomb;
+      MLKV_RETURN_IF_ERROR(Append(keys[i], kFlagTombstone, nullptr, &tomb));
+    }
+    MoveLive(index_.Erase(keys[i]), kNone);
+    ++*deleted;
+  }
+  return MaybeAutoCompactLocked();
+}
+
+Status KVStore::Contains(const int64_t* keys, size_t n, bool* found) {
+  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  for (size_t i = 0; i < n; ++i) found[i] = index_.Find(keys[i]) != kNone;
+  return Status::OK();
+}
+
+Status KVStore::Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing) {
+  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  auto* out = static_cast<uint8_t*>(values);
+  std::vector<DiskRecord> reads;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    const uint64_t head = HeadSlot();
+    uint64_t hits = 0;
+    constexpr size_t kPrefetchDistance = 8;
+    for (size_t i = 0; i < std::min(n, kPrefetchDistance); ++i) index_.Prefetch(keys[i]);
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kPrefetchDistance < n) index_.Prefetch(keys[i + kPrefetchDistance]);
+      uint64_t slot = index_.Find(keys[i]);
+      if (slot == kNone) {
+        missing->push_back(keys[i]);
+      } else if (slot >= head) {
+        std::memcpy(out + i * value_bytes_, RecordInMemory(slot) + sizeof(RecordHeader), value_bytes_);
+        ++hits;
+      } else {
+        reads.push_back(DiskRecord{i, slot, nullptr});
+      }
+    }
+    memory_hits_ += hits;
+    if (!missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
+    for (DiskRecord& r : reads) MLKV_RETURN_IF_ERROR(SegmentOf(r.slot, &r.file));
+  }
+  return ReadFromDisk(keys, reads, out, /*whole_records=*/false);
+}
+
+Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out, bool whole_records) {
+  if (reads.empty()) return Status::OK();
+  std::sort(reads.begin(), reads.end(), [](const DiskRecord& a, const DiskRecord& b) { return a.slot < b.slot; });
+  const uint64_t stride = whole_records ? record_bytes_ : value_bytes_;
+  const size_t max_units = std::min(reads.size(), kMaxUnitsPerRound);
+  AlignedBuffer buffer(max_units * unit_bytes_);
+  if (!buffer.data) return Status::IOError("cannot allocate a read buffer");
+  std::vector<ReadRequest> requests;
+  std::vector<size_t> request_of;  // per read in this round: its request
+  size_t pos = 0;
+  uint64_t units_read = 0;
+  while (pos < reads.size()) {
+    requests.clear();
+    request_of.clear();
+    size_t end = pos;
+    uint64_t last_unit = kNone;
+    while (end < reads.size()) {
+      uint64_t unit = reads[end].slot / records_per_unit_;
+      if (unit != last_unit) {
+        if (requests.size() == max_units) break;
+        ReadRequest req;
+        req.fd = reads[end].file->fd;
+        req.offset = (PageOf(reads[end].slot) % pages_per_segment_) * page_bytes_ +
+                     OffsetInPage(reads[end].slot) / unit_bytes_ * unit_bytes_;
+        req.length = static_cast<uint32_t>(unit_bytes_);
+        req.buffer = buffer.data + requests.size() * unit_bytes_;
+        requests.push_back(req);
+        last_unit = unit;
+      }
+      request_of.push_back(requests.size() - 1);
+      ++end;
+    }
+    MLKV_RETURN_IF_ERROR(reader_->ReadAll(requests.data(), requests.size()));
+    units_read += requests.size();
+    for (size_t k = pos; k < end; ++k) {
+      const DiskRecord& r = reads[k];
+      const ReadRequest& req = requests[request_of[k - pos]];
+      const std::string& file = r.file->path;
+      if (req.result < 0) return Status::IOError("reading " + file + ": " + ErrnoText(static_cast<int>(-req.result)));
+      if (static_cast<uint64_t>(req.result) < req.length) {
+        return Status::Corruption(file + " is truncated: a read at byte offset " + std::to_string(req.offset) +
+                                  " returned " + std::to_string(req.result) + " of " + std::to_string(req.length) + " bytes");
+      }
+      const uint64_t in_unit = (r.slot % records_per_unit_) * record_bytes_;
+      const uint8_t* rec = req.buffer + in_unit;
+      MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file, req.offset + in_unit));
+      RecordHeader h;
+      std::memcpy(&h, rec, sizeof(h));
+      if (h.key != keys[r.index] || (h.flags & kFlagTombstone)) {
+        return Status::Corruption(file + ": record at byte offset " + std::to_string(req.offset + in_unit) +
+                                  " holds key " + std::to_string(h.key) + ", the index expected live key " +
+                                  std::to_string(keys[r.index]));
+      }
+      std::memcpy(out + r.index * stride, whole_records ? rec : rec + sizeof(RecordHeader), stride);
+    }
+    pos = end;
+  }
+  disk_reads_ += units_read;
+  disk_rows_ += reads.size();
+  return Status::OK();
+}
+
+Status KVStore::Lookahead(const int64_t* keys, size_t n) {
+  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  }
+  if (n == 0) return Status::OK();
+  std::lock_guard<std::mutex> lock(lookahead_mu_);
+  if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { LookaheadWorker(); });
+  lookahead_queue_.emplace_back(keys, keys + n);
+  lookahead_cv_.notify_one();
+  return Status::OK();
+}
+
+void KVStore::LookaheadWorker() {
+  std::unique_lock<std::mutex> lock(lookahead_mu_);
+  while (true) {
+    lookahead_cv_.wait(lock, [&] { return lookahead_stop_ || !lookahead_queue_.empty(); });
+    if (lookahead_queue_.empty() && lookahead_stop_) return;
+    std::vector<int64_t> keys = std::move(lookahead_queue_.front());
+    lookahead_queue_.pop_front();
+    lookahead_busy_ = true;
+    lock.unlock();
+    Status st = LookaheadBatch(keys);
+    lock.lock();
+    lookahead_busy_ = false;
+    if (!st.ok() && lookahead_error_.ok()) lookahead_error_ = st;
+    lookahead_idle_.notify_all();
+  }
+}
+
+// Reads the on-disk rows among `keys` and appends them at the tail, unless a
+// newer version was written while the read was in flight.
+Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
+  std::vector<DiskRecord> reads;
+  std::vector<int64_t> read_keys;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::OK();
+    const uint64_t head = HeadSlot();
+    for (int64_t key : keys) {
+      uint64_t slot = index_.Find(key);
+      if (slot == kNone || slot >= head) continue;
+      reads.push_back(DiskRecord{read_keys.size(), slot, nullptr});
+      MLKV_RETURN_IF_ERROR(SegmentOf(slot, &reads.back().file));
+      read_keys.push_back(key);
+    }
+  }
+  if (reads.empty()) return Status::OK();
+  std::vector<uint8_t> records(reads.size() * record_bytes_);
+  MLKV_RETURN_IF_ERROR(ReadFromDisk(read_keys.data(), reads, records.data(), /*whole_records=*/true));
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::OK();
+  uint64_t brought = 0;
+  for (const DiskRecord& r : reads) {
+    int64_t key = read_keys[r.index];
+    if (index_.Find(key) != r.slot) continue;  // superseded meanwhile
+    uint64_t fresh;
+    MLKV_RETURN_IF_ERROR(Append(key, 0, records.data() + r.index * record_bytes_ + sizeof(RecordHeader), &fresh));
+    MoveLive(index_.Upsert(key, fresh), fresh);
+    ++brought;
+  }
+  lookahead_rows_ += brought;
+  return MaybeAutoCompactLocked();
+}
+
+Status KVStore::Flush() {
+  std::unique_lock<std::mutex> lock(lookahead_mu_);
+  lookahead_idle_.wait(lock, [&] { return lookahead_queue_.empty() && !lookahead_busy_; });
+  Status st = lookahead_error_;
+  lookahead_error_ = Status::OK();
+  return st;
+}
+
+Status KVStore::Checkpoint() {
+  MLKV_RETURN_IF_ERROR(Flush());
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  return CheckpointLocked();
+}
+
+// A checkpoint = segment files synced + the mutable pages copied to a snapshot
+// file + a new CHECKPOINT file renamed into place. Nothing becomes read-only,
+// so in-place updates go on after it.
+Status KVStore::CheckpointLocked() {
+  for (uint64_t s : dirty_segments_) {
+    auto it = segments_.find(s);
+    if (it != segments_.end() && fdatasync(it->second->fd) != 0) {
+      return Status::IOError("syncing " + it->second->path + ": " + ErrnoText(errno));
+    }
+  }
+  dirty_segments_.clear();
+  const uint64_t sequence = checkpoint_sequence_ + 1;
+  const std::string snapshot = SnapshotPath(sequence);
+  const uint64_t first_page = read_only_page_;
+  const uint64_t end_page = (tail_ + records_per_page_ - 1) / records_per_page_;
+  {
+    int fd = open(snapshot.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return Status::IOError("creating " + snapshot + ": " + ErrnoText(errno));
+    Status st;
+    for (uint64_t p = first_page; p < end_page && st.ok(); ++p) {
+      st = WriteFully(fd, FrameOf(p), page_bytes_, (p - first_page) * page_bytes_, snapshot);
+    }
+    if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + snapshot + ": " + ErrnoText(errno));
+    close(fd);
+    if (!st.ok()) {
+      unlink(snapshot.c_str());
+      return st;
+    }
+  }
+  CheckpointMeta meta;
+  std::memset(&meta, 0, sizeof(meta));
+  std::memcpy(meta.magic, kCheckpointMagic, 8);
+  meta.format_version = kFormatVersion;
+  meta.dim = options_.dim;
+  meta.element_type = static_cast<uint32_t>(options_.element_type);
+  meta.record_bytes = record_bytes_;
+  meta.page_bytes = page_bytes_;
+  meta.pages_per_segment = pages_per_segment_;
+  meta.sequence = sequence;
+  meta.begin = begin_;
+  meta.flushed = ReadOnlySlot();
+  meta.tail = tail_;
+  meta.rows = index_.size();
+  meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
+  const std::string tmp = path_ + "/CHECKPOINT.tmp";
+  const std::string final_path = path_ + "/CHECKPOINT";
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    unlink(snapshot.c_str());
+    return Status::IOError("creating " + tmp + ": " + ErrnoText(errno));
+  }
+  Status st = WriteFully(fd, &meta, sizeof(meta), 0, tmp);
+  if (st.ok() && fsync(fd) != 0) st = Status::IOError("syncing " + tmp + ": " + ErrnoText(errno));
+  close(fd);
+  if (st.ok() && rename(tmp.c_str(), final_path.c_str()) != 0) {
+    st = Status::IOError("renaming " + tmp + ": " + ErrnoText(errno));
+  }
+  if (!st.ok()) {
+    unlink(tmp.c_str());
+    unlink(snapshot.c_str());
+    return st;
+  }
+  MLKV_RETURN_IF_ERROR(SyncDirectory(path_));
+  // The new checkpoint is durable: what only the old one needed can go.
+  if (checkpoint_sequence_ > 0) unlink(SnapshotPath(checkpoint_sequence_).c_str());
+  for (uint64_t s : compacted_segments_) unlink(SegmentPath(s).c_str());
+  compacted_segments_.clear();
+  checkpoint_sequence_ = sequence;
+  ++checkpoints_;
+  return Status::OK();
+}
+
+Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
+                          uint64_t file_base_offset) {
+  for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
+    const uint8_t* rec = page + OffsetInPage(slot);
+    MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file_name, file_base_offset + OffsetInPage(slot)));
+    RecordHeader h;
+    std::memcpy(&h, rec, sizeof(h));
+    if (h.flags & kFlagTombstone) {
+      MoveLive(index_.Erase(h.key), kNone);
+    } else {
+      MoveLive(index_.Upsert(h.key, slot), slot);
+    }
+  }
+  return Status::OK();
+}
+
+Status KVStore::Recover() {
+  const std::string meta_path = path_ + "/CHECKPOINT";
+  CheckpointMeta meta;
+  {
+    int fd = open(meta_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Status::IOError("opening " + meta_path + ": " + ErrnoText(errno));
+    uint64_t size = FileSize(fd);
+    Status st = size == sizeof(meta) ? ReadExactly(fd, &meta, sizeof(meta), 0, meta_path)
+                                     : Status::Corruption(meta_path + " has " + std::to_string(size) + " bytes, expected " +
+                                                          std::to_string(sizeof(meta)));
+    close(fd);
+    MLKV_RETURN_IF_ERROR(st);
+  }
+  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
+    return Status::Corruption(meta_path + " fails its checksum");
+  }
+  if (meta.format_version != kFormatVersion) {
+    return Status::Corruption(meta_path + " has format version " + std::to_string(meta.format_version) +
+                              ", this build reads version " + std::to_string(kFormatVersion));
+  }
+  if (meta.dim != options_.dim) {
+    return Status::InvalidArgument("store at " + path_ + " holds rows of dim " + std::to_string(meta.dim) +
+                                   ", opened with dim " + std::to_string(options_.dim));
+  }
+  if (meta.element_type != static_cast<uint32_t>(options_.element_type)) {
+    static const char* names[] = {"?", "float32", "float16", "bfloat16"};
+    return Status::InvalidArgument("store at " + path_ + " holds " + names[meta.element_type & 3] + " rows, opened with " +
+                                   names[static_cast<uint32_t>(options_.element_type) & 3]);
+  }
+  MLKV_RETURN_IF_ERROR(ComputeLayout(meta.page_bytes, meta.pages_per_segment));
+  if (meta.record_bytes != record_bytes_) return Status::Corruption(meta_path + " has an inconsistent record size");
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  begin_ = meta.begin;
+  checkpoint_sequence_ = meta.sequence;
+  const uint64_t flushed_page = meta.flushed / records_per_page_;
+  const uint64_t begin_page = begin_ / records_per_page_;
+  const uint64_t end_page = (meta.tail + records_per_page_ - 1) / records_per_page_;
+
+  // Files no checkpoint refers to: left by a crash between a write and the next checkpoint.
+  const uint64_t first_segment = SegmentOfPage(begin_page);
+  const uint64_t last_segment = flushed_page == 0 ? 0 : SegmentOfPage(flushed_page - 1);
+  for (uint64_t s = 0; s < first_segment; ++s) unlink(SegmentPath(s).c_str());
+  for (uint64_t s = flushed_page == 0 ? 0 : last_segment + 1; FileExists(SegmentPath(s)); ++s) unlink(SegmentPath(s).c_str());
+  unlink((path_ + "/CHECKPOINT.tmp").c_str());
+
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t page = begin_page; page < flushed_page; ++page) {
+    std::shared_ptr<SegmentFile> file;
+    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), false, &file));
+    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, page * records_per_page_, (page + 1) * records_per_page_, file->path, offset));
+  }
+  head_page_ = read_only_page_ = flushed_page;
+  tail_ = flushed_page * records_per_page_;
+  if (end_page > flushed_page) {
+    const std::string snapshot = SnapshotPath(meta.sequence);
+    int fd = open(snapshot.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Status::Corruption("snapshot file " + snapshot + " is missing: " + ErrnoText(errno));
+    Status st;
+    // Replays the pages as if appended, so a smaller budget spills the oldest to disk.
+    for (uint64_t page = flushed_page; page < end_page && st.ok(); ++page) {
+      st = StartPage(page);
+      const uint64_t offset = (page - flushed_page) * page_bytes_;
+      if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
+      if (st.ok()) {
+        st = ScanSlots(FrameOf(page), page * records_per_page_, std::min(meta.tail, (page + 1) * records_per_page_), snapshot, offset);
+      }
+    }
+    close(fd);
+    MLKV_RETURN_IF_ERROR(st);
+  }
+  tail_ = meta.tail;
+  if (index_.size() != meta.rows) {
+    return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ + ", its CHECKPOINT says " +
+                              std::to_string(meta.rows));
+  }
+  // Snapshots of other checkpoints are leftovers.
+  for (uint64_t s = meta.sequence + 1; FileExists(SnapshotPath(s)); ++s) unlink(SnapshotPath(s).c_str());
+  if (meta.sequence > 0) unlink(SnapshotPath(meta.sequence - 1).c_str());
+  return Status::OK();
+}
+
+Status KVStore::Compact() {
+  MLKV_RETURN_IF_ERROR(Flush());
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  return CompactLocked(/*all=*/true);
+}
+
+Status KVStore::MaybeAutoCompactLocked() {
+  if (options_.compaction_ratio == 0.0) return Status::OK();
+  const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
+  if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return Status::OK();
+  if (static_cast<double>(on_disk_slots) <= options_.compaction_ratio * static_cast<double>(index_.size())) return Status::OK();
+  return CompactLocked(/*all=*/false);
+}
+
+// Copies the live records of the oldest segments to the tail, checkpoints, and
+// deletes those segments. `all`: every segment below the mutable region;
+// otherwise the oldest ones that hold half of the garbage on disk.
+Status KVStore::CompactLocked(bool all) {
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  const uint64_t first = begin_ / slots_per_segment;
+  const uint64_t full_end = read_only_page_ / pages_per_segment_;
+  if (full_end <= first) return Status::OK();
+  auto live = [&](uint64_t s) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
+  uint64_t end = full_end;
+  if (!all) {
+    int64_t garbage = 0;
+    for (uint64_t s = first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
+    int64_t reclaimed = 0;
+    end = first;
+    while (end < full_end && 2 * reclaimed < garbage) reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
+  }
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t s = first; s < end; ++s) {
+    if (live(s) == 0) continue;
+    std::shared_ptr<SegmentFile> file;
+    MLKV_RETURN_IF_ERROR(SegmentFor(s, false, &file));
+    for (uint64_t page = s * pages_per_segment_; page < (s + 1) * pages_per_segment_; ++page) {
+      const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+      MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+      for (uint64_t slot = page * records_per_page_; slot < (page + 1) * records_per_page_; ++slot) {
+        const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
+        RecordHeader h;
+        std::memcpy(&h, rec, sizeof(h));
+        if (h.magic != kRecordMagic || h.key < 0 || index_.Find(h.key) != slot) continue;  // not live
+        MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file->path, offset + OffsetInPage(slot)));
+        uint64_t fresh;
+        MLKV_RETURN_IF_ERROR(Append(h.key, 0, rec + sizeof(RecordHeader), &fresh));
+        MoveLive(index_.Upsert(h.key, fresh), fresh);
+        ++compacted_rows_;
+      }
+    }
+  }
+  begin_ = end * slots_per_segment;
+  for (uint64_t s = first; s < end; ++s) {
+    segments_.erase(s);  // readers holding the file keep its descriptor
+    compacted_segments_.push_back(s);
+  }
+  ++compactions_;
+  return CheckpointLocked();  // on failure the segments go at the next successful checkpoint
+  return Status::OK();
+}
+
+Status KVStore::Close() {
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::OK();
+  }
+  Status flushed = Flush();
+  {
+    std::lock_guard<std::mutex> lock(lookahead_mu_);
+    lookahead_stop_ = true;
+  }
+  lookahead_cv_.notify_all();
+  if (lookahead_thread_.joinable()) lookahead_thread_.join();
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::OK();
+  MLKV_RETURN_IF_ERROR(CheckpointLocked());
+  closed_ = true;
+  segments_.clear();
+  if (lock_fd_ >= 0) {
+    flock(lock_fd_, LOCK_UN);
+    close(lock_fd_);
+    lock_fd_ = -1;
+  }
+  return flushed;
+}
+
+KVStore::~KVStore() {
+  if (!closed_) {
+    Status st = Close();
+    if (!st.ok()) std::fprintf(stderr, "mlkv: closing %s: %s\n", path_.c_str(), st.ToString().c_str());
+  }
+  {
+    std::lock_guard<std::mutex> lock(lookahead_mu_);
+    lookahead_stop_ = true;
+  }
+  lookahead_cv_.notify_all();
+  if (lookahead_thread_.joinable()) lookahead_thread_.join();
+  if (lock_fd_ >= 0) close(lock_fd_);
+  std::free(frames_);
+}
+
+uint64_t KVStore::Size() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return index_.size();
+}
+
+StoreStats KVStore::Stats() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  StoreStats s;
+  s.rows = index_.size();
+  s.index_bytes = index_.MemoryBytes();
+  s.log_memory_bytes = num_frames_ * page_bytes_;
+  s.memory_bytes = s.index_bytes + s.log_memory_bytes;
+  for (const auto& kv : segments_) s.disk_bytes += FileSize(kv.second->fd);
+  struct stat st;
+  if (stat(SnapshotPath(checkpoint_sequence_).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
+  s.memory_hits = memory_hits_;
+  s.disk_reads = disk_reads_;
+  s.disk_rows = disk_rows_;
+  s.lookahead_rows = lookahead_rows_;
+  s.in_place_updates = in_place_updates_;
+  s.appends = appends_;
+  s.compactions = compactions_;
+  s.compacted_rows = compacted_rows_;
+  s.checkpoints = checkpoints_;
+  s.begin_address = begin_;
+  s.head_address = HeadSlot();
+  s.read_only_address = ReadOnlySlot();
+  s.tail_address = tail_;
+  s.page_bytes = page_bytes_;
+  s.record_bytes = record_bytes_;
+  s.direct_io = direct_io_;
+  s.io_engine = reader_ ? reader_->name() : "";
+  return s;
+}
+
+}  // namespace mlkv

@@ -1,0 +1,185 @@
+// KVStore: a larger-than-memory store of fixed-width rows keyed by
+// non-negative int64, on a hybrid log in the spirit of FASTER:
+//
+//   slots [begin, head)      on disk only, in append-only segment files
+//   slots [head, read_only)  in memory and on disk; updates copy to the tail
+//   slots [read_only, tail)  in memory, updated in place
+//
+// A HashIndex maps each key to the slot of its latest record. docs/format.md
+// gives the on-disk format byte by byte. Every public method is safe to call
+// from several threads at once: readers share a lock and do their disk reads
+// outside it; writers hold it exclusively.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hash_index.h"
+#include "io_reader.h"
+#include "status.h"
+
+namespace mlkv {
+
+enum class ElementType : uint32_t { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
+uint32_t ElementSize(ElementType t);
+
+struct StoreOptions {
+  uint32_t dim = 0;                              // elements per row (required, >= 1)
+  ElementType element_type = ElementType::kFloat32;
+  uint64_t memory_budget_bytes = 256ull << 20;   // bytes of log pages held in memory
+  uint64_t expected_keys = 1ull << 20;           // sizes the index; it grows past this
+  uint64_t segment_bytes = 64ull << 20;          // bytes per segment file (rounded to pages)
+  uint64_t page_bytes = 0;                       // log page size; 0 = budget / 16, at most 1 MiB
+  double mutable_fraction = 0.9;                 // share of memory pages updated in place
+  uint32_t io_depth = 64;                        // disk reads in flight per batch
+  IoEngine io_engine = IoEngine::kAuto;          // io_uring when the kernel allows it
+  uint32_t io_threads = 16;                      // pread workers, for IoEngine::kThreads
+  bool direct_io = true;                         // O_DIRECT on segment files where supported
+  double compaction_ratio = 2.0;                 // compact when on-disk log > ratio x live rows; 0 = never
+};
+
+struct StoreStats {
+  uint64_t rows = 0;
+  uint64_t memory_bytes = 0;     // log pages + index
+  uint64_t index_bytes = 0;
+  uint64_t log_memory_bytes = 0;
+  uint64_t disk_bytes = 0;       // segment files + snapshot
+  uint64_t memory_hits = 0;      // rows a get found in memory
+  uint64_t disk_reads = 0;       // blocks read from disk
+  uint64_t disk_rows = 0;        // rows a get read from disk
+  uint64_t lookahead_rows = 0;   // rows lookahead brought into memory
+  uint64_t in_place_updates = 0;
+  uint64_t appends = 0;
+  uint64_t compactions = 0;
+  uint64_t compacted_rows = 0;   // live rows copied by compaction
+  uint64_t checkpoints = 0;
+  uint64_t begin_address = 0, head_address = 0, read_only_address = 0, tail_address = 0;
+  uint64_t page_bytes = 0, record_bytes = 0;
+  bool direct_io = false;
+  std::string io_engine;
+};
+
+class KVStore {
+ public:
+  // Creates a store at `path` (a directory) or recovers the latest checkpoint there.
+  static Status Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out);
+  ~KVStore();
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+
+  // Values are row-major [n, dim] of the store's element type, as raw bytes.
+  Status Put(const int64_t* keys, size_t n, const void* values);
+  // Fills `values`; when keys are absent returns NotFound and lists them in `missing`.
+  Status Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing);
+  Status Contains(const int64_t* keys, size_t n, bool* found);
+  Status Delete(const int64_t* keys, size_t n, uint64_t* deleted);
+  // Queues the rows for a background copy from disk to memory; returns at once.
+  Status Lookahead(const int64_t* keys, size_t n);
+  // Waits for queued lookaheads; reports an error one of them met.
+  Status Flush();
+  Status Checkpoint();
+  Status Compact();
+  Status Close();
+  StoreStats Stats() const;
+  uint64_t Size() const;
+  uint32_t value_bytes() const { return value_bytes_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  struct SegmentFile;
+  struct DiskRecord {  // a record to read from disk
+    size_t index;      // position in the caller's batch
+    uint64_t slot;
+    std::shared_ptr<SegmentFile> file;
+  };
+
+  KVStore(const std::string& path, const StoreOptions& options);
+  Status Init();
+  Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
+  Status CreateFresh();
+  Status Recover();
+  Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
+                   uint64_t file_base_offset);
+  Status CheckKeys(const int64_t* keys, size_t n) const;
+
+  // Log geometry.
+  uint64_t PageOf(uint64_t slot) const { return slot / records_per_page_; }
+  uint64_t SegmentOfPage(uint64_t page) const { return page / pages_per_segment_; }
+  uint64_t SegmentOfSlot(uint64_t slot) const { return SegmentOfPage(PageOf(slot)); }
+  uint64_t OffsetInPage(uint64_t slot) const;
+  uint8_t* FrameOf(uint64_t page) const { return frames_ + (page % num_frames_) * page_bytes_; }
+  uint8_t* RecordInMemory(uint64_t slot) const { return FrameOf(PageOf(slot)) + OffsetInPage(slot); }
+  uint64_t HeadSlot() const { return head_page_ * records_per_page_; }
+  uint64_t ReadOnlySlot() const { return read_only_page_ * records_per_page_; }
+
+  // Record encoding.
+  void WriteRecord(uint8_t* rec, int64_t key, uint16_t flags, const uint8_t* value) const;
+  uint32_t RecordChecksum(const uint8_t* rec) const;
+  Status VerifyRecord(const uint8_t* rec, const std::string& file, uint64_t offset) const;
+
+  // Log mutation; callers hold mu_ exclusively.
+  Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
+  Status StartPage(uint64_t page);
+  Status FlushPage(uint64_t page);
+  Status SegmentFor(uint64_t segment, bool create, std::shared_ptr<SegmentFile>* out);
+  Status SegmentOf(uint64_t slot, std::shared_ptr<SegmentFile>* out) const;  // for a slot below head
+  void MoveLive(uint64_t old_slot, uint64_t new_slot);
+  Status CheckpointLocked();
+  Status CompactLocked(bool all);
+  Status MaybeAutoCompactLocked();
+
+  // Disk reads outside the lock: fills `values` (value bytes per row, or whole
+  // records when `whole_records`) for each DiskRecord, verifying keys and checksums.
+  Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out, bool whole_records);
+
+  void LookaheadWorker();
+  Status LookaheadBatch(const std::vector<int64_t>& keys);
+
+  std::string SegmentPath(uint64_t segment) const;
+  std::string SnapshotPath(uint64_t sequence) const;
+
+  const std::string path_;
+  StoreOptions options_;
+  uint32_t value_bytes_ = 0, record_bytes_ = 0;
+  uint64_t unit_bytes_ = 0, records_per_unit_ = 0, records_per_page_ = 0, page_bytes_ = 0;
+  uint64_t pages_per_segment_ = 0, num_frames_ = 0, mutable_pages_ = 0;
+  bool direct_io_ = false;
+
+  mutable std::shared_mutex mu_;
+  uint8_t* frames_ = nullptr;
+  HashIndex index_;
+  std::unique_ptr<BlockReader> reader_;
+  uint64_t begin_ = 0;           // first slot still in the log
+  uint64_t head_page_ = 0;       // first page in memory
+  uint64_t read_only_page_ = 0;  // first mutable page; pages below it are in segment files
+  uint64_t tail_ = 0;            // next slot to append
+  uint64_t checkpoint_sequence_ = 0;
+  std::map<uint64_t, std::shared_ptr<SegmentFile>> segments_;
+  std::vector<uint64_t> dirty_segments_;   // written since the last checkpoint
+  std::vector<uint64_t> compacted_segments_;  // deleted once a checkpoint no longer needs them
+  std::vector<int64_t> live_per_segment_;  // records the index points at, per segment
+  int lock_fd_ = -1;
+  bool closed_ = true;  // until Open succeeds
+
+  mutable std::atomic<uint64_t> memory_hits_{0}, disk_reads_{0}, disk_rows_{0};
+  std::atomic<uint64_t> lookahead_rows_{0};
+  uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
+
+  std::mutex lookahead_mu_;
+  std::condition_variable lookahead_cv_, lookahead_idle_;
+  std::deque<std::vector<int64_t>> lookahead_queue_;
+  bool lookahead_busy_ = false, lookahead_stop_ = false;
+  Status lookahead_error_;
+  std::thread lookahead_thread_;
+};
+
+}  // namespace mlkv

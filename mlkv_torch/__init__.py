@@ -1,0 +1,9 @@
+"""mlkv-torch: embedding tables larger than memory, on a log-structured disk store.
+
+The core (KVStore) needs only torch; TorchRec integration lives in
+``mlkv_torch.torchrec``.
+"""
+from .store import CorruptionError, KVStore
+
+__all__ = ["KVStore", "CorruptionError"]
+__version__ = "0.1.0"

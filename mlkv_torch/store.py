@@ -1,0 +1,179 @@
+"""KVStore: the Python face of the log-structured storage engine."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Sequence, Union
+
+import torch
+
+from . import _C
+
+CorruptionError = _C.CorruptionError
+"""A record or file on disk fails its checksum or is truncated; the message names the file."""
+
+_ELEMENT_TYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_IO_ENGINES = ("auto", "uring", "threads")
+
+KeysLike = Union[torch.Tensor, Sequence[int]]
+
+
+class KVStore:
+    """A larger-than-memory key-value store of fixed-width rows.
+
+    Keys are non-negative int64; each value is a row of ``dim`` elements of
+    ``dtype``. Rows live in a hybrid log: the newest ``memory_budget_bytes`` in
+    memory (updated in place), older ones in append-only segment files under
+    ``path``. Opening an existing ``path`` recovers its latest checkpoint.
+
+    Args:
+        path: directory of the store; created when missing.
+        dim: elements per row.
+        dtype: torch.float32, torch.float16 or torch.bfloat16.
+        memory_budget_bytes: bytes of log pages held in memory (the index is extra).
+        expected_rows: sizes the hash index (it grows beyond).
+        segment_bytes: size of one segment file on disk.
+        page_bytes: log page size; 0 picks budget/16, at most 1 MiB.
+        mutable_fraction: share of the memory pages updated in place.
+        io_depth: disk reads in flight per batch.
+        io_engine: "uring", "threads" (a pool of pread workers) or "auto".
+        io_threads: workers of the "threads" engine.
+        direct_io: bypass the page cache (O_DIRECT) where the file system allows.
+        compaction_ratio: compact automatically once the on-disk log exceeds
+            this multiple of the live rows; 0 turns automatic compaction off.
+            A compaction ends with a checkpoint.
+
+    Example::
+
+        with KVStore("/tmp/table", dim=16, memory_budget_bytes=64 << 20) as store:
+            store.put(torch.arange(4), torch.randn(4, 16))
+            rows = store.get(torch.tensor([0, 3]))
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        dim: int,
+        dtype: torch.dtype = torch.float32,
+        memory_budget_bytes: int = 256 << 20,
+        *,
+        expected_rows: int = 1 << 20,
+        segment_bytes: int = 64 << 20,
+        page_bytes: int = 0,
+        mutable_fraction: float = 0.9,
+        io_depth: int = 64,
+        io_engine: str = "auto",
+        io_threads: int = 16,
+        direct_io: bool = True,
+        compaction_ratio: float = 2.0,
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        for name, value in (("dim", dim), ("memory_budget_bytes", memory_budget_bytes), ("expected_rows", expected_rows),
+                            ("segment_bytes", segment_bytes), ("page_bytes", page_bytes), ("io_depth", io_depth),
+                            ("io_threads", io_threads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
+        if dtype not in _ELEMENT_TYPES:
+            raise TypeError(f"dtype must be one of {list(_ELEMENT_TYPES)}, got {dtype}")
+        if io_engine not in _IO_ENGINES:
+            raise ValueError(f"io_engine must be one of {_IO_ENGINES}, got {io_engine!r}")
+        self._path = os.fspath(path)
+        self._dim = dim
+        self._dtype = dtype
+        self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
+                               segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
+                               bool(direct_io), float(compaction_ratio))
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def _keys(self, keys: KeysLike) -> torch.Tensor:
+        if not isinstance(keys, torch.Tensor):
+            keys = torch.as_tensor(keys, dtype=None)
+            if keys.numel() == 0:
+                keys = keys.to(torch.int64)
+        if keys.dtype != torch.int64:
+            raise TypeError(f"keys must be int64, got {keys.dtype}")
+        if keys.dim() != 1:
+            raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+        return keys.detach().to("cpu").contiguous()
+
+    def put(self, keys: KeysLike, values: torch.Tensor) -> None:
+        """Inserts or overwrites rows; with duplicate keys the last one wins."""
+        keys = self._keys(keys)
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype != self._dtype:
+            raise TypeError(f"values must be {self._dtype} (the store's dtype), got {values.dtype}")
+        if tuple(values.shape) != (keys.numel(), self._dim):
+            raise ValueError(f"values must have shape [{keys.numel()}, {self._dim}] (keys x dim), "
+                             f"got {list(values.shape)}")
+        self._store.put(keys, values.detach().to("cpu").contiguous())
+
+    def get(self, keys: KeysLike) -> torch.Tensor:
+        """Returns rows [N, dim] on the keys' device; KeyError names keys not in the store."""
+        device = keys.device if isinstance(keys, torch.Tensor) else torch.device("cpu")
+        keys = self._keys(keys)
+        out = torch.empty(keys.numel(), self._dim, dtype=self._dtype)
+        self._store.get(keys, out)
+        return out.to(device)
+
+    def contains(self, keys: KeysLike) -> torch.Tensor:
+        """Returns a bool tensor [N]: whether each key holds a row."""
+        return self._store.contains(self._keys(keys))
+
+    def delete(self, keys: KeysLike) -> int:
+        """Removes rows (absent keys are ignored); returns how many were removed."""
+        return self._store.delete(self._keys(keys))
+
+    def lookahead(self, keys: KeysLike) -> None:
+        """Starts bringing these rows from disk into memory and returns at once."""
+        self._store.lookahead(self._keys(keys))
+
+    def flush(self) -> None:
+        """Waits until queued lookaheads are applied; raises an error one of them met."""
+        self._store.flush()
+
+    def checkpoint(self) -> None:
+        """Makes the current contents durable; reopening the path recovers them."""
+        self._store.checkpoint()
+
+    def compact(self) -> None:
+        """Copies live rows out of the on-disk log, checkpoints, and deletes the old segments."""
+        self._store.compact()
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: rows, memory and disk bytes, memory hits, disk reads, lookahead rows, ..."""
+        return self._store.stats()
+
+    def close(self) -> None:
+        """Checkpoints and releases the path. Idempotent."""
+        self._store.close()
+
+    def __len__(self) -> int:
+        return self._store.size()
+
+    def __contains__(self, key: int) -> bool:
+        return bool(self.contains([key])[0])
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVStore(path={self._path!r}, dim={self._dim}, dtype={self._dtype}, rows={len(self)})"

@@ -1,0 +1,46 @@
+"""Builds mlkv_torch._C: a CppExtension, or a CUDAExtension (adding cuda/*.cu)
+when torch has CUDA and nvcc is present. MLKV_FORCE_CPU=1 forces the CPU build.
+
+Build with `pip install --no-build-isolation .`: an isolated build would fetch
+the newest torch (with CUDA) instead of using the one installed.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def extension():
+    sources = sorted(glob.glob("csrc/engine/*.cc") + glob.glob("csrc/*.cpp"))
+    cuda_sources = sorted(glob.glob("cuda/*.cu"))
+    force_cpu = os.environ.get("MLKV_FORCE_CPU", "0") == "1"
+    with_cuda = bool(cuda_sources) and not force_cpu and torch.version.cuda is not None and CUDA_HOME is not None
+    cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if with_cuda:
+        return CUDAExtension(
+            "mlkv_torch._C",
+            sources + cuda_sources,
+            include_dirs=include_dirs,
+            define_macros=[("MLKV_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+        )
+    return CppExtension("mlkv_torch._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+
+
+setup(
+    name="mlkv-torch",
+    version="0.1.0",
+    description="Larger-than-memory embedding tables for PyTorch and TorchRec, on a log-structured disk store",
+    packages=find_packages(include=["mlkv_torch", "mlkv_torch.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    # torch is deliberately not listed: an unpinned torch requirement would pull the newest CUDA build.
+    install_requires=[],
+    zip_safe=False,
+)
