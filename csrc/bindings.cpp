@@ -54,7 +54,7 @@ class Store {
  public:
   Store(const std::string& path, int64_t dim, int64_t element_type, int64_t memory_budget_bytes, int64_t expected_keys,
         int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth, const std::string& io_engine,
-        int64_t io_threads, bool direct_io, double compaction_ratio) {
+        int64_t io_threads, bool direct_io, double compaction_ratio, bool promote_hot_reads) {
     TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 && page_bytes >= 0 &&
                           io_depth > 0 && io_threads > 0,
                       "store sizes must be positive");
@@ -79,6 +79,7 @@ class Store {
     o.io_threads = static_cast<uint32_t>(io_threads);
     o.direct_io = direct_io;
     o.compaction_ratio = compaction_ratio;
+    o.promote_hot_reads = promote_hot_reads;
     Status st;
     {
       py::gil_scoped_release release;
@@ -176,6 +177,7 @@ class Store {
     d["disk_reads"] = s.disk_reads;
     d["disk_rows"] = s.disk_rows;
     d["lookahead_rows"] = s.lookahead_rows;
+    d["promoted_rows"] = s.promoted_rows;
     d["in_place_updates"] = s.in_place_updates;
     d["appends"] = s.appends;
     d["compactions"] = s.compactions;
@@ -207,11 +209,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
   py::class_<Store>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                    const std::string&, int64_t, bool, double>(),
+                    const std::string&, int64_t, bool, double, bool>(),
            py::arg("path"), py::arg("dim"), py::arg("element_type"), py::arg("memory_budget_bytes"),
            py::arg("expected_keys"), py::arg("segment_bytes"), py::arg("page_bytes"), py::arg("mutable_fraction"),
            py::arg("io_depth"), py::arg("io_engine"), py::arg("io_threads"), py::arg("direct_io"),
-           py::arg("compaction_ratio"))
+           py::arg("compaction_ratio"), py::arg("promote_hot_reads"))
       .def("put", &Store::Put)
       .def("get", &Store::Get)
       .def("contains", &Store::Contains)

@@ -41,6 +41,9 @@ class KVStore:
         compaction_ratio: compact automatically once the on-disk log exceeds
             this multiple of the live rows; 0 turns automatic compaction off.
             A compaction ends with a checkpoint.
+        promote_hot_reads: copy a row that gets read from disk twice within a
+            short window into memory (in the background), so skewed reads
+            are served from memory; uniform scans are not promoted.
 
     Example::
 
@@ -65,6 +68,7 @@ class KVStore:
         io_threads: int = 16,
         direct_io: bool = True,
         compaction_ratio: float = 2.0,
+        promote_hot_reads: bool = True,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -86,7 +90,7 @@ class KVStore:
         self._dtype = dtype
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
-                               bool(direct_io), float(compaction_ratio))
+                               bool(direct_io), float(compaction_ratio), bool(promote_hot_reads))
 
     @property
     def path(self) -> str:

@@ -156,8 +156,44 @@ struct KVStore::SegmentFile {
   }
 };
 
+constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
+constexpr size_t kMaxQueuedPromotions = 8;    // beyond this, promotions are dropped rather than queued
+
 KVStore::KVStore(const std::string& path, const StoreOptions& options)
-    : path_(path), options_(options), index_(options.expected_keys) {}
+    : path_(path), options_(options), index_(options.expected_keys), doorkeeper_(kDoorkeeperWords) {}
+
+bool KVStore::SeenRecently(int64_t key) {
+  const uint64_t h = static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull;
+  const uint64_t bit = (h >> 40) % (kDoorkeeperWords * 64);
+  std::atomic<uint64_t>& word = doorkeeper_[bit / 64];
+  const uint64_t mask = uint64_t{1} << (bit % 64);
+  if (word.load(std::memory_order_relaxed) & mask) return true;
+  word.fetch_or(mask, std::memory_order_relaxed);
+  // Ages the filter: once a quarter of the bits were set, start afresh.
+  if (doorkeeper_marks_.fetch_add(1, std::memory_order_relaxed) + 1 >= kDoorkeeperWords * 16) {
+    doorkeeper_marks_ = 0;
+    for (auto& w : doorkeeper_) w.store(0, std::memory_order_relaxed);
+  }
+  return false;
+}
+
+void KVStore::QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values) {
+  CopyJob job;
+  for (const DiskRecord& r : reads) {
+    if (!SeenRecently(keys[r.index])) continue;
+    job.keys.push_back(keys[r.index]);
+    job.slots.push_back(r.slot);
+    job.values.insert(job.values.end(), values + r.index * value_bytes_, values + (r.index + 1) * value_bytes_);
+  }
+  if (job.keys.empty()) return;
+  std::lock_guard<std::mutex> lock(lookahead_mu_);
+  size_t queued_promotions = 0;
+  for (const CopyJob& j : lookahead_queue_) queued_promotions += !j.slots.empty();
+  if (queued_promotions >= kMaxQueuedPromotions || lookahead_stop_) return;
+  if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { BackgroundWorker(); });
+  lookahead_queue_.push_back(std::move(job));
+  lookahead_cv_.notify_one();
+}
 
 Status KVStore::Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out) {
   if (path.empty()) return Status::InvalidArgument("path is empty");
@@ -450,13 +486,14 @@ Status KVStore::Get(const int64_t* keys, size_t n, void* values, std::vector<int
     if (!missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
     for (DiskRecord& r : reads) MLKV_RETURN_IF_ERROR(SegmentOf(r.slot, &r.file));
   }
-  return ReadFromDisk(keys, reads, out, /*whole_records=*/false);
+  MLKV_RETURN_IF_ERROR(ReadFromDisk(keys, reads, out));
+  if (options_.promote_hot_reads) QueuePromotions(keys, reads, out);
+  return Status::OK();
 }
 
-Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out, bool whole_records) {
+Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out) {
   if (reads.empty()) return Status::OK();
   std::sort(reads.begin(), reads.end(), [](const DiskRecord& a, const DiskRecord& b) { return a.slot < b.slot; });
-  const uint64_t stride = whole_records ? record_bytes_ : value_bytes_;
   const size_t max_units = std::min(reads.size(), kMaxUnitsPerRound);
   AlignedBuffer buffer(max_units * unit_bytes_);
   if (!buffer.data) return Status::IOError("cannot allocate a read buffer");
@@ -506,7 +543,7 @@ Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads
                                   " holds key " + std::to_string(h.key) + ", the index expected live key " +
                                   std::to_string(keys[r.index]));
       }
-      std::memcpy(out + r.index * stride, whole_records ? rec : rec + sizeof(RecordHeader), stride);
+      std::memcpy(out + r.index * value_bytes_, rec + sizeof(RecordHeader), value_bytes_);
     }
     pos = end;
   }
@@ -523,22 +560,32 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
   }
   if (n == 0) return Status::OK();
   std::lock_guard<std::mutex> lock(lookahead_mu_);
-  if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { LookaheadWorker(); });
-  lookahead_queue_.emplace_back(keys, keys + n);
+  if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { BackgroundWorker(); });
+  CopyJob job;
+  job.keys.assign(keys, keys + n);
+  lookahead_queue_.push_back(std::move(job));
   lookahead_cv_.notify_one();
   return Status::OK();
 }
 
-void KVStore::LookaheadWorker() {
+void KVStore::BackgroundWorker() {
   std::unique_lock<std::mutex> lock(lookahead_mu_);
   while (true) {
     lookahead_cv_.wait(lock, [&] { return lookahead_stop_ || !lookahead_queue_.empty(); });
     if (lookahead_queue_.empty() && lookahead_stop_) return;
-    std::vector<int64_t> keys = std::move(lookahead_queue_.front());
+    CopyJob job = std::move(lookahead_queue_.front());
     lookahead_queue_.pop_front();
     lookahead_busy_ = true;
     lock.unlock();
-    Status st = LookaheadBatch(keys);
+    Status st;
+    if (job.slots.empty()) {
+      st = LookaheadBatch(job.keys);
+    } else {
+      std::unique_lock<std::shared_mutex> store_lock(mu_);
+      if (!closed_) {
+        st = ApplyCopies(job.keys.data(), job.slots.data(), job.values.data(), job.keys.size(), true);
+      }
+    }
     lock.lock();
     lookahead_busy_ = false;
     if (!st.ok() && lookahead_error_.ok()) lookahead_error_ = st;
@@ -564,20 +611,27 @@ Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
     }
   }
   if (reads.empty()) return Status::OK();
-  std::vector<uint8_t> records(reads.size() * record_bytes_);
-  MLKV_RETURN_IF_ERROR(ReadFromDisk(read_keys.data(), reads, records.data(), /*whole_records=*/true));
+  std::vector<uint8_t> values(reads.size() * value_bytes_);
+  MLKV_RETURN_IF_ERROR(ReadFromDisk(read_keys.data(), reads, values.data()));
+  std::vector<uint64_t> slots(reads.size());
+  for (const DiskRecord& r : reads) slots[r.index] = r.slot;
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::OK();
-  uint64_t brought = 0;
-  for (const DiskRecord& r : reads) {
-    int64_t key = read_keys[r.index];
-    if (index_.Find(key) != r.slot) continue;  // superseded meanwhile
+  return ApplyCopies(read_keys.data(), slots.data(), values.data(), read_keys.size(), false);
+}
+
+Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, bool promotion) {
+  const uint64_t head = HeadSlot();
+  uint64_t copied = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t slot = index_.Find(keys[i]);
+    if (slot != slots[i] || slot >= head) continue;  // superseded, or already in memory
     uint64_t fresh;
-    MLKV_RETURN_IF_ERROR(Append(key, 0, records.data() + r.index * record_bytes_ + sizeof(RecordHeader), &fresh));
-    MoveLive(index_.Upsert(key, fresh), fresh);
-    ++brought;
+    MLKV_RETURN_IF_ERROR(Append(keys[i], 0, values + i * value_bytes_, &fresh));
+    MoveLive(index_.Upsert(keys[i], fresh), fresh);
+    ++copied;
   }
-  lookahead_rows_ += brought;
+  (promotion ? promoted_rows_ : lookahead_rows_) += copied;
   return MaybeAutoCompactLocked();
 }
 
@@ -889,6 +943,7 @@ StoreStats KVStore::Stats() const {
   s.disk_reads = disk_reads_;
   s.disk_rows = disk_rows_;
   s.lookahead_rows = lookahead_rows_;
+  s.promoted_rows = promoted_rows_;
   s.in_place_updates = in_place_updates_;
   s.appends = appends_;
   s.compactions = compactions_;

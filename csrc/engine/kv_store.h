@@ -45,6 +45,7 @@ struct StoreOptions {
   uint32_t io_threads = 16;                      // pread workers, for IoEngine::kThreads
   bool direct_io = true;                         // O_DIRECT on segment files where supported
   double compaction_ratio = 2.0;                 // compact when on-disk log > ratio x live rows; 0 = never
+  bool promote_hot_reads = true;                 // copy rows a get reads from disk twice within a window to memory
 };
 
 struct StoreStats {
@@ -57,6 +58,7 @@ struct StoreStats {
   uint64_t disk_reads = 0;       // blocks read from disk
   uint64_t disk_rows = 0;        // rows a get read from disk
   uint64_t lookahead_rows = 0;   // rows lookahead brought into memory
+  uint64_t promoted_rows = 0;    // hot rows a get read from disk and the store copied to memory
   uint64_t in_place_updates = 0;
   uint64_t appends = 0;
   uint64_t compactions = 0;
@@ -137,12 +139,24 @@ class KVStore {
   Status CompactLocked(bool all);
   Status MaybeAutoCompactLocked();
 
-  // Disk reads outside the lock: fills `values` (value bytes per row, or whole
-  // records when `whole_records`) for each DiskRecord, verifying keys and checksums.
-  Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out, bool whole_records);
+  // Disk reads outside the lock: fills the value bytes of each DiskRecord at
+  // out + index * value_bytes, verifying keys and checksums.
+  Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out);
 
-  void LookaheadWorker();
+  // Background work: a lookahead (keys to read) or a promotion (rows a get
+  // already read, with their slots). Both end in ApplyCopies.
+  struct CopyJob {
+    std::vector<int64_t> keys;
+    std::vector<uint64_t> slots;   // empty for a lookahead
+    std::vector<uint8_t> values;   // value bytes per key, for a promotion
+  };
+  void BackgroundWorker();
   Status LookaheadBatch(const std::vector<int64_t>& keys);
+  // Appends each row at the tail unless a newer version was written since it was read.
+  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, bool promotion);
+  // The doorkeeper: true when `key` was read from disk recently (then clears it), else marks it.
+  bool SeenRecently(int64_t key);
+  void QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values);
 
   std::string SegmentPath(uint64_t segment) const;
   std::string SnapshotPath(uint64_t sequence) const;
@@ -171,12 +185,14 @@ class KVStore {
   bool closed_ = true;  // until Open succeeds
 
   mutable std::atomic<uint64_t> memory_hits_{0}, disk_reads_{0}, disk_rows_{0};
-  std::atomic<uint64_t> lookahead_rows_{0};
+  std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0};
+  std::vector<std::atomic<uint64_t>> doorkeeper_;
+  std::atomic<uint64_t> doorkeeper_marks_{0};
   uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
 
   std::mutex lookahead_mu_;
   std::condition_variable lookahead_cv_, lookahead_idle_;
-  std::deque<std::vector<int64_t>> lookahead_queue_;
+  std::deque<CopyJob> lookahead_queue_;
   bool lookahead_busy_ = false, lookahead_stop_ = false;
   Status lookahead_error_;
   std::thread lookahead_thread_;

@@ -1,0 +1,87 @@
+"""Shared fixtures for the KVStore tests.
+
+The default options keep the memory budget far below the data (32 KiB of log
+pages: 8 pages of 4 KiB, about 680 rows of dim 8 float32), so a few thousand
+keys are enough to push most rows into segment files and run the disk path.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Dict, Iterable
+
+import pytest
+import torch
+
+from mlkv_torch import KVStore
+
+DIM = 8
+SMALL_OPTIONS = dict(memory_budget_bytes=32 << 10, expected_rows=1024, segment_bytes=16 << 10)
+
+# Builds with background promotion of hot disk reads: tests that count exact
+# memory hits and disk reads turn it off.
+HAS_PROMOTE = "promote_hot_reads" in inspect.signature(KVStore.__init__).parameters
+NO_PROMOTE = {"promote_hot_reads": False} if HAS_PROMOTE else {}
+
+
+def rows_for(keys: torch.Tensor, tag: int, dim: int = DIM, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Deterministic rows that encode (key, tag); identical bits in every process."""
+    keys = torch.as_tensor(keys, dtype=torch.int64)
+    base = keys.to(torch.float64).unsqueeze(1) * 64 + torch.arange(dim, dtype=torch.float64) + tag * 1e6
+    return base.to(dtype)
+
+
+def assert_store_equals(store: KVStore, model: Dict[int, torch.Tensor]) -> None:
+    """The store holds exactly the rows of `model` (key -> row tensor)."""
+    assert len(store) == len(model)
+    assert store.stats()["rows"] == len(model)
+    if not model:
+        return
+    keys = sorted(model)
+    key_tensor = torch.tensor(keys, dtype=torch.int64)
+    assert bool(store.contains(key_tensor).all())
+    got = store.get(key_tensor)
+    expected = torch.stack([model[k] for k in keys])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def directory_bytes(path: str) -> Dict[str, bytes]:
+    """Every file under a store directory (but the LOCK), name -> contents."""
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name == "LOCK":
+            continue
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    """Factory: open_store(path=None, dim=DIM, dtype=float32, **options).
+
+    Small budgets by default; every store it opens is closed at teardown.
+    """
+    opened = []
+
+    def factory(path=None, dim: int = DIM, dtype: torch.dtype = torch.float32, **options) -> KVStore:
+        opts = dict(SMALL_OPTIONS)
+        opts.update(options)
+        store = KVStore(str(path if path is not None else tmp_path / "store"), dim, dtype, **opts)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in reversed(opened):
+        try:
+            store.close()
+        except Exception:  # a test may leave a store broken on purpose
+            pass
+
+
+def put_model(store: KVStore, model: Dict[int, torch.Tensor], keys: Iterable[int], values: torch.Tensor) -> None:
+    """store.put and the same upsert on the model (last duplicate wins)."""
+    keys = list(keys)
+    store.put(torch.tensor(keys, dtype=torch.int64), values)
+    for k, v in zip(keys, values):
+        model[k] = v.clone()
