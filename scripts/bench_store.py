@@ -93,6 +93,20 @@ def drop_caches() -> Optional[str]:
         return f"drop_caches failed: {e}"
 
 
+def system_busy_seconds() -> float:
+    """CPU seconds all processes spent busy (every core), from /proc/stat."""
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    v = [int(x) for x in parts]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -230,12 +244,11 @@ class RocksSystem:
         wo.sync = False
         self.db.set_write_options(wo)
         self.path = path
+        self.sort = spec.get("sort_keys", True)
 
     def put(self, keys, values) -> None:
-        import numpy as np
-
-        kl = keys.numpy().astype(">i8").view("V8").tolist()
-        vl = values.numpy().view(np.dtype((np.void, VALUE_BYTES))).ravel().tolist()
+        order, kl = _prep_keys(keys, self.sort)
+        vl = _value_list(values, order)
         wb = self.rd.WriteBatch(raw_mode=True)
         put = wb.put
         for k, v in zip(kl, vl):
@@ -243,13 +256,9 @@ class RocksSystem:
         self.db.write(wb)
 
     def get(self, keys):
-        import numpy as np
-        import torch
-
-        kl = keys.numpy().astype(">i8").view("V8").tolist()
-        vals = self.db[kl]
-        buf = b"".join(vals)  # raises TypeError on a missing key (None)
-        return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(-1, DIM))
+        order, kl = _prep_keys(keys, self.sort)
+        vals = self.db[kl]  # one MultiGet
+        return _rows_from_bytes(b"".join(vals), order)  # join raises TypeError on a missing key (None)
 
     def finish_load(self) -> None:
         # What a careful user does after a bulk load: flush the memtable and compact once.
@@ -278,16 +287,15 @@ class LmdbSystem:
 
         os.makedirs(path, exist_ok=True)
         map_size = max(1 << 30, rows * (VALUE_BYTES + 64) * 4)
-        self.env = lmdb.open(path, map_size=map_size, writemap=True, sync=False, metasync=False, map_async=True,
-                             readahead=False, max_dbs=0, lock=True)
-        self.get_mode = spec.get("lmdb_get", "getmulti")
-        self.append_load = True
+        self._open = lambda: lmdb.open(path, map_size=map_size, writemap=True, sync=False, metasync=False,
+                                       map_async=True, readahead=False, max_dbs=0, lock=True)
+        self.env = self._open()
+        self.get_mode = spec.get("lmdb_get", "get")
+        self.sort = spec.get("sort_keys", True)
 
     def _put(self, keys, values, append: bool) -> None:
-        import numpy as np
-
-        kl = keys.numpy().astype(">i8").view("V8").tolist()
-        vl = values.numpy().view(np.dtype((np.void, VALUE_BYTES))).ravel().tolist()
+        order, kl = _prep_keys(keys, self.sort)
+        vl = _value_list(values, order)
         with self.env.begin(write=True) as txn:
             consumed, added = txn.cursor().putmulti(zip(kl, vl), dupdata=False, overwrite=True, append=append)
         if consumed != len(kl):
@@ -301,11 +309,9 @@ class LmdbSystem:
         self._put(keys, values, append=True)
 
     def get(self, keys):
-        import numpy as np
-        import torch
-
-        kl = keys.numpy().astype(">i8").view("V8").tolist()
-        with self.env.begin(buffers=True) as txn:
+        order, kl = _prep_keys(keys, self.sort)
+        # buffers=False measured faster than memoryviews into the map (fewer Python objects' overhead)
+        with self.env.begin(buffers=False) as txn:
             if self.get_mode == "getmulti":
                 pairs = txn.cursor().getmulti(kl)
                 if len(pairs) != len(kl):
@@ -313,11 +319,19 @@ class LmdbSystem:
                 buf = b"".join([v for _, v in pairs])
             else:
                 get = txn.get
-                buf = b"".join([get(k) for k in kl])
-        return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(-1, DIM))
+                buf = b"".join([get(k) for k in kl])  # join raises TypeError on a missing key (None)
+        return _rows_from_bytes(buf, order)
 
     def finish_load(self) -> None:
         self.env.sync(True)
+
+    def suspend(self) -> None:
+        # drop_caches cannot evict pages mapped into a process: unmap the file first.
+        self.env.sync(True)
+        self.env.close()
+
+    def resume(self) -> None:
+        self.env = self._open()
 
     def stats(self) -> Dict[str, Any]:
         s = self.env.stat()
@@ -325,6 +339,39 @@ class LmdbSystem:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _prep_keys(keys, sort: bool):
+    """int64 tensor -> (order or None, list of 8-byte big-endian keys in the order to issue them)."""
+    import numpy as np
+
+    kn = keys.numpy()
+    order = np.argsort(kn, kind="stable") if sort else None  # stable: with duplicates the last put still wins
+    if order is not None:
+        kn = kn[order]
+    return order, kn.astype(">i8").view("V8").tolist()
+
+
+def _rows_from_bytes(buf: bytes, order):
+    """Concatenated values (in issue order) -> [n, DIM] float32 tensor in the caller's order."""
+    import numpy as np
+    import torch
+
+    arr = np.frombuffer(buf, dtype=np.float32).reshape(-1, DIM)
+    if order is None:
+        return torch.from_numpy(arr.copy())  # frombuffer is read-only; a tensor must own writable memory
+    out = np.empty_like(arr)
+    out[order] = arr
+    return torch.from_numpy(out)
+
+
+def _value_list(values, order):
+    import numpy as np
+
+    v = values.numpy()
+    if order is not None:
+        v = v[order]
+    return v.view(np.dtype((np.void, VALUE_BYTES))).ravel().tolist()
 
 
 SYSTEMS = {"mlkv": MlkvSystem, "rocksdb": RocksSystem, "lmdb": LmdbSystem}
@@ -416,7 +463,13 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     def measure(kind: str, pattern: str, version: int = 0) -> Dict[str, Any]:
         pool = wl.uniform if pattern == "uniform" else wl.zipf
-        note = drop_caches() if cold else None
+        note = None
+        if cold:
+            if hasattr(sysobj, "suspend"):
+                sysobj.suspend()
+            note = drop_caches()
+            if hasattr(sysobj, "resume"):
+                sysobj.resume()
         if note and note not in res["notes"]:
             res["notes"].append(note)
         cache0 = meminfo_kib("Cached")
@@ -427,23 +480,24 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                 sysobj.get(k)
             else:
                 sysobj.put(k, wl.values_for(k, version, wl.buf))
-        timed, n, i, first = 0.0, 0, 0, None
+        timed, timed_cpu, n, i, first = 0.0, 0.0, 0, 0, None
         c0, w0 = cpu_seconds(), time.perf_counter()
         while True:
             keys = pool[i % pool.shape[0]]
             if kind == "get":
-                t0 = time.perf_counter()
+                u0, t0 = cpu_seconds(), time.perf_counter()
                 out = sysobj.get(keys)
-                dt = time.perf_counter() - t0
+                dt, du = time.perf_counter() - t0, cpu_seconds() - u0
                 del out
             else:
                 vals = wl.values_for(keys, version, wl.buf)
-                t0 = time.perf_counter()
+                u0, t0 = cpu_seconds(), time.perf_counter()
                 sysobj.put(keys, vals)
-                dt = time.perf_counter() - t0
+                dt, du = time.perf_counter() - t0, cpu_seconds() - u0
             if first is None:
                 first = dt
             timed += dt
+            timed_cpu += du
             n += keys.numel()
             i += 1
             wall = time.perf_counter() - w0
@@ -451,6 +505,8 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                 break
         wall = time.perf_counter() - w0
         out = {"rows": n, "batches": i, "seconds": timed, "rows_per_s": n / timed,
+               # CPU time of the whole process (all its threads) inside the timed calls
+               "cpu_seconds_timed": timed_cpu, "rows_per_cpu_s": n / max(timed_cpu, 1e-9),
                "first_batch_rows_per_s": keys.numel() / first, "cpu_seconds": cpu_seconds() - c0,
                "wall_seconds": wall, "page_cache_growth_mib": (meminfo_kib("Cached") - cache0) / 1024}
         if is_mlkv:
@@ -502,13 +558,17 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 def run_in_subprocess(spec: Dict[str, Any], log) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     for attempt in range(3):
-        t0 = time.perf_counter()
+        t0, busy0, own0 = time.perf_counter(), system_busy_seconds(), children_cpu_seconds()
         p = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
         if p.returncode == 0:
             for line in reversed(p.stdout.splitlines()):
                 if line.startswith("RESULT "):
                     r = json.loads(line[len("RESULT "):])
-                    r["process_seconds"] = time.perf_counter() - t0
+                    r["process_seconds"] = wall
+                    # cores other processes kept busy meanwhile: the benchmark shares the machine
+                    r["other_cores_busy"] = max(0.0, (system_busy_seconds() - busy0)
+                                                - (children_cpu_seconds() - own0)) / wall
                     return r
         err = (p.stderr or "")[-3000:]
         if p.returncode == 3 and attempt < 2:  # import failed: the extension may be mid-rebuild
@@ -558,8 +618,13 @@ def main() -> int:
     ap.add_argument("--fio-seconds", type=int, default=5)
     ap.add_argument("--systems", default="mlkv,rocksdb,lmdb")
     ap.add_argument("--depths", default="1,64,128", help="io_depths of the disk-bound sweep (uring)")
-    ap.add_argument("--lmdb-get", choices=("getmulti", "get"), default="getmulti")
+    ap.add_argument("--lmdb-get", choices=("getmulti", "get"), default="get",
+                    help="LMDB batched read: per-key txn.get or cursor.getmulti, in one read txn")
+    ap.add_argument("--no-sort", action="store_true",
+                    help="do not sort each batch's keys for RocksDB/LMDB (sorted is faster for both)")
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-bound sweep")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="first wait up to this long for other processes to leave the CPUs idle (< 0.3 cores busy)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks answers, prints the table")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -587,6 +652,16 @@ def main() -> int:
     def log(s: str = "") -> None:
         print(s, flush=True)
         lines.append(s)
+
+    if args.wait_quiet > 0:
+        deadline, busy = time.time() + args.wait_quiet, None
+        while time.time() < deadline:
+            b0 = system_busy_seconds()
+            time.sleep(5)
+            busy = (system_busy_seconds() - b0) / 5
+            if busy < 0.3:
+                break
+        print(f"# waited for a quiet machine: {busy:.2f} cores busy at the start", flush=True)
 
     t_start = time.perf_counter()
     os.makedirs(args.dir, exist_ok=True)
@@ -619,7 +694,7 @@ def main() -> int:
     rec_bytes = VALUE_BYTES  # data bytes = rows x dim x 4
     budget_big = int(args.rows * rec_bytes / args.ratio)
     common = dict(batch=args.batch, seconds=args.seconds, pool_batches=args.pool_batches, seed=args.seed,
-                  lmdb_get=args.lmdb_get)
+                  lmdb_get=args.lmdb_get, sort_keys=not args.no_sort)
     depths = [int(d) for d in args.depths.split(",") if d]
     runs: List[Dict[str, Any]] = []
 
@@ -654,14 +729,15 @@ def main() -> int:
         f"torch threads=1; every system returns/takes a [batch, {DIM}] float32 tensor (conversion timed)")
     results: Dict[str, Dict[str, Any]] = {}
     for spec in runs:
-        log(f"# run {spec['name']} ...")
+        log(f"# run {spec['name']} ... (loadavg {open('/proc/loadavg').read().split()[0]})")
         r = run_in_subprocess(spec, log)
         results[spec["name"]] = r
         if "error" in r:
             log(f"#   ERROR: {r['error']}")
             continue
         bad = [c for c in r["checks"] if not c["ok"]]
-        log(f"#   {r['process_seconds']:.1f} s; checks: " +
+        log(f"#   {r['process_seconds']:.1f} s; other processes kept {r['other_cores_busy']:.2f} of "
+            f"{os.cpu_count()} cores busy; checks: " +
             ", ".join(f"{c['what']}={'ok' if c['ok'] else 'FAIL'}" for c in r["checks"]))
         for c in bad:
             log(f"#   WRONG ANSWER ({c['what']}): {c['error']}")
@@ -718,6 +794,17 @@ def main() -> int:
             f"{ph[p]['cpu_seconds'] / max(ph[p]['wall_seconds'], 1e-9):>14.2f}" if p in ph else f"{'-':>14}"
             for p in phases))
 
+    log("")
+    log("## in-memory case, rows per CPU-second of the whole process inside the timed calls "
+        "(less sensitive to other load on the machine; background threads count)")
+    log(f"{'system':22}" + "".join(f"{p:>14}" for p in phases[1:]))
+    for spec in runs:
+        if spec["case"] != "mem" or "error" in results[spec["name"]]:
+            continue
+        ph = results[spec["name"]]["phases"]
+        log(f"{spec['name']:22}" + "".join(f"{fmt_rate(ph[p]['rows_per_cpu_s']):>14}" if p in ph else f"{'-':>14}"
+                                           for p in phases[1:]))
+
     # ratios
     pairs = [("mem", "mlkv-mem", "rocksdb-mem", "lmdb-mem"),
              ("10x", "mlkv-10x", "rocksdb-10x", "lmdb-10x"),
@@ -754,9 +841,15 @@ def main() -> int:
         for m in disk["disk_sweep"]:
             frac = m["disk_reads_per_s"] / fio_iops if fio_iops else None
             m["fraction_of_fio_qd64"] = frac
+            if frac is not None and frac > 1.05 and "fio_note" not in disk:
+                disk["fio_note"] = True
             log(f"{m['io_engine']:>8} {m['io_depth']:>6} {fmt_rate(m['rows_per_s']):>10} "
                 f"{m['disk_reads_per_s']:>13.0f} {(f'{frac:.0%}' if frac is not None else '-'):>12} "
                 f"{m['memory_share']:>10.1%} {m['cpu_seconds'] / max(m['wall_seconds'], 1e-9):>10.2f}")
+
+    if disk and disk.get("fio_note"):
+        log("   note: the store beat fio's qd64 IOPS: fio ran at another moment (other load, host-side caching of "
+            "the virtual disk); compare the figures loosely")
 
     # ---- targets
     log("")
@@ -769,8 +862,11 @@ def main() -> int:
 
     g = [rate("mlkv-mem", "get_uniform"), rate("mlkv-mem", "get_zipf")]
     if all(g):
+        ph = results["mlkv-mem"]["phases"]
         verdict("in-memory batched get >= 5M rows/s on one core", min(g) >= 5e6,
-                f"uniform {fmt_rate(g[0])}, zipf {fmt_rate(g[1])} rows/s (torch threads=1)")
+                f"uniform {fmt_rate(g[0])}, zipf {fmt_rate(g[1])} rows/s wall (torch threads=1); per CPU-second "
+                f"uniform {fmt_rate(ph['get_uniform']['rows_per_cpu_s'])}, zipf "
+                f"{fmt_rate(ph['get_zipf']['rows_per_cpu_s'])}")
     else:
         verdict("in-memory batched get >= 5M rows/s on one core", None, "not measured")
     for key in ("mlkv-mem/rocksdb-mem", "mlkv-10x/rocksdb-10x", "mlkv-10x/rocksdb-10x-direct",
@@ -798,13 +894,17 @@ def main() -> int:
         peak = m10["peak_over_base_mib"]
         verdict("resident memory within budget + index + 200 MiB", peak <= allowed,
                 f"peak RSS over the post-import baseline {peak:.0f} MiB (VmHWM {m10['end']['peak_rss_mib']:.0f}"
-                f" - base {m10['rss_base_mib']:.0f}; includes the bench's own key pools, already in the base) vs "
+                f" - base {m10['rss_base_mib']:.0f}; the bench's key pools are in the base) vs "
                 f"budget {budget_big / MiB:.1f} + index {idx / MiB:.1f} + 200 = {allowed:.0f} MiB")
     wrong = [(n, c) for n, r in results.items() if "checks" in r for c in r["checks"] if not c["ok"]]
     errors = [n for n, r in results.items() if "error" in r]
     verdict("every system returns the rows written", not wrong and not errors,
             "all sample checks passed" if not wrong and not errors else
             "; ".join([f"{n}: {c['what']}: {c['error']}" for n, c in wrong] + [f"{n}: crashed" for n in errors]))
+    busy = [r.get("other_cores_busy", 0.0) for r in results.values()]
+    if busy and max(busy) > 0.25:
+        log(f"# WARNING: other processes kept up to {max(busy):.2f} of {os.cpu_count()} cores busy during the runs "
+            f"(mean {sum(busy) / len(busy):.2f}); wall-clock rates understate what a quiet machine gives")
     log(f"# total {time.perf_counter() - t_start:.0f} s")
 
     if args.json:

@@ -9,7 +9,7 @@ import torch
 import mlkv_torch
 from mlkv_torch import KVStore
 
-from conftest import DIM, NO_PROMOTE, SMALL_OPTIONS, assert_store_equals, put_model, rows_for
+from conftest import DIM, HAS_PROMOTE, NO_PROMOTE, SMALL_OPTIONS, assert_store_equals, put_model, rows_for
 
 URING = mlkv_torch._C.uring_available()
 ENGINES = ["threads", pytest.param("uring", marks=pytest.mark.skipif(not URING, reason="no io_uring here"))]
@@ -410,7 +410,7 @@ def test_stats_keys(open_store):
     stats = open_store().stats()
     for name in ("rows", "memory_bytes", "index_bytes", "disk_bytes", "memory_hits", "disk_reads", "disk_rows",
                  "lookahead_rows", "compactions", "checkpoints", "head_address", "read_only_address", "tail_address",
-                 "page_bytes", "record_bytes", "direct_io", "io_engine"):
+                 "page_bytes", "record_bytes", "direct_io", "io_engine") + (("promoted_rows",) if HAS_PROMOTE else ()):
         assert name in stats, name
 
 
@@ -425,3 +425,121 @@ def test_index_grows_past_expected_rows(open_store):
     assert len(store) == n // 2
     torch.testing.assert_close(store.get(torch.arange(1, n, 2) * 1_000_003), rows_for(torch.arange(1, n, 2), 0),
                                rtol=0, atol=0)
+
+
+def test_get_with_duplicate_keys_from_memory_and_disk(open_store):
+    store = open_store(**NO_PROMOTE)
+    n = 3000
+    store.put(torch.arange(n), rows_for(torch.arange(n), 0))
+    keys = torch.tensor([41, 41, 2999, 41, 2999, 42, 0, 0])
+    torch.testing.assert_close(store.get(keys), rows_for(keys, 0), rtol=0, atol=0)
+    store.lookahead(keys)
+    store.flush()
+    assert store.stats()["lookahead_rows"] == 3  # 41, 42 and 0, once each
+    torch.testing.assert_close(store.get(keys), rows_for(keys, 0), rtol=0, atol=0)
+
+
+def test_missing_keys_message_names_each_missing_key(open_store):
+    """KeyError must name the missing keys; a repeated missing key must not crowd out the others.
+
+    Engine bug: the message lists missing keys per occurrence, first ten only,
+    so get([5] * 20 + [6]) says "21 keys not in store ...: 5, 5, 5, ..., ..."
+    and never names 6.
+    """
+    store = open_store()
+    store.put(torch.arange(3), rows_for(torch.arange(3), 0))
+    with pytest.raises(KeyError) as info:
+        store.get(torch.tensor([5] * 20 + [1, 6]))
+    message = str(info.value)
+    named = message.strip("'\"").rsplit(": ", 1)[-1].split(", ")
+    assert "5" in named and "6" in named, message
+
+
+def test_many_segment_files_within_open_file_limit(open_store):
+    """A log of more segment files than the process may hold open still works.
+
+    Engine bug: the store keeps one open descriptor per segment file for its
+    whole life (KVStore::segments_), so a store of more than RLIMIT_NOFILE
+    segments fails with OSError "Too many open files" on put, get or reopen;
+    with the default 64 MiB segments and a 1024 soft limit that is a ~64 GiB table.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    limit = in_use + 64
+    segments = 300  # one 4 KiB page (85 rows) per segment file
+    n = 85 * segments
+    path = None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        store = open_store(segment_bytes=4096, compaction_ratio=0, io_engine="threads", io_threads=2)
+        path = store.path
+        store.put(torch.arange(n), rows_for(torch.arange(n), 0))
+        torch.testing.assert_close(store.get(torch.arange(0, n, 7)), rows_for(torch.arange(0, n, 7), 0),
+                                   rtol=0, atol=0)
+        store.close()
+        with KVStore(path, DIM, **dict(SMALL_OPTIONS, segment_bytes=4096, io_engine="threads", io_threads=2)) as again:
+            assert len(again) == n
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_layout_options_are_fixed_at_creation(tmp_path):
+    path = str(tmp_path / "store")
+    n = 3000
+    with KVStore(path, DIM, **dict(SMALL_OPTIONS, page_bytes=8192)) as store:
+        store.put(torch.arange(n), rows_for(torch.arange(n), 0))
+        assert store.stats()["page_bytes"] == 8192
+    # Other page and segment sizes on reopen: the stored layout wins.
+    with KVStore(path, DIM, memory_budget_bytes=64 << 10, page_bytes=4096, segment_bytes=1 << 20) as store:
+        assert store.stats()["page_bytes"] == 8192
+        torch.testing.assert_close(store.get(torch.arange(n)), rows_for(torch.arange(n), 0), rtol=0, atol=0)
+        store.put(torch.arange(n, 2 * n), rows_for(torch.arange(n, 2 * n), 1))
+    with KVStore(path, DIM, **SMALL_OPTIONS) as store:
+        torch.testing.assert_close(store.get(torch.arange(2 * n)),
+                                   torch.cat([rows_for(torch.arange(n), 0), rows_for(torch.arange(n, 2 * n), 1)]),
+                                   rtol=0, atol=0)
+
+
+def test_garbage_collected_store_checkpoints_and_unlocks(tmp_path):
+    import gc
+
+    path = str(tmp_path / "store")
+    store = KVStore(path, DIM, **SMALL_OPTIONS)
+    store.put(torch.arange(1000), rows_for(torch.arange(1000), 0))
+    del store
+    gc.collect()
+    with KVStore(path, DIM, **SMALL_OPTIONS) as again:
+        torch.testing.assert_close(again.get(torch.arange(1000)), rows_for(torch.arange(1000), 0), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAS_PROMOTE, reason="this build has no promote_hot_reads")
+@pytest.mark.parametrize("promote", [True, False])
+def test_hot_reads_promoted_to_memory(open_store, promote):
+    store = open_store(compaction_ratio=0, promote_hot_reads=promote)
+    n = 3000
+    store.put(torch.arange(n), rows_for(torch.arange(n), 0))
+    keys = torch.arange(10)  # on disk only
+    torch.testing.assert_close(store.get(keys), rows_for(keys, 0), rtol=0, atol=0)
+    store.flush()
+    assert store.stats()["promoted_rows"] == 0  # read once: not hot yet
+    torch.testing.assert_close(store.get(keys), rows_for(keys, 0), rtol=0, atol=0)
+    store.flush()  # waits for the background copies
+    before = store.stats()
+    assert before["promoted_rows"] == (10 if promote else 0)
+    assert before["lookahead_rows"] == 0
+    torch.testing.assert_close(store.get(keys), rows_for(keys, 0), rtol=0, atol=0)
+    after = store.stats()
+    if promote:
+        assert after["memory_hits"] == before["memory_hits"] + 10 and after["disk_rows"] == before["disk_rows"]
+    else:
+        assert after["disk_rows"] == before["disk_rows"] + 10
+    # A promoted row is a copy: an update after it wins, and reopen holds the update.
+    store.put(keys[:3], rows_for(keys[:3], 1))
+    torch.testing.assert_close(store.get(keys), torch.cat([rows_for(keys[:3], 1), rows_for(keys[3:], 0)]),
+                               rtol=0, atol=0)
+    store.close()
+    with KVStore(store.path, DIM, **SMALL_OPTIONS) as again:
+        torch.testing.assert_close(again.get(keys), torch.cat([rows_for(keys[:3], 1), rows_for(keys[3:], 0)]),
+                                   rtol=0, atol=0)

@@ -42,10 +42,14 @@ class StoreMachine(RuleBasedStateMachine):
         ratio=st.sampled_from([0.0, 1.5]),
         engine=st.sampled_from(ENGINES),
         direct_io=st.booleans(),
+        mutable=st.sampled_from([0.9, 0.3]),
+        page_bytes=st.sampled_from([0, 0, 8192]),
     )
-    def open(self, ratio, engine, direct_io):
-        self.options = dict(SMALL_OPTIONS, compaction_ratio=ratio, io_engine=engine, direct_io=direct_io)
+    def open(self, ratio, engine, direct_io, mutable=0.9, page_bytes=0):
+        self.options = dict(SMALL_OPTIONS, compaction_ratio=ratio, io_engine=engine, direct_io=direct_io,
+                            mutable_fraction=mutable, page_bytes=page_bytes)
         self.store = KVStore(self.path, DIM, **self.options)
+        self.page_bytes = self.store.stats()["page_bytes"]
 
     def teardown(self):
         try:
@@ -150,10 +154,11 @@ class StoreMachine(RuleBasedStateMachine):
     def compact(self):
         self.store.compact()
 
-    @rule(budget=st.sampled_from([32 << 10, 16 << 10, 64 << 10]))
-    def reopen(self, budget):
+    @rule(pages=st.sampled_from([4, 8, 16]))
+    def reopen(self, pages):
+        # The page size is fixed at creation; the budget may change (at least 4 pages).
         self.store.close()
-        self.options["memory_budget_bytes"] = budget
+        self.options["memory_budget_bytes"] = pages * self.page_bytes
         self.store = KVStore(self.path, DIM, **self.options)
         assert len(self.store) == len(self.model)
 
@@ -165,8 +170,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=75,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -185,7 +190,7 @@ def test_model_reached_disk():
         machine.delete_range(start=0, n=100)
         machine.lookahead(start=100, n=200)
         machine.flush()
-        machine.reopen(budget=16 << 10)
+        machine.reopen(pages=4)
         machine.check_all(machine.store)
     finally:
         machine.teardown()

@@ -1,6 +1,11 @@
 #include "hash_index.h"
 
+#include <sys/mman.h>
+
+#include <cstdlib>
 #include <cstring>
+#include <new>
+#include <utility>
 
 namespace mlkv {
 namespace {
@@ -9,16 +14,14 @@ constexpr uint64_t kMask63 = (1ull << 63) - 1;
 constexpr uint64_t kAddrMask = (1ull << 44) - 1;
 constexpr int kFpLoBits = 20;
 constexpr uint64_t kFpLoMask = (1ull << kFpLoBits) - 1;
-constexpr int kMinBits = 12;            // fingerprints then fit in 51 bits
-constexpr uint64_t kKeysPerBucket = 4;  // growth threshold, on average
-
+constexpr uint32_t kAlternateBit = 1u << 31;
+constexpr uint64_t kMinBuckets = 4096;   // fingerprints then fit in 51 bits
+constexpr uint64_t kKeysPerBucket = 4;   // growth threshold (plus a half), on average; sizing aims at 4.25
 constexpr uint64_t kMul1 = 0xff51afd7ed558ccdull;
 constexpr uint64_t kMul2 = 0xc4ceb9fe1a85ec53ull;
 
-}  // namespace
-
 // Each step is a bijection of [0, 2^63): odd multiply mod 2^63 and xor-shift.
-uint64_t HashIndex::Mix(uint64_t x) {
+uint64_t Mix(uint64_t x) {
   x = (x * kMul1) & kMask63;
   x ^= x >> 31;
   x = (x * kMul2) & kMask63;
@@ -26,97 +29,136 @@ uint64_t HashIndex::Mix(uint64_t x) {
   return x;
 }
 
-HashIndex::HashIndex(uint64_t expected_keys) {
-  bits_ = kMinBits;
-  while ((uint64_t{1} << bits_) * kKeysPerBucket < expected_keys && bits_ < 40) ++bits_;
-  buckets_.assign(uint64_t{1} << bits_, Bucket{});
+bool Occupied(uint64_t lo) { return (lo & kAddrMask) != 0; }
+
+}  // namespace
+
+HashIndex::BucketArray::BucketArray(uint64_t n) : size_(n) {
+  constexpr uint64_t kHuge = 2ull << 20;
+  bytes_ = n * sizeof(Bucket);
+  const bool huge = bytes_ >= kHuge;
+  const uint64_t alloc = huge ? (bytes_ + kHuge - 1) / kHuge * kHuge : bytes_;
+  data_ = static_cast<Bucket*>(std::aligned_alloc(huge ? kHuge : alignof(Bucket), alloc));
+  if (!data_) throw std::bad_alloc();
+  if (huge) madvise(data_, alloc, MADV_HUGEPAGE);
+  std::memset(static_cast<void*>(data_), 0, bytes_);
+}
+
+HashIndex::BucketArray::~BucketArray() { std::free(data_); }
+
+void HashIndex::BucketArray::swap(BucketArray& other) {
+  std::swap(data_, other.data_);
+  std::swap(size_, other.size_);
+  std::swap(bytes_, other.bytes_);
+}
+
+HashIndex::HashIndex(uint64_t expected_keys) : buckets_(std::max(kMinBuckets, expected_keys * 4 / 17 + 1)) {
   overflow_.resize(1);
 }
 
-void HashIndex::Clear() {
-  std::memset(static_cast<void*>(buckets_.data()), 0, buckets_.size() * sizeof(Bucket));
-  overflow_.assign(1, Bucket{});
-  free_overflow_.clear();
-  size_ = 0;
-}
+HashIndex::~HashIndex() = default;
 
 uint64_t HashIndex::MemoryBytes() const {
-  return (buckets_.capacity() + overflow_.capacity()) * sizeof(Bucket) +
-         free_overflow_.capacity() * sizeof(uint32_t);
+  return buckets_.bytes() + overflow_.capacity() * sizeof(Bucket) + free_overflow_.capacity() * sizeof(uint32_t);
 }
 
-void HashIndex::Locate(int64_t key, uint64_t* bucket, uint64_t* fingerprint) const {
-  uint64_t h = Mix(static_cast<uint64_t>(key));
-  *bucket = h & ((uint64_t{1} << bits_) - 1);
-  *fingerprint = h >> bits_;
+// The alternate bucket's offset depends on the fingerprint only, so either
+// bucket and the fingerprint give back the other. Multiply-shift, no division.
+uint64_t HashIndex::AlternateOffset(uint64_t fp) const {
+  const uint64_t r = (fp * kMul2) >> 32;  // 32 well-mixed bits
+  return 1 + ((r * (buckets_.size() - 1)) >> 32);
 }
 
-HashIndex::Bucket* HashIndex::BucketAt(uint64_t home, uint32_t link) {
-  return link == 0 ? &buckets_[home] : &overflow_[link];
-}
-const HashIndex::Bucket* HashIndex::BucketAt(uint64_t home, uint32_t link) const {
-  return link == 0 ? &buckets_[home] : &overflow_[link];
+HashIndex::Where HashIndex::LocateHash(uint64_t h) const {
+  const uint64_t n = buckets_.size();
+  Where w;
+  w.hash = h;
+  w.buckets = n;
+  const uint64_t fp = h / n;
+  w.home = h - fp * n;
+  w.alternate = w.home + AlternateOffset(fp);
+  if (w.alternate >= n) w.alternate -= n;
+  w.lo_fp = (fp & kFpLoMask) << 44;
+  w.hi_fp = static_cast<uint32_t>(fp >> kFpLoBits);
+  return w;
 }
 
-void HashIndex::Prefetch(int64_t key) const {
-  uint64_t b, fp;
-  Locate(key, &b, &fp);
-  __builtin_prefetch(&buckets_[b]);
+HashIndex::Where HashIndex::Locate(int64_t key) const { return LocateHash(Mix(static_cast<uint64_t>(key))); }
+
+void HashIndex::Prefetch(const Where& w) const {
+  __builtin_prefetch(&buckets_[w.home]);
+  __builtin_prefetch(&buckets_[w.alternate]);
 }
 
-uint64_t HashIndex::Find(int64_t key) const {
-  uint64_t home, fp;
-  Locate(key, &home, &fp);
-  const uint64_t lo_fp = (fp & kFpLoMask) << 44;
-  const uint32_t hi_fp = static_cast<uint32_t>(fp >> kFpLoBits);
-  const Bucket* b = &buckets_[home];
-  while (true) {
-    for (int i = 0; i < kSlotsPerBucket; ++i) {
-      uint64_t lo = b->lo[i];
-      if ((lo & kAddrMask) != 0 && (lo & ~kAddrMask) == lo_fp && b->hi[i] == hi_fp) {
-        return (lo & kAddrMask) - 1;
+bool HashIndex::FindEntry(const Where& w, Bucket** bucket, int* slot, uint32_t* link_of_bucket, uint64_t* chain_home) const {
+  for (int side = 0; side < 2; ++side) {
+    const uint64_t home = side == 0 ? w.home : w.alternate;
+    const uint32_t hi = w.hi_fp | (side ? kAlternateBit : 0);
+    uint32_t link = 0;
+    const Bucket* b = &buckets_[home];
+    while (true) {
+      for (int i = 0; i < kSlotsPerBucket; ++i) {
+        uint64_t lo = b->lo[i];
+        if (Occupied(lo) && (lo & ~kAddrMask) == w.lo_fp && b->hi[i] == hi) {
+          *bucket = const_cast<Bucket*>(b);
+          *slot = i;
+          if (link_of_bucket) *link_of_bucket = link;
+          if (chain_home) *chain_home = home;
+          return true;
+        }
       }
+      if (b->next == 0) break;
+      link = b->next;
+      b = &overflow_[link];
     }
-    if (b->next == 0) return kNoAddress;
-    b = &overflow_[b->next];
   }
+  return false;
+}
+
+uint64_t HashIndex::Find(const Where& w) const {
+  if (w.buckets != buckets_.size()) return Find(LocateHash(w.hash));
+  Bucket* b;
+  int slot;
+  if (!FindEntry(w, &b, &slot, nullptr, nullptr)) return kNoAddress;
+  return (b->lo[slot] & kAddrMask) - 1;
 }
 
 uint64_t HashIndex::Upsert(int64_t key, uint64_t address) {
-  uint64_t home, fp;
-  Locate(key, &home, &fp);
-  const uint64_t lo_fp = (fp & kFpLoMask) << 44;
-  const uint32_t hi_fp = static_cast<uint32_t>(fp >> kFpLoBits);
-  uint32_t link = 0;
-  while (true) {
-    Bucket* b = BucketAt(home, link);
-    for (int i = 0; i < kSlotsPerBucket; ++i) {
-      uint64_t lo = b->lo[i];
-      if ((lo & kAddrMask) != 0 && (lo & ~kAddrMask) == lo_fp && b->hi[i] == hi_fp) {
-        b->lo[i] = lo_fp | (address + 1);
-        return (lo & kAddrMask) - 1;
-      }
-    }
-    if (b->next == 0) break;
-    link = b->next;
+  Where w = Locate(key);
+  Bucket* b;
+  int slot;
+  if (FindEntry(w, &b, &slot, nullptr, nullptr)) {
+    uint64_t old = (b->lo[slot] & kAddrMask) - 1;
+    b->lo[slot] = w.lo_fp | (address + 1);
+    return old;
   }
-  if (size_ + 1 > bucket_count() * kKeysPerBucket && bits_ < 40) {
-    Grow();
-    Locate(key, &home, &fp);
+  if (size_ + 1 > buckets_.size() * kKeysPerBucket + buckets_.size() / 2) {
+    Resize(buckets_.size() * 2);
+    w = Locate(key);
   }
-  InsertNew(home, fp, address);
+  InsertNew(w, address);
   ++size_;
   return kNoAddress;
 }
 
-void HashIndex::InsertNew(uint64_t home, uint64_t fp, uint64_t address) {
-  const uint64_t lo_new = ((fp & kFpLoMask) << 44) | (address + 1);
-  const uint32_t hi_new = static_cast<uint32_t>(fp >> kFpLoBits);
+int HashIndex::FreeSlots(const Bucket& b) const {
+  int free = 0;
+  for (int i = 0; i < kSlotsPerBucket; ++i) free += !Occupied(b.lo[i]);
+  return free;
+}
+
+// Places a new entry in the emptier of its two buckets, chaining an overflow
+// bucket onto the home bucket only when both are full.
+void HashIndex::InsertNew(const Where& w, uint64_t address) {
+  const uint64_t lo_new = w.lo_fp | (address + 1);
+  const bool use_alternate = FreeSlots(buckets_[w.alternate]) > FreeSlots(buckets_[w.home]);
+  const uint64_t home = use_alternate ? w.alternate : w.home;
+  const uint32_t hi_new = w.hi_fp | (use_alternate ? kAlternateBit : 0);
   uint32_t link = 0;
   while (true) {
-    Bucket* b = BucketAt(home, link);
+    Bucket* b = link == 0 ? &buckets_[home] : &overflow_[link];
     for (int i = 0; i < kSlotsPerBucket; ++i) {
-      if ((b->lo[i] & kAddrMask) == 0) {
+      if (!Occupied(b->lo[i])) {
         b->lo[i] = lo_new;
         b->hi[i] = hi_new;
         return;
@@ -124,7 +166,7 @@ void HashIndex::InsertNew(uint64_t home, uint64_t fp, uint64_t address) {
     }
     if (b->next == 0) {
       uint32_t fresh = NewOverflowBucket();  // may reallocate overflow_
-      BucketAt(home, link)->next = fresh;
+      (link == 0 ? buckets_[home] : overflow_[link]).next = fresh;
       link = fresh;
     } else {
       link = b->next;
@@ -139,59 +181,53 @@ uint32_t HashIndex::NewOverflowBucket() {
     overflow_[link] = Bucket{};
     return link;
   }
+  // Grows by a quarter, not the vector's doubling: overflow memory counts per key.
+  if (overflow_.size() == overflow_.capacity()) overflow_.reserve(overflow_.size() + overflow_.size() / 4 + 16);
   overflow_.push_back(Bucket{});
   return static_cast<uint32_t>(overflow_.size() - 1);
 }
 
 uint64_t HashIndex::Erase(int64_t key) {
-  uint64_t home, fp;
-  Locate(key, &home, &fp);
-  const uint64_t lo_fp = (fp & kFpLoMask) << 44;
-  const uint32_t hi_fp = static_cast<uint32_t>(fp >> kFpLoBits);
-  uint32_t link = 0, prev_link = 0;
-  while (true) {
-    Bucket* b = BucketAt(home, link);
-    for (int i = 0; i < kSlotsPerBucket; ++i) {
-      uint64_t lo = b->lo[i];
-      if ((lo & kAddrMask) != 0 && (lo & ~kAddrMask) == lo_fp && b->hi[i] == hi_fp) {
-        b->lo[i] = 0;
-        b->hi[i] = 0;
-        --size_;
-        // Unlink an overflow bucket that became empty, so chains stay short.
-        bool empty = true;
-        for (int j = 0; j < kSlotsPerBucket; ++j) empty &= (b->lo[j] & kAddrMask) == 0;
-        if (empty && link != 0) {
-          BucketAt(home, prev_link)->next = b->next;
-          free_overflow_.push_back(link);
-        }
-        return (lo & kAddrMask) - 1;
-      }
-    }
-    if (b->next == 0) return kNoAddress;
-    prev_link = link;
-    link = b->next;
+  Where w = Locate(key);
+  Bucket* b;
+  int slot;
+  uint32_t link;
+  uint64_t home;
+  if (!FindEntry(w, &b, &slot, &link, &home)) return kNoAddress;
+  uint64_t old = (b->lo[slot] & kAddrMask) - 1;
+  b->lo[slot] = 0;
+  b->hi[slot] = 0;
+  --size_;
+  // Unlinks an overflow bucket that became empty, so chains stay short.
+  if (link != 0 && FreeSlots(*b) == kSlotsPerBucket) {
+    Bucket* prev = &buckets_[home];
+    while (prev->next != link) prev = &overflow_[prev->next];
+    prev->next = b->next;
+    free_overflow_.push_back(link);
   }
+  return old;
 }
 
-void HashIndex::Grow() {
-  std::vector<Bucket> old_buckets;
-  std::vector<Bucket> old_overflow;
+void HashIndex::Resize(uint64_t bucket_count) {
+  BucketArray old_buckets(bucket_count);
+  std::vector<Bucket> old_overflow(1, Bucket{});
   old_buckets.swap(buckets_);
   old_overflow.swap(overflow_);
-  const int old_bits = bits_;
-  ++bits_;
-  buckets_.assign(uint64_t{1} << bits_, Bucket{});
-  overflow_.assign(1, Bucket{});
   free_overflow_.clear();
-  for (uint64_t home = 0; home < old_buckets.size(); ++home) {
-    const Bucket* b = &old_buckets[home];
+  const uint64_t old_n = old_buckets.size();
+  for (uint64_t index = 0; index < old_n; ++index) {
+    const Bucket* b = &old_buckets[index];
     while (true) {
       for (int i = 0; i < kSlotsPerBucket; ++i) {
         uint64_t lo = b->lo[i];
-        if ((lo & kAddrMask) == 0) continue;
-        uint64_t fp = (static_cast<uint64_t>(b->hi[i]) << kFpLoBits) | (lo >> 44);
-        uint64_t h = (fp << old_bits) | home;
-        InsertNew(h & ((uint64_t{1} << bits_) - 1), h >> bits_, (lo & kAddrMask) - 1);
+        if (!Occupied(lo)) continue;
+        const uint64_t fp = (static_cast<uint64_t>(b->hi[i] & ~kAlternateBit) << kFpLoBits) | (lo >> 44);
+        uint64_t home = index;
+        if (b->hi[i] & kAlternateBit) {  // index is the alternate: undo its offset
+          const uint64_t r = (fp * kMul2) >> 32;
+          home = (index + old_n - 1 - ((r * (old_n - 1)) >> 32)) % old_n;
+        }
+        InsertNew(LocateHash(fp * old_n + home), (lo & kAddrMask) - 1);
       }
       if (b->next == 0) break;
       b = &old_overflow[b->next];

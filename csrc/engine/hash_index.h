@@ -1,11 +1,14 @@
 // HashIndex: key -> log address, in 64-byte buckets of five 12-byte entries
 // plus an overflow link (FASTER's bucket layout, adapted).
 //
-// Keys are non-negative int64. They go through a bijective 63-bit mix, so the
-// bucket number (low `bits_` bits) and the fingerprint kept in the entry (the
-// other 63 - bits_ bits) together identify the key exactly: lookups, upserts
-// and deletes never read a record to compare keys, and growing rebuilds the
-// hash from the entry alone.
+// Keys are non-negative int64 and go through a bijective 63-bit mix h. With
+// n buckets, a key's home bucket is h % n and its fingerprint h / n, so
+// (bucket, fingerprint) identifies the key exactly: lookups, upserts and
+// deletes never read a record to compare keys, and growing rebuilds h from the
+// entry alone. Each key may also live in one alternate bucket (two-choice
+// placement, marked by a bit), which keeps buckets evenly filled so that
+// overflow buckets stay rare at four keys per bucket: about 16 bytes per key
+// when sized for the expected count.
 #pragma once
 
 #include <cstddef>
@@ -20,42 +23,73 @@ class HashIndex {
   static constexpr uint64_t kMaxAddress = (1ull << 44) - 2;  // 44 address bits, 0 marks empty
   static constexpr int kSlotsPerBucket = 5;
 
-  // Sized so that `expected_keys` fit at about four keys per bucket.
+  // Sized so that `expected_keys` fit at four keys per bucket.
   explicit HashIndex(uint64_t expected_keys);
 
+  struct Where {  // the two buckets of a key and its packed fingerprint
+    uint64_t hash, buckets;  // to redo the rest if the index has grown since
+    uint64_t home, alternate;
+    uint64_t lo_fp;   // fingerprint bits as they sit in lo
+    uint32_t hi_fp;   // fingerprint bits as they sit in hi, alternate bit clear
+  };
+  Where Locate(int64_t key) const;
+
   // Returns the address of `key`, or kNoAddress.
-  uint64_t Find(int64_t key) const;
+  uint64_t Find(int64_t key) const { return Find(Locate(key)); }
+  uint64_t Find(const Where& w) const;
   // Sets the address of `key`; returns the previous one or kNoAddress (a new key).
   uint64_t Upsert(int64_t key, uint64_t address);
   // Removes `key`; returns its address or kNoAddress when it was absent.
   uint64_t Erase(int64_t key);
-  // Hints the CPU to load the bucket of `key` (for batched lookups).
-  void Prefetch(int64_t key) const;
+  // Hints the CPU to load the buckets of a key (for batched lookups).
+  void Prefetch(const Where& w) const;
 
-  void Clear();
   uint64_t size() const { return size_; }
-  uint64_t bucket_count() const { return uint64_t{1} << bits_; }
+  uint64_t bucket_count() const { return buckets_.size(); }
+  ~HashIndex();
+  HashIndex(const HashIndex&) = delete;
+  HashIndex& operator=(const HashIndex&) = delete;
   uint64_t MemoryBytes() const;
 
  private:
   struct alignas(64) Bucket {
     uint64_t lo[kSlotsPerBucket];  // address + 1 (44 bits) | fingerprint low 20 bits
-    uint32_t hi[kSlotsPerBucket];  // fingerprint high 31 bits
+    uint32_t hi[kSlotsPerBucket];  // fingerprint high bits (31) | in-alternate-bucket bit
     uint32_t next;                 // overflow bucket index (into overflow_), 0 = none
   };
   static_assert(sizeof(Bucket) == 64, "a bucket is one cache line");
 
-  static uint64_t Mix(uint64_t x);
-  void Locate(int64_t key, uint64_t* bucket, uint64_t* fingerprint) const;
-  Bucket* BucketAt(uint64_t home, uint32_t link);
-  const Bucket* BucketAt(uint64_t home, uint32_t link) const;
-  void InsertNew(uint64_t bucket, uint64_t fingerprint, uint64_t address);
+  Where LocateHash(uint64_t h) const;
+  uint64_t AlternateOffset(uint64_t fp) const;  // in [1, n): alternate = home + offset (mod n)
+  // Finds the entry of `w`'s key: sets *bucket and *slot, returns false when absent.
+  bool FindEntry(const Where& w, Bucket** bucket, int* slot, uint32_t* link_of_bucket, uint64_t* chain_home) const;
+  void InsertNew(const Where& w, uint64_t address);
+  int FreeSlots(const Bucket& b) const;
   uint32_t NewOverflowBucket();
-  void Grow();
+  void Resize(uint64_t buckets);
 
-  int bits_;
+  // The main bucket array, on huge pages where the kernel allows: each lookup
+  // touches a random bucket, and 4 KiB pages would miss the TLB on most of them.
+  class BucketArray {
+   public:
+    BucketArray() = default;
+    explicit BucketArray(uint64_t n);
+    ~BucketArray();
+    BucketArray(const BucketArray&) = delete;
+    BucketArray& operator=(const BucketArray&) = delete;
+    void swap(BucketArray& other);
+    Bucket& operator[](uint64_t i) { return data_[i]; }
+    const Bucket& operator[](uint64_t i) const { return data_[i]; }
+    uint64_t size() const { return size_; }
+    uint64_t bytes() const { return bytes_; }
+
+   private:
+    Bucket* data_ = nullptr;
+    uint64_t size_ = 0, bytes_ = 0;
+  };
+
   uint64_t size_ = 0;
-  std::vector<Bucket> buckets_;
+  BucketArray buckets_;
   std::vector<Bucket> overflow_;  // overflow_[0] unused: link 0 means none
   std::vector<uint32_t> free_overflow_;
 };

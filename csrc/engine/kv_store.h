@@ -29,6 +29,23 @@
 
 namespace mlkv {
 
+// Division by a divisor fixed at open, as a multiply: exact for numerators
+// below 2^44 (every log slot) when the divisor is below 2^20; larger divisors
+// fall back to the division instruction.
+class FastDivisor {
+ public:
+  FastDivisor() = default;
+  explicit FastDivisor(uint64_t d) : d_(d), m_(d < (1u << 20) && d > 1 ? ~uint64_t{0} / d + 1 : 0) {}
+  uint64_t Div(uint64_t x) const {
+    return m_ ? static_cast<uint64_t>((static_cast<unsigned __int128>(x) * m_) >> 64) : x / d_;
+  }
+  uint64_t Mod(uint64_t x) const { return x - Div(x) * d_; }
+  uint64_t value() const { return d_; }
+
+ private:
+  uint64_t d_ = 1, m_ = 0;
+};
+
 enum class ElementType : uint32_t { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
 uint32_t ElementSize(ElementType t);
 
@@ -114,11 +131,11 @@ class KVStore {
   Status CheckKeys(const int64_t* keys, size_t n) const;
 
   // Log geometry.
-  uint64_t PageOf(uint64_t slot) const { return slot / records_per_page_; }
+  uint64_t PageOf(uint64_t slot) const { return div_records_per_page_.Div(slot); }
   uint64_t SegmentOfPage(uint64_t page) const { return page / pages_per_segment_; }
   uint64_t SegmentOfSlot(uint64_t slot) const { return SegmentOfPage(PageOf(slot)); }
   uint64_t OffsetInPage(uint64_t slot) const;
-  uint8_t* FrameOf(uint64_t page) const { return frames_ + (page % num_frames_) * page_bytes_; }
+  uint8_t* FrameOf(uint64_t page) const { return frames_ + div_num_frames_.Mod(page) * page_bytes_; }
   uint8_t* RecordInMemory(uint64_t slot) const { return FrameOf(PageOf(slot)) + OffsetInPage(slot); }
   uint64_t HeadSlot() const { return head_page_ * records_per_page_; }
   uint64_t ReadOnlySlot() const { return read_only_page_ * records_per_page_; }
@@ -167,6 +184,7 @@ class KVStore {
   uint64_t unit_bytes_ = 0, records_per_unit_ = 0, records_per_page_ = 0, page_bytes_ = 0;
   uint64_t pages_per_segment_ = 0, num_frames_ = 0, mutable_pages_ = 0;
   bool direct_io_ = false;
+  FastDivisor div_records_per_page_, div_records_per_unit_, div_num_frames_;
 
   mutable std::shared_mutex mu_;
   uint8_t* frames_ = nullptr;
