@@ -1,0 +1,25 @@
+"""The torch-free engine under AddressSanitizer/UBSan and ThreadSanitizer.
+
+Runs scripts/sanitize.sh, which builds csrc/engine with csrc/tests/store_stress.cc
+(random operation sequences against std::unordered_map, then concurrent readers,
+writers, lookahead and checkpoints) and fails on any sanitizer report.
+"""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("sanitizer", ["asan", "tsan"])
+def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "sanitize.sh"), sanitizer], env=env,
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "4 passed, 0 failed" in output
+    assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
