@@ -6,6 +6,7 @@
 
 #include <sstream>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "engine/kv_store.h"
 
@@ -28,9 +29,15 @@ void Check(const Status& st, const std::vector<int64_t>* missing = nullptr) {
       std::ostringstream msg;
       msg << st.message();
       if (missing && !missing->empty()) {
+        // Distinct keys, in order of first appearance, the first ten of them.
+        std::vector<int64_t> distinct;
+        std::unordered_set<int64_t> seen;
+        for (int64_t k : *missing) {
+          if (seen.insert(k).second) distinct.push_back(k);
+        }
         msg << ": ";
-        for (size_t i = 0; i < missing->size() && i < 10; ++i) msg << (i ? ", " : "") << (*missing)[i];
-        if (missing->size() > 10) msg << ", ...";
+        for (size_t i = 0; i < distinct.size() && i < 10; ++i) msg << (i ? ", " : "") << distinct[i];
+        if (distinct.size() > 10) msg << ", ... (" << distinct.size() << " distinct)";
       }
       throw py::key_error(msg.str());
     }
@@ -178,6 +185,7 @@ class Store {
     d["disk_rows"] = s.disk_rows;
     d["lookahead_rows"] = s.lookahead_rows;
     d["promoted_rows"] = s.promoted_rows;
+    d["lookahead_dropped_rows"] = s.lookahead_dropped_rows;
     d["in_place_updates"] = s.in_place_updates;
     d["appends"] = s.appends;
     d["compactions"] = s.compactions;

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -85,12 +85,14 @@ class KVStore:
             raise TypeError(f"dtype must be one of {list(_ELEMENT_TYPES)}, got {dtype}")
         if io_engine not in _IO_ENGINES:
             raise ValueError(f"io_engine must be one of {_IO_ENGINES}, got {io_engine!r}")
+        self._closed = True
         self._path = os.fspath(path)
         self._dim = dim
         self._dtype = dtype
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
                                bool(direct_io), float(compaction_ratio), bool(promote_hot_reads))
+        self._closed = False
 
     @property
     def path(self) -> str:
@@ -127,13 +129,27 @@ class KVStore:
                              f"got {list(values.shape)}")
         self._store.put(keys, values.detach().to("cpu").contiguous())
 
-    def get(self, keys: KeysLike) -> torch.Tensor:
-        """Returns rows [N, dim] on the keys' device; KeyError names keys not in the store."""
+    def get(self, keys: KeysLike, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Returns rows [N, dim] on the keys' device; KeyError names keys not in the store.
+
+        Args:
+            keys: int64 keys [N].
+            out: optional contiguous CPU tensor [N, dim] of the store's dtype to
+                fill and return (saves allocating the result on every call).
+        """
         device = keys.device if isinstance(keys, torch.Tensor) else torch.device("cpu")
         keys = self._keys(keys)
-        out = torch.empty(keys.numel(), self._dim, dtype=self._dtype)
+        if out is None:
+            result = torch.empty(keys.numel(), self._dim, dtype=self._dtype)
+            self._store.get(keys, result)
+            return result.to(device)
+        if not isinstance(out, torch.Tensor) or out.dtype != self._dtype:
+            raise TypeError(f"out must be a {self._dtype} tensor")
+        if tuple(out.shape) != (keys.numel(), self._dim) or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU tensor of shape [{keys.numel()}, {self._dim}], "
+                             f"got {list(out.shape)} on {out.device}")
         self._store.get(keys, out)
-        return out.to(device)
+        return out
 
     def contains(self, keys: KeysLike) -> torch.Tensor:
         """Returns a bool tensor [N]: whether each key holds a row."""
@@ -161,13 +177,26 @@ class KVStore:
 
     def stats(self) -> Dict[str, Any]:
         """Counters: rows, memory and disk bytes, memory hits, disk reads, lookahead rows, ..."""
+        self._check_open()
         return self._store.stats()
 
     def close(self) -> None:
         """Checkpoints and releases the path. Idempotent."""
+        if self._closed:
+            return
         self._store.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"store at {self._path} is closed")
 
     def __len__(self) -> int:
+        self._check_open()
         return self._store.size()
 
     def __contains__(self, key: int) -> bool:
@@ -180,4 +209,5 @@ class KVStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"KVStore(path={self._path!r}, dim={self._dim}, dtype={self._dtype}, rows={len(self)})"
+        rows = "closed" if self._closed else f"rows={len(self)}"
+        return f"KVStore(path={self._path!r}, dim={self._dim}, dtype={self._dtype}, {rows})"

@@ -481,6 +481,7 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             else:
                 sysobj.put(k, wl.values_for(k, version, wl.buf))
         timed, timed_cpu, n, i, first = 0.0, 0.0, 0, 0, None
+        batch_times: List[float] = []
         c0, w0 = cpu_seconds(), time.perf_counter()
         while True:
             keys = pool[i % pool.shape[0]]
@@ -498,6 +499,7 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                 first = dt
             timed += dt
             timed_cpu += du
+            batch_times.append(dt)
             n += keys.numel()
             i += 1
             wall = time.perf_counter() - w0
@@ -508,6 +510,8 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                # CPU time of the whole process (all its threads) inside the timed calls
                "cpu_seconds_timed": timed_cpu, "rows_per_cpu_s": n / max(timed_cpu, 1e-9),
                "first_batch_rows_per_s": keys.numel() / first, "cpu_seconds": cpu_seconds() - c0,
+               "batch_ms_median": 1e3 * sorted(batch_times)[len(batch_times) // 2],
+               "batch_ms_max": 1e3 * max(batch_times),
                "wall_seconds": wall, "page_cache_growth_mib": (meminfo_kib("Cached") - cache0) / 1024}
         if is_mlkv:
             st1 = sysobj.stats()
@@ -793,6 +797,18 @@ def main() -> int:
         log(f"{spec['name']:22}" + "".join(
             f"{ph[p]['cpu_seconds'] / max(ph[p]['wall_seconds'], 1e-9):>14.2f}" if p in ph else f"{'-':>14}"
             for p in phases))
+
+    log("")
+    log("## batch latency, ms: median / max over the timed batches (a max far above the median is a stall, "
+        "e.g. a compaction inside put)")
+    log(f"{'system':22}" + "".join(f"{p:>16}" for p in phases[1:]))
+    for spec in runs:
+        if spec["case"] == "disk" or "error" in results[spec["name"]]:
+            continue
+        ph = results[spec["name"]]["phases"]
+        log(f"{spec['name']:22}" + "".join(
+            f"{ph[p]['batch_ms_median']:>8.1f}/{ph[p]['batch_ms_max']:<7.0f}" if p in ph else f"{'-':>16}"
+            for p in phases[1:]))
 
     log("")
     log("## in-memory case, rows per CPU-second of the whole process inside the timed calls "

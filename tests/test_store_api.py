@@ -272,7 +272,7 @@ def test_automatic_compaction_bounds_disk(open_store):
         s = store.stats()
         live = s["rows"] * s["record_bytes"]
         worst = max(worst, s["disk_bytes"] / live)
-        assert s["disk_bytes"] <= 2.5 * live + 3 * seg, s
+        assert s["disk_bytes"] <= 2.5 * live + 2 * seg, s
     s = store.stats()
     assert s["compactions"] > 0, s
     assert_store_equals(store, model)
@@ -397,13 +397,6 @@ def test_context_manager_closes(tmp_path):
         store.get(torch.arange(3))
     with KVStore(path, DIM, **SMALL_OPTIONS) as store:  # the lock was released
         assert len(store) == 3
-
-
-def test_get_returns_on_keys_device(open_store):
-    store = open_store()
-    store.put(torch.arange(3), rows_for(torch.arange(3), 0))
-    out = store.get(torch.arange(3, device="cpu"))
-    assert out.device.type == "cpu"
 
 
 def test_stats_keys(open_store):

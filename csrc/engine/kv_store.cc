@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -160,6 +161,7 @@ struct KVStore::SegmentFile {
 
 constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
 constexpr size_t kMaxQueuedPromotions = 8;    // beyond this, promotions are dropped rather than queued
+constexpr size_t kMaxQueuedLookaheads = 32;   // beyond this, the oldest queued lookahead is dropped
 
 KVStore::KVStore(const std::string& path, const StoreOptions& options)
     : path_(path), options_(options), index_(options.expected_keys), doorkeeper_(kDoorkeeperWords) {}
@@ -242,6 +244,11 @@ Status KVStore::Init() {
     }
     unlink(probe.c_str());
   }
+  // A quarter of the descriptor limit for segment files, the rest for the process.
+  struct rlimit files_limit;
+  if (getrlimit(RLIMIT_NOFILE, &files_limit) == 0 && files_limit.rlim_cur != RLIM_INFINITY) {
+    max_open_files_ = std::min<size_t>(1024, std::max<size_t>(4, files_limit.rlim_cur / 4));
+  }
   MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads, &reader_));
   MLKV_RETURN_IF_ERROR(FileExists(path_ + "/CHECKPOINT") ? Recover() : CreateFresh());
   closed_ = false;
@@ -274,13 +281,18 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   div_records_per_unit_ = FastDivisor(records_per_unit_);
   div_num_frames_ = FastDivisor(num_frames_);
   pages_per_segment_ = pages_per_segment ? pages_per_segment : std::max<uint64_t>(1, options_.segment_bytes / page_bytes_);
-  // 2 MiB-aligned so the kernel can back the pages with huge pages: random
-  // row reads would otherwise miss the TLB on almost every row.
+  // Anonymous memory: zeroed, resident only once touched, and 2 MiB-aligned so
+  // the kernel can use huge pages (random row reads would otherwise miss the
+  // TLB on almost every row).
   const uint64_t frame_bytes = RoundUp(num_frames_ * page_bytes_, kHugePageBytes);
-  frames_ = static_cast<uint8_t*>(std::aligned_alloc(kHugePageBytes, frame_bytes));
-  if (!frames_) return Status::IOError("cannot allocate " + std::to_string(frame_bytes) + " bytes of log pages");
+  frames_mapped_bytes_ = frame_bytes + kHugePageBytes;
+  void* mapping = mmap(nullptr, frames_mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (mapping == MAP_FAILED) {
+    return Status::IOError("cannot map " + std::to_string(frame_bytes) + " bytes of log pages: " + ErrnoText(errno));
+  }
+  frames_mapping_ = mapping;
+  frames_ = reinterpret_cast<uint8_t*>(RoundUp(reinterpret_cast<uintptr_t>(mapping), kHugePageBytes));
   madvise(frames_, frame_bytes, MADV_HUGEPAGE);
-  std::memset(frames_, 0, num_frames_ * page_bytes_);
   return Status::OK();
 }
 
@@ -361,38 +373,56 @@ void KVStore::MoveLive(uint64_t old_slot, uint64_t new_slot) {
   }
 }
 
-Status KVStore::SegmentFor(uint64_t segment, bool create, std::shared_ptr<SegmentFile>* out) {
-  auto it = segments_.find(segment);
-  if (it != segments_.end()) {
-    *out = it->second;
+Status KVStore::SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const {
+  const bool create = mode == OpenMode::kCreate;
+  std::lock_guard<std::mutex> lock(files_mu_);
+  auto it = open_files_.find(segment);
+  if (it != open_files_.end()) {
+    open_order_.splice(open_order_.begin(), open_order_, it->second.second);
+    *out = it->second.first;
     return Status::OK();
   }
   auto file = std::make_shared<SegmentFile>();
   file->path = SegmentPath(segment);
   int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0) | (direct_io_ ? O_DIRECT : 0);
   file->fd = open(file->path.c_str(), flags, 0644);
+  if (file->fd < 0 && (errno == EMFILE || errno == ENFILE) && open_files_.size() > 1) {
+    // The process is short of descriptors: keep fewer segment files open.
+    max_open_files_ = std::max<size_t>(2, open_files_.size() / 2);
+    while (open_files_.size() >= max_open_files_ && !open_order_.empty()) {
+      open_files_.erase(open_order_.back());
+      open_order_.pop_back();
+    }
+    file->fd = open(file->path.c_str(), flags, 0644);
+  }
   if (file->fd < 0) {
-    if (!create && errno == ENOENT) return Status::Corruption("segment file " + file->path + " is missing");
+    if (mode == OpenMode::kMustExist && errno == ENOENT) return Status::Corruption("segment file " + file->path + " is missing");
+    if (mode == OpenMode::kMayVanish && errno == ENOENT) return Status::Busy("segment file " + file->path + " was compacted away");
     return Status::IOError("opening " + file->path + ": " + ErrnoText(errno));
   }
-  segments_[segment] = file;
+  open_order_.push_front(segment);
+  open_files_[segment] = {file, open_order_.begin()};
+  while (open_files_.size() > max_open_files_) {
+    open_files_.erase(open_order_.back());  // in-flight readers still hold the descriptor
+    open_order_.pop_back();
+  }
   *out = file;
   return Status::OK();
 }
 
-Status KVStore::SegmentOf(uint64_t slot, std::shared_ptr<SegmentFile>* out) const {
-  auto it = segments_.find(SegmentOfSlot(slot));
-  if (it == segments_.end()) {
-    return Status::Corruption("the index of " + path_ + " points at slot " + std::to_string(slot) + " in a segment it has no file for");
-  }
-  *out = it->second;
-  return Status::OK();
+void KVStore::ForgetSegment(uint64_t segment) {
+  std::lock_guard<std::mutex> lock(files_mu_);
+  auto it = open_files_.find(segment);
+  if (it == open_files_.end()) return;
+  open_order_.erase(it->second.second);
+  open_files_.erase(it);
 }
+
 
 Status KVStore::FlushPage(uint64_t page) {
   std::shared_ptr<SegmentFile> file;
   uint64_t segment = SegmentOfPage(page);
-  MLKV_RETURN_IF_ERROR(SegmentFor(segment, true, &file));
+  MLKV_RETURN_IF_ERROR(SegmentFor(segment, OpenMode::kCreate, &file));
   MLKV_RETURN_IF_ERROR(WriteFully(file->fd, FrameOf(page), page_bytes_, (page % pages_per_segment_) * page_bytes_, file->path));
   if (dirty_segments_.empty() || dirty_segments_.back() != segment) dirty_segments_.push_back(segment);
   return Status::OK();
@@ -476,7 +506,17 @@ Status KVStore::Contains(const int64_t* keys, size_t n, bool* found) {
 
 Status KVStore::Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
-  auto* out = static_cast<uint8_t*>(values);
+  // A compaction can delete a segment between the index lookup and the read;
+  // the rows have moved by then, so looking them up again finds them.
+  for (int attempt = 0;; ++attempt) {
+    missing->clear();
+    Status st = GetOnce(keys, n, static_cast<uint8_t*>(values), missing);
+    if (st.code() != Status::Code::kBusy) return st;
+    if (attempt == 8) return Status::IOError(st.message());
+  }
+}
+
+Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing) {
   std::vector<DiskRecord> reads;
   {
     std::shared_lock<std::shared_mutex> lock(mu_);
@@ -509,12 +549,11 @@ Status KVStore::Get(const int64_t* keys, size_t n, void* values, std::vector<int
         std::memcpy(out + i * value_bytes_, RecordInMemory(slot) + sizeof(RecordHeader), value_bytes_);
         ++hits;
       } else {
-        reads.push_back(DiskRecord{i, slot, nullptr});
+        reads.push_back(DiskRecord{i, slot});
       }
     }
     memory_hits_ += hits;
     if (!missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
-    for (DiskRecord& r : reads) MLKV_RETURN_IF_ERROR(SegmentOf(r.slot, &r.file));
   }
   MLKV_RETURN_IF_ERROR(ReadFromDisk(keys, reads, out));
   if (options_.promote_hot_reads) QueuePromotions(keys, reads, out);
@@ -529,24 +568,38 @@ Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads
   if (!buffer.data) return Status::IOError("cannot allocate a read buffer");
   std::vector<ReadRequest> requests;
   std::vector<size_t> request_of;  // per read in this round: its request
+  std::vector<std::shared_ptr<SegmentFile>> files;  // this round's, open until its reads finish
+  std::vector<size_t> file_of;                      // per request: its file
+  const size_t max_files = std::max<size_t>(1, max_open_files_.load() / 2);
   size_t pos = 0;
   uint64_t units_read = 0;
   while (pos < reads.size()) {
     requests.clear();
     request_of.clear();
+    files.clear();
+    file_of.clear();
     size_t end = pos;
-    uint64_t last_unit = kNone;
+    uint64_t last_unit = kNone, last_segment = kNone;
     while (end < reads.size()) {
-      uint64_t unit = reads[end].slot / records_per_unit_;
+      const uint64_t slot = reads[end].slot;
+      const uint64_t unit = slot / records_per_unit_;
       if (unit != last_unit) {
         if (requests.size() == max_units) break;
+        const uint64_t segment = SegmentOfSlot(slot);
+        if (segment != last_segment) {
+          if (files.size() == max_files) break;
+          std::shared_ptr<SegmentFile> file;
+          MLKV_RETURN_IF_ERROR(SegmentFor(segment, OpenMode::kMayVanish, &file));
+          files.push_back(std::move(file));
+          last_segment = segment;
+        }
         ReadRequest req;
-        req.fd = reads[end].file->fd;
-        req.offset = (PageOf(reads[end].slot) % pages_per_segment_) * page_bytes_ +
-                     OffsetInPage(reads[end].slot) / unit_bytes_ * unit_bytes_;
+        req.fd = files.back()->fd;
+        req.offset = (PageOf(slot) % pages_per_segment_) * page_bytes_ + OffsetInPage(slot) / unit_bytes_ * unit_bytes_;
         req.length = static_cast<uint32_t>(unit_bytes_);
         req.buffer = buffer.data + requests.size() * unit_bytes_;
         requests.push_back(req);
+        file_of.push_back(files.size() - 1);
         last_unit = unit;
       }
       request_of.push_back(requests.size() - 1);
@@ -557,7 +610,7 @@ Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads
     for (size_t k = pos; k < end; ++k) {
       const DiskRecord& r = reads[k];
       const ReadRequest& req = requests[request_of[k - pos]];
-      const std::string& file = r.file->path;
+      const std::string& file = files[file_of[request_of[k - pos]]]->path;
       if (req.result < 0) return Status::IOError("reading " + file + ": " + ErrnoText(static_cast<int>(-req.result)));
       if (static_cast<uint64_t>(req.result) < req.length) {
         return Status::Corruption(file + " is truncated: a read at byte offset " + std::to_string(req.offset) +
@@ -594,6 +647,19 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
   CopyJob job;
   job.keys.assign(keys, keys + n);
   lookahead_queue_.push_back(std::move(job));
+  // A hint, not a promise: under a backlog the oldest lookahead (most likely
+  // for a batch already past) goes, so flush() and checkpoint() never wait long.
+  size_t queued = 0;
+  for (const CopyJob& j : lookahead_queue_) queued += j.slots.empty();
+  if (queued > kMaxQueuedLookaheads) {
+    for (auto it = lookahead_queue_.begin(); it != lookahead_queue_.end(); ++it) {
+      if (it->slots.empty()) {
+        lookahead_dropped_rows_ += it->keys.size();
+        lookahead_queue_.erase(it);
+        break;
+      }
+    }
+  }
   lookahead_cv_.notify_one();
   return Status::OK();
 }
@@ -613,7 +679,7 @@ void KVStore::BackgroundWorker() {
     } else {
       std::unique_lock<std::shared_mutex> store_lock(mu_);
       if (!closed_) {
-        st = ApplyCopies(job.keys.data(), job.slots.data(), job.values.data(), job.keys.size(), true);
+        st = ApplyCopies(job.keys.data(), job.slots.data(), job.values.data(), job.keys.size(), CopyKind::kPromotion);
       }
     }
     lock.lock();
@@ -635,41 +701,59 @@ Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
     for (int64_t key : keys) {
       uint64_t slot = index_.Find(key);
       if (slot == kNone || slot >= head) continue;
-      reads.push_back(DiskRecord{read_keys.size(), slot, nullptr});
-      MLKV_RETURN_IF_ERROR(SegmentOf(slot, &reads.back().file));
+      reads.push_back(DiskRecord{read_keys.size(), slot});
       read_keys.push_back(key);
     }
   }
   if (reads.empty()) return Status::OK();
   std::vector<uint8_t> values(reads.size() * value_bytes_);
-  MLKV_RETURN_IF_ERROR(ReadFromDisk(read_keys.data(), reads, values.data()));
+  Status st = ReadFromDisk(read_keys.data(), reads, values.data());
+  if (st.code() == Status::Code::kBusy) return Status::OK();  // compacted meanwhile: the hint lapses
+  MLKV_RETURN_IF_ERROR(st);
   std::vector<uint64_t> slots(reads.size());
   for (const DiskRecord& r : reads) slots[r.index] = r.slot;
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::OK();
-  return ApplyCopies(read_keys.data(), slots.data(), values.data(), read_keys.size(), false);
+  return ApplyCopies(read_keys.data(), slots.data(), values.data(), read_keys.size(), CopyKind::kLookahead);
 }
 
-Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, bool promotion) {
+Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, CopyKind kind) {
   const uint64_t head = HeadSlot();
   uint64_t copied = 0;
   for (size_t i = 0; i < n; ++i) {
-    uint64_t slot = index_.Find(keys[i]);
-    if (slot != slots[i] || slot >= head) continue;  // superseded, or already in memory
+    const uint64_t slot = index_.Find(keys[i]);
+    if (slot != slots[i]) continue;  // superseded or deleted since it was read
+    // A row already in memory needs no lookahead; compaction copies it regardless.
+    if (kind != CopyKind::kCompaction && slot >= head) continue;
     uint64_t fresh;
     MLKV_RETURN_IF_ERROR(Append(keys[i], 0, values + i * value_bytes_, &fresh));
     MoveLive(index_.Upsert(keys[i], fresh), fresh);
     ++copied;
   }
-  (promotion ? promoted_rows_ : lookahead_rows_) += copied;
+  switch (kind) {
+    case CopyKind::kLookahead: lookahead_rows_ += copied; break;
+    case CopyKind::kPromotion: promoted_rows_ += copied; break;
+    case CopyKind::kCompaction: compacted_rows_ += copied; break;
+  }
   return MaybeAutoCompactLocked();
 }
 
 Status KVStore::Flush() {
-  std::unique_lock<std::mutex> lock(lookahead_mu_);
-  lookahead_idle_.wait(lock, [&] { return lookahead_queue_.empty() && !lookahead_busy_; });
-  Status st = lookahead_error_;
-  lookahead_error_ = Status::OK();
+  {
+    std::shared_lock<std::shared_mutex> store_lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  }
+  Status st;
+  {
+    std::unique_lock<std::mutex> lock(lookahead_mu_);
+    lookahead_idle_.wait(lock, [&] { return lookahead_queue_.empty() && !lookahead_busy_; });
+    st = lookahead_error_;
+    lookahead_error_ = Status::OK();
+  }
+  std::unique_lock<std::mutex> lock(compaction_state_mu_);
+  compaction_idle_.wait(lock, [&] { return !compaction_running_ && !compaction_requested_; });
+  if (st.ok()) st = compaction_error_;
+  compaction_error_ = Status::OK();
   return st;
 }
 
@@ -685,10 +769,9 @@ Status KVStore::Checkpoint() {
 // so in-place updates go on after it.
 Status KVStore::CheckpointLocked() {
   for (uint64_t s : dirty_segments_) {
-    auto it = segments_.find(s);
-    if (it != segments_.end() && fdatasync(it->second->fd) != 0) {
-      return Status::IOError("syncing " + it->second->path + ": " + ErrnoText(errno));
-    }
+    std::shared_ptr<SegmentFile> file;
+    MLKV_RETURN_IF_ERROR(SegmentFor(s, OpenMode::kMustExist, &file));
+    if (fdatasync(file->fd) != 0) return Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
   }
   dirty_segments_.clear();
   const uint64_t sequence = checkpoint_sequence_ + 1;
@@ -816,7 +899,7 @@ Status KVStore::Recover() {
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t page = begin_page; page < flushed_page; ++page) {
     std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), false, &file));
+    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
     MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
     MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, page * records_per_page_, (page + 1) * records_per_page_, file->path, offset));
@@ -853,65 +936,134 @@ Status KVStore::Recover() {
 
 Status KVStore::Compact() {
   MLKV_RETURN_IF_ERROR(Flush());
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
+  bool compacted = false;
+  MLKV_RETURN_IF_ERROR(CompactSegments(/*all=*/true, &compacted));
+  if (compacted) return Status::OK();
+  std::unique_lock<std::shared_mutex> lock(mu_);  // nothing to copy: it still ends with a checkpoint
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  return CompactLocked(/*all=*/true);
+  return CheckpointLocked();
+}
+
+bool KVStore::CompactionDueLocked() const {
+  if (options_.compaction_ratio == 0.0) return false;
+  const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
+  if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
+  return static_cast<double>(on_disk_slots) > options_.compaction_ratio * static_cast<double>(index_.size());
 }
 
 Status KVStore::MaybeAutoCompactLocked() {
-  if (options_.compaction_ratio == 0.0) return Status::OK();
-  const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
-  if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return Status::OK();
-  if (static_cast<double>(on_disk_slots) <= options_.compaction_ratio * static_cast<double>(index_.size())) return Status::OK();
-  return CompactLocked(/*all=*/false);
+  if (!CompactionDueLocked()) return Status::OK();
+  std::lock_guard<std::mutex> lock(compaction_state_mu_);
+  if (compaction_stop_ || compaction_requested_) return Status::OK();
+  compaction_requested_ = true;
+  if (!compaction_thread_.joinable()) compaction_thread_ = std::thread([this] { CompactionWorker(); });
+  compaction_cv_.notify_one();
+  return Status::OK();
 }
 
-// Copies the live records of the oldest segments to the tail, checkpoints, and
-// deletes those segments. `all`: every segment below the mutable region;
-// otherwise the oldest ones that hold half of the garbage on disk.
-Status KVStore::CompactLocked(bool all) {
-  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
-  const uint64_t first = begin_ / slots_per_segment;
-  const uint64_t full_end = read_only_page_ / pages_per_segment_;
-  if (full_end <= first) return Status::OK();
-  auto live = [&](uint64_t s) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
-  uint64_t end = full_end;
-  if (!all) {
-    int64_t garbage = 0;
-    for (uint64_t s = first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
-    int64_t reclaimed = 0;
-    end = first;
-    while (end < full_end && 2 * reclaimed < garbage) reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
-  }
-  AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t s = first; s < end; ++s) {
-    if (live(s) == 0) continue;
-    std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(s, false, &file));
-    for (uint64_t page = s * pages_per_segment_; page < (s + 1) * pages_per_segment_; ++page) {
-      const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
-      MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
-      for (uint64_t slot = page * records_per_page_; slot < (page + 1) * records_per_page_; ++slot) {
-        const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
-        RecordHeader h;
-        std::memcpy(&h, rec, sizeof(h));
-        if (h.magic != kRecordMagic || h.key < 0 || index_.Find(h.key) != slot) continue;  // not live
-        MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file->path, offset + OffsetInPage(slot)));
-        uint64_t fresh;
-        MLKV_RETURN_IF_ERROR(Append(h.key, 0, rec + sizeof(RecordHeader), &fresh));
-        MoveLive(index_.Upsert(h.key, fresh), fresh);
-        ++compacted_rows_;
+void KVStore::CompactionWorker() {
+  std::unique_lock<std::mutex> state(compaction_state_mu_);
+  while (true) {
+    compaction_cv_.wait(state, [&] { return compaction_stop_ || compaction_requested_; });
+    if (compaction_stop_) break;
+    compaction_requested_ = false;
+    compaction_running_ = true;
+    state.unlock();
+    Status st;
+    {
+      std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
+      bool due;
+      {
+        std::shared_lock<std::shared_mutex> lock(mu_);
+        due = !closed_ && CompactionDueLocked();
       }
+      bool compacted = false;
+      if (due) st = CompactSegments(/*all=*/false, &compacted);
+    }
+    state.lock();
+    compaction_running_ = false;
+    if (!st.ok() && compaction_error_.ok()) compaction_error_ = st;
+    compaction_idle_.notify_all();
+  }
+  compaction_requested_ = false;
+  compaction_idle_.notify_all();
+}
+
+Status KVStore::CompactSegments(bool all, bool* compacted) {
+  *compacted = false;
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  uint64_t first, end;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    first = begin_ / slots_per_segment;
+    const uint64_t full_end = read_only_page_ / pages_per_segment_;
+    auto live = [&](uint64_t s) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
+    end = full_end;
+    if (!all) {
+      int64_t garbage = 0;
+      for (uint64_t s = first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
+      int64_t reclaimed = 0;
+      end = first;
+      while (end < full_end && 2 * reclaimed < garbage) reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
     }
   }
+  if (end <= first) return Status::OK();
+
+  constexpr size_t kChunkRows = 4096;
+  std::vector<int64_t> keys;
+  std::vector<uint64_t> slots;
+  std::vector<uint8_t> values;
+  auto copy_chunk = [&]() -> Status {
+    if (keys.empty()) return Status::OK();
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    Status st = ApplyCopies(keys.data(), slots.data(), values.data(), keys.size(), CopyKind::kCompaction);
+    keys.clear();
+    slots.clear();
+    values.clear();
+    return st;
+  };
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t s = first; s < end; ++s) {
+    std::shared_ptr<SegmentFile> file;
+    MLKV_RETURN_IF_ERROR(SegmentFor(s, OpenMode::kMustExist, &file));
+    for (uint64_t page = s * pages_per_segment_; page < (s + 1) * pages_per_segment_; ++page) {
+      // Segment pages below read-only never change: read and verify them unlocked.
+      const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+      MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+      const uint64_t first_slot = page * records_per_page_;
+      for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+        // Verify before the liveness check: a damaged key must not make a live row look dead.
+        MLKV_RETURN_IF_ERROR(VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
+      }
+      {
+        std::shared_lock<std::shared_mutex> lock(mu_);
+        for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+          const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
+          RecordHeader h;
+          std::memcpy(&h, rec, sizeof(h));
+          if ((h.flags & kFlagTombstone) || index_.Find(h.key) != slot) continue;  // superseded or deleted
+          keys.push_back(h.key);
+          slots.push_back(slot);
+          values.insert(values.end(), rec + sizeof(RecordHeader), rec + sizeof(RecordHeader) + value_bytes_);
+        }
+      }
+      if (keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(copy_chunk());
+    }
+  }
+  MLKV_RETURN_IF_ERROR(copy_chunk());
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   begin_ = end * slots_per_segment;
   for (uint64_t s = first; s < end; ++s) {
-    segments_.erase(s);  // readers holding the file keep its descriptor
+    ForgetSegment(s);  // readers holding the file keep its descriptor
     compacted_segments_.push_back(s);
   }
   ++compactions_;
+  *compacted = true;
   return CheckpointLocked();  // on failure the segments go at the next successful checkpoint
-  return Status::OK();
 }
 
 Status KVStore::Close() {
@@ -926,11 +1078,21 @@ Status KVStore::Close() {
   }
   lookahead_cv_.notify_all();
   if (lookahead_thread_.joinable()) lookahead_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(compaction_state_mu_);
+    compaction_stop_ = true;
+  }
+  compaction_cv_.notify_all();
+  if (compaction_thread_.joinable()) compaction_thread_.join();
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::OK();
   MLKV_RETURN_IF_ERROR(CheckpointLocked());
   closed_ = true;
-  segments_.clear();
+  {
+    std::lock_guard<std::mutex> files_lock(files_mu_);
+    open_files_.clear();
+    open_order_.clear();
+  }
   if (lock_fd_ >= 0) {
     flock(lock_fd_, LOCK_UN);
     close(lock_fd_);
@@ -950,8 +1112,14 @@ KVStore::~KVStore() {
   }
   lookahead_cv_.notify_all();
   if (lookahead_thread_.joinable()) lookahead_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(compaction_state_mu_);
+    compaction_stop_ = true;
+  }
+  compaction_cv_.notify_all();
+  if (compaction_thread_.joinable()) compaction_thread_.join();
   if (lock_fd_ >= 0) close(lock_fd_);
-  std::free(frames_);
+  if (frames_mapping_) munmap(frames_mapping_, frames_mapped_bytes_);
 }
 
 uint64_t KVStore::Size() const {
@@ -966,14 +1134,20 @@ StoreStats KVStore::Stats() const {
   s.index_bytes = index_.MemoryBytes();
   s.log_memory_bytes = num_frames_ * page_bytes_;
   s.memory_bytes = s.index_bytes + s.log_memory_bytes;
-  for (const auto& kv : segments_) s.disk_bytes += FileSize(kv.second->fd);
   struct stat st;
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  if (slots_per_segment) {
+    for (uint64_t seg = begin_ / slots_per_segment; seg <= SegmentOfPage(read_only_page_); ++seg) {
+      if (stat(SegmentPath(seg).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
+    }
+  }
   if (stat(SnapshotPath(checkpoint_sequence_).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
   s.memory_hits = memory_hits_;
   s.disk_reads = disk_reads_;
   s.disk_rows = disk_rows_;
   s.lookahead_rows = lookahead_rows_;
   s.promoted_rows = promoted_rows_;
+  s.lookahead_dropped_rows = lookahead_dropped_rows_;
   s.in_place_updates = in_place_updates_;
   s.appends = appends_;
   s.compactions = compactions_;

@@ -15,7 +15,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <map>
+#include <list>
+#include <unordered_map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -76,6 +77,7 @@ struct StoreStats {
   uint64_t disk_rows = 0;        // rows a get read from disk
   uint64_t lookahead_rows = 0;   // rows lookahead brought into memory
   uint64_t promoted_rows = 0;    // hot rows a get read from disk and the store copied to memory
+  uint64_t lookahead_dropped_rows = 0;  // queued lookahead rows dropped under a backlog
   uint64_t in_place_updates = 0;
   uint64_t appends = 0;
   uint64_t compactions = 0;
@@ -118,7 +120,6 @@ class KVStore {
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
-    std::shared_ptr<SegmentFile> file;
   };
 
   KVStore(const std::string& path, const StoreOptions& options);
@@ -129,6 +130,7 @@ class KVStore {
   Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
                    uint64_t file_base_offset);
   Status CheckKeys(const int64_t* keys, size_t n) const;
+  Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing);
 
   // Log geometry.
   uint64_t PageOf(uint64_t slot) const { return div_records_per_page_.Div(slot); }
@@ -149,12 +151,24 @@ class KVStore {
   Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
   Status StartPage(uint64_t page);
   Status FlushPage(uint64_t page);
-  Status SegmentFor(uint64_t segment, bool create, std::shared_ptr<SegmentFile>* out);
-  Status SegmentOf(uint64_t slot, std::shared_ptr<SegmentFile>* out) const;  // for a slot below head
+  // Segment files are opened on demand and kept in a bounded LRU cache of
+  // descriptors; a reader's shared_ptr keeps a file open while it reads.
+  // kMustExist reports a missing file as corruption; kMayVanish as Busy, for a
+  // reader that looked the slot up before a compaction deleted its segment.
+  enum class OpenMode { kCreate, kMustExist, kMayVanish };
+  Status SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const;
+  void ForgetSegment(uint64_t segment);
   void MoveLive(uint64_t old_slot, uint64_t new_slot);
   Status CheckpointLocked();
-  Status CompactLocked(bool all);
+  // Compaction runs outside mu_: it reads old segments unlocked and copies
+  // live rows in chunks, each under a short exclusive lock. The caller holds
+  // compaction_mu_. `all`: every segment below the mutable region; otherwise
+  // the oldest ones that hold half of the garbage on disk. Sets *compacted.
+  Status CompactSegments(bool all, bool* compacted);
+  bool CompactionDueLocked() const;
+  // Called with mu_ held after writes: wakes the background compaction when due.
   Status MaybeAutoCompactLocked();
+  void CompactionWorker();
 
   // Disk reads outside the lock: fills the value bytes of each DiskRecord at
   // out + index * value_bytes, verifying keys and checksums.
@@ -170,7 +184,8 @@ class KVStore {
   void BackgroundWorker();
   Status LookaheadBatch(const std::vector<int64_t>& keys);
   // Appends each row at the tail unless a newer version was written since it was read.
-  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, bool promotion);
+  enum class CopyKind { kLookahead, kPromotion, kCompaction };
+  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, CopyKind kind);
   // The doorkeeper: true when `key` was read from disk recently (then clears it), else marks it.
   bool SeenRecently(int64_t key);
   void QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values);
@@ -187,7 +202,9 @@ class KVStore {
   FastDivisor div_records_per_page_, div_records_per_unit_, div_num_frames_;
 
   mutable std::shared_mutex mu_;
-  uint8_t* frames_ = nullptr;
+  uint8_t* frames_ = nullptr;  // num_frames_ pages, mapped anonymously
+  uint64_t frames_mapped_bytes_ = 0;
+  void* frames_mapping_ = nullptr;
   HashIndex index_;
   std::unique_ptr<BlockReader> reader_;
   uint64_t begin_ = 0;           // first slot still in the log
@@ -195,7 +212,10 @@ class KVStore {
   uint64_t read_only_page_ = 0;  // first mutable page; pages below it are in segment files
   uint64_t tail_ = 0;            // next slot to append
   uint64_t checkpoint_sequence_ = 0;
-  std::map<uint64_t, std::shared_ptr<SegmentFile>> segments_;
+  mutable std::mutex files_mu_;
+  mutable std::list<uint64_t> open_order_;  // most recently used first
+  mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>> open_files_;
+  mutable std::atomic<size_t> max_open_files_{256};  // shrinks when the process runs short of descriptors
   std::vector<uint64_t> dirty_segments_;   // written since the last checkpoint
   std::vector<uint64_t> compacted_segments_;  // deleted once a checkpoint no longer needs them
   std::vector<int64_t> live_per_segment_;  // records the index points at, per segment
@@ -203,7 +223,7 @@ class KVStore {
   bool closed_ = true;  // until Open succeeds
 
   mutable std::atomic<uint64_t> memory_hits_{0}, disk_reads_{0}, disk_rows_{0};
-  std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0};
+  std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0}, lookahead_dropped_rows_{0};
   std::vector<std::atomic<uint64_t>> doorkeeper_;
   std::atomic<uint64_t> doorkeeper_marks_{0};
   uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
@@ -214,6 +234,13 @@ class KVStore {
   bool lookahead_busy_ = false, lookahead_stop_ = false;
   Status lookahead_error_;
   std::thread lookahead_thread_;
+
+  std::mutex compaction_mu_;        // one compaction at a time
+  std::mutex compaction_state_mu_;  // guards the fields below; never held while taking mu_
+  std::condition_variable compaction_cv_, compaction_idle_;
+  bool compaction_requested_ = false, compaction_running_ = false, compaction_stop_ = false;
+  Status compaction_error_;
+  std::thread compaction_thread_;
 };
 
 }  // namespace mlkv
