@@ -1,11 +1,13 @@
 #include "io_reader.h"
 
+#include <fcntl.h>
 #include <linux/io_uring.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 
@@ -64,52 +66,72 @@ class UringRing {
     return Status::OK();
   }
 
-  // Keeps up to `depth` reads in flight until all `n` complete.
+  // Keeps up to `depth` reads in flight until all `n` complete. On an error it
+  // still waits for every submitted read (their buffers belong to the caller)
+  // and marks the ring broken, since unsubmitted entries may remain in it.
   Status ReadAll(ReadRequest* reqs, size_t n, unsigned depth) {
     depth = std::min(depth, entries_);
-    size_t next = 0, done = 0;
-    unsigned in_flight = 0;
-    while (done < n) {
-      unsigned queued = 0;
-      unsigned tail = *sq_tail_;
-      while (next < n && in_flight + queued < depth) {
-        unsigned idx = tail & sq_mask_;
-        io_uring_sqe* sqe = &sqes_[idx];
-        std::memset(sqe, 0, sizeof(*sqe));
-        sqe->opcode = IORING_OP_READ;
-        sqe->fd = reqs[next].fd;
-        sqe->off = reqs[next].offset;
-        sqe->addr = reinterpret_cast<uint64_t>(reqs[next].buffer);
-        sqe->len = reqs[next].length;
-        sqe->user_data = next;
-        sq_array_[idx] = idx;
-        ++tail;
-        ++queued;
-        ++next;
+    size_t next = 0;
+    unsigned in_flight = 0;  // consumed by the kernel, not yet completed
+    unsigned queued = 0;     // in the submission ring, not yet consumed
+    int busy_retries = 0;
+    Status error;
+    while (true) {
+      if (error.ok()) {
+        unsigned tail = *sq_tail_;
+        while (next < n && in_flight + queued < depth) {
+          unsigned idx = tail & sq_mask_;
+          io_uring_sqe* sqe = &sqes_[idx];
+          std::memset(sqe, 0, sizeof(*sqe));
+          sqe->opcode = IORING_OP_READ;
+          sqe->fd = reqs[next].fd;
+          sqe->off = reqs[next].offset;
+          sqe->addr = reinterpret_cast<uint64_t>(reqs[next].buffer);
+          sqe->len = reqs[next].length;
+          sqe->user_data = next;
+          sq_array_[idx] = idx;
+          ++tail;
+          ++queued;
+          ++next;
+        }
+        __atomic_store_n(sq_tail_, tail, __ATOMIC_RELEASE);
       }
-      __atomic_store_n(sq_tail_, tail, __ATOMIC_RELEASE);
-      int rc;
-      do {
-        rc = SysUringEnter(fd_, queued, 1, IORING_ENTER_GETEVENTS);
-      } while (rc < 0 && errno == EINTR);
-      if (rc < 0) return Status::IOError(std::string("io_uring_enter: ") + std::strerror(errno));
-      in_flight += queued;
+      const unsigned to_submit = error.ok() ? queued : 0;
+      if (in_flight == 0 && to_submit == 0) break;
+      int rc = SysUringEnter(fd_, to_submit, 1, IORING_ENTER_GETEVENTS);
+      if (rc < 0) {
+        const int err = errno;
+        if (err == EINTR) continue;
+        if ((err == EAGAIN || err == EBUSY) && busy_retries++ < 1000) {
+          if (in_flight == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+          rc = 0;  // nothing consumed; reap whatever completed
+        } else {
+          error = Status::IOError(std::string("io_uring_enter: ") + std::strerror(err));
+          rc = 0;
+        }
+      }
+      queued -= static_cast<unsigned>(rc);
+      in_flight += static_cast<unsigned>(rc);
       unsigned head = *cq_head_;
-      unsigned ctail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
+      const unsigned ctail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
       while (head != ctail) {
         const io_uring_cqe& cqe = cqes_[head & cq_mask_];
-        reqs[cqe.user_data].result = cqe.res;
+        if (cqe.user_data < n) reqs[cqe.user_data].result = cqe.res;
         ++head;
-        ++done;
         --in_flight;
       }
       __atomic_store_n(cq_head_, head, __ATOMIC_RELEASE);
+      if (error.ok() && next == n && queued == 0 && in_flight == 0) break;
     }
-    return Status::OK();
+    if (!error.ok() || queued != 0) broken_ = true;
+    return error;
   }
+
+  bool broken() const { return broken_; }
 
  private:
   int fd_ = -1;
+  bool broken_ = false;
   void* sq_ptr_ = nullptr;
   void* cq_ptr_ = nullptr;
   size_t sq_bytes_ = 0, cq_bytes_ = 0, sqes_bytes_ = 0;
@@ -149,7 +171,9 @@ class UringReader : public BlockReader {
       ring = std::move(fresh);
       ring_depth = depth_;
     }
-    MLKV_RETURN_IF_ERROR(ring->ReadAll(reqs, n, depth_));
+    Status st = ring->ReadAll(reqs, n, depth_);
+    if (ring->broken()) ring.reset();  // the next call starts a fresh ring
+    MLKV_RETURN_IF_ERROR(st);
     // A short read (a read that crossed end of file) is finished with pread.
     for (size_t i = 0; i < n; ++i) {
       if (reqs[i].result >= 0 && static_cast<uint64_t>(reqs[i].result) < reqs[i].length) reqs[i].result = PreadFully(reqs[i]);
@@ -165,15 +189,23 @@ class UringReader : public BlockReader {
 class ThreadPoolReader : public BlockReader {
  public:
   explicit ThreadPoolReader(uint32_t threads) {
-    for (uint32_t t = 0; t < threads; ++t) workers_.emplace_back([this] { Work(); });
+    try {
+      for (uint32_t t = 0; t < threads; ++t) workers_.emplace_back([this] { Work(); });
+    } catch (...) {
+      Stop();  // join the workers that did start before the caller sees the error
+      throw;
+    }
   }
-  ~ThreadPoolReader() override {
+  ~ThreadPoolReader() override { Stop(); }
+
+  void Stop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
+    workers_.clear();
   }
   const char* name() const override { return "threads"; }
 
@@ -254,10 +286,23 @@ class ThreadPoolReader : public BlockReader {
 
 }  // namespace
 
+// io_uring_setup working is not enough: IORING_OP_READ needs Linux 5.6, so
+// one real read of /dev/zero proves the engine usable.
 bool UringAvailable() {
   static const bool available = [] {
     UringRing probe;
-    return probe.Init(4).ok();
+    if (!probe.Init(4).ok()) return false;
+    int fd = open("/dev/zero", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    uint8_t byte[8];
+    ReadRequest req;
+    req.fd = fd;
+    req.length = sizeof(byte);
+    req.buffer = byte;
+    req.result = -1;
+    Status st = probe.ReadAll(&req, 1, 1);
+    close(fd);
+    return st.ok() && req.result == static_cast<int64_t>(sizeof(byte));
   }();
   return available;
 }
@@ -270,7 +315,11 @@ Status BlockReader::Create(IoEngine engine, uint32_t depth, uint32_t threads, st
     out->reset(new UringReader(depth));
   } else {
     if (threads == 0 || threads > 1024) return Status::InvalidArgument("io_threads must be in [1, 1024], got " + std::to_string(threads));
-    out->reset(new ThreadPoolReader(threads));
+    try {
+      out->reset(new ThreadPoolReader(threads));
+    } catch (const std::exception& e) {
+      return Status::IOError(std::string("starting ") + std::to_string(threads) + " I/O threads: " + e.what());
+    }
   }
   return Status::OK();
 }

@@ -1,6 +1,7 @@
 #include "kv_store.h"
 
 #include <fcntl.h>
+#include <dirent.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -419,23 +420,75 @@ void KVStore::ForgetSegment(uint64_t segment) {
 }
 
 
-Status KVStore::FlushPage(uint64_t page) {
+Status KVStore::WritePage(uint64_t page) {
   std::shared_ptr<SegmentFile> file;
-  uint64_t segment = SegmentOfPage(page);
+  const uint64_t segment = SegmentOfPage(page);
   MLKV_RETURN_IF_ERROR(SegmentFor(segment, OpenMode::kCreate, &file));
   MLKV_RETURN_IF_ERROR(WriteFully(file->fd, FrameOf(page), page_bytes_, (page % pages_per_segment_) * page_bytes_, file->path));
+  std::lock_guard<std::mutex> lock(flush_mu_);
   if (dirty_segments_.empty() || dirty_segments_.back() != segment) dirty_segments_.push_back(segment);
   return Status::OK();
 }
 
-// Makes room for `page` at the tail: pages that leave the mutable region are
-// written to their segment, and the oldest page leaves memory.
-Status KVStore::StartPage(uint64_t page) {
-  while (read_only_page_ + mutable_pages_ < page + 1) {
-    MLKV_RETURN_IF_ERROR(FlushPage(read_only_page_));
-    ++read_only_page_;
+void KVStore::FlushWorker() {
+  std::unique_lock<std::mutex> lock(flush_mu_);
+  while (true) {
+    flush_cv_.wait(lock, [&] { return flush_stop_ || (flush_error_.ok() && flushed_page_ < flush_target_page_) || flush_retry_; });
+    flush_retry_ = false;
+    if (flushed_page_ >= flush_target_page_) {
+      if (flush_stop_) return;
+      continue;
+    }
+    if (!flush_error_.ok()) continue;  // waits for a caller to collect the error and ask for a retry
+    const uint64_t page = flushed_page_;
+    lock.unlock();
+    // The page is read-only, and its frame is not reused before it is written: no lock needed.
+    Status st;
+    try {
+      st = WritePage(page);
+    } catch (const std::exception& e) {
+      st = Status::IOError(std::string("writing a log page: ") + e.what());
+    }
+    lock.lock();
+    if (st.ok()) {
+      flushed_page_ = page + 1;
+    } else {
+      flush_error_ = st;
+      if (flush_stop_) return;
+    }
+    flushed_cv_.notify_all();
   }
-  if (page >= num_frames_ && head_page_ < page - num_frames_ + 1) head_page_ = page - num_frames_ + 1;
+}
+
+Status KVStore::WaitFlushed(uint64_t page_end) {
+  std::unique_lock<std::mutex> lock(flush_mu_);
+  if (flush_target_page_ < page_end) flush_target_page_ = page_end;
+  if (flushed_page_ >= page_end) return Status::OK();
+  if (!flush_thread_.joinable()) flush_thread_ = std::thread([this] { FlushWorker(); });
+  flush_cv_.notify_one();
+  flushed_cv_.wait(lock, [&] { return flushed_page_ >= page_end || !flush_error_.ok(); });
+  if (flushed_page_ >= page_end) return Status::OK();
+  // Hand the error to this caller; the flusher tries the page again on the next wait.
+  Status st = flush_error_;
+  flush_error_ = Status::OK();
+  flush_retry_ = true;
+  return st;
+}
+
+// Makes room for `page` at the tail: pages that leave the mutable region are
+// queued for writing, and the oldest page leaves memory once it is written.
+Status KVStore::StartPage(uint64_t page) {
+  if (read_only_page_ + mutable_pages_ < page + 1) {
+    read_only_page_ = page + 1 - mutable_pages_;
+    std::lock_guard<std::mutex> lock(flush_mu_);
+    flush_target_page_ = read_only_page_;
+    if (!flush_thread_.joinable()) flush_thread_ = std::thread([this] { FlushWorker(); });
+    flush_cv_.notify_one();
+  }
+  if (page >= num_frames_ && head_page_ < page - num_frames_ + 1) {
+    MLKV_RETURN_IF_ERROR(WaitFlushed(page - num_frames_ + 1));
+    head_page_ = page - num_frames_ + 1;
+  }
   return Status::OK();
 }
 
@@ -643,6 +696,7 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
   }
   if (n == 0) return Status::OK();
   std::lock_guard<std::mutex> lock(lookahead_mu_);
+  if (lookahead_stop_) return Status::InvalidArgument("store at " + path_ + " is closing");
   if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { BackgroundWorker(); });
   CopyJob job;
   job.keys.assign(keys, keys + n);
@@ -674,13 +728,17 @@ void KVStore::BackgroundWorker() {
     lookahead_busy_ = true;
     lock.unlock();
     Status st;
-    if (job.slots.empty()) {
-      st = LookaheadBatch(job.keys);
-    } else {
-      std::unique_lock<std::shared_mutex> store_lock(mu_);
-      if (!closed_) {
-        st = ApplyCopies(job.keys.data(), job.slots.data(), job.values.data(), job.keys.size(), CopyKind::kPromotion);
+    try {
+      if (job.slots.empty()) {
+        st = LookaheadBatch(job.keys);
+      } else {
+        std::unique_lock<std::shared_mutex> store_lock(mu_);
+        if (!closed_) {
+          st = ApplyCopies(job.keys.data(), job.slots.data(), job.values.data(), job.keys.size(), CopyKind::kPromotion);
+        }
       }
+    } catch (const std::exception& e) {  // e.g. bad_alloc: reported by the next flush, not fatal
+      st = Status::IOError(std::string("lookahead: ") + e.what());
     }
     lock.lock();
     lookahead_busy_ = false;
@@ -758,22 +816,34 @@ Status KVStore::Flush() {
 }
 
 Status KVStore::Checkpoint() {
-  MLKV_RETURN_IF_ERROR(Flush());
+  // A failed lookahead or compaction is reported, but does not cost the checkpoint.
+  Status background = Flush();
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  return CheckpointLocked();
+  MLKV_RETURN_IF_ERROR(CheckpointLocked());
+  return background;
 }
 
 // A checkpoint = segment files synced + the mutable pages copied to a snapshot
 // file + a new CHECKPOINT file renamed into place. Nothing becomes read-only,
 // so in-place updates go on after it.
 Status KVStore::CheckpointLocked() {
-  for (uint64_t s : dirty_segments_) {
-    std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(s, OpenMode::kMustExist, &file));
-    if (fdatasync(file->fd) != 0) return Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
+  MLKV_RETURN_IF_ERROR(WaitFlushed(read_only_page_));
+  std::vector<uint64_t> dirty;
+  {
+    std::lock_guard<std::mutex> lock(flush_mu_);
+    dirty.swap(dirty_segments_);
   }
-  dirty_segments_.clear();
+  for (size_t i = 0; i < dirty.size(); ++i) {
+    std::shared_ptr<SegmentFile> file;
+    Status st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
+    if (st.ok() && fdatasync(file->fd) != 0) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
+    if (!st.ok()) {  // still dirty for the next try
+      std::lock_guard<std::mutex> lock(flush_mu_);
+      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
+      return st;
+    }
+  }
   const uint64_t sequence = checkpoint_sequence_ + 1;
   const std::string snapshot = SnapshotPath(sequence);
   const uint64_t first_page = read_only_page_;
@@ -817,6 +887,8 @@ Status KVStore::CheckpointLocked() {
   Status st = WriteFully(fd, &meta, sizeof(meta), 0, tmp);
   if (st.ok() && fsync(fd) != 0) st = Status::IOError("syncing " + tmp + ": " + ErrnoText(errno));
   close(fd);
+  // New segment and snapshot entries are durable before CHECKPOINT names them.
+  if (st.ok()) st = SyncDirectory(path_);
   if (st.ok() && rename(tmp.c_str(), final_path.c_str()) != 0) {
     st = Status::IOError("renaming " + tmp + ": " + ErrnoText(errno));
   }
@@ -825,12 +897,16 @@ Status KVStore::CheckpointLocked() {
     unlink(snapshot.c_str());
     return st;
   }
+  const uint64_t previous = checkpoint_sequence_;
+  checkpoint_sequence_ = sequence;  // never reused, even if what follows fails
   MLKV_RETURN_IF_ERROR(SyncDirectory(path_));
   // The new checkpoint is durable: what only the old one needed can go.
-  if (checkpoint_sequence_ > 0) unlink(SnapshotPath(checkpoint_sequence_).c_str());
-  for (uint64_t s : compacted_segments_) unlink(SegmentPath(s).c_str());
+  if (previous > 0) unlink(SnapshotPath(previous).c_str());
+  for (uint64_t s : compacted_segments_) {
+    unlink(SegmentPath(s).c_str());
+    ForgetSegment(s);  // the checkpoint's own sync may have reopened it
+  }
   compacted_segments_.clear();
-  checkpoint_sequence_ = sequence;
   ++checkpoints_;
   return Status::OK();
 }
@@ -889,13 +965,6 @@ Status KVStore::Recover() {
   const uint64_t begin_page = begin_ / records_per_page_;
   const uint64_t end_page = (meta.tail + records_per_page_ - 1) / records_per_page_;
 
-  // Files no checkpoint refers to: left by a crash between a write and the next checkpoint.
-  const uint64_t first_segment = SegmentOfPage(begin_page);
-  const uint64_t last_segment = flushed_page == 0 ? 0 : SegmentOfPage(flushed_page - 1);
-  for (uint64_t s = 0; s < first_segment; ++s) unlink(SegmentPath(s).c_str());
-  for (uint64_t s = flushed_page == 0 ? 0 : last_segment + 1; FileExists(SegmentPath(s)); ++s) unlink(SegmentPath(s).c_str());
-  unlink((path_ + "/CHECKPOINT.tmp").c_str());
-
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t page = begin_page; page < flushed_page; ++page) {
     std::shared_ptr<SegmentFile> file;
@@ -905,6 +974,7 @@ Status KVStore::Recover() {
     MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, page * records_per_page_, (page + 1) * records_per_page_, file->path, offset));
   }
   head_page_ = read_only_page_ = flushed_page;
+  flushed_page_ = flush_target_page_ = flushed_page;
   tail_ = flushed_page * records_per_page_;
   if (end_page > flushed_page) {
     const std::string snapshot = SnapshotPath(meta.sequence);
@@ -928,21 +998,47 @@ Status KVStore::Recover() {
     return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ + ", its CHECKPOINT says " +
                               std::to_string(meta.rows));
   }
-  // Snapshots of other checkpoints are leftovers.
-  for (uint64_t s = meta.sequence + 1; FileExists(SnapshotPath(s)); ++s) unlink(SnapshotPath(s).c_str());
-  if (meta.sequence > 0) unlink(SnapshotPath(meta.sequence - 1).c_str());
+  RemoveLeftovers(SegmentOfPage(begin_page), meta.sequence);
   return Status::OK();
 }
 
+// Files the recovered checkpoint does not name, left by a crash between a
+// write and the next checkpoint: compacted segments below `first_segment`,
+// segments past the one the log writes next (the flusher may be writing pages
+// replayed from the snapshot up to there), other snapshots, CHECKPOINT.tmp.
+void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence) {
+  DIR* dir = opendir(path_.c_str());
+  if (!dir) return;
+  const uint64_t last_segment = SegmentOfPage(read_only_page_);
+  std::vector<std::string> doomed;
+  while (dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    unsigned long long number = 0;
+    char tail[8] = {0};
+    if (std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) {
+      if (number < first_segment || number > last_segment) doomed.push_back(name);
+    } else if (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
+      if (number != sequence) doomed.push_back(name);
+    } else if (name == "CHECKPOINT.tmp") {
+      doomed.push_back(name);
+    }
+  }
+  closedir(dir);
+  for (const std::string& name : doomed) unlink((path_ + "/" + name).c_str());
+}
+
 Status KVStore::Compact() {
-  MLKV_RETURN_IF_ERROR(Flush());
+  Status background = Flush();
+  if (background.code() == Status::Code::kInvalidArgument) return background;  // closed
   std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
   bool compacted = false;
   MLKV_RETURN_IF_ERROR(CompactSegments(/*all=*/true, &compacted));
-  if (compacted) return Status::OK();
-  std::unique_lock<std::shared_mutex> lock(mu_);  // nothing to copy: it still ends with a checkpoint
-  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  return CheckpointLocked();
+  if (!compacted) {  // nothing to copy: it still ends with a checkpoint
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    MLKV_RETURN_IF_ERROR(CheckpointLocked());
+  }
+  return background;
 }
 
 bool KVStore::CompactionDueLocked() const {
@@ -956,8 +1052,8 @@ Status KVStore::MaybeAutoCompactLocked() {
   if (!CompactionDueLocked()) return Status::OK();
   std::lock_guard<std::mutex> lock(compaction_state_mu_);
   if (compaction_stop_ || compaction_requested_) return Status::OK();
-  compaction_requested_ = true;
   if (!compaction_thread_.joinable()) compaction_thread_ = std::thread([this] { CompactionWorker(); });
+  compaction_requested_ = true;
   compaction_cv_.notify_one();
   return Status::OK();
 }
@@ -979,7 +1075,11 @@ void KVStore::CompactionWorker() {
         due = !closed_ && CompactionDueLocked();
       }
       bool compacted = false;
-      if (due) st = CompactSegments(/*all=*/false, &compacted);
+      try {
+        if (due) st = CompactSegments(/*all=*/false, &compacted);
+      } catch (const std::exception& e) {
+        st = Status::IOError(std::string("compaction: ") + e.what());
+      }
     }
     state.lock();
     compaction_running_ = false;
@@ -998,7 +1098,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     first = begin_ / slots_per_segment;
-    const uint64_t full_end = read_only_page_ / pages_per_segment_;
+    const uint64_t full_end = flushed_page_ / pages_per_segment_;  // segments wholly written
     auto live = [&](uint64_t s) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
     end = full_end;
     if (!all) {
@@ -1067,26 +1167,25 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
 }
 
 Status KVStore::Close() {
+  std::lock_guard<std::mutex> one_close(close_mu_);
   {
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (closed_) return Status::OK();
   }
   Status flushed = Flush();
-  {
-    std::lock_guard<std::mutex> lock(lookahead_mu_);
-    lookahead_stop_ = true;
-  }
-  lookahead_cv_.notify_all();
-  if (lookahead_thread_.joinable()) lookahead_thread_.join();
-  {
-    std::lock_guard<std::mutex> lock(compaction_state_mu_);
-    compaction_stop_ = true;
-  }
-  compaction_cv_.notify_all();
-  if (compaction_thread_.joinable()) compaction_thread_.join();
+  StopThreads();
   std::unique_lock<std::shared_mutex> lock(mu_);
-  if (closed_) return Status::OK();
-  MLKV_RETURN_IF_ERROR(CheckpointLocked());
+  Status st = CheckpointLocked();
+  if (!st.ok()) {
+    // The store stays open: let the background workers start again on demand.
+    {
+      std::lock_guard<std::mutex> l(lookahead_mu_);
+      lookahead_stop_ = false;
+    }
+    std::lock_guard<std::mutex> l(compaction_state_mu_);
+    compaction_stop_ = false;
+    return st;
+  }
   closed_ = true;
   {
     std::lock_guard<std::mutex> files_lock(files_mu_);
@@ -1101,11 +1200,8 @@ Status KVStore::Close() {
   return flushed;
 }
 
-KVStore::~KVStore() {
-  if (!closed_) {
-    Status st = Close();
-    if (!st.ok()) std::fprintf(stderr, "mlkv: closing %s: %s\n", path_.c_str(), st.ToString().c_str());
-  }
+// Stops the lookahead and compaction workers; the flusher stays for the last checkpoint.
+void KVStore::StopThreads() {
   {
     std::lock_guard<std::mutex> lock(lookahead_mu_);
     lookahead_stop_ = true;
@@ -1118,6 +1214,20 @@ KVStore::~KVStore() {
   }
   compaction_cv_.notify_all();
   if (compaction_thread_.joinable()) compaction_thread_.join();
+}
+
+KVStore::~KVStore() {
+  if (!closed_) {
+    Status st = Close();
+    if (!st.ok()) std::fprintf(stderr, "mlkv: closing %s: %s\n", path_.c_str(), st.ToString().c_str());
+  }
+  StopThreads();
+  {
+    std::lock_guard<std::mutex> lock(flush_mu_);
+    flush_stop_ = true;
+  }
+  flush_cv_.notify_all();
+  if (flush_thread_.joinable()) flush_thread_.join();
   if (lock_fd_ >= 0) close(lock_fd_);
   if (frames_mapping_) munmap(frames_mapping_, frames_mapped_bytes_);
 }

@@ -127,6 +127,7 @@ class KVStore {
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
   Status CreateFresh();
   Status Recover();
+  void RemoveLeftovers(uint64_t first_segment, uint64_t sequence);
   Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
                    uint64_t file_base_offset);
   Status CheckKeys(const int64_t* keys, size_t n) const;
@@ -150,7 +151,12 @@ class KVStore {
   // Log mutation; callers hold mu_ exclusively.
   Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
   Status StartPage(uint64_t page);
-  Status FlushPage(uint64_t page);
+  // Pages that leave the mutable region are written to their segment by a
+  // flusher thread; only evicting a page's frame and a checkpoint wait for it.
+  Status WritePage(uint64_t page);  // run by the flusher, without mu_
+  Status WaitFlushed(uint64_t page_end);  // until pages below page_end are written
+  void FlushWorker();
+  void StopThreads();
   // Segment files are opened on demand and kept in a bounded LRU cache of
   // descriptors; a reader's shared_ptr keeps a file open while it reads.
   // kMustExist reports a missing file as corruption; kMayVanish as Busy, for a
@@ -216,7 +222,7 @@ class KVStore {
   mutable std::list<uint64_t> open_order_;  // most recently used first
   mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>> open_files_;
   mutable std::atomic<size_t> max_open_files_{256};  // shrinks when the process runs short of descriptors
-  std::vector<uint64_t> dirty_segments_;   // written since the last checkpoint
+  std::vector<uint64_t> dirty_segments_;   // written since the last checkpoint; guarded by flush_mu_
   std::vector<uint64_t> compacted_segments_;  // deleted once a checkpoint no longer needs them
   std::vector<int64_t> live_per_segment_;  // records the index points at, per segment
   int lock_fd_ = -1;
@@ -228,6 +234,7 @@ class KVStore {
   std::atomic<uint64_t> doorkeeper_marks_{0};
   uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
 
+  std::mutex close_mu_;  // one Close at a time
   std::mutex lookahead_mu_;
   std::condition_variable lookahead_cv_, lookahead_idle_;
   std::deque<CopyJob> lookahead_queue_;
@@ -241,6 +248,14 @@ class KVStore {
   bool compaction_requested_ = false, compaction_running_ = false, compaction_stop_ = false;
   Status compaction_error_;
   std::thread compaction_thread_;
+
+  std::mutex flush_mu_;  // never held while taking mu_
+  std::condition_variable flush_cv_, flushed_cv_;
+  uint64_t flush_target_page_ = 0;         // pages below are read-only, to be written
+  std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
+  Status flush_error_;
+  bool flush_retry_ = false, flush_stop_ = false;
+  std::thread flush_thread_;
 };
 
 }  // namespace mlkv
