@@ -186,6 +186,7 @@ class Store {
     d["lookahead_rows"] = s.lookahead_rows;
     d["promoted_rows"] = s.promoted_rows;
     d["lookahead_dropped_rows"] = s.lookahead_dropped_rows;
+    d["write_stalls"] = s.write_stalls;
     d["in_place_updates"] = s.in_place_updates;
     d["appends"] = s.appends;
     d["compactions"] = s.compactions;

@@ -776,50 +776,27 @@ def main() -> int:
         row += f"{(f'{peak:.0f}' if peak is not None else '-'):>19}"
         log(row)
 
-    log("")
-    log("## page cache growth during each 10x phase, MiB (after drop_caches; the budget is "
-        f"{budget_big / MiB:.1f} MiB)")
-    log(f"{'system':22}" + "".join(f"{p:>14}" for p in phases[1:]))
-    for spec in runs:
-        if spec["case"] != "10x" or "error" in results[spec["name"]]:
-            continue
-        ph = results[spec["name"]]["phases"]
-        log(f"{spec['name']:22}" + "".join(f"{ph[p]['page_cache_growth_mib']:>14.0f}" if p in ph else f"{'-':>14}"
-                                           for p in phases[1:]))
+    def phase_table(title, cases, cols, cell, width=14):
+        """One row per system of `cases`, one column per phase in `cols`."""
+        log("")
+        log(title)
+        log(f"{'system':22}" + "".join(f"{p:>{width}}" for p in cols))
+        for spec in runs:
+            if spec["case"] not in cases or "error" in results[spec["name"]]:
+                continue
+            ph = results[spec["name"]]["phases"]
+            log(f"{spec['name']:22}" + "".join(f"{cell(ph[p]):>{width}}" if p in ph else f"{'-':>{width}}" for p in cols))
 
-    log("")
-    log("## CPU use during each phase, cores (process CPU time / wall time; >1 = background threads)")
-    log(f"{'system':22}" + "".join(f"{p:>14}" for p in phases))
-    for spec in runs:
-        if spec["case"] == "disk" or "error" in results[spec["name"]]:
-            continue
-        ph = results[spec["name"]]["phases"]
-        log(f"{spec['name']:22}" + "".join(
-            f"{ph[p]['cpu_seconds'] / max(ph[p]['wall_seconds'], 1e-9):>14.2f}" if p in ph else f"{'-':>14}"
-            for p in phases))
-
-    log("")
-    log("## batch latency, ms: median / max over the timed batches (a max far above the median is a stall, "
-        "e.g. a compaction inside put)")
-    log(f"{'system':22}" + "".join(f"{p:>16}" for p in phases[1:]))
-    for spec in runs:
-        if spec["case"] == "disk" or "error" in results[spec["name"]]:
-            continue
-        ph = results[spec["name"]]["phases"]
-        log(f"{spec['name']:22}" + "".join(
-            f"{ph[p]['batch_ms_median']:>8.1f}/{ph[p]['batch_ms_max']:<7.0f}" if p in ph else f"{'-':>16}"
-            for p in phases[1:]))
-
-    log("")
-    log("## in-memory case, rows per CPU-second of the whole process inside the timed calls "
-        "(less sensitive to other load on the machine; background threads count)")
-    log(f"{'system':22}" + "".join(f"{p:>14}" for p in phases[1:]))
-    for spec in runs:
-        if spec["case"] != "mem" or "error" in results[spec["name"]]:
-            continue
-        ph = results[spec["name"]]["phases"]
-        log(f"{spec['name']:22}" + "".join(f"{fmt_rate(ph[p]['rows_per_cpu_s']):>14}" if p in ph else f"{'-':>14}"
-                                           for p in phases[1:]))
+    phase_table(f"## page cache growth during each 10x phase, MiB (after drop_caches; the budget is "
+                f"{budget_big / MiB:.1f} MiB)", ("10x",), phases[1:], lambda q: f"{q['page_cache_growth_mib']:.0f}")
+    phase_table("## CPU use during each phase, cores (process CPU time / wall time; >1 = background threads)",
+                ("mem", "10x"), phases, lambda q: f"{q['cpu_seconds'] / max(q['wall_seconds'], 1e-9):.2f}")
+    phase_table("## batch latency, ms: median / max over the timed batches (a max far above the median is a stall, "
+                "e.g. a write waiting for compaction)", ("mem", "10x"), phases[1:],
+                lambda q: f"{q['batch_ms_median']:.1f}/{q['batch_ms_max']:<7.0f}", width=16)
+    phase_table("## in-memory case, rows per CPU-second of the whole process inside the timed calls "
+                "(less sensitive to other load on the machine; background threads count)", ("mem",), phases[1:],
+                lambda q: fmt_rate(q["rows_per_cpu_s"]))
 
     # ratios
     pairs = [("mem", "mlkv-mem", "rocksdb-mem", "lmdb-mem"),

@@ -505,6 +505,7 @@ Status KVStore::Append(int64_t key, uint16_t flags, const uint8_t* value, uint64
 Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   const auto* vals = static_cast<const uint8_t*>(values);
+  StallForCompaction();
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   constexpr size_t kAhead = 8;
@@ -529,6 +530,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
 
 Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  StallForCompaction();
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   *deleted = 0;
@@ -1041,15 +1043,36 @@ Status KVStore::Compact() {
   return background;
 }
 
-bool KVStore::CompactionDueLocked() const {
+bool KVStore::CompactionDueLocked(double ratio) const {
   if (options_.compaction_ratio == 0.0) return false;
   const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
   if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
-  return static_cast<double>(on_disk_slots) > options_.compaction_ratio * static_cast<double>(index_.size());
+  return static_cast<double>(on_disk_slots) > ratio * static_cast<double>(index_.size());
+}
+
+// Writers can append faster than compaction reclaims; past 1.25x the
+// compaction threshold a write waits for it (holding no lock), as an LSM
+// tree stalls writes, so disk use stays bounded.
+void KVStore::StallForCompaction() {
+  if (options_.compaction_ratio == 0.0) return;
+  for (int round = 0; round < 64; ++round) {
+    {
+      std::shared_lock<std::shared_mutex> lock(mu_);
+      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25)) return;
+    }
+    {
+      std::unique_lock<std::shared_mutex> lock(mu_);
+      if (!MaybeAutoCompactLocked().ok()) return;
+    }
+    std::unique_lock<std::mutex> state(compaction_state_mu_);
+    if (compaction_stop_ || !compaction_error_.ok()) return;
+    compaction_idle_.wait(state, [&] { return compaction_stop_ || (!compaction_running_ && !compaction_requested_); });
+    ++write_stalls_;
+  }
 }
 
 Status KVStore::MaybeAutoCompactLocked() {
-  if (!CompactionDueLocked()) return Status::OK();
+  if (!CompactionDueLocked(options_.compaction_ratio)) return Status::OK();
   std::lock_guard<std::mutex> lock(compaction_state_mu_);
   if (compaction_stop_ || compaction_requested_) return Status::OK();
   if (!compaction_thread_.joinable()) compaction_thread_ = std::thread([this] { CompactionWorker(); });
@@ -1072,7 +1095,7 @@ void KVStore::CompactionWorker() {
       bool due;
       {
         std::shared_lock<std::shared_mutex> lock(mu_);
-        due = !closed_ && CompactionDueLocked();
+        due = !closed_ && CompactionDueLocked(options_.compaction_ratio);
       }
       bool compacted = false;
       try {
@@ -1258,6 +1281,7 @@ StoreStats KVStore::Stats() const {
   s.lookahead_rows = lookahead_rows_;
   s.promoted_rows = promoted_rows_;
   s.lookahead_dropped_rows = lookahead_dropped_rows_;
+  s.write_stalls = write_stalls_;
   s.in_place_updates = in_place_updates_;
   s.appends = appends_;
   s.compactions = compactions_;

@@ -78,6 +78,7 @@ struct StoreStats {
   uint64_t lookahead_rows = 0;   // rows lookahead brought into memory
   uint64_t promoted_rows = 0;    // hot rows a get read from disk and the store copied to memory
   uint64_t lookahead_dropped_rows = 0;  // queued lookahead rows dropped under a backlog
+  uint64_t write_stalls = 0;            // times a write waited for compaction to catch up
   uint64_t in_place_updates = 0;
   uint64_t appends = 0;
   uint64_t compactions = 0;
@@ -171,7 +172,8 @@ class KVStore {
   // compaction_mu_. `all`: every segment below the mutable region; otherwise
   // the oldest ones that hold half of the garbage on disk. Sets *compacted.
   Status CompactSegments(bool all, bool* compacted);
-  bool CompactionDueLocked() const;
+  bool CompactionDueLocked(double ratio) const;  // on-disk log > ratio x live rows
+  void StallForCompaction();
   // Called with mu_ held after writes: wakes the background compaction when due.
   Status MaybeAutoCompactLocked();
   void CompactionWorker();
@@ -229,7 +231,7 @@ class KVStore {
   bool closed_ = true;  // until Open succeeds
 
   mutable std::atomic<uint64_t> memory_hits_{0}, disk_reads_{0}, disk_rows_{0};
-  std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0}, lookahead_dropped_rows_{0};
+  std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0}, lookahead_dropped_rows_{0}, write_stalls_{0};
   std::vector<std::atomic<uint64_t>> doorkeeper_;
   std::atomic<uint64_t> doorkeeper_marks_{0};
   uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
