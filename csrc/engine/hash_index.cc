@@ -141,6 +141,15 @@ uint64_t HashIndex::Upsert(int64_t key, uint64_t address) {
   return kNoAddress;
 }
 
+bool HashIndex::UpdateIf(int64_t key, uint64_t expected, uint64_t address) {
+  const Where w = Locate(key);
+  Bucket* b;
+  int slot;
+  if (!FindEntry(w, &b, &slot, nullptr, nullptr) || (b->lo[slot] & kAddrMask) - 1 != expected) return false;
+  b->lo[slot] = w.lo_fp | (address + 1);
+  return true;
+}
+
 int HashIndex::FreeSlots(const Bucket& b) const {
   int free = 0;
   for (int i = 0; i < kSlotsPerBucket; ++i) free += !Occupied(b.lo[i]);

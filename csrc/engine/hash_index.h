@@ -39,6 +39,8 @@ class HashIndex {
   uint64_t Find(const Where& w) const;
   // Sets the address of `key`; returns the previous one or kNoAddress (a new key).
   uint64_t Upsert(int64_t key, uint64_t address);
+  // Sets the address of `key` to `address` only if it is `expected`; returns whether it was.
+  bool UpdateIf(int64_t key, uint64_t expected, uint64_t address);
   // Removes `key`; returns its address or kNoAddress when it was absent.
   uint64_t Erase(int64_t key);
   // Hints the CPU to load the buckets of a key (for batched lookups).

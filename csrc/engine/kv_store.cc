@@ -502,6 +502,16 @@ Status KVStore::Append(int64_t key, uint16_t flags, const uint8_t* value, uint64
   return Status::OK();
 }
 
+Status KVStore::AppendRecord(const uint8_t* record, uint64_t* slot) {
+  if (tail_ > HashIndex::kMaxAddress) return Status::IOError("log address space exhausted at " + path_);
+  if (tail_ % records_per_page_ == 0) MLKV_RETURN_IF_ERROR(StartPage(PageOf(tail_)));
+  *slot = tail_;
+  std::memcpy(RecordInMemory(tail_), record, record_bytes_);
+  ++tail_;
+  ++appends_;
+  return Status::OK();
+}
+
 Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   const auto* vals = static_cast<const uint8_t*>(values);
@@ -777,17 +787,25 @@ Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
   return ApplyCopies(read_keys.data(), slots.data(), values.data(), read_keys.size(), CopyKind::kLookahead);
 }
 
-Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, CopyKind kind) {
+Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* rows, size_t n, CopyKind kind,
+                            bool values_only) {
   const uint64_t head = HeadSlot();
+  const size_t stride = values_only ? value_bytes_ : record_bytes_;
   uint64_t copied = 0;
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t slot = index_.Find(keys[i]);
-    if (slot != slots[i]) continue;  // superseded or deleted since it was read
     // A row already in memory needs no lookahead; compaction copies it regardless.
-    if (kind != CopyKind::kCompaction && slot >= head) continue;
-    uint64_t fresh;
-    MLKV_RETURN_IF_ERROR(Append(keys[i], 0, values + i * value_bytes_, &fresh));
-    MoveLive(index_.Upsert(keys[i], fresh), fresh);
+    if (kind != CopyKind::kCompaction && slots[i] >= head) continue;
+    // One index lookup: point the key at the slot the append will take, unless
+    // it was superseded or deleted since it was read; undo if the append fails.
+    const uint64_t fresh = tail_;
+    if (!index_.UpdateIf(keys[i], slots[i], fresh)) continue;
+    uint64_t appended;
+    Status st = values_only ? Append(keys[i], 0, rows + i * stride, &appended) : AppendRecord(rows + i * stride, &appended);
+    if (!st.ok()) {
+      index_.UpdateIf(keys[i], fresh, slots[i]);
+      return st;
+    }
+    MoveLive(slots[i], fresh);
     ++copied;
   }
   switch (kind) {
@@ -1142,7 +1160,8 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
     if (keys.empty()) return Status::OK();
     std::unique_lock<std::shared_mutex> lock(mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-    Status st = ApplyCopies(keys.data(), slots.data(), values.data(), keys.size(), CopyKind::kCompaction);
+    Status st = ApplyCopies(keys.data(), slots.data(), values.data(), keys.size(), CopyKind::kCompaction,
+                            /*values_only=*/false);
     keys.clear();
     slots.clear();
     values.clear();
@@ -1163,14 +1182,27 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
       }
       {
         std::shared_lock<std::shared_mutex> lock(mu_);
-        for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+        constexpr uint64_t kAhead = 8;  // prefetch the index ahead: these lookups are random
+        auto key_at = [&](uint64_t slot) {
+          int64_t key;
+          std::memcpy(&key, page_buffer.data + OffsetInPage(slot), sizeof(key));
+          return key;
+        };
+        HashIndex::Where ring[kAhead];
+        const uint64_t end_slot = first_slot + records_per_page_;
+        for (uint64_t s = first_slot; s < std::min(end_slot, first_slot + kAhead); ++s) {
+          index_.Prefetch(ring[s % kAhead] = index_.Locate(key_at(s)));
+        }
+        for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
+          const HashIndex::Where where = ring[slot % kAhead];
+          if (slot + kAhead < end_slot) index_.Prefetch(ring[slot % kAhead] = index_.Locate(key_at(slot + kAhead)));
           const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
           RecordHeader h;
           std::memcpy(&h, rec, sizeof(h));
-          if ((h.flags & kFlagTombstone) || index_.Find(h.key) != slot) continue;  // superseded or deleted
+          if ((h.flags & kFlagTombstone) || index_.Find(where) != slot) continue;  // superseded or deleted
           keys.push_back(h.key);
           slots.push_back(slot);
-          values.insert(values.end(), rec + sizeof(RecordHeader), rec + sizeof(RecordHeader) + value_bytes_);
+          values.insert(values.end(), rec, rec + record_bytes_);
         }
       }
       if (keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(copy_chunk());

@@ -193,7 +193,11 @@ class KVStore {
   Status LookaheadBatch(const std::vector<int64_t>& keys);
   // Appends each row at the tail unless a newer version was written since it was read.
   enum class CopyKind { kLookahead, kPromotion, kCompaction };
-  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* values, size_t n, CopyKind kind);
+  // `rows` holds n records (header + value, checksum included) or, with
+  // values_only, n values; each is appended unless superseded since it was read.
+  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* rows, size_t n, CopyKind kind,
+                     bool values_only = true);
+  Status AppendRecord(const uint8_t* record, uint64_t* slot);  // a verified record, copied verbatim
   // The doorkeeper: true when `key` was read from disk recently (then clears it), else marks it.
   bool SeenRecently(int64_t key);
   void QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values);
