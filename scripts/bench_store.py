@@ -16,6 +16,13 @@ Measured, in rows/s:
   for io_engine uring/threads and several io_depths.
   Memory: peak RSS of the mlkv 10x run (its own process) over the RSS right
   after the imports, against budget + index + 200 MiB.
+  Sustained overwrites (--sustained-seconds S): after its other phases (and after
+  its memory figures are taken), mlkv-10x, rocksdb-10x and rocksdb-10x-direct
+  overwrite uniform keys for S timed seconds: rows/s overall and per quarter, the
+  largest batch latency (a write stall), and the size of the files under the
+  store's directory over the live data (rows x 256 B), at the end and the peak of
+  per-second samples. The 2 s put phases can catch one store in a stall and not
+  another; this shows throughput with disk use bounded.
 
 Each (system, case) runs in its own subprocess, so RSS figures are not mixed
 and every system starts with the same process state. The page cache is dropped
@@ -112,14 +119,16 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def dir_bytes(path: str) -> int:
+def dir_bytes(path: str, apparent: bool = False) -> int:
+    """Bytes of every file under path: allocated blocks, or with apparent=True the file sizes."""
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            try:  # a file may vanish meanwhile (compaction)
+                st = os.stat(os.path.join(root, name))
             except OSError:
-                pass
+                continue
+            total += st.st_size if apparent else st.st_blocks * 512
     return total
 
 
@@ -461,17 +470,21 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     res["after_load"] = {"rss_mib": proc_status_kib("VmRSS") / 1024, "disk_mib": dir_bytes(path) / MiB,
                          "stats": sysobj.stats()}
 
-    def measure(kind: str, pattern: str, version: int = 0) -> Dict[str, Any]:
-        pool = wl.uniform if pattern == "uniform" else wl.zipf
-        note = None
-        if cold:
-            if hasattr(sysobj, "suspend"):
-                sysobj.suspend()
-            note = drop_caches()
-            if hasattr(sysobj, "resume"):
-                sysobj.resume()
+    def cold_start() -> None:
+        """Before a phase of a cold case: drop the page cache."""
+        if not cold:
+            return
+        if hasattr(sysobj, "suspend"):
+            sysobj.suspend()
+        note = drop_caches()
+        if hasattr(sysobj, "resume"):
+            sysobj.resume()
         if note and note not in res["notes"]:
             res["notes"].append(note)
+
+    def measure(kind: str, pattern: str, version: int = 0) -> Dict[str, Any]:
+        pool = wl.uniform if pattern == "uniform" else wl.zipf
+        cold_start()
         cache0 = meminfo_kib("Cached")
         st0 = sysobj.stats() if is_mlkv else None
         if not cold:  # warm-up batch, untimed
@@ -520,6 +533,74 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             out["disk_reads_per_s"] = d["disk_reads"] / timed
         return out
 
+    def sustained(seconds: float, version: int = 3) -> Dict[str, Any]:
+        """Uniform-key batched puts (overwrites) for `seconds` of timed put calls, as in measure(); the
+        apparent size of the files under the store's directory is sampled once per second meanwhile."""
+        import threading
+
+        # Values made beforehand (pool_batches x batch x 256 B; after the memory figures): between the put
+        # calls the stores' background work would otherwise get time that the rate does not count.
+        pool_vals = [wl.values_for(k, version) for k in wl.uniform]
+        cold_start()
+        live = rows * VALUE_BYTES  # every key was loaded: live data = rows x 256 B of values
+        samples: List[List[float]] = []  # [seconds into the window, bytes]
+        stop = threading.Event()
+        cache0, st0 = meminfo_kib("Cached"), (sysobj.stats() if is_mlkv else None)
+        c0, w0 = cpu_seconds(), time.perf_counter()
+
+        def sampler() -> None:
+            while True:
+                samples.append([time.perf_counter() - w0, dir_bytes(path, apparent=True)])
+                if stop.wait(1.0):
+                    return
+
+        th = threading.Thread(target=sampler, daemon=True)
+        th.start()
+        starts: List[float] = []  # timed seconds before each batch
+        times: List[float] = []
+        timed, n, i, capped = 0.0, 0, 0, False
+        while timed < seconds:
+            if time.perf_counter() - w0 >= 1.25 * seconds + 2:  # bounds the bench's time
+                capped = True
+                break
+            j = i % wl.uniform.shape[0]
+            keys = wl.uniform[j]
+            t0 = time.perf_counter()
+            sysobj.put(keys, pool_vals[j])
+            dt = time.perf_counter() - t0
+            starts.append(timed)
+            times.append(dt)
+            timed += dt
+            n += keys.numel()
+            i += 1
+        wall = time.perf_counter() - w0
+        stop.set()
+        th.join()
+        disk_end = dir_bytes(path, apparent=True)
+        # quarters of the timed window; a batch counts in the quarter where it started
+        q_rows, q_secs = [0] * 4, [0.0] * 4
+        for s0, dt in zip(starts, times):
+            q = min(3, int(4 * s0 / timed))
+            q_rows[q] += batch
+            q_secs[q] += dt
+        peak = max([b for _, b in samples] + [disk_end])
+        out = {"seconds": timed, "wall_seconds": wall, "capped_by_wall": capped, "rows": n, "batches": i,
+               "rows_per_s": n / timed,
+               "quarter_rows_per_s": [r / t if t > 0 else None for r, t in zip(q_rows, q_secs)],
+               "batch_ms_median": 1e3 * sorted(times)[len(times) // 2], "batch_ms_max": 1e3 * max(times),
+               "cpu_seconds": cpu_seconds() - c0, "page_cache_growth_mib": (meminfo_kib("Cached") - cache0) / 1024,
+               "live_bytes": live, "disk_bytes_end": disk_end, "disk_over_live_end": disk_end / live,
+               "disk_over_live_peak": peak / live, "disk_samples": samples,
+               "disk_allocated_bytes_end": dir_bytes(path)}
+        if is_mlkv:
+            st1 = sysobj.stats()
+            out["store"] = stat_delta(st0, st1)  # write_stalls, compactions, ... during the window
+            out["store_disk_bytes_end"] = st1["disk_bytes"]
+        if capped:
+            res["notes"].append(f"sustained overwrites stopped after {wall:.1f} s of wall time with "
+                                f"{timed:.1f} of {seconds:g} s timed")
+        return out
+
     def disk_sweep() -> List[Dict[str, Any]]:
         out = []
         for engine, depth in spec["sweep"]:
@@ -549,6 +630,10 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     res["end"] = {"rss_mib": proc_status_kib("VmRSS") / 1024, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
                   "disk_mib": dir_bytes(path) / MiB, "stats": sysobj.stats()}
     res["peak_over_base_mib"] = res["end"]["peak_rss_mib"] - res["rss_base_mib"]
+    if spec.get("sustained"):  # after "end": the figures above do not include it
+        res["sustained"] = sustained(spec["sustained"])
+        res["checks"].append(check_rows(sysobj.get(wl.sample), wl.sample, wl, [0, 1, 2, 3, 7],
+                                        "after sustained overwrites"))
     sysobj.close()
     if not spec.get("keep"):
         shutil.rmtree(path, ignore_errors=True)
@@ -629,6 +714,9 @@ def main() -> int:
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-bound sweep")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="first wait up to this long for other processes to leave the CPUs idle (< 0.3 cores busy)")
+    ap.add_argument("--sustained-seconds", type=float, default=None, metavar="S",
+                    help="after its other phases, overwrite uniform keys for S timed seconds in mlkv-10x, "
+                         "rocksdb-10x and rocksdb-10x-direct (default 20, 2 with --smoke; 0: off)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks answers, prints the table")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -650,6 +738,8 @@ def main() -> int:
     if args.smoke:
         args.rows, args.rows_mem, args.budget_mem = 60_000, 20_000, 16 * MiB
         args.batch, args.seconds, args.pool_batches = 4096, 0.3, 4
+    if args.sustained_seconds is None:
+        args.sustained_seconds = 2.0 if args.smoke else 20.0
     systems = [s for s in args.systems.split(",") if s]
     lines: List[str] = []
 
@@ -712,12 +802,13 @@ def main() -> int:
         add("rocksdb-mem", "rocksdb", "mem", args.rows_mem, args.budget_mem, False)
     if "lmdb" in systems:
         add("lmdb-mem", "lmdb", "mem", args.rows_mem, args.budget_mem, False)
+    sus = args.sustained_seconds
     if "mlkv" in systems:
-        add("mlkv-10x", "mlkv", "10x", args.rows, budget_big, True, direct_io=True)
+        add("mlkv-10x", "mlkv", "10x", args.rows, budget_big, True, direct_io=True, sustained=sus)
         add("mlkv-10x-buffered", "mlkv", "10x", args.rows, budget_big, True, direct_io=False)
     if "rocksdb" in systems:
-        add("rocksdb-10x", "rocksdb", "10x", args.rows, budget_big, True)
-        add("rocksdb-10x-direct", "rocksdb", "10x", args.rows, budget_big, True, direct_reads=True)
+        add("rocksdb-10x", "rocksdb", "10x", args.rows, budget_big, True, sustained=sus)
+        add("rocksdb-10x-direct", "rocksdb", "10x", args.rows, budget_big, True, direct_reads=True, sustained=sus)
     if "lmdb" in systems:
         add("lmdb-10x", "lmdb", "10x", args.rows, budget_big, True)
     if "mlkv" in systems and not args.no_disk:
@@ -776,16 +867,23 @@ def main() -> int:
         row += f"{(f'{peak:.0f}' if peak is not None else '-'):>19}"
         log(row)
 
-    def phase_table(title, cases, cols, cell, width=14):
-        """One row per system of `cases`, one column per phase in `cols`."""
+    def table(title, cols, rows, width=14):
+        """rows: (system name, one text per column of `cols`)."""
         log("")
         log(title)
-        log(f"{'system':22}" + "".join(f"{p:>{width}}" for p in cols))
+        log(f"{'system':22}" + "".join(f"{c:>{width}}" for c in cols))
+        for name, cells in rows:
+            log(f"{name:22}" + "".join(f"{c:>{width}}" for c in cells))
+
+    def phase_table(title, cases, cols, cell, width=14):
+        """One row per system of `cases`, one column per phase in `cols`."""
+        rows = []
         for spec in runs:
             if spec["case"] not in cases or "error" in results[spec["name"]]:
                 continue
             ph = results[spec["name"]]["phases"]
-            log(f"{spec['name']:22}" + "".join(f"{cell(ph[p]):>{width}}" if p in ph else f"{'-':>{width}}" for p in cols))
+            rows.append((spec["name"], [cell(ph[p]) if p in ph else "-" for p in cols]))
+        table(title, cols, rows, width)
 
     phase_table(f"## page cache growth during each 10x phase, MiB (after drop_caches; the budget is "
                 f"{budget_big / MiB:.1f} MiB)", ("10x",), phases[1:], lambda q: f"{q['page_cache_growth_mib']:.0f}")
@@ -820,6 +918,31 @@ def main() -> int:
                 ratios[key][p] = v
                 row += f"{(f'{v:.2f}x' if v is not None else '-'):>13}"
             log(row)
+
+    # sustained overwrites
+    sustained_ratios: Dict[str, Optional[float]] = {}
+    sus_runs = [s["name"] for s in runs if "sustained" in results[s["name"]]]
+    if sus_runs:
+        rows = []
+        for name in sus_runs:
+            q = results[name]["sustained"]
+            st = q.get("store", {})
+            rows.append((name, [fmt_rate(q["rows_per_s"])] + [fmt_rate(x) for x in q["quarter_rows_per_s"]] +
+                        [f"{q['batch_ms_max']:.0f}", f"{q['disk_over_live_end']:.2f}",
+                         f"{q['disk_over_live_peak']:.2f}", str(st.get("write_stalls", "-")),
+                         str(st.get("compactions", "-"))]))
+        table(f"## sustained uniform overwrites, 10x case ({args.sustained_seconds:g} s): rows/s over the timed "
+              f"window and in each quarter of it (a batch counts where it starts), max batch latency; disk/live = "
+              f"sum of file sizes under the system's directory / (rows x {VALUE_BYTES} B of values = "
+              f"{args.rows * VALUE_BYTES / MiB:.0f} MiB), after the window and peak (samples once per second during "
+              f"it, and after it); mlkv write stalls and compactions during the window",
+              ["rows/s", "Q1", "Q2", "Q3", "Q4", "max ms", "disk/live", "peak d/l", "stalls", "compactions"],
+              rows, width=12)
+        for other in ("rocksdb-10x", "rocksdb-10x-direct"):
+            if "mlkv-10x" in sus_runs and other in sus_runs:
+                v = results["mlkv-10x"]["sustained"]["rows_per_s"] / results[other]["sustained"]["rows_per_s"]
+                sustained_ratios[f"mlkv-10x/{other}"] = v
+                log(f"   mlkv-10x/{other} overall rows/s: {v:.2f}x")
 
     # disk-bound sweep
     disk = results.get("mlkv-disk")
@@ -904,7 +1027,8 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "fio": fio, "fio_text": fio_text, "budget_10x": budget_big,
-                       "results": results, "ratios": ratios, "targets": targets, "stdout": lines}, f, indent=1)
+                       "results": results, "ratios": ratios, "sustained_ratios": sustained_ratios,
+                       "targets": targets, "stdout": lines}, f, indent=1)
     return 0 if not wrong and not errors else 1
 
 
