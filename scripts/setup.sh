@@ -38,6 +38,8 @@ else
   echo "torch==$TORCH_CPU_VERSION" >"$constraints"
   pip -c "$constraints" "fbgemm-gpu-cpu==1.8.0"
   # torchrec's metadata asks for the CUDA fbgemm-gpu: install it without deps, then its real needs.
+  # pip then warns "torchrec 1.8.0 requires fbgemm-gpu, which is not installed": expected,
+  # fbgemm-gpu-cpu provides the same modules.
   pip --no-deps "torchrec==1.8.0"
   pip -c "$constraints" "tensordict==0.15.3" "torchmetrics==1.0.3" tqdm "pyre-extensions==0.0.32" "iopath==0.1.10"
 fi

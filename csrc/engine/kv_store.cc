@@ -708,7 +708,7 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
   }
   if (n == 0) return Status::OK();
   std::lock_guard<std::mutex> lock(lookahead_mu_);
-  if (lookahead_stop_) return Status::InvalidArgument("store at " + path_ + " is closing");
+  if (lookahead_stop_) return Status::InvalidArgument("store at " + path_ + " is closed");
   if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { BackgroundWorker(); });
   CopyJob job;
   job.keys.assign(keys, keys + n);
