@@ -3,7 +3,8 @@
 The core (KVStore) needs only torch; TorchRec integration lives in
 ``mlkv_torch.torchrec``.
 """
+from . import optim
 from .store import CorruptionError, KVStore
 
-__all__ = ["KVStore", "CorruptionError"]
+__all__ = ["KVStore", "CorruptionError", "optim"]
 __version__ = "0.1.0"

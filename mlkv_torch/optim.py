@@ -1,0 +1,145 @@
+"""Row-wise sparse optimizers for disk-backed embedding tables.
+
+Each optimizer is a small frozen config with the update rule it stands for.
+The rule works on the rows a batch touched: `weights` and `state` are the
+current rows [n, dim] and their optimizer state [n, state_dim(dim)] (kept in
+the same store row as the weights, so one read brings both), and `grads` the
+coalesced gradient rows (duplicate ids already summed). It updates both in
+place. These are the reference semantics; the fused kernels of
+DiskEmbeddingBag must give the same numbers.
+
+- SGD: ``torch.optim.SGD`` on a sparse gradient.
+- Adagrad: ``torch.optim.Adagrad`` (lr_decay 0, no weight decay).
+- RowWiseAdagrad: FBGEMM's EXACT_ROWWISE_ADAGRAD (one accumulator per row).
+- Adam: ``torch.optim.SparseAdam`` (its step count is per table, not per row).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+__all__ = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "SparseOptimizer"]
+
+
+class SparseOptimizer:
+    """Base of the row-wise optimizers: the state layout and the update rule."""
+
+    def state_dim(self, dim: int) -> int:
+        """Optimizer state elements kept per row beside its `dim` weights."""
+        raise NotImplementedError
+
+    def initial_state(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The state of rows never updated: [rows, state_dim(dim)]."""
+        return torch.zeros(rows, self.state_dim(dim), dtype=dtype)
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        """Applies one step to the touched rows, in place.
+
+        Args:
+            weights: [n, dim] current weights of the touched rows.
+            state: [n, state_dim(dim)] their optimizer state.
+            grads: [n, dim] their gradients, one row per distinct id.
+            step: the table's step count, from 1 (Adam's bias correction uses it).
+        """
+        raise NotImplementedError
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SGD(SparseOptimizer):
+    """Plain SGD: w -= lr * g."""
+
+    lr: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+
+    def state_dim(self, dim: int) -> int:
+        return 0
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        weights.add_(grads, alpha=-self.lr)
+
+
+@dataclass(frozen=True)
+class Adagrad(SparseOptimizer):
+    """Adagrad with an accumulator per element, as torch.optim.Adagrad."""
+
+    lr: float = 0.01
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+        _check_positive("eps", self.eps)
+        if self.initial_accumulator_value < 0:
+            raise ValueError(f"initial_accumulator_value must be >= 0, got {self.initial_accumulator_value}")
+
+    def state_dim(self, dim: int) -> int:
+        return dim
+
+    def initial_state(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows, dim), self.initial_accumulator_value, dtype=dtype)
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        state.add_(grads.pow(2))
+        weights.add_(grads / state.sqrt().add_(self.eps), alpha=-self.lr)
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad(SparseOptimizer):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, of the mean squared gradient."""
+
+    lr: float = 0.01
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+        _check_positive("eps", self.eps)
+
+    def state_dim(self, dim: int) -> int:
+        return 1
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        state.add_(grads.pow(2).mean(dim=1, keepdim=True))
+        weights.sub_(grads * (self.lr / (state.sqrt() + self.eps)))
+
+
+@dataclass(frozen=True)
+class Adam(SparseOptimizer):
+    """Adam on the touched rows only, as torch.optim.SparseAdam."""
+
+    lr: float = 0.001
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+        _check_positive("eps", self.eps)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+
+    def state_dim(self, dim: int) -> int:
+        return 2 * dim  # first moment, then second moment
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        if step < 1:
+            raise ValueError(f"step counts from 1, got {step}")
+        beta1, beta2 = self.betas
+        dim = weights.shape[1]
+        exp_avg, exp_avg_sq = state[:, :dim], state[:, dim:]
+        # The same operations in the same order as SparseAdam, so results match to the last bit.
+        exp_avg_update = grads.sub(exp_avg).mul_(1 - beta1)
+        exp_avg_sq_update = grads.pow(2).sub_(exp_avg_sq).mul_(1 - beta2)
+        exp_avg.add_(exp_avg_update)
+        exp_avg_sq.add_(exp_avg_sq_update)
+        denom = exp_avg_sq.sqrt().add_(self.eps)
+        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        weights.add_(-step_size * exp_avg.div(denom))
