@@ -124,6 +124,22 @@ class Store {
     Check(st, &missing);
   }
 
+  torch::Tensor Lookup(const torch::Tensor& keys, torch::Tensor& out) {
+    CheckKeys(keys);
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
+                          static_cast<uint64_t>(out.numel() * out.element_size()) ==
+                              static_cast<uint64_t>(keys.numel()) * store_->value_bytes(),
+                      "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
+    torch::Tensor found = torch::empty({keys.numel()}, torch::kBool);
+    Status st;
+    {
+      py::gil_scoped_release release;
+      st = store_->Lookup(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), out.data_ptr(), found.data_ptr<bool>());
+    }
+    Check(st);
+    return found;
+  }
+
   torch::Tensor Contains(const torch::Tensor& keys) {
     CheckKeys(keys);
     torch::Tensor found = torch::empty({keys.numel()}, torch::kBool);
@@ -209,6 +225,39 @@ class Store {
   std::unique_ptr<mlkv::KVStore> store_;
 };
 
+// SplitMix64's finalizer: a bijection of 64-bit values with strong mixing.
+uint64_t SplitMix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ull;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Rows never written: element j of row `id` is uniform in [low, high), a
+// function of (seed, id, j) alone, so every batch order gives the same rows.
+torch::Tensor InitialRows(const torch::Tensor& ids, int64_t dim, int64_t seed, double low, double high,
+                          torch::ScalarType dtype) {
+  CheckKeys(ids);
+  TORCH_CHECK_VALUE(dim > 0, "dim must be positive, got ", dim);
+  TORCH_CHECK_VALUE(low <= high, "low must not exceed high, got [", low, ", ", high, ")");
+  torch::Tensor rows = torch::empty({ids.numel(), dim}, torch::kFloat32);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  float* out = rows.data_ptr<float>();
+  const float lo = static_cast<float>(low), span = static_cast<float>(high - low);
+  const uint64_t seed_part = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull;
+  at::parallel_for(0, ids.numel(), 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t row_part = seed_part ^ SplitMix64(static_cast<uint64_t>(id[i]) + 0xD1B54A32D192ED03ull);
+      for (int64_t j = 0; j < dim; ++j) {
+        const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j) * 0x8CB92BA72F3D8DD7ull);
+        out[i * dim + j] = lo + span * (static_cast<float>(z >> 40) * (1.0f / 16777216.0f));  // 24 random bits
+      }
+    }
+  });
+  return dtype == torch::kFloat32 ? rows : rows.to(dtype);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -216,6 +265,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<CorruptionException>(m, "CorruptionError", PyExc_RuntimeError);
   py::register_exception<StoreIOException>(m, "StoreIOError", PyExc_OSError);
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
+  m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("low"), py::arg("high"),
+        py::arg("dtype"), "Deterministic initial rows: uniform [low, high) from (seed, id, column).");
   py::class_<Store>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
                     const std::string&, int64_t, bool, double, bool>(),
@@ -225,6 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("compaction_ratio"), py::arg("promote_hot_reads"))
       .def("put", &Store::Put)
       .def("get", &Store::Get)
+      .def("lookup", &Store::Lookup)
       .def("contains", &Store::Contains)
       .def("delete", &Store::Delete)
       .def("lookahead", &Store::Lookahead)

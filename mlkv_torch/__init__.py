@@ -4,7 +4,7 @@ The core (KVStore) needs only torch; TorchRec integration lives in
 ``mlkv_torch.torchrec``.
 """
 from . import optim
-from .store import CorruptionError, KVStore
+from .store import CorruptionError, KVStore, initial_rows
 
-__all__ = ["KVStore", "CorruptionError", "optim"]
+__all__ = ["KVStore", "CorruptionError", "initial_rows", "optim"]
 __version__ = "0.1.0"

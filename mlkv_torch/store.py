@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -12,6 +12,48 @@ CorruptionError = _C.CorruptionError
 """A record or file on disk fails its checksum or is truncated; the message names the file."""
 
 _ELEMENT_TYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = None, high: Optional[float] = None,
+                 dtype: torch.dtype = torch.float32, num_embeddings: Optional[int] = None) -> torch.Tensor:
+    """Deterministic initial values of embedding rows never written.
+
+    Element j of row `id` is uniform in [low, high) and a function of
+    (seed, id, j) alone: any batch order, any process, gives the same rows. By
+    default the range is TorchRec's uniform(-sqrt(1/n), sqrt(1/n)) for a table
+    of `num_embeddings` rows.
+
+    Args:
+        ids: int64 ids [N], non-negative.
+        dim: elements per row.
+        seed: the table's seed.
+        low, high: the range; both or neither.
+        dtype: float32, float16 or bfloat16.
+        num_embeddings: the table's row count, for the default range.
+
+    Returns:
+        [N, dim] rows of `dtype` on the CPU.
+    """
+    if (low is None) != (high is None):
+        raise ValueError("give both low and high, or neither")
+    if low is None:
+        if not num_embeddings or num_embeddings <= 0:
+            raise ValueError("num_embeddings (positive) is needed for the default range uniform(-sqrt(1/n), sqrt(1/n))")
+        high = (1.0 / num_embeddings) ** 0.5
+        low = -high
+    if dtype not in _ELEMENT_TYPES:
+        raise TypeError(f"dtype must be one of {list(_ELEMENT_TYPES)}, got {dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+    if ids.dtype != torch.int64:
+        raise TypeError(f"ids must be int64, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"ids must be non-negative, got {int(ids.min())}")
+    return _C.initial_rows(ids.detach().to("cpu").contiguous(), dim, int(seed), float(low), float(high), dtype)
 _IO_ENGINES = ("auto", "uring", "threads")
 
 KeysLike = Union[torch.Tensor, Sequence[int]]
@@ -150,6 +192,17 @@ class KVStore:
                              f"got {list(out.shape)} on {out.device}")
         self._store.get(keys, out)
         return out
+
+    def lookup(self, keys: KeysLike) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rows [N, dim], found bool [N]); rows of absent keys are zero.
+
+        Unlike get, absent keys are no error: a caller that initializes missing
+        rows (an embedding table) reads present and absent ones in one call.
+        """
+        keys = self._keys(keys)
+        rows = torch.zeros(keys.numel(), self._dim, dtype=self._dtype)
+        found = self._store.lookup(keys, rows)
+        return rows, found
 
     def contains(self, keys: KeysLike) -> torch.Tensor:
         """Returns a bool tensor [N]: whether each key holds a row."""

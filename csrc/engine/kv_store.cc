@@ -575,13 +575,22 @@ Status KVStore::Get(const int64_t* keys, size_t n, void* values, std::vector<int
   // the rows have moved by then, so looking them up again finds them.
   for (int attempt = 0;; ++attempt) {
     missing->clear();
-    Status st = GetOnce(keys, n, static_cast<uint8_t*>(values), missing);
+    Status st = GetOnce(keys, n, static_cast<uint8_t*>(values), missing, nullptr);
     if (st.code() != Status::Code::kBusy) return st;
     if (attempt == 8) return Status::IOError(st.message());
   }
 }
 
-Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing) {
+Status KVStore::Lookup(const int64_t* keys, size_t n, void* values, bool* found) {
+  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
+  for (int attempt = 0;; ++attempt) {
+    Status st = GetOnce(keys, n, static_cast<uint8_t*>(values), nullptr, found);
+    if (st.code() != Status::Code::kBusy) return st;
+    if (attempt == 8) return Status::IOError(st.message());
+  }
+}
+
+Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found) {
   std::vector<DiskRecord> reads;
   {
     std::shared_lock<std::shared_mutex> lock(mu_);
@@ -608,8 +617,9 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       const uint64_t slot = slot_of[i % (2 * kD)];
       if (i + kD < n) stage_find(i + kD);          // reads where[(i + kD) % 2kD]
       if (i + 2 * kD < n) stage_locate(i + 2 * kD);  // overwrites where[i % 2kD], no longer needed
+      if (found) found[i] = slot != kNone;
       if (slot == kNone) {
-        missing->push_back(keys[i]);
+        if (!found) missing->push_back(keys[i]);
       } else if (slot >= head) {
         std::memcpy(out + i * value_bytes_, RecordInMemory(slot) + sizeof(RecordHeader), value_bytes_);
         ++hits;
@@ -618,7 +628,7 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       }
     }
     memory_hits_ += hits;
-    if (!missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
+    if (!found && !missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
   }
   MLKV_RETURN_IF_ERROR(ReadFromDisk(keys, reads, out));
   if (options_.promote_hot_reads) QueuePromotions(keys, reads, out);

@@ -102,6 +102,8 @@ class KVStore {
   Status Put(const int64_t* keys, size_t n, const void* values);
   // Fills `values`; when keys are absent returns NotFound and lists them in `missing`.
   Status Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing);
+  // Like Get, but absent keys are no error: found[i] says which rows were filled.
+  Status Lookup(const int64_t* keys, size_t n, void* values, bool* found);
   Status Contains(const int64_t* keys, size_t n, bool* found);
   Status Delete(const int64_t* keys, size_t n, uint64_t* deleted);
   // Queues the rows for a background copy from disk to memory; returns at once.
@@ -132,7 +134,8 @@ class KVStore {
   Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
                    uint64_t file_base_offset);
   Status CheckKeys(const int64_t* keys, size_t n) const;
-  Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing);
+  // found == nullptr: absent keys go to `missing` and fail the call; else they are marked in found.
+  Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
 
   // Log geometry.
   uint64_t PageOf(uint64_t slot) const { return div_records_per_page_.Div(slot); }
