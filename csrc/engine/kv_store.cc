@@ -570,21 +570,20 @@ Status KVStore::Contains(const int64_t* keys, size_t n, bool* found) {
 }
 
 Status KVStore::Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing) {
+  return ReadRows(keys, n, static_cast<uint8_t*>(values), missing, nullptr);
+}
+
+Status KVStore::Lookup(const int64_t* keys, size_t n, void* values, bool* found) {
+  return ReadRows(keys, n, static_cast<uint8_t*>(values), nullptr, found);
+}
+
+Status KVStore::ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   // A compaction can delete a segment between the index lookup and the read;
   // the rows have moved by then, so looking them up again finds them.
   for (int attempt = 0;; ++attempt) {
-    missing->clear();
-    Status st = GetOnce(keys, n, static_cast<uint8_t*>(values), missing, nullptr);
-    if (st.code() != Status::Code::kBusy) return st;
-    if (attempt == 8) return Status::IOError(st.message());
-  }
-}
-
-Status KVStore::Lookup(const int64_t* keys, size_t n, void* values, bool* found) {
-  MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
-  for (int attempt = 0;; ++attempt) {
-    Status st = GetOnce(keys, n, static_cast<uint8_t*>(values), nullptr, found);
+    if (missing) missing->clear();
+    Status st = GetOnce(keys, n, out, missing, found);
     if (st.code() != Status::Code::kBusy) return st;
     if (attempt == 8) return Status::IOError(st.message());
   }

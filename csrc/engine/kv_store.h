@@ -135,6 +135,7 @@ class KVStore {
                    uint64_t file_base_offset);
   Status CheckKeys(const int64_t* keys, size_t n) const;
   // found == nullptr: absent keys go to `missing` and fail the call; else they are marked in found.
+  Status ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
   Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
 
   // Log geometry.
