@@ -4,7 +4,8 @@ The core (KVStore) needs only torch; TorchRec integration lives in
 ``mlkv_torch.torchrec``.
 """
 from . import optim
+from .embedding import DiskEmbeddingBag
 from .store import CorruptionError, KVStore, initial_rows
 
-__all__ = ["KVStore", "CorruptionError", "initial_rows", "optim"]
+__all__ = ["KVStore", "CorruptionError", "DiskEmbeddingBag", "initial_rows", "optim"]
 __version__ = "0.1.0"

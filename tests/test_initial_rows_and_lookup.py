@@ -60,3 +60,10 @@ def test_lookup_reads_present_rows_from_memory_and_disk_and_marks_absent(tmp_pat
         assert store.stats()["disk_rows"] > 0
         with pytest.raises(ValueError, match="non-negative"):
             store.lookup(torch.tensor([-3]))
+
+
+def test_lookup_and_get_of_no_keys(tmp_path):
+    with KVStore(tmp_path / "e", dim=4) as store:
+        rows, found = store.lookup(torch.tensor([], dtype=torch.int64))
+        assert rows.shape == (0, 4) and found.shape == (0,)
+        assert store.get(torch.tensor([], dtype=torch.int64)).shape == (0, 4)

@@ -618,7 +618,7 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       if (i + 2 * kD < n) stage_locate(i + 2 * kD);  // overwrites where[i % 2kD], no longer needed
       if (found) found[i] = slot != kNone;
       if (slot == kNone) {
-        if (!found) missing->push_back(keys[i]);
+        if (missing) missing->push_back(keys[i]);
       } else if (slot >= head) {
         std::memcpy(out + i * value_bytes_, RecordInMemory(slot) + sizeof(RecordHeader), value_bytes_);
         ++hits;
@@ -627,7 +627,7 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       }
     }
     memory_hits_ += hits;
-    if (!found && !missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
+    if (missing && !missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
   }
   MLKV_RETURN_IF_ERROR(ReadFromDisk(keys, reads, out));
   if (options_.promote_hot_reads) QueuePromotions(keys, reads, out);

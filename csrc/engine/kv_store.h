@@ -134,7 +134,8 @@ class KVStore {
   Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
                    uint64_t file_base_offset);
   Status CheckKeys(const int64_t* keys, size_t n) const;
-  // found == nullptr: absent keys go to `missing` and fail the call; else they are marked in found.
+  // With `missing`, absent keys are listed there and fail the call (Get); without, they are
+  // only marked false in `found` (Lookup; null when n == 0).
   Status ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
   Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
 

@@ -1,0 +1,145 @@
+"""DiskEmbeddingBag against torch.nn.EmbeddingBag and the matching torch optimizer (CPU, staleness 0)."""
+import pytest
+import torch
+
+from mlkv_torch import DiskEmbeddingBag, optim
+
+NUM, DIM = 300, 32
+SMALL_BUDGET = 16 << 10  # 4 log pages: far below the touched rows with their state, so the disk path runs
+
+
+def make(tmp_path, name="t", **kwargs):
+    kwargs.setdefault("memory_budget_bytes", SMALL_BUDGET)
+    return DiskEmbeddingBag(NUM, DIM, path=tmp_path / name, **kwargs)
+
+
+def reference_like(emb: DiskEmbeddingBag, **kwargs) -> torch.nn.EmbeddingBag:
+    weight = emb.export_rows(torch.arange(NUM))
+    return torch.nn.EmbeddingBag(NUM, DIM, mode=emb.mode, _weight=weight, **kwargs)
+
+
+def batch(step, bags=16, max_len=6):
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=g)  # some bags empty
+    ids = torch.randint(0, NUM, (int(lengths.sum()),), generator=g)
+    if ids.numel() > 3:
+        ids[:3] = 7  # repeated ids
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return ids, offsets, torch.randn(bags, DIM, generator=g)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_forward_equals_embedding_bag(tmp_path, mode):
+    emb = make(tmp_path, mode=mode)
+    ref = reference_like(emb)
+    for step in range(5):
+        ids, offsets, _ = batch(step)
+        torch.testing.assert_close(emb(ids, offsets), ref(ids, offsets))
+    two_d = torch.randint(0, NUM, (5, 3))
+    torch.testing.assert_close(emb(two_d), ref(two_d))
+
+
+def test_forward_per_sample_weights_and_include_last_offset(tmp_path):
+    emb = make(tmp_path, include_last_offset=True)
+    ref = reference_like(emb, include_last_offset=True)
+    ids, offsets, _ = batch(1)
+    offsets = torch.cat([offsets, torch.tensor([ids.numel()])])
+    psw = torch.rand(ids.numel())
+    torch.testing.assert_close(emb(ids, offsets, psw), ref(ids, offsets, psw))
+
+
+TRAINING = [
+    (optim.SGD(lr=0.3), lambda p: torch.optim.SGD(p, lr=0.3)),
+    (optim.Adagrad(lr=0.2, initial_accumulator_value=0.1),
+     lambda p: torch.optim.Adagrad(p, lr=0.2, initial_accumulator_value=0.1)),
+    (optim.Adam(lr=0.05), lambda p: torch.optim.SparseAdam(p, lr=0.05)),
+]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("ours, reference", TRAINING, ids=["sgd", "adagrad", "adam"])
+def test_training_reaches_the_reference_weights(tmp_path, mode, ours, reference):
+    emb = make(tmp_path, mode=mode, optimizer=ours)
+    ref = reference_like(emb, sparse=True)
+    ref_opt = reference(list(ref.parameters()))
+    for step in range(12):
+        ids, offsets, target = batch(step)
+        (emb(ids, offsets) * target).sum().backward()
+        ref_opt.zero_grad()
+        (ref(ids, offsets) * target).sum().backward()
+        ref_opt.step()
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach())
+    assert emb.stats()["disk_rows"] > 0, "the budget was meant to push rows to disk"
+
+
+def test_gradient_of_per_sample_weights(tmp_path):
+    emb = make(tmp_path, optimizer=optim.SGD(lr=0.1))
+    ref = reference_like(emb)
+    ids, offsets, target = batch(3)
+    psw = torch.rand(ids.numel(), requires_grad=True)
+    psw_ref = psw.detach().clone().requires_grad_(True)
+    (emb(ids, offsets, psw) * target).sum().backward()
+    (ref(ids, offsets, psw_ref) * target).sum().backward()
+    torch.testing.assert_close(psw.grad, psw_ref.grad)
+
+
+def test_no_grad_updates_nothing_and_rows_are_deterministic(tmp_path):
+    emb = make(tmp_path, seed=3)
+    before = emb.export_rows(torch.arange(NUM))
+    with torch.no_grad():
+        emb(torch.tensor([1, 2, 3]), torch.tensor([0]))
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), before, rtol=0, atol=0)
+    other = DiskEmbeddingBag(NUM, DIM, path=tmp_path / "other", seed=3)
+    torch.testing.assert_close(other.export_rows(torch.arange(NUM)), before, rtol=0, atol=0)
+
+
+def test_reopen_and_independent_tables(tmp_path):
+    a = make(tmp_path, "a", optimizer=optim.Adagrad(lr=0.5))
+    b = make(tmp_path, "b", optimizer=optim.Adagrad(lr=0.5))
+    ids, offsets, target = batch(4)
+    (a(ids, offsets) * target).sum().backward()
+    trained = a.export_rows(torch.arange(NUM))
+    assert not torch.equal(trained, b.export_rows(torch.arange(NUM)))
+    a.close()
+    again = make(tmp_path, "a", optimizer=optim.Adagrad(lr=0.5))
+    torch.testing.assert_close(again.export_rows(torch.arange(NUM)), trained, rtol=0, atol=0)
+
+
+def test_import_rows(tmp_path):
+    emb = make(tmp_path)
+    weights = torch.randn(4, DIM)
+    emb.import_rows(torch.tensor([0, 5, 9, 299]), weights)
+    torch.testing.assert_close(emb.export_rows(torch.tensor([9, 0])), weights[[2, 0]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda e: e(torch.tensor([0, 300]), torch.tensor([0])), ValueError, "out of range"),
+    (lambda e: e(torch.tensor([-1]), torch.tensor([0])), ValueError, "out of range"),
+    (lambda e: e(torch.tensor([0.5]), torch.tensor([0])), TypeError, "int64"),
+    (lambda e: e(torch.tensor([1, 2]), torch.tensor([0, 3])), ValueError, "offsets"),
+    (lambda e: e(torch.tensor([1, 2]), torch.tensor([1, 0])), ValueError, "offsets"),
+    (lambda e: e(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(3)), ValueError, "per_sample_weights"),
+    (lambda e: e(torch.tensor([1, 2])), ValueError, "offsets are required"),
+])
+def test_bad_input_is_refused_and_writes_nothing(tmp_path, call, error, match):
+    emb = make(tmp_path)
+    before = emb.export_rows(torch.arange(NUM))
+    with pytest.raises(error, match=match):
+        call(emb)
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), before, rtol=0, atol=0)
+
+
+def test_bad_configuration(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        make(tmp_path, mode="max")
+    with pytest.raises(ValueError, match="per_sample_weights"):
+        make(tmp_path, "m", mode="mean")(torch.tensor([1]), torch.tensor([0]), torch.ones(1))
+    with pytest.raises(TypeError, match="optimizer"):
+        make(tmp_path, "o", optimizer=torch.optim.SGD)
+
+
+def test_empty_batch(tmp_path):
+    emb = make(tmp_path)
+    out = emb(torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))
+    torch.testing.assert_close(out, torch.zeros(2, DIM))
+    out.sum().backward()  # nothing to update, nothing fails
