@@ -111,10 +111,7 @@ class Store {
 
   void Get(const torch::Tensor& keys, torch::Tensor& out) {
     CheckKeys(keys);
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
-                          static_cast<uint64_t>(out.numel() * out.element_size()) ==
-                              static_cast<uint64_t>(keys.numel()) * store_->value_bytes(),
-                      "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
+    CheckRowsOut(keys, out);
     std::vector<int64_t> missing;
     Status st;
     {
@@ -126,10 +123,7 @@ class Store {
 
   torch::Tensor Lookup(const torch::Tensor& keys, torch::Tensor& out) {
     CheckKeys(keys);
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
-                          static_cast<uint64_t>(out.numel() * out.element_size()) ==
-                              static_cast<uint64_t>(keys.numel()) * store_->value_bytes(),
-                      "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
+    CheckRowsOut(keys, out);
     torch::Tensor found = torch::empty({keys.numel()}, torch::kBool);
     Status st;
     {
@@ -222,6 +216,13 @@ class Store {
   int64_t Size() { return static_cast<int64_t>(store_->Size()); }
 
  private:
+  void CheckRowsOut(const torch::Tensor& keys, const torch::Tensor& out) const {
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
+                          static_cast<uint64_t>(out.numel() * out.element_size()) ==
+                              static_cast<uint64_t>(keys.numel()) * store_->value_bytes(),
+                      "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
+  }
+
   std::unique_ptr<mlkv::KVStore> store_;
 };
 

@@ -176,9 +176,7 @@ class DiskEmbeddingBag(nn.Module):
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D (fixed-length bags)")
             bags, length = ids.shape
-            offsets = torch.arange(0, bags * length + 1, max(length, 1), dtype=torch.int64)[: bags + 1]
-            if length == 0:
-                offsets = torch.zeros(bags + 1, dtype=torch.int64)
+            offsets = torch.arange(bags + 1, dtype=torch.int64) * length
             ids = ids.reshape(-1)
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights.reshape(-1)

@@ -63,20 +63,20 @@ FIO_SCRIPT = os.path.normpath(os.path.join(REPO, "..", "shared", "tools", "fio-l
 # process and OS helpers
 # --------------------------------------------------------------------------------------------
 
-def proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _proc_field_kib(path: str, field: str) -> int:
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return -1
+
+
+def proc_status_kib(field: str) -> int:
+    return _proc_field_kib("/proc/self/status", field)
 
 
 def meminfo_kib(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
+    return _proc_field_kib("/proc/meminfo", field)
 
 
 def reset_peak_rss() -> bool:

@@ -45,6 +45,13 @@ def assert_store_equals(store: KVStore, model: Dict[int, torch.Tensor]) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def assert_reopens_equal(store: KVStore, model: Dict[int, torch.Tensor]) -> None:
+    """Closes the store, reopens its path with SMALL_OPTIONS, and checks it holds `model`."""
+    store.close()
+    with KVStore(store.path, DIM, **SMALL_OPTIONS) as reopened:
+        assert_store_equals(reopened, model)
+
+
 def directory_bytes(path: str) -> Dict[str, bytes]:
     """Every file under a store directory (but the LOCK), name -> contents."""
     out = {}

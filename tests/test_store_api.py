@@ -9,7 +9,7 @@ import torch
 import mlkv_torch
 from mlkv_torch import KVStore
 
-from conftest import DIM, HAS_PROMOTE, NO_PROMOTE, SMALL_OPTIONS, assert_store_equals, put_model, rows_for
+from conftest import DIM, HAS_PROMOTE, NO_PROMOTE, SMALL_OPTIONS, assert_reopens_equal, assert_store_equals, put_model, rows_for
 
 URING = mlkv_torch._C.uring_available()
 ENGINES = ["threads", pytest.param("uring", marks=pytest.mark.skipif(not URING, reason="no io_uring here"))]
@@ -253,9 +253,7 @@ def test_compact_counts_and_keeps_contents(open_store):
     assert after["begin_address"] > before["begin_address"]
     assert after["disk_bytes"] < before["disk_bytes"]
     assert_store_equals(store, model)
-    store.close()
-    with KVStore(store.path, DIM, **SMALL_OPTIONS) as reopened:
-        assert_store_equals(reopened, model)
+    assert_reopens_equal(store, model)
 
 
 def test_automatic_compaction_bounds_disk(open_store):
@@ -276,9 +274,7 @@ def test_automatic_compaction_bounds_disk(open_store):
     s = store.stats()
     assert s["compactions"] > 0, s
     assert_store_equals(store, model)
-    store.close()
-    with KVStore(store.path, DIM, **SMALL_OPTIONS) as reopened:
-        assert_store_equals(reopened, model)
+    assert_reopens_equal(store, model)
 
 
 def test_without_automatic_compaction_disk_grows(open_store):

@@ -492,23 +492,27 @@ Status KVStore::StartPage(uint64_t page) {
   return Status::OK();
 }
 
-Status KVStore::Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot) {
+Status KVStore::ReserveSlot(uint64_t* slot, uint8_t** record) {
   if (tail_ > HashIndex::kMaxAddress) return Status::IOError("log address space exhausted at " + path_);
   if (tail_ % records_per_page_ == 0) MLKV_RETURN_IF_ERROR(StartPage(PageOf(tail_)));
   *slot = tail_;
-  WriteRecord(RecordInMemory(tail_), key, flags, value);
+  *record = RecordInMemory(tail_);
   ++tail_;
   ++appends_;
   return Status::OK();
 }
 
+Status KVStore::Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot) {
+  uint8_t* record;
+  MLKV_RETURN_IF_ERROR(ReserveSlot(slot, &record));
+  WriteRecord(record, key, flags, value);
+  return Status::OK();
+}
+
 Status KVStore::AppendRecord(const uint8_t* record, uint64_t* slot) {
-  if (tail_ > HashIndex::kMaxAddress) return Status::IOError("log address space exhausted at " + path_);
-  if (tail_ % records_per_page_ == 0) MLKV_RETURN_IF_ERROR(StartPage(PageOf(tail_)));
-  *slot = tail_;
-  std::memcpy(RecordInMemory(tail_), record, record_bytes_);
-  ++tail_;
-  ++appends_;
+  uint8_t* target;
+  MLKV_RETURN_IF_ERROR(ReserveSlot(slot, &target));
+  std::memcpy(target, record, record_bytes_);
   return Status::OK();
 }
 

@@ -155,6 +155,7 @@ class KVStore {
   Status VerifyRecord(const uint8_t* rec, const std::string& file, uint64_t offset) const;
 
   // Log mutation; callers hold mu_ exclusively.
+  Status ReserveSlot(uint64_t* slot, uint8_t** record);  // the next slot at the tail, starting a page if needed
   Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
   Status StartPage(uint64_t page);
   // Pages that leave the mutable region are written to their segment by a
