@@ -8,7 +8,9 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include "embedding_cache.h"
 #include "engine/kv_store.h"
+#include "row_ops.h"
 
 namespace py = pybind11;
 using mlkv::Status;
@@ -88,12 +90,17 @@ class Store {
     o.compaction_ratio = compaction_ratio;
     o.promote_hot_reads = promote_hot_reads;
     Status st;
+    std::unique_ptr<mlkv::KVStore> store;
     {
       py::gil_scoped_release release;
-      st = mlkv::KVStore::Open(path, o, &store_);
+      st = mlkv::KVStore::Open(path, o, &store);
     }
     Check(st);
+    store_ = std::move(store);
   }
+
+  // The engine, shared with a table's cache, which keeps it alive.
+  std::shared_ptr<mlkv::KVStore> engine() const { return store_; }
 
   void Put(const torch::Tensor& keys, const torch::Tensor& values) {
     CheckKeys(keys);
@@ -223,17 +230,8 @@ class Store {
                       "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
   }
 
-  std::unique_ptr<mlkv::KVStore> store_;
+  std::shared_ptr<mlkv::KVStore> store_;
 };
-
-// SplitMix64's finalizer: a bijection of 64-bit values with strong mixing.
-uint64_t SplitMix64(uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xbf58476d1ce4e5b9ull;
-  z ^= z >> 27;
-  z *= 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // Rows never written: element j of row `id` is uniform in [low, high), a
 // function of (seed, id, j) alone, so every batch order gives the same rows.
@@ -245,26 +243,94 @@ torch::Tensor InitialRows(const torch::Tensor& ids, int64_t dim, int64_t seed, d
   torch::Tensor rows = torch::empty({ids.numel(), dim}, torch::kFloat32);
   const int64_t* id = ids.data_ptr<int64_t>();
   float* out = rows.data_ptr<float>();
-  const float lo = static_cast<float>(low), span = static_cast<float>(high - low);
-  const uint64_t seed_part = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull;
+  const mlkv::RowInit init{static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low)};
   at::parallel_for(0, ids.numel(), 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint64_t row_part = seed_part ^ SplitMix64(static_cast<uint64_t>(id[i]) + 0xD1B54A32D192ED03ull);
-      for (int64_t j = 0; j < dim; ++j) {
-        const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j) * 0x8CB92BA72F3D8DD7ull);
-        out[i * dim + j] = lo + span * (static_cast<float>(z >> 40) * (1.0f / 16777216.0f));  // 24 random bits
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) mlkv::InitialRow(init, id[i], dim, out + i * dim);
   });
   return dtype == torch::kFloat32 ? rows : rows.to(dtype);
+}
+
+mlkv::OptimizerSpec MakeSpec(int64_t kind, double lr, double eps, double beta1, double beta2) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 3, "unknown optimizer kind ", kind);
+  return {static_cast<mlkv::OptimizerKind>(kind), static_cast<float>(lr), static_cast<float>(eps),
+          static_cast<float>(beta1), static_cast<float>(beta2)};
+}
+
+// The fused rule on separate weight and state tensors (CPU float32, rows of
+// unit stride); mlkv_torch.optim calls it, so its tests check the same code
+// the cache runs.
+void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double beta2, torch::Tensor weights,
+                    torch::Tensor state, const torch::Tensor& grads, int64_t step) {
+  const mlkv::OptimizerSpec spec = MakeSpec(kind, lr, eps, beta1, beta2);
+  const int64_t n = weights.size(0), dim = weights.size(1);
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&weights, &state, &grads}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == torch::kFloat32 && t->device().is_cpu() && t->dim() == 2 && t->size(0) == n &&
+                          (t->size(1) == 0 || t->stride(1) == 1),
+                      "weights, state and grads must be 2-D float32 CPU tensors of ", n, " rows with unit column stride");
+  }
+  TORCH_CHECK_VALUE(grads.size(1) == dim && state.size(1) == mlkv::StateColumns(spec.kind, dim),
+                    "grads must be [n, ", dim, "] and state [n, ", mlkv::StateColumns(spec.kind, dim), "]");
+  TORCH_CHECK_VALUE(spec.kind != mlkv::OptimizerKind::kAdam || step >= 1, "step counts from 1, got ", step);
+  const float adam_scale = spec.kind == mlkv::OptimizerKind::kAdam ? mlkv::AdamStepScale(spec, step) : 0.f;
+  float* w = weights.data_ptr<float>();
+  float* st = state.data_ptr<float>();
+  const float* g = grads.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    mlkv::UpdateRow<float>(spec, adam_scale, w + i * weights.stride(0), st + i * state.stride(0), g + i * grads.stride(0), dim);
+  }
+}
+
+std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capacity, int64_t dim, int64_t weight_type,
+                                                int64_t kind, double lr, double eps, double beta1, double beta2,
+                                                std::vector<float> initial_state, int64_t seed, double low, double high,
+                                                const std::string& policy, int64_t staleness, const std::string& device) {
+  mlkv::CacheOptions o;
+  o.capacity = capacity;
+  o.dim = dim;
+  TORCH_CHECK_VALUE(weight_type >= 0 && weight_type <= 3, "unknown weight type ", weight_type);
+  o.weight_type = static_cast<mlkv::WeightType>(weight_type);
+  o.optimizer = MakeSpec(kind, lr, eps, beta1, beta2);
+  o.initial_state = std::move(initial_state);
+  o.init = {static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low)};
+  if (policy == "lfu") {
+    o.policy = mlkv::CachePolicy::kLfu;
+  } else if (policy == "lru") {
+    o.policy = mlkv::CachePolicy::kLru;
+  } else {
+    throw py::value_error("cache_policy must be 'lfu' or 'lru', got '" + policy + "'");
+  }
+  o.staleness = staleness;
+  return std::make_unique<mlkv::EmbeddingCache>(store.engine(), std::move(o), torch::Device(device));
+}
+
+py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
+  const mlkv::CacheStats s = cache.Stats();
+  py::dict d;
+  d["cache_hits"] = s.hits;
+  d["cache_misses"] = s.misses;
+  d["store_reads"] = s.store_reads;
+  d["fresh_rows"] = s.fresh_rows;
+  d["admitted"] = s.admitted;
+  d["rejected"] = s.rejected;
+  d["evictions"] = s.evictions;
+  d["written_back"] = s.written_back;
+  d["updates_applied"] = s.updates_applied;
+  d["rows_updated"] = s.rows_updated;
+  d["pending_updates"] = s.queued_updates;
+  d["pending_rows"] = s.pending_rows;
+  d["max_staleness"] = s.max_staleness;
+  d["cached_rows"] = s.cached_rows;
+  d["staleness_waits"] = s.waits;
+  return d;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mlkv-torch storage engine";
-  py::register_exception<CorruptionException>(m, "CorruptionError", PyExc_RuntimeError);
-  py::register_exception<StoreIOException>(m, "StoreIOError", PyExc_OSError);
+  static PyObject* corruption_error =
+      py::register_exception<CorruptionException>(m, "CorruptionError", PyExc_RuntimeError).ptr();
+  static PyObject* store_io_error = py::register_exception<StoreIOException>(m, "StoreIOError", PyExc_OSError).ptr();
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
   m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("low"), py::arg("high"),
         py::arg("dtype"), "Deterministic initial rows: uniform [low, high) from (seed, id, column).");
@@ -287,4 +353,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Store::Call<&mlkv::KVStore::Close>)
       .def("stats", &Store::Stats)
       .def("size", &Store::Size);
+
+  // StatusError from the cache maps to the exceptions of the store's own calls.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const mlkv::StatusError& e) {
+      try {
+        Check(e.status);
+      } catch (py::builtin_exception& py_error) {
+        py_error.set_error();
+      } catch (const CorruptionException& c) {
+        PyErr_SetString(corruption_error, c.what());
+      } catch (const StoreIOException& io) {
+        PyErr_SetString(store_io_error, io.what());
+      }
+    }
+  });
+  m.def("apply_optimizer", &ApplyOptimizer, py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("weights"), py::arg("state"), py::arg("grads"), py::arg("step"),
+        "One fused optimizer step on CPU float32 rows, in place.");
+  using mlkv::EmbeddingCache;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<EmbeddingCache>(m, "EmbeddingCache")
+      .def(py::init(&MakeCache), py::arg("store"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
+           py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
+           py::arg("seed"), py::arg("low"), py::arg("high"), py::arg("policy"), py::arg("staleness"), py::arg("device"))
+      .def_static("unique", &EmbeddingCache::Unique, nogil)
+      .def("fetch", &EmbeddingCache::Fetch, nogil)
+      .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)
+      .def("drain", &EmbeddingCache::Drain, nogil)
+      .def("pause_applier", &EmbeddingCache::PauseApplier, nogil)
+      .def("read_rows", &EmbeddingCache::ReadRows, nogil)
+      .def("write_rows", &EmbeddingCache::WriteRows, nogil)
+      .def("lookahead", &EmbeddingCache::Lookahead, nogil)
+      .def("write_back", &EmbeddingCache::WriteBack, nogil)
+      .def("close", &EmbeddingCache::Close, nogil)
+      .def("stats", &CacheStatsDict)
+      .def_property_readonly("row_words", &EmbeddingCache::row_words)
+      .def_property_readonly("weight_words", &EmbeddingCache::weight_words);
 }

@@ -1,64 +1,73 @@
 """DiskEmbeddingBag: an embedding bag whose table lives in a KVStore.
 
-Forward reads the distinct ids of the batch from the store (rows never written
-read as `initial_rows`), pools them as torch.nn.EmbeddingBag does, and
-backward applies a row-wise sparse optimizer to the touched rows and writes
-them back: no dense weight gradient exists. Each store row holds the weights
-followed by the optimizer state, so one read brings both.
+Forward takes the distinct ids of the batch, fetches their weights through a
+hot cache in device memory (rows missing from it come from the store, or are
+`initial_rows` when never written), and pools them as torch.nn.EmbeddingBag
+does. Backward computes one gradient row per distinct id (duplicates summed,
+as in a coalesced sparse gradient) and queues it for the cache's applier,
+which runs the fused optimizer on the row and its state (kept together in one
+store row) and writes rows outside the cache back to the store. No dense
+weight gradient exists.
 
-This is the exact (staleness 0), CPU form of the op. The hot cache in device
-memory, asynchronous writes within a staleness bound, and the CUDA kernels of
-issue 3 build on it.
+With `staleness=s`, a forward waits until at most s updates of this table are
+still queued: no row it reads misses more than s of its updates, and s=0 reads
+every update (training equals the in-memory reference).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _C
 from . import optim as optim_lib
-from .store import KVStore, initial_rows
+from .store import KVStore
 
 __all__ = ["DiskEmbeddingBag"]
 
 _MODES = ("sum", "mean")
+_WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_CACHE_POLICIES = ("lfu", "lru")
+_STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
 
 
 class _DiskEmbeddingBagFunction(torch.autograd.Function):
     """Autograd glue: `anchor` (an empty parameter) makes backward run even
-    when no other input needs a gradient; under no_grad no graph exists and
-    nothing is updated."""
+    when no other input needs a gradient, and says whether the table trains:
+    under no_grad, or with the module frozen, nothing is updated."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, table: "DiskEmbeddingBag", ids: torch.Tensor, offsets: torch.Tensor,
-                per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        weights = table._read_rows(unique)[:, : table.embedding_dim]
+    def forward(ctx: Any, anchor: torch.Tensor, table: "DiskEmbeddingBag", unique: torch.Tensor, inverse: torch.Tensor,
+                offsets: torch.Tensor, weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
         out = F.embedding_bag(inverse, weights, offsets, mode=table.mode, per_sample_weights=per_sample_weights,
                               include_last_offset=True)
         ctx.table = table
-        ctx.save_for_backward(unique, inverse, offsets, weights, per_sample_weights)
+        psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[6]
+        ctx.save_for_backward(unique, inverse, offsets, weights if psw_needs_grad else None, per_sample_weights)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         table: DiskEmbeddingBag = ctx.table
         unique, inverse, offsets, weights, per_sample_weights = ctx.saved_tensors
-        leaf = weights.detach().requires_grad_(True)
-        psw = None
-        if per_sample_weights is not None:
-            psw = per_sample_weights.detach().requires_grad_(ctx.needs_input_grad[4])
-        with torch.enable_grad():
-            out = F.embedding_bag(inverse, leaf, offsets, mode=table.mode, per_sample_weights=psw, include_last_offset=True)
-            wanted = [leaf] + ([psw] if psw is not None and psw.requires_grad else [])
-            grads = torch.autograd.grad(out, wanted, grad_out)
-        # Rows of distinct ids: duplicates in the batch are already summed, as in a coalesced sparse gradient.
-        table._apply_gradients(unique, grads[0])
-        grad_psw = grads[1] if len(grads) > 1 else None
-        return None, None, None, None, grad_psw
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        per_id = grad_out.to(torch.float32).index_select(0, bag_of)  # d out[bag] / d weight row, per input position
+        grad_psw = None
+        if weights is not None:
+            grad_psw = (per_id * weights.index_select(0, inverse).to(torch.float32)).sum(1).to(per_sample_weights.dtype)
+        if table.mode == "mean":
+            per_id = per_id / lengths.index_select(0, bag_of).unsqueeze(1).to(torch.float32)
+        elif per_sample_weights is not None:
+            per_id = per_id * per_sample_weights.to(torch.float32).unsqueeze(1)
+        grads = torch.zeros(unique.numel(), table.embedding_dim, dtype=torch.float32, device=per_id.device)
+        grads.index_add_(0, inverse, per_id)
+        if ctx.needs_input_grad[0]:  # a frozen table (requires_grad_(False)) is not updated
+            table._queue_update(unique, grads)
+        return None, None, None, None, None, None, grad_psw
 
 
 class DiskEmbeddingBag(nn.Module):
@@ -68,7 +77,7 @@ class DiskEmbeddingBag(nn.Module):
     2-D fixed-length bags, sum and mean, per_sample_weights with sum, empty
     bags, repeated ids); ``backward`` updates every touched row with
     `optimizer`, exactly as the matching torch optimizer would on a sparse
-    gradient.
+    gradient (with ``staleness=0``).
 
     Args:
         num_embeddings: rows in the table; ids must lie in [0, num_embeddings).
@@ -76,91 +85,155 @@ class DiskEmbeddingBag(nn.Module):
         path: the store's directory (created, or reopened with its rows).
         mode: "sum" or "mean".
         optimizer: a `mlkv_torch.optim` rule (SGD, Adagrad, RowWiseAdagrad, Adam).
-        memory_budget_bytes: memory of the store's log (rows beyond live on disk).
+        cache_rows: rows of the hot cache on `device`. Default: half of
+            `memory_budget_bytes` on the CPU (none below 32 KiB), as many rows
+            as the budget on a GPU.
+        memory_budget_bytes: host memory for rows. On the CPU it holds the
+            cache and the store's in-memory log; on a GPU only the log (the
+            cache is in device memory).
+        staleness: updates a forward may miss per row (0: exact).
+        dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
+        device: where the cache, the pooling and the output live (CPU or CUDA).
         seed: seed of the initial values of rows never written.
         include_last_offset: as in nn.EmbeddingBag.
         expected_rows: sizes the store's index; default min(num_embeddings, 4M).
+        cache_policy: "lfu" (frequency-based admission, the default) or "lru".
 
     Example::
 
-        emb = DiskEmbeddingBag(10_000_000, 64, path="/data/t0", optimizer=optim.SGD(lr=0.1))
+        emb = DiskEmbeddingBag(10_000_000, 64, path="/data/t0", optimizer=optim.SGD(lr=0.1),
+                               memory_budget_bytes=256 << 20)
         out = emb(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
-        out.sum().backward()   # rows 1-4 are updated in the store
+        out.sum().backward()   # rows 1-4 are updated
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, path: Union[str, os.PathLike], mode: str = "sum",
-                 optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 64 << 20,
-                 seed: int = 0, include_last_offset: bool = False, expected_rows: Optional[int] = None) -> None:
+                 optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
+                 memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[str, torch.device]] = None, seed: int = 0, include_last_offset: bool = False,
+                 expected_rows: Optional[int] = None, cache_policy: str = "lfu") -> None:
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
+                            ("memory_budget_bytes", memory_budget_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if dtype not in _WEIGHT_TYPES:
+            raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
+        if cache_policy not in _CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
         optimizer = optimizer if optimizer is not None else optim_lib.SGD()
         if not isinstance(optimizer, optim_lib.SparseOptimizer):
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.mode = mode
         self.optimizer = optimizer
+        self.staleness = staleness
+        self.dtype = dtype
+        self.device = device
         self.seed = seed
         self.include_last_offset = include_last_offset
         self._state_dim = optimizer.state_dim(embedding_dim)
+        self._weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
+        row_bytes = 4 * (self._weight_words + self._state_dim)
+        store_budget = memory_budget_bytes
+        store_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // 4)  # the store's log keeps at least this
+        if cache_rows is None:
+            share = memory_budget_bytes - max(store_floor, memory_budget_bytes // 2) if device.type == "cpu" \
+                else memory_budget_bytes
+            cache_rows = min(num_embeddings, max(0, share) // row_bytes)
+        if device.type == "cpu":
+            store_budget = memory_budget_bytes - cache_rows * row_bytes
+            if store_budget < store_floor:
+                raise ValueError(f"cache_rows={cache_rows} takes {cache_rows * row_bytes} bytes of the "
+                                 f"{memory_budget_bytes}-byte memory_budget_bytes; the store needs at least "
+                                 f"{store_floor} of them")
+        self.cache_rows = cache_rows
         self._step = 0
         self._anchor = nn.Parameter(torch.empty(0))
-        self._store = KVStore(path, embedding_dim + self._state_dim, torch.float32, memory_budget_bytes,
+        self._store = KVStore(path, self._weight_words + self._state_dim, torch.float32, store_budget,
                               expected_rows=expected_rows or min(num_embeddings, 1 << 22))
+        bound = (1.0 / num_embeddings) ** 0.5
+        try:
+            self._cache = _C.EmbeddingCache(
+                self._store._store, cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind,
+                *optimizer.hyperparameters(), optimizer.initial_state(1, embedding_dim).flatten().tolist(), int(seed),
+                -bound, bound, cache_policy, staleness, str(device))
+        except BaseException:
+            self._store.close()
+            raise
 
     # ---- rows -------------------------------------------------------------------------------------
-    def _read_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """[n, dim + state_dim]: stored rows, and initial rows for ids never written."""
-        rows, found = self._store.lookup(ids)
-        if not bool(found.all()):
-            fresh = ~found
-            rows[fresh, : self.embedding_dim] = initial_rows(ids[fresh], self.embedding_dim, seed=self.seed,
-                                                             num_embeddings=self.num_embeddings)
-            if self._state_dim:
-                rows[fresh, self.embedding_dim:] = self.optimizer.initial_state(int(fresh.sum()), self.embedding_dim)
-        return rows
+    def _weights_of(self, words: torch.Tensor) -> torch.Tensor:
+        """[n, dim] weights of `dtype`, viewed in rows of 32-bit words."""
+        if self.dtype == torch.float32:
+            return words[:, : self.embedding_dim]
+        return words.view(self.dtype)[:, : self.embedding_dim]
 
-    def _apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+    def _queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
         self._step += 1
-        # Read again: another call on this table in the same step may have updated these rows.
-        rows = self._read_rows(ids)
-        weights, state = rows[:, : self.embedding_dim], rows[:, self.embedding_dim:]
-        self.optimizer.update(weights, state, grads, self._step)
-        self._store.put(ids, rows)
+        self._cache.queue_update(unique, grads.contiguous(), self._step)
 
     def export_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Current weights [n, dim] of these rows."""
-        return self._read_rows(self._check_ids(ids))[:, : self.embedding_dim].clone()
+        """Current weights [n, dim] (of `dtype`, on the CPU) of these rows, every queued update applied."""
+        rows = self._cache.read_rows(self._check_ids(ids).reshape(-1).contiguous())
+        return self._weights_of(rows[:, : self._weight_words].contiguous()).clone()
 
     def import_rows(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Sets these rows' weights; their optimizer state starts afresh."""
-        ids = self._check_ids(ids)
+        ids = self._check_ids(ids).reshape(-1).contiguous()
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must be a tensor of shape [{ids.numel()}, {self.embedding_dim}]")
+        weights = weights.detach().to(device="cpu", dtype=self.dtype)
+        if self.dtype != torch.float32:
+            if self.embedding_dim * self.dtype.itemsize % 4:
+                weights = torch.cat([weights, weights.new_zeros(ids.numel(), 1)], dim=1)
+            weights = weights.contiguous().view(torch.float32)
         state = self.optimizer.initial_state(ids.numel(), self.embedding_dim)
-        self._store.put(ids, torch.cat([weights.detach().to(torch.float32).cpu(), state], dim=1))
+        self._cache.write_rows(ids, torch.cat([weights, state], dim=1).contiguous())
+
+    def lookahead(self, input: torch.Tensor) -> None:
+        """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""
+        ids = self._check_ids(input).reshape(-1).contiguous()
+        self._cache.lookahead(_C.EmbeddingCache.unique(ids)[0])
 
     def flush(self) -> None:
-        """Waits until every write is in the store."""
+        """Applies queued updates and writes every changed row to the store."""
+        self._cache.write_back()
         self._store.flush()
 
     def stats(self) -> Dict[str, Any]:
-        """The store's counters and the optimizer step count."""
-        return dict(self._store.stats(), step=self._step)
+        """The store's counters, the cache's (hits, misses, evictions, pending updates, largest
+        staleness served) and the optimizer step count."""
+        cache = self._cache.stats()
+        looked_up = cache["cache_hits"] + cache["cache_misses"]
+        return dict(self._store.stats(), **cache, cache_rows=self.cache_rows, step=self._step,
+                    hit_rate=cache["cache_hits"] / looked_up if looked_up else 0.0)
 
     def close(self) -> None:
-        """Checkpoints the table and releases its directory."""
-        self._store.close()
+        """Applies queued updates, writes the cache back, checkpoints the store and releases its directory."""
+        if self._store.closed:
+            return
+        try:
+            self._cache.close()
+        finally:
+            self._store.close()
 
     # ---- forward ----------------------------------------------------------------------------------
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ids must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-        ids = ids.to(torch.int64)
+        ids = ids.to(device="cpu", dtype=torch.int64)  # the cache's index lives on the host
         if ids.numel():
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.num_embeddings:
@@ -185,7 +258,7 @@ class DiskEmbeddingBag(nn.Module):
                 raise ValueError("offsets are required when input is 1-D")
             if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) or offsets.dim() != 1:
                 raise TypeError("offsets must be a 1-D int64 or int32 tensor")
-            offsets = offsets.to(torch.int64)
+            offsets = offsets.to(device="cpu", dtype=torch.int64)
             if offsets.numel() and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any())
                                     or int(offsets[-1]) > ids.numel()):
                 raise ValueError(f"offsets must start at 0, not decrease, and not exceed the input length {ids.numel()}")
@@ -198,11 +271,17 @@ class DiskEmbeddingBag(nn.Module):
         if per_sample_weights is not None:
             if self.mode != "sum":
                 raise ValueError("per_sample_weights are only supported with mode='sum'")
+            if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
+                raise TypeError("per_sample_weights must be a floating-point tensor")
             if tuple(per_sample_weights.shape) != (ids.numel(),):
                 raise ValueError(f"per_sample_weights must have the input's shape, got {tuple(per_sample_weights.shape)}")
-            per_sample_weights = per_sample_weights.to(torch.float32)
-        return _DiskEmbeddingBagFunction.apply(self._anchor, self, ids, offsets, per_sample_weights)
+            per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
+        unique, inverse = _C.EmbeddingCache.unique(ids.contiguous())
+        weights = self._weights_of(self._cache.fetch(unique))
+        return _DiskEmbeddingBagFunction.apply(self._anchor, self, unique, inverse.to(self.device),
+                                               offsets.to(self.device), weights, per_sample_weights)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, "
+                f"cache_rows={self.cache_rows}, staleness={self.staleness}, dtype={self.dtype}, device={self.device}, "
                 f"path={self._store.path!r}")

@@ -5,8 +5,10 @@ The rule works on the rows a batch touched: `weights` and `state` are the
 current rows [n, dim] and their optimizer state [n, state_dim(dim)] (kept in
 the same store row as the weights, so one read brings both), and `grads` the
 coalesced gradient rows (duplicate ids already summed). It updates both in
-place. These are the reference semantics; the fused kernels of
-DiskEmbeddingBag must give the same numbers.
+place. The rule itself is written once, in C++ (csrc/row_ops.h): `update`
+runs it on CPU tensors, and DiskEmbeddingBag's cache runs it fused over its
+rows (and in cuda/ on a GPU), so these tests of `update` check the code that
+trains.
 
 - SGD: ``torch.optim.SGD`` on a sparse gradient.
 - Adagrad: ``torch.optim.Adagrad`` (lr_decay 0, no weight decay).
@@ -21,11 +23,19 @@ from typing import Tuple
 
 import torch
 
+from . import _C
+
 __all__ = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "SparseOptimizer"]
 
 
 class SparseOptimizer:
     """Base of the row-wise optimizers: the state layout and the update rule."""
+
+    kind: int = -1  # the rule's number in csrc/row_ops.h (OptimizerKind)
+
+    def hyperparameters(self) -> Tuple[float, float, float, float]:
+        """(lr, eps, beta1, beta2) as the fused rule takes them."""
+        return (self.lr, getattr(self, "eps", 0.0), *getattr(self, "betas", (0.0, 0.0)))  # type: ignore[attr-defined]
 
     def state_dim(self, dim: int) -> int:
         """Optimizer state elements kept per row beside its `dim` weights."""
@@ -39,12 +49,12 @@ class SparseOptimizer:
         """Applies one step to the touched rows, in place.
 
         Args:
-            weights: [n, dim] current weights of the touched rows.
+            weights: [n, dim] current weights of the touched rows (float32, CPU).
             state: [n, state_dim(dim)] their optimizer state.
             grads: [n, dim] their gradients, one row per distinct id.
             step: the table's step count, from 1 (Adam's bias correction uses it).
         """
-        raise NotImplementedError
+        _C.apply_optimizer(self.kind, *self.hyperparameters(), weights, state, grads, int(step))
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -56,6 +66,7 @@ def _check_positive(name: str, value: float) -> None:
 class SGD(SparseOptimizer):
     """Plain SGD: w -= lr * g."""
 
+    kind = 0
     lr: float = 0.01
 
     def __post_init__(self) -> None:
@@ -64,14 +75,12 @@ class SGD(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 0
 
-    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        weights.add_(grads, alpha=-self.lr)
-
 
 @dataclass(frozen=True)
 class Adagrad(SparseOptimizer):
     """Adagrad with an accumulator per element, as torch.optim.Adagrad."""
 
+    kind = 1
     lr: float = 0.01
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
@@ -88,15 +97,12 @@ class Adagrad(SparseOptimizer):
     def initial_state(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.full((rows, dim), self.initial_accumulator_value, dtype=dtype)
 
-    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        state.add_(grads.pow(2))
-        weights.add_(grads / state.sqrt().add_(self.eps), alpha=-self.lr)
-
 
 @dataclass(frozen=True)
 class RowWiseAdagrad(SparseOptimizer):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, of the mean squared gradient."""
 
+    kind = 2
     lr: float = 0.01
     eps: float = 1e-8
 
@@ -107,15 +113,12 @@ class RowWiseAdagrad(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
-    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        state.add_(grads.pow(2).mean(dim=1, keepdim=True))
-        weights.sub_(grads * (self.lr / (state.sqrt() + self.eps)))
-
 
 @dataclass(frozen=True)
 class Adam(SparseOptimizer):
     """Adam on the touched rows only, as torch.optim.SparseAdam."""
 
+    kind = 3
     lr: float = 0.001
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -128,18 +131,3 @@ class Adam(SparseOptimizer):
 
     def state_dim(self, dim: int) -> int:
         return 2 * dim  # first moment, then second moment
-
-    def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        if step < 1:
-            raise ValueError(f"step counts from 1, got {step}")
-        beta1, beta2 = self.betas
-        dim = weights.shape[1]
-        exp_avg, exp_avg_sq = state[:, :dim], state[:, dim:]
-        # The same operations in the same order as SparseAdam, so results match to the last bit.
-        exp_avg_update = grads.sub(exp_avg).mul_(1 - beta1)
-        exp_avg_sq_update = grads.pow(2).sub_(exp_avg_sq).mul_(1 - beta2)
-        exp_avg.add_(exp_avg_update)
-        exp_avg_sq.add_(exp_avg_sq_update)
-        denom = exp_avg_sq.sqrt().add_(self.eps)
-        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        weights.add_(-step_size * exp_avg.div(denom))

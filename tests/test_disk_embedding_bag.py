@@ -1,21 +1,33 @@
-"""DiskEmbeddingBag against torch.nn.EmbeddingBag and the matching torch optimizer (CPU, staleness 0)."""
+"""DiskEmbeddingBag against torch.nn.EmbeddingBag and the matching torch optimizer, staleness 0:
+modes x per_sample_weights x optimizers x cache sizes x devices (CUDA skips without a GPU)."""
 import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
 
 NUM, DIM = 300, 32
-SMALL_BUDGET = 16 << 10  # 4 log pages: far below the touched rows with their state, so the disk path runs
+STORE_BYTES = 16 << 10  # the store's 4 log pages: far below the touched rows, so the disk path runs
+CACHES = {"none": 0, "tiny": 8, "medium": 100, "whole": NUM}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
-def make(tmp_path, name="t", **kwargs):
-    kwargs.setdefault("memory_budget_bytes", SMALL_BUDGET)
-    return DiskEmbeddingBag(NUM, DIM, path=tmp_path / name, **kwargs)
+def budget_for(cache_rows: int, optimizer, dim: int = DIM, itemsize: int = 4) -> int:
+    """A memory budget that leaves the store STORE_BYTES (or the quarter it needs) beside the cache."""
+    state = optimizer.state_dim(dim) if isinstance(optimizer, optim.SparseOptimizer) else 0
+    cache_bytes = cache_rows * 4 * (-(-dim * itemsize // 4) + state)
+    return max(cache_bytes + STORE_BYTES, -(-cache_bytes * 4 // 3) + 4)
+
+
+def make(tmp_path, name="t", cache_rows=0, device="cpu", **kwargs):
+    itemsize = kwargs.get("dtype", torch.float32).itemsize
+    kwargs.setdefault("memory_budget_bytes", STORE_BYTES if device != "cpu" else
+                      budget_for(cache_rows, kwargs.get("optimizer") or optim.SGD(), itemsize=itemsize))
+    return DiskEmbeddingBag(NUM, DIM, path=tmp_path / name, cache_rows=cache_rows, device=device, **kwargs)
 
 
 def reference_like(emb: DiskEmbeddingBag, **kwargs) -> torch.nn.EmbeddingBag:
-    weight = emb.export_rows(torch.arange(NUM))
-    return torch.nn.EmbeddingBag(NUM, DIM, mode=emb.mode, _weight=weight, **kwargs)
+    weight = emb.export_rows(torch.arange(NUM)).to(emb.device)
+    return torch.nn.EmbeddingBag(NUM, DIM, mode=emb.mode, _weight=weight, device=emb.device, **kwargs)
 
 
 def batch(step, bags=16, max_len=6):
@@ -28,15 +40,17 @@ def batch(step, bags=16, max_len=6):
     return ids, offsets, torch.randn(bags, DIM, generator=g)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache", ["none", "medium"])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_forward_equals_embedding_bag(tmp_path, mode):
-    emb = make(tmp_path, mode=mode)
+def test_forward_equals_embedding_bag(tmp_path, mode, cache, device):
+    emb = make(tmp_path, mode=mode, cache_rows=CACHES[cache], device=device)
     ref = reference_like(emb)
     for step in range(5):
         ids, offsets, _ = batch(step)
-        torch.testing.assert_close(emb(ids, offsets), ref(ids, offsets))
+        torch.testing.assert_close(emb(ids, offsets), ref(ids.to(device), offsets.to(device)))
     two_d = torch.randint(0, NUM, (5, 3))
-    torch.testing.assert_close(emb(two_d), ref(two_d))
+    torch.testing.assert_close(emb(two_d), ref(two_d.to(device)))
 
 
 def test_forward_per_sample_weights_and_include_last_offset(tmp_path):
@@ -48,28 +62,59 @@ def test_forward_per_sample_weights_and_include_last_offset(tmp_path):
     torch.testing.assert_close(emb(ids, offsets, psw), ref(ids, offsets, psw))
 
 
-TRAINING = [
-    (optim.SGD(lr=0.3), lambda p: torch.optim.SGD(p, lr=0.3)),
-    (optim.Adagrad(lr=0.2, initial_accumulator_value=0.1),
-     lambda p: torch.optim.Adagrad(p, lr=0.2, initial_accumulator_value=0.1)),
-    (optim.Adam(lr=0.05), lambda p: torch.optim.SparseAdam(p, lr=0.05)),
-]
+class RowWiseAdagradReference(torch.optim.Optimizer):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD on a coalesced sparse gradient, in plain torch."""
+
+    def __init__(self, params, lr, eps=1e-8):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad.coalesce()
+                rows, values = grad.indices()[0], grad.values()
+                acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0], device=p.device))
+                acc.index_add_(0, rows, values.pow(2).mean(dim=1))
+                p.index_add_(0, rows, -group["lr"] * values / (acc[rows].sqrt() + group["eps"]).unsqueeze(1))
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-@pytest.mark.parametrize("ours, reference", TRAINING, ids=["sgd", "adagrad", "adam"])
-def test_training_reaches_the_reference_weights(tmp_path, mode, ours, reference):
-    emb = make(tmp_path, mode=mode, optimizer=ours)
+OPTIMIZERS = {
+    "sgd": (optim.SGD(lr=0.3), lambda p: torch.optim.SGD(p, lr=0.3)),
+    "adagrad": (optim.Adagrad(lr=0.2, initial_accumulator_value=0.1),
+                lambda p: torch.optim.Adagrad(p, lr=0.2, initial_accumulator_value=0.1)),
+    "rowwise_adagrad": (optim.RowWiseAdagrad(lr=0.2), lambda p: RowWiseAdagradReference(p, lr=0.2)),
+    "adam": (optim.Adam(lr=0.05), lambda p: torch.optim.SparseAdam(p, lr=0.05)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False)],
+                         ids=["sum", "sum-weighted", "mean"])
+def test_training_reaches_the_reference_weights(tmp_path, mode, weighted, optimizer, cache, device):
+    ours, reference = OPTIMIZERS[optimizer]
+    emb = make(tmp_path, mode=mode, optimizer=ours, cache_rows=CACHES[cache], device=device)
     ref = reference_like(emb, sparse=True)
     ref_opt = reference(list(ref.parameters()))
     for step in range(12):
         ids, offsets, target = batch(step)
-        (emb(ids, offsets) * target).sum().backward()
+        psw = torch.rand(ids.numel(), generator=torch.Generator().manual_seed(100 + step)) if weighted else None
+        target = target.to(device)
+        (emb(ids, offsets, psw) * target).sum().backward()
         ref_opt.zero_grad()
-        (ref(ids, offsets) * target).sum().backward()
+        on_device = [t.to(device) if t is not None else None for t in (ids, offsets, psw)]
+        (ref(*on_device) * target).sum().backward()
         ref_opt.step()
-    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach())
-    assert emb.stats()["disk_rows"] > 0, "the budget was meant to push rows to disk"
+        assert emb.stats()["cached_rows"] <= CACHES[cache]
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach().cpu())
+    stats = emb.stats()
+    if cache in ("none", "tiny"):
+        assert stats["disk_rows"] > 0, "the store's budget was meant to push rows to disk"
+    if cache == "tiny":
+        assert stats["evictions"] > 0 and stats["written_back"] > 0, "dirty rows should leave the cache"
+    assert stats["max_staleness"] == 0
 
 
 def test_gradient_of_per_sample_weights(tmp_path):

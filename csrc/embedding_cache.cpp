@@ -1,0 +1,727 @@
+#include "embedding_cache.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#ifdef MLKV_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda_kernels.h"
+#endif
+
+namespace mlkv {
+
+namespace {
+
+void ThrowIfError(const Status& st) {
+  if (!st.ok()) throw StatusError(st);
+}
+
+void CheckIds(const torch::Tensor& ids) {
+  TORCH_CHECK_VALUE(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
+                    "ids must be a contiguous 1-D int64 CPU tensor");
+}
+
+size_t PowerOfTwoAtLeast(size_t n) {
+  size_t p = 16;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+template <typename F>
+void DispatchWeightType(WeightType t, F&& f) {
+  switch (t) {
+    case WeightType::kFloat32: f(float{}); break;
+    case WeightType::kFloat16: f(c10::Half{}); break;
+    case WeightType::kBFloat16: f(c10::BFloat16{}); break;
+    case WeightType::kFloat64: f(double{}); break;
+  }
+}
+
+constexpr int kVictimSamples = 8;
+constexpr int kVictimRounds = 4;
+
+}  // namespace
+
+// ---- IdMap ---------------------------------------------------------------------------------------
+
+IdMap::IdMap(size_t expected) {
+  const size_t cap = PowerOfTwoAtLeast(expected * 2);
+  ids_.assign(cap, -1);
+  values_.assign(cap, 0);
+  mask_ = cap - 1;
+}
+
+int32_t IdMap::Find(int64_t id) const {
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    if (ids_[i] == id) return values_[i];
+    if (ids_[i] < 0) return -1;
+  }
+}
+
+int32_t* IdMap::FindMutable(int64_t id) {
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    if (ids_[i] == id) return &values_[i];
+    if (ids_[i] < 0) return nullptr;
+  }
+}
+
+int32_t IdMap::Insert(int64_t id, int32_t value) {
+  if ((size_ + 1) * 2 > ids_.size()) Grow();  // load factor at most 1/2
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    if (ids_[i] == id) return values_[i];
+    if (ids_[i] < 0) {
+      ids_[i] = id;
+      values_[i] = value;
+      ++size_;
+      return value;
+    }
+  }
+}
+
+void IdMap::Erase(int64_t id) {
+  size_t i = Home(id);
+  while (ids_[i] != id) {
+    if (ids_[i] < 0) return;
+    i = (i + 1) & mask_;
+  }
+  // Backward shift: move later entries of the probe run into the hole when their home allows it.
+  for (size_t j = (i + 1) & mask_;; j = (j + 1) & mask_) {
+    if (ids_[j] < 0) break;
+    const size_t home = Home(ids_[j]);
+    const bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
+    if (movable) {
+      ids_[i] = ids_[j];
+      values_[i] = values_[j];
+      i = j;
+    }
+  }
+  ids_[i] = -1;
+  --size_;
+}
+
+void IdMap::Clear() {
+  std::fill(ids_.begin(), ids_.end(), -1);
+  size_ = 0;
+}
+
+void IdMap::Grow() {
+  std::vector<int64_t> old_ids = std::move(ids_);
+  std::vector<int32_t> old_values = std::move(values_);
+  ids_.assign(old_ids.size() * 2, -1);
+  values_.assign(old_ids.size() * 2, 0);
+  mask_ = ids_.size() - 1;
+  size_ = 0;
+  for (size_t i = 0; i < old_ids.size(); ++i) {
+    if (old_ids[i] >= 0) Insert(old_ids[i], old_values[i]);
+  }
+}
+
+// ---- EmbeddingCache ------------------------------------------------------------------------------
+
+EmbeddingCache::EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions options, torch::Device device)
+    : store_(std::move(store)),
+      opt_(std::move(options)),
+      device_(device),
+      on_host_(device.is_cpu()),
+      weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
+      row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
+      slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))) {
+  TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
+                    opt_.capacity);
+  TORCH_CHECK_VALUE(opt_.dim > 0, "dim must be positive");
+  TORCH_CHECK_VALUE(opt_.staleness >= 0, "staleness must be >= 0, got ", opt_.staleness);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(opt_.initial_state.size()) == row_words_ - weight_words_,
+                    "initial_state must have ", row_words_ - weight_words_, " values");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(store_->value_bytes()) == row_words_ * 4, "the store's rows hold ",
+                    store_->value_bytes(), " bytes, the table needs ", row_words_ * 4);
+#ifndef MLKV_WITH_CUDA
+  TORCH_CHECK_VALUE(device_.is_cpu(), "this build of mlkv_torch has no CUDA kernels; device must be the CPU");
+#endif
+  TORCH_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), "device must be the CPU or a CUDA device, got ", device_);
+  slots_ = torch::zeros({opt_.capacity, row_words_}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  host_slots_ = on_host_ ? slots_.data_ptr<float>() : nullptr;
+  const size_t cap = static_cast<size_t>(opt_.capacity);
+  slot_id_.assign(cap, -1);
+  slot_freq_.assign(cap, 0);
+  slot_dirty_.assign(cap, 0);
+  slot_epoch_.assign(cap, 0);
+  free_slots_.resize(cap);
+  for (size_t i = 0; i < cap; ++i) free_slots_[i] = static_cast<int32_t>(cap - 1 - i);
+  if (opt_.policy == CachePolicy::kLru) {
+    lru_prev_.assign(cap, -1);
+    lru_next_.assign(cap, -1);
+  } else {
+    const size_t width = PowerOfTwoAtLeast(std::max<size_t>(1024, cap * 4));
+    sketch_.assign(width * 2, 0);  // two rows of a count-min sketch
+    sketch_mask_ = width - 1;
+  }
+  age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
+  if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
+}
+
+EmbeddingCache::~EmbeddingCache() {
+  // Python may collect the cache while holding the GIL; waiting for the applier must not keep it.
+  std::optional<pybind11::gil_scoped_release> release;
+  if (Py_IsInitialized() && PyGILState_Check()) release.emplace();
+  try {
+    Close();
+  } catch (...) {
+    // Close's error was already raised to Python by an earlier call, or the process is exiting.
+  }
+  if (applier_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      stopping_ = true;
+      paused_ = false;
+    }
+    queue_cv_.notify_all();
+    applier_.join();
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Tensor& ids) {
+  CheckIds(ids);
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  torch::Tensor inverse = torch::empty({n}, torch::kInt64);
+  int64_t* inv = inverse.data_ptr<int64_t>();
+  std::vector<int64_t> distinct;
+  {
+    IdMap index(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t next = static_cast<int32_t>(distinct.size());
+      const int32_t at = index.Insert(id[i], next);
+      if (at == next) distinct.push_back(id[i]);
+      inv[i] = at;
+    }
+  }
+  return {torch::tensor(distinct, torch::kInt64), inverse};
+}
+
+void EmbeddingCache::ThrowIfFailed() {
+  if (!failed_.ok()) throw StatusError(failed_);
+}
+
+void EmbeddingCache::WaitQueuedAtMost(int64_t n) {
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  if (queued_ <= n) return;
+  TORCH_CHECK(!paused_, "the applier is paused with ", queued_, " updates queued; this call would wait for it forever");
+  ++waits_;
+  applied_cv_.wait(lock, [&] { return queued_ <= n; });
+}
+
+void EmbeddingCache::ReadFromStore(const int64_t* ids, size_t n, float* out, int64_t* fresh) {
+  if (n == 0) return;
+  std::unique_ptr<bool[]> found(new bool[n]);
+  ThrowIfError(store_->Lookup(ids, n, out, found.get()));
+  std::vector<float> initial(static_cast<size_t>(opt_.dim));
+  for (size_t i = 0; i < n; ++i) {
+    if (found[i]) continue;
+    ++*fresh;
+    float* row = out + i * row_words_;
+    InitialRow(opt_.init, ids[i], opt_.dim, initial.data());
+    DispatchWeightType(opt_.weight_type, [&](auto zero) {
+      using W = decltype(zero);
+      W* w = reinterpret_cast<W*>(row);
+      for (int64_t j = 0; j < opt_.dim; ++j) w[j] = static_cast<W>(initial[j]);
+      if (weight_words_ * 4 > opt_.dim * static_cast<int64_t>(sizeof(W))) w[opt_.dim] = static_cast<W>(0.f);  // pad
+    });
+    std::copy(opt_.initial_state.begin(), opt_.initial_state.end(), row + weight_words_);
+  }
+}
+
+// ---- policy --------------------------------------------------------------------------------------
+
+uint8_t EmbeddingCache::SketchAdd(int64_t id) {
+  const uint64_t h = SplitMix64(static_cast<uint64_t>(id) ^ 0x5851F42D4C957F2Dull);
+  uint8_t& a = sketch_[h & sketch_mask_];
+  uint8_t& b = sketch_[(sketch_mask_ + 1) + ((h >> 32) & sketch_mask_)];
+  if (a < 255) ++a;
+  if (b < 255) ++b;
+  const uint8_t estimate = std::min(a, b);
+  if (++sketch_adds_ >= age_period_) Age();
+  return estimate;
+}
+
+void EmbeddingCache::Age() {
+  // Halving every count keeps the frequencies recent, so the cache follows a drifting hot set.
+  for (auto& c : sketch_) c >>= 1;
+  for (auto& c : slot_freq_) c >>= 1;
+  sketch_adds_ = 0;
+}
+
+void EmbeddingCache::LruUnlink(int32_t s) {
+  const int32_t p = lru_prev_[s], n = lru_next_[s];
+  (p >= 0 ? lru_next_[p] : lru_head_) = n;
+  (n >= 0 ? lru_prev_[n] : lru_tail_) = p;
+  lru_prev_[s] = lru_next_[s] = -1;
+}
+
+void EmbeddingCache::LruPushFront(int32_t s) {
+  lru_prev_[s] = -1;
+  lru_next_[s] = lru_head_;
+  if (lru_head_ >= 0) lru_prev_[lru_head_] = s;
+  lru_head_ = s;
+  if (lru_tail_ < 0) lru_tail_ = s;
+}
+
+void EmbeddingCache::Touch(int32_t s) {
+  slot_epoch_[s] = epoch_;
+  if (opt_.policy == CachePolicy::kLru) {
+    LruUnlink(s);
+    LruPushFront(s);
+  } else {
+    if (slot_freq_[s] < 255) ++slot_freq_[s];
+    if (++sketch_adds_ >= age_period_) Age();
+  }
+}
+
+int32_t EmbeddingCache::PickVictim() {
+  if (opt_.policy == CachePolicy::kLru) {
+    // Rows this fetch read sit at the front; a read tail means every row was read.
+    return (lru_tail_ >= 0 && slot_epoch_[lru_tail_] != epoch_) ? lru_tail_ : -1;
+  }
+  int32_t best = -1;
+  for (int round = 0; round < kVictimRounds && best < 0; ++round) {
+    for (int k = 0; k < kVictimSamples; ++k) {
+      rng_ ^= rng_ << 13;
+      rng_ ^= rng_ >> 7;
+      rng_ ^= rng_ << 17;
+      const int32_t s = static_cast<int32_t>(rng_ % static_cast<uint64_t>(opt_.capacity));
+      if (slot_epoch_[s] == epoch_) continue;
+      if (best < 0 || slot_freq_[s] < slot_freq_[best]) best = s;
+    }
+  }
+  return best;
+}
+
+int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<int64_t>* evicted_ids,
+                              std::vector<int32_t>* evicted_slots) {
+  if (opt_.capacity == 0) return -1;
+  int32_t s;
+  if (!free_slots_.empty()) {
+    s = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    s = PickVictim();
+    if (s < 0) return -1;
+    // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
+    if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s]) return -1;
+    slot_of_.Erase(slot_id_[s]);
+    if (slot_dirty_[s]) {
+      evicted_ids->push_back(slot_id_[s]);
+      evicted_slots->push_back(s);
+    }
+    if (opt_.policy == CachePolicy::kLru) LruUnlink(s);
+    ++stats_.evictions;
+  }
+  slot_id_[s] = id;
+  slot_of_.Insert(id, s);
+  slot_freq_[s] = frequency;
+  slot_dirty_[s] = 0;
+  slot_epoch_[s] = epoch_;
+  if (opt_.policy == CachePolicy::kLru) LruPushFront(s);
+  return s;
+}
+
+// ---- data movement between host buffers and slots ----------------------------------------------
+
+void EmbeddingCache::CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows) {
+  if (slots.empty()) return;
+  if (on_host_) {
+    const float* src = rows.data_ptr<float>();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::memcpy(host_slots_ + slots[i] * row_words_, src + i * row_words_, row_words_ * sizeof(float));
+    }
+    return;
+  }
+  torch::Tensor index = torch::tensor(std::vector<int64_t>(slots.begin(), slots.end()), torch::kInt64).to(device_);
+  slots_.index_copy_(0, index, rows.to(device_, /*non_blocking=*/false));
+}
+
+torch::Tensor EmbeddingCache::SlotRowsToHost(const std::vector<int32_t>& slots) {
+  if (on_host_) {
+    torch::Tensor out = torch::empty({static_cast<int64_t>(slots.size()), row_words_}, torch::kFloat32);
+    float* dst = out.data_ptr<float>();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::memcpy(dst + i * row_words_, host_slots_ + slots[i] * row_words_, row_words_ * sizeof(float));
+    }
+    return out;
+  }
+  torch::Tensor index = torch::tensor(std::vector<int64_t>(slots.begin(), slots.end()), torch::kInt64).to(device_);
+  return slots_.index_select(0, index).cpu();
+}
+
+void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, int64_t step) const {
+  const float adam_scale = opt_.optimizer.kind == OptimizerKind::kAdam ? AdamStepScale(opt_.optimizer, step) : 0.f;
+  DispatchWeightType(opt_.weight_type, [&](auto zero) {
+    using W = decltype(zero);
+    for (int64_t i = 0; i < n; ++i) {
+      UpdateRow<W>(opt_.optimizer, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_,
+                   grads + i * opt_.dim, opt_.dim);
+    }
+  });
+}
+
+void EmbeddingCache::AddPending(const int64_t* ids, int64_t n, int delta) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (delta > 0) {
+      int32_t* count = pending_.FindMutable(ids[i]);
+      if (count) {
+        ++*count;
+      } else {
+        pending_.Insert(ids[i], 1);
+      }
+    } else {
+      int32_t* count = pending_.FindMutable(ids[i]);
+      if (count && --*count == 0) pending_.Erase(ids[i]);
+    }
+  }
+}
+
+EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int64_t n, bool will_write) {
+  CacheSplit split;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = slot_of_.Find(ids[i]);
+    if (s >= 0) {
+      split.cached_pos.push_back(i);
+      split.cached_slots.push_back(s);
+      if (will_write) slot_dirty_[s] = 1;
+    } else {
+      split.missed_pos.push_back(i);
+      split.missed_ids.push_back(ids[i]);
+    }
+  }
+  return split;
+}
+
+// ---- the operations ------------------------------------------------------------------------------
+
+torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
+  CheckIds(ids);
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  torch::Tensor out;
+  std::vector<int64_t> source(static_cast<size_t>(n));  // slot, or -1: row i of `missed`
+  std::vector<int64_t> missed_pos, missed_ids;
+  torch::Tensor missed_rows;
+  {
+    WaitQueuedAtMost(opt_.staleness);
+    std::lock_guard<std::mutex> lock(mu_);
+    ThrowIfFailed();
+    if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
+      std::fill(slot_epoch_.begin(), slot_epoch_.end(), 0);
+      epoch_ = 1;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t s = slot_of_.Find(id[i]);
+      if (s >= 0) {
+        source[i] = s;
+        Touch(s);
+      } else {
+        source[i] = -1;
+        missed_pos.push_back(i);
+        missed_ids.push_back(id[i]);
+      }
+    }
+    if (opt_.staleness > 0 && pending_.size() > 0) {
+      int64_t worst = 0;
+      for (int64_t i = 0; i < n; ++i) worst = std::max<int64_t>(worst, pending_.Find(id[i]));
+      stats_.max_staleness = std::max(stats_.max_staleness, worst);
+    }
+    const int64_t m = static_cast<int64_t>(missed_ids.size());
+    stats_.hits += n - m;
+    stats_.misses += m;
+    missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
+    int64_t fresh = 0;
+    ReadFromStore(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), &fresh);
+    stats_.fresh_rows += fresh;
+    stats_.store_reads += m - fresh;
+
+    std::vector<int64_t> evicted_ids;
+    std::vector<int32_t> evicted_slots, admitted_slots;
+    std::vector<int64_t> admitted_rows;  // rows of missed_rows
+    for (int64_t j = 0; j < m; ++j) {
+      const uint8_t frequency = opt_.policy == CachePolicy::kLfu ? SketchAdd(missed_ids[j]) : 1;
+      const int32_t s = Admit(missed_ids[j], frequency, &evicted_ids, &evicted_slots);
+      if (s < 0) {
+        ++stats_.rejected;
+        continue;
+      }
+      ++stats_.admitted;
+      admitted_slots.push_back(s);
+      admitted_rows.push_back(j);
+      source[missed_pos[j]] = s;
+    }
+    // Write evicted dirty rows back before their slots take the newcomers.
+    if (!evicted_slots.empty()) {
+      torch::Tensor rows = SlotRowsToHost(evicted_slots);
+      ThrowIfError(store_->Put(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>()));
+      stats_.written_back += static_cast<int64_t>(evicted_ids.size());
+    }
+    if (!admitted_slots.empty()) {
+      CopyRowsToSlots(admitted_slots,
+                      admitted_rows.size() == static_cast<size_t>(m)
+                          ? missed_rows
+                          : missed_rows.index_select(0, torch::tensor(admitted_rows, torch::kInt64)));
+    }
+
+    if (on_host_) {
+      out = torch::empty({n, weight_words_}, torch::kFloat32);
+      float* dst = out.data_ptr<float>();
+      const float* missed = missed_rows.data_ptr<float>();
+      int64_t j = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* src;
+        if (j < m && missed_pos[j] == i) {
+          src = missed + j * row_words_;  // its slot (if admitted) holds the same row
+          ++j;
+        } else {
+          src = host_slots_ + source[i] * row_words_;
+        }
+        std::memcpy(dst + i * weight_words_, src, weight_words_ * sizeof(float));
+      }
+    } else {
+      // Device: gather every row from the slots, then overwrite the rows left out of the cache.
+      torch::Tensor slot_index = torch::tensor(source, torch::kInt64).clamp_min_(0).to(device_);
+      out = slots_.narrow(1, 0, weight_words_).index_select(0, slot_index);
+      std::vector<int64_t> outside_pos, outside_rows;
+      for (int64_t j = 0; j < m; ++j) {
+        if (source[missed_pos[j]] < 0) {
+          outside_pos.push_back(missed_pos[j]);
+          outside_rows.push_back(j);
+        }
+      }
+      if (!outside_pos.empty()) {
+        torch::Tensor rows = missed_rows.index_select(0, torch::tensor(outside_rows, torch::kInt64)).narrow(1, 0, weight_words_);
+        out.index_copy_(0, torch::tensor(outside_pos, torch::kInt64).to(device_), rows.to(device_));
+      }
+    }
+  }
+  return out;
+}
+
+void EmbeddingCache::Apply(const Update& u) {
+  const int64_t n = u.ids.numel();
+  const int64_t* id = u.ids.data_ptr<int64_t>();
+  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
+  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
+  const int64_t m = static_cast<int64_t>(missed_ids.size());
+  torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
+  int64_t fresh = 0;
+  ReadFromStore(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), &fresh);
+  if (on_host_) {
+    std::vector<float*> rows(static_cast<size_t>(n));
+    for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
+    for (int64_t j = 0; j < m; ++j) rows[missed_pos[j]] = missed_rows.data_ptr<float>() + j * row_words_;
+    UpdateHostRows(rows.data(), u.grads.data_ptr<float>(), n, u.step);
+  } else {
+#ifdef MLKV_WITH_CUDA
+    if (!cached_pos.empty()) {
+      // Temporaries die before the kernel runs; the caching allocator orders their reuse on this stream.
+      torch::Tensor pos = torch::tensor(cached_pos, torch::kInt64).to(device_);
+      torch::Tensor slot_index =
+          torch::tensor(std::vector<int64_t>(cached_slots.begin(), cached_slots.end()), torch::kInt64).to(device_);
+      torch::Tensor grads = u.grads.index_select(0, pos).contiguous();
+      const SlotUpdate update{opt_.optimizer,
+                              opt_.optimizer.kind == OptimizerKind::kAdam ? AdamStepScale(opt_.optimizer, u.step) : 0.f,
+                              opt_.weight_type,
+                              slots_.data_ptr<float>(),
+                              slot_index.data_ptr<int64_t>(),
+                              grads.data_ptr<float>(),
+                              static_cast<int64_t>(cached_pos.size()),
+                              opt_.dim,
+                              weight_words_,
+                              row_words_};
+      const cudaError_t err = LaunchSlotUpdate(update, c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+      TORCH_CHECK(err == cudaSuccess, "the CUDA update kernel failed: ", cudaGetErrorString(err));
+    }
+#endif
+    if (m > 0) {
+      torch::Tensor grads = u.grads.index_select(0, torch::tensor(missed_pos, torch::kInt64).to(device_)).cpu().contiguous();
+      std::vector<float*> rows(static_cast<size_t>(m));
+      for (int64_t j = 0; j < m; ++j) rows[j] = missed_rows.data_ptr<float>() + j * row_words_;
+      UpdateHostRows(rows.data(), grads.data_ptr<float>(), m, u.step);
+    }
+  }
+  // Rows outside the cache go straight back to the store.
+  if (m > 0) ThrowIfError(store_->Put(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>()));
+  if (opt_.staleness > 0) AddPending(id, n, -1);
+  ++stats_.updates_applied;
+  stats_.rows_updated += n;
+}
+
+void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step) {
+  CheckIds(ids);
+  TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
+                        grads.size(0) == ids.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
+                    "grads must be a contiguous float32 [", ids.numel(), ", ", opt_.dim, "] tensor on ", device_);
+  // Aliases without a Python object: the applier may drop the last reference
+  // without taking the GIL (a Python-owned tensor would need it to die).
+  Update u{at::alias(ids), at::alias(grads), step};
+  if (!device_.is_cpu()) {
+    // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
+    std::lock_guard<std::mutex> lock(mu_);
+    ThrowIfFailed();
+    Apply(u);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ThrowIfFailed();
+    TORCH_CHECK(!closed_, "the table is closed");
+    if (opt_.staleness > 0) AddPending(ids.data_ptr<int64_t>(), ids.numel(), +1);
+  }
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    queue_.push_back(std::move(u));
+    ++queued_;
+  }
+  queue_cv_.notify_one();
+}
+
+void EmbeddingCache::ApplierLoop() {
+  for (;;) {
+    Update u;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return stopping_ || (!paused_ && !queue_.empty()); });
+      if (queue_.empty()) return;
+      u = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_.ok()) {
+        try {
+          Apply(u);
+        } catch (const StatusError& e) {
+          failed_ = e.status;
+        } catch (const std::exception& e) {
+          failed_ = Status::IOError(std::string("applying an update failed: ") + e.what());
+        }
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      --queued_;
+    }
+    applied_cv_.notify_all();
+  }
+}
+
+void EmbeddingCache::PauseApplier(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    paused_ = paused;
+  }
+  queue_cv_.notify_all();
+}
+
+void EmbeddingCache::Drain() {
+  WaitQueuedAtMost(0);
+  std::lock_guard<std::mutex> lock(mu_);
+  ThrowIfFailed();
+}
+
+torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
+  CheckIds(ids);
+  Drain();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  torch::Tensor out = torch::empty({n, row_words_}, torch::kFloat32);
+  std::lock_guard<std::mutex> lock(mu_);
+  const CacheSplit split = SplitByCache(id, n, /*will_write=*/false);
+  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
+  float* dst = out.data_ptr<float>();
+  torch::Tensor cached = SlotRowsToHost(cached_slots);
+  for (size_t k = 0; k < cached_pos.size(); ++k) {
+    std::memcpy(dst + cached_pos[k] * row_words_, cached.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
+  }
+  torch::Tensor missed = torch::empty({static_cast<int64_t>(missed_ids.size()), row_words_}, torch::kFloat32);
+  int64_t fresh = 0;
+  ReadFromStore(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>(), &fresh);
+  for (size_t k = 0; k < missed_pos.size(); ++k) {
+    std::memcpy(dst + missed_pos[k] * row_words_, missed.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
+  }
+  return out;
+}
+
+void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) {
+  CheckIds(ids);
+  TORCH_CHECK_VALUE(rows.scalar_type() == torch::kFloat32 && rows.device().is_cpu() && rows.is_contiguous() &&
+                        rows.dim() == 2 && rows.size(0) == ids.numel() && rows.size(1) == row_words_,
+                    "rows must be a contiguous float32 CPU tensor [", ids.numel(), ", ", row_words_, "]");
+  Drain();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::lock_guard<std::mutex> lock(mu_);
+  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
+  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
+  // Ids repeat at most harmlessly: the last row written for an id wins in both places.
+  if (!cached_pos.empty()) CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
+  if (!missed_pos.empty()) {
+    torch::Tensor missed = rows.index_select(0, torch::tensor(missed_pos, torch::kInt64));
+    ThrowIfError(store_->Put(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>()));
+  }
+}
+
+void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
+  CheckIds(ids);
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> outside;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ThrowIfFailed();
+    for (int64_t i = 0; i < n; ++i) {
+      if (slot_of_.Find(id[i]) < 0) outside.push_back(id[i]);
+    }
+  }
+  ThrowIfError(store_->Lookahead(outside.data(), outside.size()));
+}
+
+void EmbeddingCache::WriteBack() {
+  Drain();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> ids;
+  std::vector<int32_t> slots;
+  for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {
+    if (slot_id_[s] >= 0 && slot_dirty_[s]) {
+      ids.push_back(slot_id_[s]);
+      slots.push_back(s);
+    }
+  }
+  if (ids.empty()) return;
+  torch::Tensor rows = SlotRowsToHost(slots);
+  ThrowIfError(store_->Put(ids.data(), ids.size(), rows.data_ptr<float>()));
+  for (int32_t s : slots) slot_dirty_[s] = 0;
+  stats_.written_back += static_cast<int64_t>(ids.size());
+}
+
+void EmbeddingCache::Close() {
+  if (closed_) return;
+  WriteBack();
+  closed_ = true;
+}
+
+CacheStats EmbeddingCache::Stats() {
+  CacheStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = stats_;
+    s.cached_rows = static_cast<int64_t>(slot_of_.size());
+    s.pending_rows = static_cast<int64_t>(pending_.size());
+  }
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  s.queued_updates = queued_;
+  s.waits = waits_;
+  return s;
+}
+
+}  // namespace mlkv

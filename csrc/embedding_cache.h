@@ -1,0 +1,184 @@
+// EmbeddingCache: the hot cache of a DiskEmbeddingBag table, in device
+// memory, in front of a KVStore, with the table's fused optimizer and an
+// applier thread that takes updates off the training step.
+//
+// - Rows: `capacity` rows of the table layout (row_ops.h) in one tensor on
+//   the table's device. Index and policy live on the host: an open-addressing
+//   map id -> slot and per-slot counters.
+// - Policy "lfu": a miss is admitted only when its recent frequency (a
+//   count-min sketch, halved periodically so it follows drift) beats that of
+//   the coldest of a few sampled residents. Policy "lru": every miss is
+//   admitted and the least recently used row leaves (the baseline).
+//   Rows read by the batch being fetched are never evicted by it.
+// - Dirty rows are written back to the store on eviction and on WriteBack.
+// - Methods run without the GIL (the binding releases it).
+// - Updates (QueueUpdate) are applied in order by the applier thread (CPU) or
+//   at once on the current stream (CUDA). A fetch first waits until at most
+//   `staleness` updates are queued, so no row it reads misses more than that
+//   many of its updates; with staleness 0 every read sees every update.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/kv_store.h"
+#include "row_ops.h"
+
+namespace mlkv {
+
+// A non-OK Status from the store, raised through the cache; the binding maps
+// it to the same Python exception as the store's own calls.
+struct StatusError : std::runtime_error {
+  explicit StatusError(Status s) : std::runtime_error(s.message()), status(std::move(s)) {}
+  Status status;
+};
+
+// Open-addressing map from non-negative int64 ids to int32 values; linear
+// probing with backward-shift deletion (no tombstones).
+class IdMap {
+ public:
+  explicit IdMap(size_t expected = 16);
+  int32_t Find(int64_t id) const;
+  // Inserts id -> value when absent; returns the value now stored.
+  int32_t Insert(int64_t id, int32_t value);
+  int32_t* FindMutable(int64_t id);
+  void Erase(int64_t id);
+  size_t size() const { return size_; }
+  void Clear();
+
+ private:
+  size_t Home(int64_t id) const { return static_cast<size_t>(SplitMix64(static_cast<uint64_t>(id))) & mask_; }
+  void Grow();
+  std::vector<int64_t> ids_;  // -1: empty
+  std::vector<int32_t> values_;
+  size_t mask_ = 0, size_ = 0;
+};
+
+enum class CachePolicy : int { kLfu = 0, kLru = 1 };
+
+struct CacheOptions {
+  int64_t capacity = 0;      // rows held at most
+  int64_t dim = 0;           // weights per row
+  WeightType weight_type = WeightType::kFloat32;
+  OptimizerSpec optimizer;
+  std::vector<float> initial_state;  // state of rows never written
+  RowInit init;
+  CachePolicy policy = CachePolicy::kLfu;
+  int64_t staleness = 0;
+};
+
+struct CacheStats {
+  int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, admitted = 0, rejected = 0, evictions = 0,
+          written_back = 0, updates_applied = 0, rows_updated = 0, queued_updates = 0, pending_rows = 0,
+          max_staleness = 0, cached_rows = 0, waits = 0;
+};
+
+class EmbeddingCache {
+ public:
+  EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions options, torch::Device device);
+  ~EmbeddingCache();
+
+  // Distinct ids in order of first appearance and, per input position, its
+  // index among them.
+  static std::tuple<torch::Tensor, torch::Tensor> Unique(const torch::Tensor& ids);
+  // Weights [n, weight_words] (float32 words) of distinct `ids`, on the device;
+  // admits misses per policy.
+  torch::Tensor Fetch(const torch::Tensor& ids);
+  // Queues one optimizer step for distinct `ids` with gradient rows `grads`
+  // [n, dim] float32 (on the device).
+  void QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step);
+  // Waits until every queued update is applied.
+  void Drain();
+  // Holds queued updates back (tests and benchmarks of staleness); a call
+  // that would wait for a held update raises instead.
+  void PauseApplier(bool paused);
+  // Current full rows [n, row_words] float32 on the CPU; no admission.
+  torch::Tensor ReadRows(const torch::Tensor& ids);
+  // Replaces full rows (CPU float32 [n, row_words]) in the cache or the store.
+  void WriteRows(const torch::Tensor& ids, const torch::Tensor& rows);
+  // Asks the store to bring rows not cached into memory; returns at once.
+  void Lookahead(const torch::Tensor& ids);
+  // Writes every dirty cached row to the store.
+  void WriteBack();
+  // Drains and writes back, then stops the applier.
+  void Close();
+  CacheStats Stats();
+  int64_t row_words() const { return row_words_; }
+  int64_t weight_words() const { return weight_words_; }
+
+ private:
+  struct Update {
+    torch::Tensor ids, grads;
+    int64_t step;
+  };
+  // Positions of `ids` held by the cache (with their slots) and the rest; marks the cached ones
+  // dirty when the caller will write them.
+  struct CacheSplit {
+    std::vector<int64_t> cached_pos;
+    std::vector<int32_t> cached_slots;
+    std::vector<int64_t> missed_pos, missed_ids;
+  };
+  CacheSplit SplitByCache(const int64_t* ids, int64_t n, bool will_write);
+  void ApplierLoop();
+  void Apply(const Update& u);        // holds mu_
+  void ThrowIfFailed();               // holds mu_: rethrows an error the applier met
+  void WaitQueuedAtMost(int64_t n);
+  // Reads full rows of ids not cached from the store (initial rows for ids
+  // never written) into `out` [n, row_words] CPU.
+  void ReadFromStore(const int64_t* ids, size_t n, float* out, int64_t* fresh);
+  // Slot for a missed id, or -1 when the policy keeps it out. May evict.
+  int32_t Admit(int64_t id, uint8_t frequency, std::vector<int64_t>* evicted_ids, std::vector<int32_t>* evicted_slots);
+  int32_t PickVictim();
+  void Touch(int32_t slot);
+  void LruUnlink(int32_t slot);
+  void LruPushFront(int32_t slot);
+  uint8_t SketchAdd(int64_t id);
+  void Age();
+  void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows);
+  torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
+  void UpdateHostRows(float* const* rows, const float* grads, int64_t n, int64_t step) const;
+  void AddPending(const int64_t* ids, int64_t n, int delta);
+
+  std::shared_ptr<KVStore> store_;
+  const CacheOptions opt_;
+  const torch::Device device_;
+  const bool on_host_;  // the slots are in host memory
+  const int64_t weight_words_, row_words_;
+
+  std::mutex mu_;  // everything below; the applier holds it while it applies
+  torch::Tensor slots_;  // [capacity, row_words] float32 on device_
+  float* host_slots_ = nullptr;  // slots_ data when on the CPU
+  IdMap slot_of_;
+  std::vector<int64_t> slot_id_;
+  std::vector<uint8_t> slot_freq_, slot_dirty_;
+  std::vector<uint32_t> slot_epoch_;  // the fetch that last read the slot
+  std::vector<int32_t> lru_prev_, lru_next_;
+  int32_t lru_head_ = -1, lru_tail_ = -1;
+  std::vector<int32_t> free_slots_;
+  std::vector<uint8_t> sketch_;
+  size_t sketch_mask_ = 0;
+  int64_t sketch_adds_ = 0, age_period_ = 0;
+  uint32_t epoch_ = 0;
+  uint64_t rng_ = 0x9E3779B97F4A7C15ull;
+  IdMap pending_;  // id -> updates queued and not applied (staleness > 0 only)
+  CacheStats stats_;
+  Status failed_;  // the first error the applier met; every later call raises it
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_, applied_cv_;
+  std::deque<Update> queue_;
+  int64_t queued_ = 0;  // queued or being applied
+  int64_t waits_ = 0;   // fetches that waited for the applier
+  bool stopping_ = false, paused_ = false, closed_ = false;
+  std::thread applier_;
+};
+
+}  // namespace mlkv

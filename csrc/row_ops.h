@@ -1,0 +1,123 @@
+// Row-level operations shared by the embedding cache, the bindings and the
+// CUDA kernels: the layout of a table row, initial values of rows never
+// written, and the fused sparse optimizer rules.
+//
+// A row is a run of 32-bit words: the weights first (dim elements of the
+// table's weight type; two 16-bit weights share a word), then the optimizer
+// state as float32. One store read brings both.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MLKV_HOST_DEVICE __host__ __device__
+#else
+#define MLKV_HOST_DEVICE
+#endif
+
+namespace mlkv {
+
+enum class WeightType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+
+// 32-bit words holding `dim` weights of type `t`.
+inline int64_t WeightWords(WeightType t, int64_t dim) {
+  switch (t) {
+    case WeightType::kFloat32: return dim;
+    case WeightType::kFloat64: return 2 * dim;
+    default: return (dim + 1) / 2;
+  }
+}
+
+enum class OptimizerKind : int { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
+
+struct OptimizerSpec {
+  OptimizerKind kind = OptimizerKind::kSGD;
+  float lr = 0.01f;
+  float eps = 1e-8f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+};
+
+// Optimizer state floats kept per row beside `dim` weights.
+inline int64_t StateColumns(OptimizerKind kind, int64_t dim) {
+  switch (kind) {
+    case OptimizerKind::kSGD: return 0;
+    case OptimizerKind::kAdagrad: return dim;
+    case OptimizerKind::kRowWiseAdagrad: return 1;
+    case OptimizerKind::kAdam: return 2 * dim;  // first moment, then second moment
+  }
+  return 0;
+}
+
+// -Adam's step size at `step` (from 1), computed in double as SparseAdam does.
+inline float AdamStepScale(const OptimizerSpec& s, int64_t step) {
+  const double b1 = s.beta1, b2 = s.beta2;
+  return static_cast<float>(-(s.lr * std::sqrt(1.0 - std::pow(b2, static_cast<double>(step))) /
+                              (1.0 - std::pow(b1, static_cast<double>(step)))));
+}
+
+// One step of the rule on one row: `weights` [dim] (float, or a 16-bit type
+// with float conversions), `state` its floats, `grad` the coalesced gradient.
+// The operations follow the torch reference of each rule in order, so float32
+// results agree to rounding (see mlkv_torch/optim.py).
+template <typename W>
+MLKV_HOST_DEVICE inline void UpdateRow(const OptimizerSpec& s, float adam_scale, W* weights, float* state,
+                                       const float* grad, int64_t dim) {
+  switch (s.kind) {
+    case OptimizerKind::kSGD:
+      for (int64_t j = 0; j < dim; ++j) weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * grad[j]);
+      break;
+    case OptimizerKind::kAdagrad:
+      for (int64_t j = 0; j < dim; ++j) {
+        state[j] += grad[j] * grad[j];
+        weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * (grad[j] / (sqrtf(state[j]) + s.eps)));
+      }
+      break;
+    case OptimizerKind::kRowWiseAdagrad: {
+      float sum = 0.f;
+      for (int64_t j = 0; j < dim; ++j) sum += grad[j] * grad[j];
+      state[0] += sum / static_cast<float>(dim);
+      const float scale = s.lr / (sqrtf(state[0]) + s.eps);
+      for (int64_t j = 0; j < dim; ++j) weights[j] = static_cast<W>(static_cast<float>(weights[j]) - grad[j] * scale);
+      break;
+    }
+    case OptimizerKind::kAdam: {
+      float* exp_avg = state;
+      float* exp_avg_sq = state + dim;
+      for (int64_t j = 0; j < dim; ++j) {
+        exp_avg[j] += (grad[j] - exp_avg[j]) * (1.f - s.beta1);
+        exp_avg_sq[j] += (grad[j] * grad[j] - exp_avg_sq[j]) * (1.f - s.beta2);
+        const float denom = sqrtf(exp_avg_sq[j]) + s.eps;
+        weights[j] = static_cast<W>(static_cast<float>(weights[j]) + adam_scale * (exp_avg[j] / denom));
+      }
+      break;
+    }
+  }
+}
+
+// Initial value of rows never written: element j of row `id` is uniform in
+// [low, low + span), a function of (seed, id, j) alone.
+MLKV_HOST_DEVICE inline uint64_t SplitMix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ull;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+struct RowInit {
+  uint64_t seed = 0;
+  float low = 0.f;
+  float span = 0.f;
+};
+
+inline void InitialRow(const RowInit& init, int64_t id, int64_t dim, float* out) {
+  const uint64_t row_part = (init.seed * 0x9E3779B97F4A7C15ull) ^ SplitMix64(static_cast<uint64_t>(id) + 0xD1B54A32D192ED03ull);
+  for (int64_t j = 0; j < dim; ++j) {
+    const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j) * 0x8CB92BA72F3D8DD7ull);
+    out[j] = init.low + init.span * (static_cast<float>(z >> 40) * (1.0f / 16777216.0f));  // 24 random bits
+  }
+}
+
+}  // namespace mlkv

@@ -1,0 +1,168 @@
+"""DiskEmbeddingBag's hot cache, asynchronous updates and staleness bound, weight dtypes,
+lookahead, and the gradient of per_sample_weights (gradcheck in double)."""
+import pytest
+import torch
+
+from mlkv_torch import DiskEmbeddingBag, optim
+from test_disk_embedding_bag import DIM, NUM, batch, make, reference_like
+
+
+def zipf_batches(count, ids_per_batch, num, exponent=1.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, num + 1, dtype=torch.float64)
+    probs = ranks.pow(-exponent)
+    scatter = torch.randperm(num, generator=g)  # hot ids spread over the id space
+    for _ in range(count):
+        yield scatter[torch.multinomial(probs, ids_per_batch, replacement=True, generator=g)]
+
+
+def test_staleness_bound_is_exact_with_a_held_applier(tmp_path):
+    emb = make(tmp_path, cache_rows=50, staleness=2, optimizer=optim.SGD(lr=0.5))
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0])
+    before = emb.export_rows(ids)
+    emb._cache.pause_applier(True)
+    first = emb(ids, offsets)
+    first.sum().backward()  # update 1 queued, held
+    torch.testing.assert_close(emb(ids, offsets), first)  # misses 1 update: allowed
+    emb(ids, offsets).sum().backward()  # update 2 queued
+    third = emb(ids, offsets)  # misses 2 updates: allowed at staleness 2
+    torch.testing.assert_close(third, first)
+    assert emb.stats()["max_staleness"] == 2 and emb.stats()["pending_updates"] == 2
+    third.sum().backward()  # update 3 queued: a read now would miss 3
+    with pytest.raises(RuntimeError, match="paused"):
+        emb(ids, offsets)
+    emb._cache.pause_applier(False)
+    fourth = emb(ids, offsets)  # waits until at most 2 are queued
+    assert not torch.equal(fourth, first)
+    assert emb.stats()["max_staleness"] == 2
+    emb.flush()
+    # sum of one bag: each row's gradient is 1 per step, whatever it read; no update is lost.
+    torch.testing.assert_close(emb.export_rows(ids), before - 3 * 0.5)
+
+
+@pytest.mark.parametrize("staleness", [1, 4])
+def test_asynchronous_updates_lose_nothing_and_respect_the_bound(tmp_path, staleness):
+    # With SGD and a loss linear in the pooled rows the gradient does not depend on the weights
+    # read, so any staleness must end at the reference weights once every update is applied.
+    emb = make(tmp_path, cache_rows=8, staleness=staleness, optimizer=optim.SGD(lr=0.3))
+    ref = reference_like(emb, sparse=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    for step in range(40):
+        ids, offsets, target = batch(step % 12, bags=32)
+        (emb(ids, offsets) * target).sum().backward()
+        ref_opt.zero_grad()
+        (ref(ids, offsets) * target).sum().backward()
+        ref_opt.step()
+        assert emb.stats()["max_staleness"] <= staleness
+    emb.flush()
+    assert emb.stats()["pending_updates"] == 0
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach())
+
+
+def test_frequency_admission_beats_lru_on_zipf(tmp_path):
+    rates = {}
+    for policy in ("lfu", "lru"):
+        emb = DiskEmbeddingBag(20_000, 8, path=tmp_path / policy, cache_rows=1_000, memory_budget_bytes=1 << 20,
+                               cache_policy=policy)
+        with torch.no_grad():
+            for ids in zipf_batches(60, 2_000, 20_000):
+                emb(ids, torch.tensor([0]))
+        stats = emb.stats()
+        assert stats["cached_rows"] <= 1_000
+        rates[policy] = stats["hit_rate"]
+    assert rates["lfu"] > rates["lru"] + 0.02, rates
+
+
+def test_cache_never_exceeds_its_rows_and_dirty_rows_survive_reopen(tmp_path):
+    emb = make(tmp_path, cache_rows=20, optimizer=optim.Adagrad(lr=0.2))
+    for step in range(10):
+        ids, offsets, target = batch(step, bags=40)  # ~120 distinct ids per batch, 20 cached
+        (emb(ids, offsets) * target).sum().backward()
+        assert emb.stats()["cached_rows"] <= 20
+    trained = emb.export_rows(torch.arange(NUM))
+    assert emb.stats()["evictions"] > 0
+    emb.close()  # writes the dirty cached rows back
+    again = make(tmp_path, cache_rows=20, optimizer=optim.Adagrad(lr=0.2))
+    torch.testing.assert_close(again.export_rows(torch.arange(NUM)), trained, rtol=0, atol=0)
+
+
+def test_lookahead_changes_nothing_at_staleness_zero(tmp_path):
+    plain = make(tmp_path, "plain", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1))
+    ahead = make(tmp_path, "ahead", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1))
+    batches = [batch(step) for step in range(8)]
+    for step, (ids, offsets, target) in enumerate(batches):
+        if step + 1 < len(batches):
+            ahead.lookahead(batches[step + 1][0])
+        (plain(ids, offsets) * target).sum().backward()
+        (ahead(ids, offsets) * target).sum().backward()
+    torch.testing.assert_close(ahead.export_rows(torch.arange(NUM)), plain.export_rows(torch.arange(NUM)),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tables(tmp_path, dtype):
+    emb = make(tmp_path, cache_rows=30, dtype=dtype, optimizer=optim.SGD(lr=0.3))
+    weights = emb.export_rows(torch.arange(NUM))
+    assert weights.dtype == dtype
+    ref = torch.nn.EmbeddingBag(NUM, DIM, mode="sum", _weight=weights.clone())
+    ids, offsets, _ = batch(0)
+    out = emb(ids, offsets)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref(ids, offsets))
+    # Training follows the float32 reference within the weights' precision.
+    ref32 = torch.nn.EmbeddingBag(NUM, DIM, mode="sum", sparse=True, _weight=weights.float())
+    opt32 = torch.optim.SGD(ref32.parameters(), lr=0.3)
+    for step in range(6):
+        ids, offsets, target = batch(step)
+        (emb(ids, offsets).float() * target).sum().backward()
+        opt32.zero_grad()
+        (ref32(ids, offsets) * target).sum().backward()
+        opt32.step()
+    tolerance = 2e-2 if dtype == torch.float16 else 1e-1
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)).float(), ref32.weight.detach(),
+                               rtol=tolerance, atol=tolerance)
+
+
+def test_gradcheck_of_per_sample_weights_in_double(tmp_path):
+    emb = make(tmp_path, cache_rows=30, dtype=torch.float64).requires_grad_(False)  # frozen: rows stay put
+    ids, offsets, _ = batch(5)
+    psw = torch.rand(ids.numel(), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda w: emb(ids, offsets, w), (psw,))
+    assert emb.stats()["updates_applied"] == 0
+
+
+def test_frozen_table_is_not_updated(tmp_path):
+    emb = make(tmp_path, cache_rows=30)
+    before = emb.export_rows(torch.arange(NUM))
+    emb.requires_grad_(False)
+    ids, offsets, _ = batch(1)
+    psw = torch.rand(ids.numel(), requires_grad=True)
+    emb(ids, offsets, psw).sum().backward()
+    assert psw.grad is not None
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), before, rtol=0, atol=0)
+
+
+def test_stats_report_the_cache(tmp_path):
+    emb = make(tmp_path, cache_rows=30)
+    ids = torch.tensor([1, 2, 3, 1])
+    emb(ids, torch.tensor([0])).sum().backward()
+    emb(ids, torch.tensor([0])).sum().backward()
+    stats = emb.stats()
+    assert stats["cache_misses"] == 3 and stats["cache_hits"] == 3
+    assert stats["fresh_rows"] == 3 and stats["step"] == 2 and stats["cached_rows"] == 3
+    emb.flush()
+    assert emb.stats()["pending_updates"] == 0 and emb.stats()["written_back"] == 3
+
+
+def test_bad_cache_configuration(tmp_path):
+    with pytest.raises(ValueError, match="store needs"):
+        DiskEmbeddingBag(NUM, DIM, path=tmp_path / "a", cache_rows=NUM, memory_budget_bytes=32 << 10)
+    with pytest.raises(ValueError, match="cache_policy"):
+        DiskEmbeddingBag(NUM, DIM, path=tmp_path / "b", cache_policy="fifo")
+    with pytest.raises(ValueError, match="staleness"):
+        DiskEmbeddingBag(NUM, DIM, path=tmp_path / "c", staleness=-1)
+    with pytest.raises(TypeError, match="dtype"):
+        DiskEmbeddingBag(NUM, DIM, path=tmp_path / "d", dtype=torch.int8)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            DiskEmbeddingBag(NUM, DIM, path=tmp_path / "e", device="cuda")
