@@ -300,25 +300,21 @@ int32_t EmbeddingCache::PickVictim() {
   return best;
 }
 
-int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<int64_t>* evicted_ids,
-                              std::vector<int32_t>* evicted_slots) {
+int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions) {
   if (opt_.capacity == 0) return -1;
   int32_t s;
   if (!free_slots_.empty()) {
     s = free_slots_.back();
     free_slots_.pop_back();
+    admissions->push_back({s, -1, 0, 0});
   } else {
     s = PickVictim();
     if (s < 0) return -1;
     // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
     if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s]) return -1;
+    admissions->push_back({s, slot_id_[s], slot_freq_[s], slot_dirty_[s]});
     slot_of_.Erase(slot_id_[s]);
-    if (slot_dirty_[s]) {
-      evicted_ids->push_back(slot_id_[s]);
-      evicted_slots->push_back(s);
-    }
     if (opt_.policy == CachePolicy::kLru) LruUnlink(s);
-    ++stats_.evictions;
   }
   slot_id_[s] = id;
   slot_of_.Insert(id, s);
@@ -327,6 +323,21 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<int64_t
   slot_epoch_[s] = epoch_;
   if (opt_.policy == CachePolicy::kLru) LruPushFront(s);
   return s;
+}
+
+void EmbeddingCache::UndoAdmissions(const std::vector<Admission>& admissions) {
+  for (auto a = admissions.rbegin(); a != admissions.rend(); ++a) {
+    slot_of_.Erase(slot_id_[a->slot]);
+    slot_id_[a->slot] = a->evicted_id;
+    if (a->evicted_id < 0) {
+      free_slots_.push_back(a->slot);
+      if (opt_.policy == CachePolicy::kLru) LruUnlink(a->slot);
+      continue;
+    }
+    slot_of_.Insert(a->evicted_id, a->slot);
+    slot_freq_[a->slot] = a->evicted_freq;
+    slot_dirty_[a->slot] = a->evicted_dirty;
+  }
 }
 
 // ---- data movement between host buffers and slots ----------------------------------------------
@@ -443,27 +454,41 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     stats_.fresh_rows += fresh;
     stats_.store_reads += m - fresh;
 
-    std::vector<int64_t> evicted_ids;
-    std::vector<int32_t> evicted_slots, admitted_slots;
+    std::vector<Admission> admissions;
+    std::vector<int32_t> admitted_slots;
     std::vector<int64_t> admitted_rows;  // rows of missed_rows
     for (int64_t j = 0; j < m; ++j) {
       const uint8_t frequency = opt_.policy == CachePolicy::kLfu ? SketchAdd(missed_ids[j]) : 1;
-      const int32_t s = Admit(missed_ids[j], frequency, &evicted_ids, &evicted_slots);
+      const int32_t s = Admit(missed_ids[j], frequency, &admissions);
       if (s < 0) {
         ++stats_.rejected;
         continue;
       }
-      ++stats_.admitted;
       admitted_slots.push_back(s);
       admitted_rows.push_back(j);
       source[missed_pos[j]] = s;
     }
-    // Write evicted dirty rows back before their slots take the newcomers.
+    // Write evicted dirty rows back before their slots take the newcomers. If
+    // the store refuses, the evicted rows are still in their slots: undo.
+    std::vector<int64_t> evicted_ids;
+    std::vector<int32_t> evicted_slots;
+    for (const Admission& a : admissions) {
+      if (a.evicted_id >= 0 && a.evicted_dirty) {
+        evicted_ids.push_back(a.evicted_id);
+        evicted_slots.push_back(a.slot);
+      }
+    }
     if (!evicted_slots.empty()) {
       torch::Tensor rows = SlotRowsToHost(evicted_slots);
-      ThrowIfError(store_->Put(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>()));
+      const Status st = store_->Put(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>());
+      if (!st.ok()) {
+        UndoAdmissions(admissions);
+        throw StatusError(st);
+      }
       stats_.written_back += static_cast<int64_t>(evicted_ids.size());
     }
+    for (const Admission& a : admissions) stats_.evictions += a.evicted_id >= 0;
+    stats_.admitted += static_cast<int64_t>(admissions.size());
     if (!admitted_slots.empty()) {
       CopyRowsToSlots(admitted_slots,
                       admitted_rows.size() == static_cast<size_t>(m)

@@ -134,8 +134,16 @@ class EmbeddingCache {
   // Reads full rows of ids not cached from the store (initial rows for ids
   // never written) into `out` [n, row_words] CPU.
   void ReadFromStore(const int64_t* ids, size_t n, float* out, int64_t* fresh);
-  // Slot for a missed id, or -1 when the policy keeps it out. May evict.
-  int32_t Admit(int64_t id, uint8_t frequency, std::vector<int64_t>* evicted_ids, std::vector<int32_t>* evicted_slots);
+  // A slot given to a missed id, and what it held before (evicted_id -1: it was free).
+  struct Admission {
+    int32_t slot;
+    int64_t evicted_id;
+    uint8_t evicted_freq, evicted_dirty;
+  };
+  // Slot for a missed id, or -1 when the policy keeps it out. May evict; the
+  // caller writes evicted dirty rows back, or undoes the admissions.
+  int32_t Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions);
+  void UndoAdmissions(const std::vector<Admission>& admissions);
   int32_t PickVictim();
   void Touch(int32_t slot);
   void LruUnlink(int32_t slot);

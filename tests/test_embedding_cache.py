@@ -166,3 +166,115 @@ def test_bad_cache_configuration(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             DiskEmbeddingBag(NUM, DIM, path=tmp_path / "e", device="cuda")
+
+
+def test_threads_training_one_table_lose_no_update(tmp_path):
+    import threading
+
+    emb = make(tmp_path, cache_rows=16, staleness=1, optimizer=optim.SGD(lr=0.1))
+    ref = reference_like(emb, sparse=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = [batch(step, bags=24) for step in range(24)]
+    errors = []
+
+    def train(part):
+        try:
+            for ids, offsets, target in batches[part::3]:
+                (emb(ids, offsets) * target).sum().backward()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(part,)) for part in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for ids, offsets, target in batches:  # gradients do not depend on the weights: order is free
+        ref_opt.zero_grad()
+        (ref(ids, offsets) * target).sum().backward()
+        ref_opt.step()
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach())
+
+
+FULL_DISK_CHILD = """
+import os, resource, signal, sys, torch
+from mlkv_torch import DiskEmbeddingBag, optim
+emb = DiskEmbeddingBag(1_000_000, 32, path=sys.argv[1], cache_rows=64, memory_budget_bytes=64 << 10,
+                       staleness=2, optimizer=optim.SGD(lr=0.1))
+ids = torch.arange(500)
+emb(ids, torch.tensor([0])).sum().backward()
+emb.flush(); emb._store.checkpoint()
+saved = emb.export_rows(ids)
+torch.save(saved, sys.argv[2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+error = None
+for step in range(400):
+    try:
+        fresh = torch.arange(1000 + 2000 * step, 3000 + 2000 * step)
+        emb(fresh, torch.tensor([0])).sum().backward()
+    except OSError as e:
+        error = e
+        break
+assert error is not None, "the file size limit never hit"
+print("ERROR", type(error).__name__, str(error))
+try:
+    emb(ids, torch.tensor([0]))
+    print("AGAIN no error")
+except OSError as e:
+    print("AGAIN", type(e).__name__)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_write_failure_in_the_applier_is_raised_and_the_checkpoint_survives(tmp_path):
+    import subprocess
+    import sys
+
+    path, saved = str(tmp_path / "t"), str(tmp_path / "saved.pt")
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, path, saved], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    error = next(line for line in lines if line.startswith("ERROR"))
+    assert "File too large" in error and "segment-" in error, error
+    assert "AGAIN StoreIOError" in lines, lines  # the applier's error stays raised
+    emb = DiskEmbeddingBag(1_000_000, 32, path=path, cache_rows=64, memory_budget_bytes=64 << 10)
+    torch.testing.assert_close(emb.export_rows(torch.arange(500)), torch.load(saved), rtol=0, atol=0)
+
+
+EVICTION_FAILURE_CHILD = """
+import os, resource, signal, sys, torch
+from mlkv_torch import DiskEmbeddingBag, optim
+emb = DiskEmbeddingBag(1_000_000, 32, path=sys.argv[1], cache_rows=256, memory_budget_bytes=256 << 10,
+                       optimizer=optim.SGD(lr=0.1), cache_policy="lru")  # LRU admits all: dirty rows get evicted
+start = emb.export_rows(torch.arange(20000))
+count = torch.zeros(20000)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+for step in range(400):
+    ids = torch.arange(50 * step, 50 * step + 200) % 20000
+    try:
+        emb(ids, torch.tensor([0])).sum().backward()
+    except OSError as e:
+        print("ERROR", e)
+        break
+    count[ids] += 1
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+torch.testing.assert_close(emb.export_rows(torch.arange(20000)), start - 0.1 * count.unsqueeze(1))
+print("INTACT")
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_failed_write_back_on_eviction_loses_no_row(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", EVICTION_FAILURE_CHILD, str(tmp_path / "t")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "File too large" in result.stdout and "INTACT" in result.stdout, result.stdout
