@@ -321,6 +321,9 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["max_staleness"] = s.max_staleness;
   d["cached_rows"] = s.cached_rows;
   d["staleness_waits"] = s.waits;
+  d["prefetched_rows"] = s.lookahead_rows;
+  d["prefetch_hits"] = s.lookahead_hits;
+  d["prefetch_dropped_rows"] = s.lookahead_dropped;
   return d;
 }
 

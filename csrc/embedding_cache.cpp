@@ -43,6 +43,7 @@ void DispatchWeightType(WeightType t, F&& f) {
 }
 
 constexpr int kVictimSamples = 8;
+constexpr int64_t kStagingBytes = 32 << 20;  // lookahead staging, beside the memory budget
 constexpr int kVictimRounds = 4;
 
 }  // namespace
@@ -161,7 +162,12 @@ EmbeddingCache::EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions opti
     sketch_mask_ = width - 1;
   }
   age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
+  const int64_t staged_capacity = std::max<int64_t>(4096, kStagingBytes / (row_words_ * 4));
+  staged_rows_.resize(static_cast<size_t>(staged_capacity * row_words_));
+  staged_free_.resize(static_cast<size_t>(staged_capacity));
+  for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
+  prefetcher_ = std::thread([this] { PrefetchLoop(); });
 }
 
 EmbeddingCache::~EmbeddingCache() {
@@ -182,6 +188,12 @@ EmbeddingCache::~EmbeddingCache() {
     queue_cv_.notify_all();
     applier_.join();
   }
+  {
+    std::lock_guard<std::mutex> lock(prefetch_mu_);
+    prefetch_stopping_ = true;
+  }
+  prefetch_cv_.notify_all();
+  prefetcher_.join();
 }
 
 std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Tensor& ids) {
@@ -423,6 +435,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   torch::Tensor missed_rows;
   {
     WaitQueuedAtMost(opt_.staleness);
+    WaitForPrefetches(id, n);
     std::lock_guard<std::mutex> lock(mu_);
     ThrowIfFailed();
     if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
@@ -449,10 +462,33 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     stats_.hits += n - m;
     stats_.misses += m;
     missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
+    float* missed = missed_rows.data_ptr<float>();
+    // Staged rows first; the rest from the store.
+    std::vector<int64_t> unstaged_rows, unstaged_ids;
+    for (int64_t j = 0; j < m; ++j) {
+      const int32_t entry = staged_.Find(missed_ids[j]);
+      if (entry < 0) {
+        unstaged_rows.push_back(j);
+        unstaged_ids.push_back(missed_ids[j]);
+        continue;
+      }
+      std::memcpy(missed + j * row_words_, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
+      staged_.Erase(missed_ids[j]);
+      staged_free_.push_back(entry);
+    }
+    stats_.lookahead_hits += m - static_cast<int64_t>(unstaged_ids.size());
     int64_t fresh = 0;
-    ReadFromStore(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), &fresh);
+    if (unstaged_ids.size() == static_cast<size_t>(m)) {
+      ReadFromStore(missed_ids.data(), static_cast<size_t>(m), missed, &fresh);
+    } else if (!unstaged_ids.empty()) {
+      std::vector<float> rows(unstaged_ids.size() * static_cast<size_t>(row_words_));
+      ReadFromStore(unstaged_ids.data(), unstaged_ids.size(), rows.data(), &fresh);
+      for (size_t k = 0; k < unstaged_rows.size(); ++k) {
+        std::memcpy(missed + unstaged_rows[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
+      }
+    }
     stats_.fresh_rows += fresh;
-    stats_.store_reads += m - fresh;
+    stats_.store_reads += static_cast<int64_t>(unstaged_ids.size()) - fresh;
 
     std::vector<Admission> admissions;
     std::vector<int32_t> admitted_slots;
@@ -480,7 +516,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     }
     if (!evicted_slots.empty()) {
       torch::Tensor rows = SlotRowsToHost(evicted_slots);
-      const Status st = store_->Put(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>());
+      const Status st = PutToStore(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>());
       if (!st.ok()) {
         UndoAdmissions(admissions);
         throw StatusError(st);
@@ -499,7 +535,6 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     if (on_host_) {
       out = torch::empty({n, weight_words_}, torch::kFloat32);
       float* dst = out.data_ptr<float>();
-      const float* missed = missed_rows.data_ptr<float>();
       int64_t j = 0;
       for (int64_t i = 0; i < n; ++i) {
         const float* src;
@@ -575,7 +610,7 @@ void EmbeddingCache::Apply(const Update& u) {
     }
   }
   // Rows outside the cache go straight back to the store.
-  if (m > 0) ThrowIfError(store_->Put(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>()));
+  if (m > 0) ThrowIfError(PutToStore(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>()));
   if (opt_.staleness > 0) AddPending(id, n, -1);
   ++stats_.updates_applied;
   stats_.rows_updated += n;
@@ -692,7 +727,7 @@ void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& ro
   if (!cached_pos.empty()) CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
   if (!missed_pos.empty()) {
     torch::Tensor missed = rows.index_select(0, torch::tensor(missed_pos, torch::kInt64));
-    ThrowIfError(store_->Put(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>()));
+    ThrowIfError(PutToStore(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>()));
   }
 }
 
@@ -704,11 +739,100 @@ void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     ThrowIfFailed();
-    for (int64_t i = 0; i < n; ++i) {
-      if (slot_of_.Find(id[i]) < 0) outside.push_back(id[i]);
+    int32_t sequence;
+    {
+      std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
+      sequence = prefetch_requested_ + 1;
     }
+    for (int64_t i = 0; i < n; ++i) {
+      if (slot_of_.Find(id[i]) >= 0 || staged_.Find(id[i]) >= 0 || prefetching_.Find(id[i]) >= 0) continue;
+      prefetching_.Insert(id[i], sequence);
+      outside.push_back(id[i]);
+    }
+    if (outside.empty()) return;
+    // Queued under mu_ too, so requests reach the prefetch thread in sequence order.
+    std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
+    prefetch_requested_ = sequence;
+    prefetch_queue_.emplace_back(sequence, std::move(outside));
   }
-  ThrowIfError(store_->Lookahead(outside.data(), outside.size()));
+  prefetch_cv_.notify_one();
+}
+
+void EmbeddingCache::PrefetchLoop() {
+  for (;;) {
+    std::pair<int32_t, std::vector<int64_t>> request;
+    {
+      std::unique_lock<std::mutex> lock(prefetch_mu_);
+      prefetch_cv_.wait(lock, [&] { return prefetch_stopping_ || !prefetch_queue_.empty(); });
+      if (prefetch_stopping_) return;
+      request = std::move(prefetch_queue_.front());
+      prefetch_queue_.pop_front();
+    }
+    const std::vector<int64_t>& ids = request.second;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prefetch_reading_ = true;
+      written_while_prefetching_.Clear();
+    }
+    std::vector<float> rows(ids.size() * static_cast<size_t>(row_words_));
+    bool read_ok = true;
+    try {
+      int64_t fresh = 0;
+      ReadFromStore(ids.data(), ids.size(), rows.data(), &fresh);
+    } catch (const std::exception&) {
+      read_ok = false;  // the fetch that needs these rows reads them itself and meets the error
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prefetch_reading_ = false;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (prefetching_.Find(ids[i]) == request.first) prefetching_.Erase(ids[i]);
+        if (!read_ok || written_while_prefetching_.Find(ids[i]) >= 0 || slot_of_.Find(ids[i]) >= 0 ||
+            staged_.Find(ids[i]) >= 0) {
+          continue;
+        }
+        if (staged_free_.empty()) {
+          ++stats_.lookahead_dropped;
+          continue;
+        }
+        const int32_t entry = staged_free_.back();
+        staged_free_.pop_back();
+        std::memcpy(&staged_rows_[entry * row_words_], &rows[i * row_words_], row_words_ * sizeof(float));
+        staged_.Insert(ids[i], entry);
+        ++stats_.lookahead_rows;
+      }
+      written_while_prefetching_.Clear();
+    }
+    {
+      std::lock_guard<std::mutex> lock(prefetch_mu_);
+      prefetch_done_ = request.first;
+    }
+    prefetched_cv_.notify_all();
+  }
+}
+
+void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
+  int32_t needed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (prefetching_.size() == 0) return;
+    for (int64_t i = 0; i < n; ++i) needed = std::max(needed, prefetching_.Find(ids[i]));
+  }
+  if (needed <= 0) return;
+  std::unique_lock<std::mutex> lock(prefetch_mu_);
+  prefetched_cv_.wait(lock, [&] { return prefetch_done_ >= needed || prefetch_stopping_; });
+}
+
+Status EmbeddingCache::PutToStore(const int64_t* ids, size_t n, const float* rows) {
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t entry = staged_.Find(ids[i]);
+    if (entry >= 0) {
+      staged_.Erase(ids[i]);
+      staged_free_.push_back(entry);
+    }
+    if (prefetch_reading_) written_while_prefetching_.Insert(ids[i], 1);
+  }
+  return store_->Put(ids, n, rows);
 }
 
 void EmbeddingCache::WriteBack() {
@@ -724,7 +848,7 @@ void EmbeddingCache::WriteBack() {
   }
   if (ids.empty()) return;
   torch::Tensor rows = SlotRowsToHost(slots);
-  ThrowIfError(store_->Put(ids.data(), ids.size(), rows.data_ptr<float>()));
+  ThrowIfError(PutToStore(ids.data(), ids.size(), rows.data_ptr<float>()));
   for (int32_t s : slots) slot_dirty_[s] = 0;
   stats_.written_back += static_cast<int64_t>(ids.size());
 }

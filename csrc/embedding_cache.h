@@ -11,6 +11,12 @@
 //   admitted and the least recently used row leaves (the baseline).
 //   Rows read by the batch being fetched are never evicted by it.
 // - Dirty rows are written back to the store on eviction and on WriteBack.
+// - Lookahead: a prefetch thread reads rows of future batches from the store
+//   into a bounded staging area in host memory; a fetch takes staged rows
+//   instead of reading the store, and waits for a read in flight rather than
+//   issuing it twice. Every store write of the cache drops staged copies of
+//   its rows (and rows of the read in flight), so staged rows are never older
+//   than the store.
 // - Methods run without the GIL (the binding releases it).
 // - Updates (QueueUpdate) are applied in order by the applier thread (CPU) or
 //   at once on the current stream (CUDA). A fetch first waits until at most
@@ -78,7 +84,8 @@ struct CacheOptions {
 struct CacheStats {
   int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, admitted = 0, rejected = 0, evictions = 0,
           written_back = 0, updates_applied = 0, rows_updated = 0, queued_updates = 0, pending_rows = 0,
-          max_staleness = 0, cached_rows = 0, waits = 0;
+          max_staleness = 0, cached_rows = 0, waits = 0, lookahead_rows = 0, lookahead_hits = 0,
+          lookahead_dropped = 0;
 };
 
 class EmbeddingCache {
@@ -104,7 +111,9 @@ class EmbeddingCache {
   torch::Tensor ReadRows(const torch::Tensor& ids);
   // Replaces full rows (CPU float32 [n, row_words]) in the cache or the store.
   void WriteRows(const torch::Tensor& ids, const torch::Tensor& rows);
-  // Asks the store to bring rows not cached into memory; returns at once.
+  // Queues a read of the rows of `ids` neither cached nor staged; returns at
+  // once. The prefetch thread stages them in host memory, where the next
+  // fetch takes them instead of reading the store.
   void Lookahead(const torch::Tensor& ids);
   // Writes every dirty cached row to the store.
   void WriteBack();
@@ -154,6 +163,12 @@ class EmbeddingCache {
   torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
   void UpdateHostRows(float* const* rows, const float* grads, int64_t n, int64_t step) const;
   void AddPending(const int64_t* ids, int64_t n, int delta);
+  // Every store write of the cache goes here: staged copies of the rows become
+  // stale, and so do rows a prefetch is reading at the moment. Holds mu_.
+  Status PutToStore(const int64_t* ids, size_t n, const float* rows);
+  void PrefetchLoop();
+  // Waits (without mu_) until no prefetch in flight covers one of `ids`.
+  void WaitForPrefetches(const int64_t* ids, int64_t n);
 
   std::shared_ptr<KVStore> store_;
   const CacheOptions opt_;
@@ -178,6 +193,14 @@ class EmbeddingCache {
   uint64_t rng_ = 0x9E3779B97F4A7C15ull;
   IdMap pending_;  // id -> updates queued and not applied (staleness > 0 only)
   CacheStats stats_;
+
+  // Lookahead staging: rows read ahead, waiting for the fetch that needs them.
+  IdMap staged_;                     // id -> entry of staged_rows_
+  std::vector<float> staged_rows_;   // row_words floats per entry
+  std::vector<int32_t> staged_free_;
+  IdMap prefetching_;                // id -> sequence number of the request reading it
+  IdMap written_while_prefetching_;  // ids written to the store during the read in flight
+  bool prefetch_reading_ = false;
   Status failed_;  // the first error the applier met; every later call raises it
 
   std::mutex queue_mu_;
@@ -187,6 +210,13 @@ class EmbeddingCache {
   int64_t waits_ = 0;   // fetches that waited for the applier
   bool stopping_ = false, paused_ = false, closed_ = false;
   std::thread applier_;
+
+  std::mutex prefetch_mu_;
+  std::condition_variable prefetch_cv_, prefetched_cv_;
+  std::deque<std::pair<int32_t, std::vector<int64_t>>> prefetch_queue_;  // (sequence, ids)
+  int32_t prefetch_requested_ = 0, prefetch_done_ = 0;
+  bool prefetch_stopping_ = false;
+  std::thread prefetcher_;
 };
 
 }  // namespace mlkv

@@ -86,17 +86,24 @@ def test_cache_never_exceeds_its_rows_and_dirty_rows_survive_reopen(tmp_path):
     torch.testing.assert_close(again.export_rows(torch.arange(NUM)), trained, rtol=0, atol=0)
 
 
-def test_lookahead_changes_nothing_at_staleness_zero(tmp_path):
+@pytest.mark.parametrize("depth", [1, 3])
+def test_lookahead_changes_nothing_at_staleness_zero(tmp_path, depth):
+    # Rows staged ahead are updated by the batches in between: their staged copies must not be served.
     plain = make(tmp_path, "plain", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1))
     ahead = make(tmp_path, "ahead", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1))
-    batches = [batch(step) for step in range(8)]
+    batches = [batch(step % 5, bags=24) for step in range(15)]
+    for ids, _, _ in batches[:depth]:
+        ahead.lookahead(ids)
     for step, (ids, offsets, target) in enumerate(batches):
-        if step + 1 < len(batches):
-            ahead.lookahead(batches[step + 1][0])
+        if step + depth < len(batches):
+            ahead.lookahead(batches[step + depth][0])
         (plain(ids, offsets) * target).sum().backward()
         (ahead(ids, offsets) * target).sum().backward()
     torch.testing.assert_close(ahead.export_rows(torch.arange(NUM)), plain.export_rows(torch.arange(NUM)),
                                rtol=0, atol=0)
+    stats = ahead.stats()
+    assert stats["prefetched_rows"] > 0 and stats["prefetch_hits"] > 0, stats
+    assert stats["store_reads"] + stats["fresh_rows"] < plain.stats()["store_reads"] + plain.stats()["fresh_rows"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
