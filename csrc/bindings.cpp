@@ -250,6 +250,54 @@ torch::Tensor InitialRows(const torch::Tensor& ids, int64_t dim, int64_t seed, d
   return dtype == torch::kFloat32 ? rows : rows.to(dtype);
 }
 
+// Backward of the bag pooling on the CPU, in one pass: gradient rows per
+// distinct id (duplicates summed, as a coalesced sparse gradient) and, when
+// `weights` is given, the gradient of per_sample_weights.
+std::tuple<torch::Tensor, torch::Tensor> BagBackward(const torch::Tensor& grad_out, const torch::Tensor& offsets,
+                                                     const torch::Tensor& inverse, int64_t distinct, bool mean,
+                                                     const c10::optional<torch::Tensor>& per_sample_weights,
+                                                     const c10::optional<torch::Tensor>& weights) {
+  TORCH_CHECK_VALUE(grad_out.device().is_cpu() && grad_out.dim() == 2, "grad_out must be a 2-D CPU tensor");
+  const torch::Tensor g = grad_out.to(torch::kFloat32).contiguous();
+  const int64_t bags = g.size(0), dim = g.size(1);
+  TORCH_CHECK_VALUE(offsets.scalar_type() == torch::kInt64 && offsets.numel() == bags + 1 && offsets.is_contiguous(),
+                    "offsets must be int64 [bags + 1]");
+  TORCH_CHECK_VALUE(inverse.scalar_type() == torch::kInt64 && inverse.is_contiguous(), "inverse must be int64");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(off[bags] == inverse.numel(), "offsets must end at the input length");
+  torch::Tensor psw = per_sample_weights ? per_sample_weights->to(torch::kFloat32).contiguous() : torch::Tensor();
+  torch::Tensor w = weights ? weights->to(torch::kFloat32).contiguous() : torch::Tensor();
+  torch::Tensor grads = torch::zeros({distinct, dim}, torch::kFloat32);
+  torch::Tensor grad_psw = w.defined() ? torch::empty({inverse.numel()}, torch::kFloat32) : torch::Tensor();
+  const float* gp = g.data_ptr<float>();
+  const float* pp = psw.defined() ? psw.data_ptr<float>() : nullptr;
+  const float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
+  float* out = grads.data_ptr<float>();
+  float* gpsw = grad_psw.defined() ? grad_psw.data_ptr<float>() : nullptr;
+  {
+    py::gil_scoped_release release;
+    for (int64_t b = 0; b < bags; ++b) {
+      const float* row = gp + b * dim;
+      const int64_t begin = off[b], end = off[b + 1];
+      const float bag_scale = mean && end > begin ? 1.0f / static_cast<float>(end - begin) : 1.0f;
+      for (int64_t j = begin; j < end; ++j) {
+        TORCH_CHECK_VALUE(inv[j] >= 0 && inv[j] < distinct, "inverse index out of range");
+        float* dst = out + inv[j] * dim;
+        if (gpsw) {
+          const float* wr = wp + inv[j] * dim;
+          float dot = 0.f;
+          for (int64_t k = 0; k < dim; ++k) dot += row[k] * wr[k];
+          gpsw[j] = dot;
+        }
+        const float scale = pp ? pp[j] * bag_scale : bag_scale;
+        for (int64_t k = 0; k < dim; ++k) dst[k] += row[k] * scale;
+      }
+    }
+  }
+  return {grads, grad_psw};
+}
+
 mlkv::OptimizerSpec MakeSpec(int64_t kind, double lr, double eps, double beta1, double beta2) {
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 3, "unknown optimizer kind ", kind);
   return {static_cast<mlkv::OptimizerKind>(kind), static_cast<float>(lr), static_cast<float>(eps),
@@ -373,6 +421,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }
     }
   });
+  m.def("bag_backward", &BagBackward, py::arg("grad_out"), py::arg("offsets"), py::arg("inverse"), py::arg("distinct"),
+        py::arg("mean"), py::arg("per_sample_weights"), py::arg("weights"),
+        "Gradient rows per distinct id of a pooled bag, and of per_sample_weights, on the CPU.");
   m.def("apply_optimizer", &ApplyOptimizer, py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"),
         py::arg("beta2"), py::arg("weights"), py::arg("state"), py::arg("grads"), py::arg("step"),
         "One fused optimizer step on CPU float32 rows, in place.");

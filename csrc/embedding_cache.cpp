@@ -196,7 +196,7 @@ EmbeddingCache::~EmbeddingCache() {
   prefetcher_.join();
 }
 
-std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Tensor& ids) {
+std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Tensor& ids, int64_t num_embeddings) {
   CheckIds(ids);
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -206,6 +206,7 @@ std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Ten
   {
     IdMap index(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < num_embeddings, "id ", id[i], " is out of range [0, ", num_embeddings, ")");
       const int32_t next = static_cast<int32_t>(distinct.size());
       const int32_t at = index.Insert(id[i], next);
       if (at == next) distinct.push_back(id[i]);

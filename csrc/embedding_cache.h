@@ -94,8 +94,8 @@ class EmbeddingCache {
   ~EmbeddingCache();
 
   // Distinct ids in order of first appearance and, per input position, its
-  // index among them.
-  static std::tuple<torch::Tensor, torch::Tensor> Unique(const torch::Tensor& ids);
+  // index among them. Raises (ValueError) on an id outside [0, num_embeddings).
+  static std::tuple<torch::Tensor, torch::Tensor> Unique(const torch::Tensor& ids, int64_t num_embeddings);
   // Weights [n, weight_words] (float32 words) of distinct `ids`, on the device;
   // admits misses per policy.
   torch::Tensor Fetch(const torch::Tensor& ids);

@@ -53,21 +53,35 @@ class _DiskEmbeddingBagFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         table: DiskEmbeddingBag = ctx.table
         unique, inverse, offsets, weights, per_sample_weights = ctx.saved_tensors
-        lengths = offsets[1:] - offsets[:-1]
-        bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-        per_id = grad_out.to(torch.float32).index_select(0, bag_of)  # d out[bag] / d weight row, per input position
-        grad_psw = None
-        if weights is not None:
-            grad_psw = (per_id * weights.index_select(0, inverse).to(torch.float32)).sum(1).to(per_sample_weights.dtype)
-        if table.mode == "mean":
-            per_id = per_id / lengths.index_select(0, bag_of).unsqueeze(1).to(torch.float32)
-        elif per_sample_weights is not None:
-            per_id = per_id * per_sample_weights.to(torch.float32).unsqueeze(1)
-        grads = torch.zeros(unique.numel(), table.embedding_dim, dtype=torch.float32, device=per_id.device)
-        grads.index_add_(0, inverse, per_id)
+        if grad_out.device.type == "cpu":
+            grads, grad_psw = _C.bag_backward(grad_out, offsets, inverse, unique.numel(), table.mode == "mean",
+                                              per_sample_weights, weights)
+        else:
+            grads, grad_psw = _bag_backward_torch(grad_out, offsets, inverse, unique.numel(), table.mode == "mean",
+                                                  per_sample_weights, weights)
+        if grad_psw is not None:
+            grad_psw = grad_psw.to(per_sample_weights.dtype)
         if ctx.needs_input_grad[0]:  # a frozen table (requires_grad_(False)) is not updated
             table._queue_update(unique, grads)
         return None, None, None, None, None, None, grad_psw
+
+
+def _bag_backward_torch(grad_out: torch.Tensor, offsets: torch.Tensor, inverse: torch.Tensor, distinct: int, mean: bool,
+                        per_sample_weights: Optional[torch.Tensor], weights: Optional[torch.Tensor]
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """_C.bag_backward in torch ops, for devices other than the CPU."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    per_id = grad_out.to(torch.float32).index_select(0, bag_of)  # d out[bag] / d weight row, per input position
+    grad_psw = None
+    if weights is not None:
+        grad_psw = (per_id * weights.index_select(0, inverse).to(torch.float32)).sum(1)
+    if mean:
+        per_id = per_id / lengths.index_select(0, bag_of).unsqueeze(1).to(torch.float32)
+    elif per_sample_weights is not None:
+        per_id = per_id * per_sample_weights.to(torch.float32).unsqueeze(1)
+    grads = torch.zeros(distinct, grad_out.shape[1], dtype=torch.float32, device=per_id.device)
+    return grads.index_add_(0, inverse, per_id), grad_psw
 
 
 class DiskEmbeddingBag(nn.Module):
@@ -205,7 +219,7 @@ class DiskEmbeddingBag(nn.Module):
     def lookahead(self, input: torch.Tensor) -> None:
         """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""
         ids = self._check_ids(input).reshape(-1).contiguous()
-        self._cache.lookahead(_C.EmbeddingCache.unique(ids)[0])
+        self._cache.lookahead(_C.EmbeddingCache.unique(ids, self.num_embeddings)[0])
 
     def flush(self) -> None:
         """Applies queued updates and writes every changed row to the store."""
@@ -230,11 +244,11 @@ class DiskEmbeddingBag(nn.Module):
             self._store.close()
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def _check_ids(self, ids: torch.Tensor, check_range: bool = True) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ids must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
         ids = ids.to(device="cpu", dtype=torch.int64)  # the cache's index lives on the host
-        if ids.numel():
+        if check_range and ids.numel():
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high
@@ -244,7 +258,7 @@ class DiskEmbeddingBag(nn.Module):
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pools rows per bag, with torch.nn.EmbeddingBag's conventions; returns [bags, dim]."""
-        ids = self._check_ids(input)
+        ids = self._check_ids(input, check_range=False)  # unique() checks the range in its pass
         if ids.dim() == 2:
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D (fixed-length bags)")
@@ -276,7 +290,7 @@ class DiskEmbeddingBag(nn.Module):
             if tuple(per_sample_weights.shape) != (ids.numel(),):
                 raise ValueError(f"per_sample_weights must have the input's shape, got {tuple(per_sample_weights.shape)}")
             per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
-        unique, inverse = _C.EmbeddingCache.unique(ids.contiguous())
+        unique, inverse = _C.EmbeddingCache.unique(ids.contiguous(), self.num_embeddings)
         weights = self._weights_of(self._cache.fetch(unique))
         return _DiskEmbeddingBagFunction.apply(self._anchor, self, unique, inverse.to(self.device),
                                                offsets.to(self.device), weights, per_sample_weights)
