@@ -44,6 +44,7 @@ void DispatchWeightType(WeightType t, F&& f) {
 
 constexpr int kVictimSamples = 8;
 constexpr int64_t kStagingBytes = 32 << 20;  // lookahead staging, beside the memory budget
+constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
 constexpr int kVictimRounds = 4;
 
 }  // namespace
@@ -165,6 +166,8 @@ EmbeddingCache::EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions opti
   const int64_t staged_capacity = std::max<int64_t>(4096, kStagingBytes / (row_words_ * 4));
   staged_rows_.resize(static_cast<size_t>(staged_capacity * row_words_));
   staged_free_.resize(static_cast<size_t>(staged_capacity));
+  staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
+  staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);
   for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
   prefetcher_ = std::thread([this] { PrefetchLoop(); });
@@ -464,32 +467,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     stats_.misses += m;
     missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
     float* missed = missed_rows.data_ptr<float>();
-    // Staged rows first; the rest from the store.
-    std::vector<int64_t> unstaged_rows, unstaged_ids;
-    for (int64_t j = 0; j < m; ++j) {
-      const int32_t entry = staged_.Find(missed_ids[j]);
-      if (entry < 0) {
-        unstaged_rows.push_back(j);
-        unstaged_ids.push_back(missed_ids[j]);
-        continue;
-      }
-      std::memcpy(missed + j * row_words_, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
-      staged_.Erase(missed_ids[j]);
-      staged_free_.push_back(entry);
-    }
-    stats_.lookahead_hits += m - static_cast<int64_t>(unstaged_ids.size());
-    int64_t fresh = 0;
-    if (unstaged_ids.size() == static_cast<size_t>(m)) {
-      ReadFromStore(missed_ids.data(), static_cast<size_t>(m), missed, &fresh);
-    } else if (!unstaged_ids.empty()) {
-      std::vector<float> rows(unstaged_ids.size() * static_cast<size_t>(row_words_));
-      ReadFromStore(unstaged_ids.data(), unstaged_ids.size(), rows.data(), &fresh);
-      for (size_t k = 0; k < unstaged_rows.size(); ++k) {
-        std::memcpy(missed + unstaged_rows[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
-      }
-    }
-    stats_.fresh_rows += fresh;
-    stats_.store_reads += static_cast<int64_t>(unstaged_ids.size()) - fresh;
+    stats_.lookahead_hits += ReadThroughStaging(missed_ids.data(), static_cast<size_t>(m), missed);
 
     std::vector<Admission> admissions;
     std::vector<int32_t> admitted_slots;
@@ -526,6 +504,11 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     }
     for (const Admission& a : admissions) stats_.evictions += a.evicted_id >= 0;
     stats_.admitted += static_cast<int64_t>(admissions.size());
+    // Rows left out of the cache wait in the staging area for this batch's update, which would
+    // otherwise read them from the store a second time.
+    for (int64_t j = 0; j < m; ++j) {
+      if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_);
+    }
     if (!admitted_slots.empty()) {
       CopyRowsToSlots(admitted_slots,
                       admitted_rows.size() == static_cast<size_t>(m)
@@ -574,8 +557,7 @@ void EmbeddingCache::Apply(const Update& u) {
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   const int64_t m = static_cast<int64_t>(missed_ids.size());
   torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
-  int64_t fresh = 0;
-  ReadFromStore(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), &fresh);
+  ReadThroughStaging(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
   if (on_host_) {
     std::vector<float*> rows(static_cast<size_t>(n));
     for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
@@ -792,15 +774,11 @@ void EmbeddingCache::PrefetchLoop() {
             staged_.Find(ids[i]) >= 0) {
           continue;
         }
-        if (staged_free_.empty()) {
+        if (Stage(ids[i], &rows[i * row_words_])) {
+          ++stats_.lookahead_rows;
+        } else {
           ++stats_.lookahead_dropped;
-          continue;
         }
-        const int32_t entry = staged_free_.back();
-        staged_free_.pop_back();
-        std::memcpy(&staged_rows_[entry * row_words_], &rows[i * row_words_], row_words_ * sizeof(float));
-        staged_.Insert(ids[i], entry);
-        ++stats_.lookahead_rows;
       }
       written_while_prefetching_.Clear();
     }
@@ -824,13 +802,60 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
   prefetched_cv_.wait(lock, [&] { return prefetch_done_ >= needed || prefetch_stopping_; });
 }
 
+bool EmbeddingCache::Stage(int64_t id, const float* row) {
+  if (staged_free_.empty()) {
+    // Full: entries no fetch took within the last kStagedFetches fetches are not coming back.
+    for (size_t e = 0; e < staged_id_.size(); ++e) {
+      if (staged_id_[e] >= 0 && epoch_ - staged_epoch_[e] > kStagedFetches) Unstage(staged_id_[e], static_cast<int32_t>(e));
+    }
+    if (staged_free_.empty()) return false;
+  }
+  const int32_t entry = staged_free_.back();
+  staged_free_.pop_back();
+  std::memcpy(&staged_rows_[entry * row_words_], row, row_words_ * sizeof(float));
+  staged_id_[entry] = id;
+  staged_epoch_[entry] = epoch_;
+  staged_.Insert(id, entry);
+  return true;
+}
+
+void EmbeddingCache::Unstage(int64_t id, int32_t entry) {
+  staged_.Erase(id);
+  staged_id_[entry] = -1;
+  staged_free_.push_back(entry);
+}
+
+int64_t EmbeddingCache::ReadThroughStaging(const int64_t* ids, size_t n, float* out) {
+  std::vector<int64_t> unstaged_pos, unstaged_ids;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t entry = staged_.Find(ids[i]);
+    if (entry < 0) {
+      unstaged_pos.push_back(static_cast<int64_t>(i));
+      unstaged_ids.push_back(ids[i]);
+      continue;
+    }
+    std::memcpy(out + i * row_words_, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
+    Unstage(ids[i], entry);
+  }
+  int64_t fresh = 0;
+  if (unstaged_ids.size() == n) {
+    ReadFromStore(ids, n, out, &fresh);
+  } else if (!unstaged_ids.empty()) {
+    std::vector<float> rows(unstaged_ids.size() * static_cast<size_t>(row_words_));
+    ReadFromStore(unstaged_ids.data(), unstaged_ids.size(), rows.data(), &fresh);
+    for (size_t k = 0; k < unstaged_pos.size(); ++k) {
+      std::memcpy(out + unstaged_pos[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
+    }
+  }
+  stats_.fresh_rows += fresh;
+  stats_.store_reads += static_cast<int64_t>(unstaged_ids.size()) - fresh;
+  return static_cast<int64_t>(n - unstaged_ids.size());
+}
+
 Status EmbeddingCache::PutToStore(const int64_t* ids, size_t n, const float* rows) {
   for (size_t i = 0; i < n; ++i) {
     const int32_t entry = staged_.Find(ids[i]);
-    if (entry >= 0) {
-      staged_.Erase(ids[i]);
-      staged_free_.push_back(entry);
-    }
+    if (entry >= 0) Unstage(ids[i], entry);
     if (prefetch_reading_) written_while_prefetching_.Insert(ids[i], 1);
   }
   return store_->Put(ids, n, rows);

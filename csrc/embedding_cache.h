@@ -11,8 +11,11 @@
 //   admitted and the least recently used row leaves (the baseline).
 //   Rows read by the batch being fetched are never evicted by it.
 // - Dirty rows are written back to the store on eviction and on WriteBack.
+// - Staging: a bounded area in host memory of rows read from the store and
+//   not cached: rows the policy kept out (their update takes them instead of
+//   reading the store again) and rows read ahead.
 // - Lookahead: a prefetch thread reads rows of future batches from the store
-//   into a bounded staging area in host memory; a fetch takes staged rows
+//   into the staging area; a fetch takes staged rows
 //   instead of reading the store, and waits for a read in flight rather than
 //   issuing it twice. Every store write of the cache drops staged copies of
 //   its rows (and rows of the read in flight), so staged rows are never older
@@ -166,6 +169,11 @@ class EmbeddingCache {
   // Every store write of the cache goes here: staged copies of the rows become
   // stale, and so do rows a prefetch is reading at the moment. Holds mu_.
   Status PutToStore(const int64_t* ids, size_t n, const float* rows);
+  // Staging (holds mu_): keep a row read from the store for a later fetch or update.
+  bool Stage(int64_t id, const float* row);
+  void Unstage(int64_t id, int32_t entry);
+  // Full rows of ids not cached: staged copies (taken) or store reads. Returns the staged count.
+  int64_t ReadThroughStaging(const int64_t* ids, size_t n, float* out);
   void PrefetchLoop();
   // Waits (without mu_) until no prefetch in flight covers one of `ids`.
   void WaitForPrefetches(const int64_t* ids, int64_t n);
@@ -198,6 +206,8 @@ class EmbeddingCache {
   IdMap staged_;                     // id -> entry of staged_rows_
   std::vector<float> staged_rows_;   // row_words floats per entry
   std::vector<int32_t> staged_free_;
+  std::vector<int64_t> staged_id_;   // per entry, -1 when free
+  std::vector<uint32_t> staged_epoch_;  // the fetch epoch it was staged in
   IdMap prefetching_;                // id -> sequence number of the request reading it
   IdMap written_while_prefetching_;  // ids written to the store during the read in flight
   bool prefetch_reading_ = false;

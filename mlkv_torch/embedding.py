@@ -221,6 +221,10 @@ class DiskEmbeddingBag(nn.Module):
         ids = self._check_ids(input).reshape(-1).contiguous()
         self._cache.lookahead(_C.EmbeddingCache.unique(ids, self.num_embeddings)[0])
 
+    def synchronize(self) -> None:
+        """Returns once every queued update is applied (export_rows and flush wait for them too)."""
+        self._cache.drain()
+
     def flush(self) -> None:
         """Applies queued updates and writes every changed row to the store."""
         self._cache.write_back()
