@@ -15,7 +15,10 @@ every update (training equals the in-memory reference).
 """
 from __future__ import annotations
 
+import atexit
 import os
+import warnings
+import weakref
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -64,6 +67,20 @@ class _DiskEmbeddingBagFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # a frozen table (requires_grad_(False)) is not updated
             table._queue_update(unique, grads)
         return None, None, None, None, None, None, grad_psw
+
+
+_OPEN_TABLES: "weakref.WeakSet[DiskEmbeddingBag]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_tables() -> None:
+    """At interpreter exit, close tables still open: their cached rows reach the store, and the
+    cache's threads stop before the interpreter and torch tear down."""
+    for table in list(_OPEN_TABLES):
+        try:
+            table.close()
+        except Exception as e:  # exiting anyway: say what was lost
+            warnings.warn(f"closing {table._store.path} at exit failed: {e}")
 
 
 def _bag_backward_torch(grad_out: torch.Tensor, offsets: torch.Tensor, inverse: torch.Tensor, distinct: int, mean: bool,
@@ -186,6 +203,7 @@ class DiskEmbeddingBag(nn.Module):
         except BaseException:
             self._store.close()
             raise
+        _OPEN_TABLES.add(self)
 
     # ---- rows -------------------------------------------------------------------------------------
     def _weights_of(self, words: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from bench_store import (cpu_seconds, dir_bytes, fmt_rate, meminfo_kib, proc_status_kib,  # noqa: E402
-                         reset_peak_rss, system_busy_seconds)
+                         reset_peak_rss, system_busy_seconds, wait_for_quiet_machine)
 
 MiB = 1 << 20
 MAX_BAG_LENGTH = 39  # lengths uniform in 1..39: mean 20
@@ -560,14 +560,7 @@ def main() -> int:
         lines.append(s)
 
     if args.wait_quiet > 0:
-        deadline, busy = time.time() + args.wait_quiet, 0.0
-        while time.time() < deadline:
-            b0 = system_busy_seconds()
-            time.sleep(5)
-            busy = (system_busy_seconds() - b0) / 5
-            if busy < 0.3:
-                break
-        print(f"# waited for a quiet machine: {busy:.2f} cores busy at the start", flush=True)
+        wait_for_quiet_machine(args.wait_quiet)
 
     t_start = time.perf_counter()
     machine = machine_facts()

@@ -109,6 +109,18 @@ def system_busy_seconds() -> float:
     return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for_quiet_machine(seconds: float) -> None:
+    """Waits up to `seconds` for other processes to leave the cores (below 0.3 busy over 5 s)."""
+    deadline, busy = time.time() + seconds, 0.0
+    while time.time() < deadline:
+        b0 = system_busy_seconds()
+        time.sleep(5)
+        busy = (system_busy_seconds() - b0) / 5
+        if busy < 0.3:
+            break
+    print(f"# waited for a quiet machine: {busy:.2f} cores busy at the start", flush=True)
+
+
 def children_cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -748,14 +760,7 @@ def main() -> int:
         lines.append(s)
 
     if args.wait_quiet > 0:
-        deadline, busy = time.time() + args.wait_quiet, None
-        while time.time() < deadline:
-            b0 = system_busy_seconds()
-            time.sleep(5)
-            busy = (system_busy_seconds() - b0) / 5
-            if busy < 0.3:
-                break
-        print(f"# waited for a quiet machine: {busy:.2f} cores busy at the start", flush=True)
+        wait_for_quiet_machine(args.wait_quiet)
 
     t_start = time.perf_counter()
     os.makedirs(args.dir, exist_ok=True)

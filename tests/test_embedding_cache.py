@@ -285,3 +285,28 @@ def test_failed_write_back_on_eviction_loses_no_row(tmp_path):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "File too large" in result.stdout and "INTACT" in result.stdout, result.stdout
+
+
+EXIT_CHILD = """
+import sys, torch
+from mlkv_torch import DiskEmbeddingBag, optim
+emb = DiskEmbeddingBag(1000, 8, path=sys.argv[1], cache_rows=100, memory_budget_bytes=1 << 20, staleness=1,
+                       optimizer=optim.SGD(lr=1.0))
+emb(torch.tensor([3, 4]), torch.tensor([0])).sum().backward()
+torch.save(emb.export_rows(torch.tensor([3, 4])), sys.argv[2])
+emb(torch.tensor([3]), torch.tensor([0])).sum().backward()  # still queued at exit
+"""
+
+
+def test_exit_without_close_writes_the_cache_back(tmp_path):
+    import subprocess
+    import sys
+
+    path, saved = str(tmp_path / "t"), str(tmp_path / "rows.pt")
+    result = subprocess.run([sys.executable, "-c", EXIT_CHILD, path, saved], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "terminate" not in result.stderr, result.stderr
+    emb = DiskEmbeddingBag(1000, 8, path=path, cache_rows=100, memory_budget_bytes=1 << 20)
+    expected = torch.load(saved)
+    expected[0] -= 1.0  # the update queued at exit was applied and written back
+    torch.testing.assert_close(emb.export_rows(torch.tensor([3, 4])), expected)

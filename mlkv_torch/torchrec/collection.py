@@ -1,0 +1,140 @@
+"""DiskEmbeddingBagCollection: TorchRec's EmbeddingBagCollection with every table in a DiskEmbeddingBag."""
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Dict, List, Optional, Union
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from .. import optim as optim_lib
+from ..embedding import DiskEmbeddingBag
+
+__all__ = ["DiskEmbeddingBagCollection"]
+
+_POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+_DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+_MIN_TABLE_BUDGET = 64 << 10  # a table's share never drops below the store's few pages
+
+
+class DiskEmbeddingBagCollection(nn.Module):
+    """An EmbeddingBagCollection whose tables live on disk, each a DiskEmbeddingBag.
+
+    ``forward(KeyedJaggedTensor) -> KeyedTensor`` as EmbeddingBagCollection:
+    the same keys (a feature shared by several tables reads ``feature@table``),
+    the same order, float32 output; weighted features with ``is_weighted``; SUM
+    and MEAN pooling. The features of one table are looked up in one call, so
+    each table takes one optimizer step per backward, as a fused TorchRec
+    optimizer does.
+
+    Args:
+        tables: the tables, as for EmbeddingBagCollection.
+        device: where the caches, pooling and outputs live (default CPU).
+        path: a directory; table ``t`` lives in ``path/t``.
+        optimizer: the fused sparse optimizer of every table.
+        memory_budget_bytes: host memory for rows, for the whole collection,
+            split among tables by their size.
+        cache_rows: rows of hot cache for the whole collection, split the same
+            way (default: each table's own default).
+        staleness: the per-row staleness bound of every table.
+        is_weighted: features carry per-id weights.
+        seed: seed of the initial rows (each table mixes in its name).
+        cache_policy: "lfu" or "lru".
+    """
+
+    def __init__(self, tables: List[EmbeddingBagConfig], device: Optional[Union[str, torch.device]] = None, *,
+                 path: Union[str, os.PathLike], optimizer: Optional[optim_lib.SparseOptimizer] = None,
+                 memory_budget_bytes: int = 256 << 20, cache_rows: Optional[int] = None, staleness: int = 0,
+                 is_weighted: bool = False, seed: int = 0, cache_policy: str = "lfu") -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("tables must not be empty")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be distinct, got {names}")
+        for t in tables:
+            if t.pooling not in _POOLING_MODES:
+                raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
+            if t.data_type not in _DATA_TYPES:
+                raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported (FP32, FP16, BF16)")
+            if not t.feature_names:
+                t.feature_names = [t.name]
+        self._is_weighted = is_weighted
+        self._device = torch.device(device if device is not None else "cpu")
+        self._embedding_bag_configs = tables
+        sizes = [t.num_embeddings * t.embedding_dim for t in tables]
+        total = sum(sizes)
+        self.embedding_bags = nn.ModuleDict()
+        for t, size in zip(tables, sizes):
+            share = size / total
+            self.embedding_bags[t.name] = DiskEmbeddingBag(
+                t.num_embeddings, t.embedding_dim, path=os.path.join(os.fspath(path), t.name),
+                mode=_POOLING_MODES[t.pooling], optimizer=optimizer,
+                cache_rows=None if cache_rows is None else int(cache_rows * share),
+                memory_budget_bytes=max(_MIN_TABLE_BUDGET, int(memory_budget_bytes * share)), staleness=staleness,
+                dtype=_DATA_TYPES[t.data_type], device=self._device,
+                seed=(seed * 1_000_003 + zlib.crc32(t.name.encode())) & 0x7FFFFFFF, include_last_offset=True,
+                cache_policy=cache_policy)
+        self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
+        self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
+        self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._known_features = {f for names in self._feature_names for f in names}
+
+    # ---- EmbeddingBagCollection's interface -------------------------------------------------------
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        keys = set(features.keys())
+        unknown, missing = sorted(keys - self._known_features), sorted(self._known_features - keys)
+        if unknown:
+            raise ValueError(f"the KeyedJaggedTensor has features no table knows: {unknown}")
+        if missing:
+            raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
+        if self._is_weighted and features.weights_or_none() is None:
+            raise ValueError("the collection is weighted, but the KeyedJaggedTensor has no weights")
+        by_name = features.to_dict()
+        pooled: List[torch.Tensor] = []
+        for bag, names in zip(self.embedding_bags.values(), self._feature_names):
+            jts = [by_name[n] for n in names]
+            # One call per table: its features' bags side by side, so the table steps once per backward.
+            values = torch.cat([jt.values() for jt in jts]) if len(jts) > 1 else jts[0].values()
+            lengths = torch.cat([jt.lengths() for jt in jts]) if len(jts) > 1 else jts[0].lengths()
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            weights = None
+            if self._is_weighted:
+                weights = torch.cat([jt.weights() for jt in jts]) if len(jts) > 1 else jts[0].weights()
+            out = bag(values, offsets, weights).float()
+            pooled.extend(out.split([jt.lengths().numel() for jt in jts]))
+        return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, dim=1),
+                           length_per_key=self._lengths_per_embedding)
+
+    # ---- tables -----------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Applies queued updates of every table and writes changed rows to the stores."""
+        for bag in self.embedding_bags.values():
+            bag.flush()
+
+    def close(self) -> None:
+        """Closes every table (checkpointing its store)."""
+        for bag in self.embedding_bags.values():
+            bag.close()
+
+    def stats(self) -> Dict[str, Dict[str, object]]:
+        """Each table's DiskEmbeddingBag.stats(), by table name."""
+        return {name: bag.stats() for name, bag in self.embedding_bags.items()}

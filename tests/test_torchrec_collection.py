@@ -1,0 +1,104 @@
+"""DiskEmbeddingBagCollection against torchrec's EmbeddingBagCollection, alone and inside DLRM."""
+import pytest
+import torch
+
+torchrec = pytest.importorskip("torchrec")
+from torchrec.models.dlrm import DLRM  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
+
+from mlkv_torch import optim  # noqa: E402
+from mlkv_torch.torchrec import DiskEmbeddingBagCollection  # noqa: E402
+
+DIM = 8
+
+
+def tables(weighted=False, shared=True):
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=500, embedding_dim=DIM, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="t1", num_embeddings=80, embedding_dim=DIM, feature_names=["f2"],
+                           pooling=PoolingType.SUM if weighted else PoolingType.MEAN),  # weights need SUM
+        # f2 feeds two tables: its embeddings read f2@t1 and f2@t2 (DLRM reads by feature, so not there)
+        EmbeddingBagConfig(name="t2", num_embeddings=300, embedding_dim=DIM,
+                           feature_names=["f2", "f3"] if shared else ["f3"]),
+    ]
+
+
+FEATURES = ["f0", "f1", "f2", "f3"]
+SIZES = {"f0": 500, "f1": 500, "f2": 80, "f3": 300}
+
+
+def kjt(step, batch=6, weighted=False):
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (len(FEATURES), batch), generator=g)
+    values = torch.cat([torch.randint(0, SIZES[f], (int(lengths[i].sum()),), generator=g)
+                        for i, f in enumerate(FEATURES)])
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=values, lengths=lengths.flatten(),
+                                               weights=weights)
+
+
+def disk_copy_of(ebc, tmp_path, **kwargs):
+    disk = DiskEmbeddingBagCollection(ebc.embedding_bag_configs(), path=tmp_path / "tables", memory_budget_bytes=1 << 20,
+                                      cache_rows=200, is_weighted=ebc.is_weighted(), **kwargs)
+    for name, bag in ebc.embedding_bags.items():
+        disk.embedding_bags[name].import_rows(torch.arange(bag.num_embeddings), bag.weight.detach())
+    return disk
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_equals_embedding_bag_collection(tmp_path, weighted):
+    ebc = EmbeddingBagCollection(tables(weighted), is_weighted=weighted)
+    disk = disk_copy_of(ebc, tmp_path)
+    assert disk.embedding_bag_configs() is not None and disk.is_weighted() == weighted
+    for step in range(3):
+        features = kjt(step, weighted=weighted)
+        ours, theirs = disk(features), ebc(features)
+        assert ours.keys() == theirs.keys()  # the shared f2 reads f2@t1 and f2@t2
+        torch.testing.assert_close(ours.values(), theirs.values())
+
+
+@pytest.mark.parametrize("ours, reference", [
+    (optim.SGD(lr=0.05), lambda params: torch.optim.SGD(params, lr=0.05)),
+    (optim.Adagrad(lr=0.05), lambda params: torch.optim.Adagrad(params, lr=0.05)),
+], ids=["sgd", "adagrad"])
+def test_dlrm_trains_to_the_same_losses(tmp_path, ours, reference):
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables(shared=False))
+    model_ref = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                     over_arch_layer_sizes=[16, 1])
+    disk = disk_copy_of(ebc, tmp_path, optimizer=ours)
+    model = DLRM(embedding_bag_collection=disk, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                 over_arch_layer_sizes=[16, 1])
+    dense_state = {k: v for k, v in model_ref.state_dict().items() if "embedding_bags" not in k}
+    model.load_state_dict(dense_state, strict=False)
+    opt_ref = reference(model_ref.parameters())
+    dense_params = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+    opt = reference(dense_params)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(1)
+    for step in range(50):
+        dense = torch.randn(6, 4, generator=g)
+        labels = torch.randint(0, 2, (6,), generator=g).float()
+        features = kjt(100 + step)
+        losses = []
+        for m, o in ((model_ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            loss = loss_fn(m(dense, features).squeeze(1), labels)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}")
+
+
+def test_bad_features_are_refused(tmp_path):
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)
+    unknown = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES + ["zz"], values=torch.tensor([1, 2, 3, 4, 5]),
+                                                  lengths=torch.tensor([1, 1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="zz"):
+        disk(unknown)
+    out_of_range = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=torch.tensor([1, 2, 999, 4]),
+                                                       lengths=torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="out of range"):
+        disk(out_of_range)
