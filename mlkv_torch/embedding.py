@@ -239,6 +239,32 @@ class DiskEmbeddingBag(nn.Module):
         ids = self._check_ids(input).reshape(-1).contiguous()
         self._cache.lookahead(_C.EmbeddingCache.unique(ids, self.num_embeddings)[0])
 
+    # ---- state_dict: the `weight` key of nn.EmbeddingBag -----------------------------------------
+    _STATE_CHUNK_ROWS = 1 << 18
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # The weights are materialised, chunk by chunk, into one tensor: fine while they fit in memory.
+        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype)
+        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
+            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
+            weight[start:start + ids.numel()] = self.export_rows(ids)
+        destination[prefix + "weight"] = weight
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                              strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        weight = state_dict[key]
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(f"{key}: shape {tuple(weight.shape)} differs from the table's "
+                              f"{(self.num_embeddings, self.embedding_dim)}")
+            return
+        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):  # rows go to the store chunk by chunk
+            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
+            self.import_rows(ids, weight[start:start + ids.numel()])
+
     def synchronize(self) -> None:
         """Returns once every queued update is applied (export_rows and flush wait for them too)."""
         self._cache.drain()

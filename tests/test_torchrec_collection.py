@@ -102,3 +102,16 @@ def test_bad_features_are_refused(tmp_path):
                                                        lengths=torch.tensor([1, 1, 1, 1]))
     with pytest.raises(ValueError, match="out of range"):
         disk(out_of_range)
+
+
+def test_state_dict_moves_between_the_two_collections(tmp_path):
+    ebc = EmbeddingBagCollection(tables())
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20, cache_rows=100)
+    assert set(disk.state_dict()) == set(ebc.state_dict())  # embedding_bags.<table>.weight
+    disk.load_state_dict(ebc.state_dict())
+    features = kjt(7)
+    torch.testing.assert_close(disk(features).values(), ebc(features).values())
+    (disk(features).values() ** 2).sum().backward()  # trains on disk
+    back = EmbeddingBagCollection(tables())
+    back.load_state_dict(disk.state_dict())
+    torch.testing.assert_close(back(features).values(), disk(features).values())
