@@ -310,3 +310,14 @@ def test_exit_without_close_writes_the_cache_back(tmp_path):
     expected = torch.load(saved)
     expected[0] -= 1.0  # the update queued at exit was applied and written back
     torch.testing.assert_close(emb.export_rows(torch.tensor([3, 4])), expected)
+
+
+def test_a_billion_row_table_opens_at_once(tmp_path):
+    emb = DiskEmbeddingBag(1_000_000_000, 16, path=tmp_path / "big", memory_budget_bytes=8 << 20)
+    ids = torch.tensor([0, 999_999_999, 123_456_789])
+    out = emb(ids, torch.tensor([0, 1]))
+    bound = (1.0 / 1_000_000_000) ** 0.5
+    assert out.shape == (2, 16) and float(out.detach().abs().max()) <= 2 * bound
+    out.sum().backward()
+    emb.flush()
+    assert emb.stats()["rows"] == 3  # only the rows written take space
