@@ -115,3 +115,22 @@ def test_state_dict_moves_between_the_two_collections(tmp_path):
     back = EmbeddingBagCollection(tables())
     back.load_state_dict(disk.state_dict())
     torch.testing.assert_close(back(features).values(), disk(features).values())
+
+
+def test_works_unmodified_in_dlrm_dcn_and_deepfm(tmp_path):
+    from torchrec.models.deepfm import SimpleDeepFMNN
+    from torchrec.models.dlrm import DLRM_DCN
+
+    disk = DiskEmbeddingBagCollection(tables(shared=False), path=tmp_path / "t", memory_budget_bytes=1 << 20,
+                                      optimizer=optim.SGD(lr=0.5))
+    models = [DLRM_DCN(embedding_bag_collection=disk, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                       over_arch_layer_sizes=[16, 1], dcn_num_layers=2, dcn_low_rank_dim=4),
+              SimpleDeepFMNN(num_dense_features=4, embedding_bag_collection=disk, hidden_layer_size=16,
+                             deep_fm_dimension=4)]
+    features, dense = kjt(3), torch.randn(6, 4)
+    for model in models:
+        before = disk.embedding_bags["t0"].export_rows(torch.arange(500))
+        out = model(dense, features)
+        assert out.shape == (6, 1)
+        out.sum().backward()
+        assert not torch.equal(disk.embedding_bags["t0"].export_rows(torch.arange(500)), before)
