@@ -150,7 +150,17 @@ def add_time(times: Dict[str, float], phase: str, since: float) -> float:
     return now
 
 
-class TorchReference:
+class InMemoryReference:
+    """An in-memory table: its update is done when backward (or the optimizer step) returns."""
+
+    def wait_for_updates(self) -> None:
+        pass
+
+    def counters(self) -> Dict[str, Any]:
+        return {}
+
+
+class TorchReference(InMemoryReference):
     """torch.nn.EmbeddingBag with a sparse gradient and torch.optim.SGD: the table in memory."""
 
     def __init__(self, rows: int, dim: int, lr: float, target: torch.Tensor) -> None:
@@ -168,17 +178,11 @@ class TorchReference:
         self.optimizer.step()
         add_time(times, "optimizer_step", t)
 
-    def wait_for_updates(self) -> None:
-        pass
-
-    def counters(self) -> Dict[str, Any]:
-        return {}
-
     def close(self) -> None:
         del self.optimizer, self.emb
 
 
-class FbgemmReference:
+class FbgemmReference(InMemoryReference):
     """fbgemm's CPU table-batched embedding bag, one table, EXACT_SGD fused into backward."""
 
     def __init__(self, rows: int, dim: int, lr: float, target: torch.Tensor) -> None:
@@ -198,12 +202,6 @@ class FbgemmReference:
         t = add_time(times, "forward", t)
         (out * self.target).sum().backward()  # the update is applied here
         add_time(times, "backward", t)
-
-    def wait_for_updates(self) -> None:
-        pass
-
-    def counters(self) -> Dict[str, Any]:
-        return {}
 
     def close(self) -> None:
         del self.tbe
