@@ -236,14 +236,16 @@ class Store {
 // Rows never written: element j of row `id` is uniform in [low, high), a
 // function of (seed, id, j) alone, so every batch order gives the same rows.
 torch::Tensor InitialRows(const torch::Tensor& ids, int64_t dim, int64_t seed, double low, double high,
-                          torch::ScalarType dtype) {
+                          torch::ScalarType dtype, int64_t first_column) {
   CheckKeys(ids);
   TORCH_CHECK_VALUE(dim > 0, "dim must be positive, got ", dim);
   TORCH_CHECK_VALUE(low <= high, "low must not exceed high, got [", low, ", ", high, ")");
   torch::Tensor rows = torch::empty({ids.numel(), dim}, torch::kFloat32);
   const int64_t* id = ids.data_ptr<int64_t>();
   float* out = rows.data_ptr<float>();
-  const mlkv::RowInit init{static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low)};
+  TORCH_CHECK_VALUE(first_column >= 0, "first_column must be non-negative, got ", first_column);
+  const mlkv::RowInit init{static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low),
+                           first_column};
   at::parallel_for(0, ids.numel(), 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) mlkv::InitialRow(init, id[i], dim, out + i * dim);
   });
@@ -331,7 +333,8 @@ void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double be
 std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capacity, int64_t dim, int64_t weight_type,
                                                 int64_t kind, double lr, double eps, double beta1, double beta2,
                                                 std::vector<float> initial_state, int64_t seed, double low, double high,
-                                                const std::string& policy, int64_t staleness, const std::string& device) {
+                                                const std::string& policy, int64_t staleness, const std::string& device,
+                                                int64_t first_column) {
   mlkv::CacheOptions o;
   o.capacity = capacity;
   o.dim = dim;
@@ -339,7 +342,8 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capa
   o.weight_type = static_cast<mlkv::WeightType>(weight_type);
   o.optimizer = MakeSpec(kind, lr, eps, beta1, beta2);
   o.initial_state = std::move(initial_state);
-  o.init = {static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low)};
+  TORCH_CHECK_VALUE(first_column >= 0, "first_column must be non-negative, got ", first_column);
+  o.init = {static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low), first_column};
   if (policy == "lfu") {
     o.policy = mlkv::CachePolicy::kLfu;
   } else if (policy == "lru") {
@@ -384,7 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   static PyObject* store_io_error = py::register_exception<StoreIOException>(m, "StoreIOError", PyExc_OSError).ptr();
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
   m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("low"), py::arg("high"),
-        py::arg("dtype"), "Deterministic initial rows: uniform [low, high) from (seed, id, column).");
+        py::arg("dtype"), py::arg("first_column") = 0, "Deterministic initial rows: uniform [low, high) from (seed, id, column).");
   py::class_<Store>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
                     const std::string&, int64_t, bool, double, bool>(),
@@ -432,7 +436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<EmbeddingCache>(m, "EmbeddingCache")
       .def(py::init(&MakeCache), py::arg("store"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
            py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
-           py::arg("seed"), py::arg("low"), py::arg("high"), py::arg("policy"), py::arg("staleness"), py::arg("device"))
+           py::arg("seed"), py::arg("low"), py::arg("high"), py::arg("policy"), py::arg("staleness"), py::arg("device"),
+           py::arg("first_column") = 0)
       .def_static("unique", &EmbeddingCache::Unique, nogil)
       .def("fetch", &EmbeddingCache::Fetch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)

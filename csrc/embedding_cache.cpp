@@ -4,6 +4,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 
@@ -384,12 +385,13 @@ torch::Tensor EmbeddingCache::SlotRowsToHost(const std::vector<int32_t>& slots) 
   return slots_.index_select(0, index).cpu();
 }
 
-void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, int64_t step) const {
-  const float adam_scale = opt_.optimizer.kind == OptimizerKind::kAdam ? AdamStepScale(opt_.optimizer, step) : 0.f;
+void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const {
+  const OptimizerSpec spec = SpecOf(u);
+  const float adam_scale = spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f;
   DispatchWeightType(opt_.weight_type, [&](auto zero) {
     using W = decltype(zero);
     for (int64_t i = 0; i < n; ++i) {
-      UpdateRow<W>(opt_.optimizer, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_,
+      UpdateRow<W>(spec, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_,
                    grads + i * opt_.dim, opt_.dim);
     }
   });
@@ -562,7 +564,7 @@ void EmbeddingCache::Apply(const Update& u) {
     std::vector<float*> rows(static_cast<size_t>(n));
     for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
     for (int64_t j = 0; j < m; ++j) rows[missed_pos[j]] = missed_rows.data_ptr<float>() + j * row_words_;
-    UpdateHostRows(rows.data(), u.grads.data_ptr<float>(), n, u.step);
+    UpdateHostRows(rows.data(), u.grads.data_ptr<float>(), n, u);
   } else {
 #ifdef MLKV_WITH_CUDA
     if (!cached_pos.empty()) {
@@ -571,8 +573,9 @@ void EmbeddingCache::Apply(const Update& u) {
       torch::Tensor slot_index =
           torch::tensor(std::vector<int64_t>(cached_slots.begin(), cached_slots.end()), torch::kInt64).to(device_);
       torch::Tensor grads = u.grads.index_select(0, pos).contiguous();
-      const SlotUpdate update{opt_.optimizer,
-                              opt_.optimizer.kind == OptimizerKind::kAdam ? AdamStepScale(opt_.optimizer, u.step) : 0.f,
+      const OptimizerSpec spec = SpecOf(u);
+      const SlotUpdate update{spec,
+                              spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f,
                               opt_.weight_type,
                               slots_.data_ptr<float>(),
                               slot_index.data_ptr<int64_t>(),
@@ -589,7 +592,7 @@ void EmbeddingCache::Apply(const Update& u) {
       torch::Tensor grads = u.grads.index_select(0, torch::tensor(missed_pos, torch::kInt64).to(device_)).cpu().contiguous();
       std::vector<float*> rows(static_cast<size_t>(m));
       for (int64_t j = 0; j < m; ++j) rows[j] = missed_rows.data_ptr<float>() + j * row_words_;
-      UpdateHostRows(rows.data(), grads.data_ptr<float>(), m, u.step);
+      UpdateHostRows(rows.data(), grads.data_ptr<float>(), m, u);
     }
   }
   // Rows outside the cache go straight back to the store.
@@ -599,14 +602,15 @@ void EmbeddingCache::Apply(const Update& u) {
   stats_.rows_updated += n;
 }
 
-void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step) {
+void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr) {
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
   CheckIds(ids);
   TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
                         grads.size(0) == ids.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
                     "grads must be a contiguous float32 [", ids.numel(), ", ", opt_.dim, "] tensor on ", device_);
   // Aliases without a Python object: the applier may drop the last reference
   // without taking the GIL (a Python-owned tensor would need it to die).
-  Update u{at::alias(ids), at::alias(grads), step};
+  Update u{at::alias(ids), at::alias(grads), step, static_cast<float>(lr)};
   if (!device_.is_cpu()) {
     // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
     std::lock_guard<std::mutex> lock(mu_);

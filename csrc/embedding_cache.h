@@ -103,8 +103,9 @@ class EmbeddingCache {
   // admits misses per policy.
   torch::Tensor Fetch(const torch::Tensor& ids);
   // Queues one optimizer step for distinct `ids` with gradient rows `grads`
-  // [n, dim] float32 (on the device).
-  void QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step);
+  // [n, dim] float32 (on the device), at learning rate `lr` (the rate when
+  // the step was taken, so a schedule applies even to updates still queued).
+  void QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr);
   // Waits until every queued update is applied.
   void Drain();
   // Holds queued updates back (tests and benchmarks of staleness); a call
@@ -130,6 +131,7 @@ class EmbeddingCache {
   struct Update {
     torch::Tensor ids, grads;
     int64_t step;
+    float lr;
   };
   // Positions of `ids` held by the cache (with their slots) and the rest; marks the cached ones
   // dirty when the caller will write them.
@@ -164,7 +166,13 @@ class EmbeddingCache {
   void Age();
   void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows);
   torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
-  void UpdateHostRows(float* const* rows, const float* grads, int64_t n, int64_t step) const;
+  void UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const;
+  // The table's optimizer at the update's learning rate.
+  OptimizerSpec SpecOf(const Update& u) const {
+    OptimizerSpec spec = opt_.optimizer;
+    spec.lr = u.lr;
+    return spec;
+  }
   void AddPending(const int64_t* ids, int64_t n, int delta);
   // Every store write of the cache goes here: staged copies of the rows become
   // stale, and so do rows a prefetch is reading at the moment. Holds mu_.

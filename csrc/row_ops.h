@@ -110,12 +110,15 @@ struct RowInit {
   uint64_t seed = 0;
   float low = 0.f;
   float span = 0.f;
+  // Column j of a row draws the value of column first_column + j of the full
+  // row, so a column shard starts as its slice of the unsharded table.
+  int64_t first_column = 0;
 };
 
 inline void InitialRow(const RowInit& init, int64_t id, int64_t dim, float* out) {
   const uint64_t row_part = (init.seed * 0x9E3779B97F4A7C15ull) ^ SplitMix64(static_cast<uint64_t>(id) + 0xD1B54A32D192ED03ull);
   for (int64_t j = 0; j < dim; ++j) {
-    const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j) * 0x8CB92BA72F3D8DD7ull);
+    const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j + init.first_column) * 0x8CB92BA72F3D8DD7ull);
     out[j] = init.low + init.span * (static_cast<float>(z >> 40) * (1.0f / 16777216.0f));  // 24 random bits
   }
 }

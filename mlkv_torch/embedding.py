@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import tempfile
 import warnings
 import weakref
 from typing import Any, Dict, Optional, Tuple, Union
@@ -101,6 +102,29 @@ def _bag_backward_torch(grad_out: torch.Tensor, offsets: torch.Tensor, inverse: 
     return grads.index_add_(0, inverse, per_id), grad_psw
 
 
+def _empty_rows(shape: Tuple[int, int], dtype: torch.dtype, directory: Optional[str]) -> torch.Tensor:
+    """An uninitialised CPU tensor; with `directory`, backed by a file there rather than by memory.
+
+    The file's blocks are reserved first (a full disk raises OSError here, not SIGBUS on a later
+    write through the mapping), and its name is unlinked at once: the mapping keeps the data.
+    """
+    if directory is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = shape[0] * shape[1]
+    fd, name = tempfile.mkstemp(prefix=".snapshot-", dir=directory)
+    try:
+        if numel:
+            os.posix_fallocate(fd, 0, numel * dtype.itemsize)
+        mapped = torch.from_file(name, shared=True, size=numel, dtype=dtype)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot reserve {numel * dtype.itemsize} bytes for a snapshot in {directory}: "
+                               f"{e.strerror}") from e
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return mapped.view(shape)
+
+
 class DiskEmbeddingBag(nn.Module):
     """An embedding bag over a table larger than memory, trained by a fused sparse optimizer.
 
@@ -129,6 +153,14 @@ class DiskEmbeddingBag(nn.Module):
         include_last_offset: as in nn.EmbeddingBag.
         expected_rows: sizes the store's index; default min(num_embeddings, 4M).
         cache_policy: "lfu" (frequency-based admission, the default) or "lru".
+        first_column: this table holds columns [first_column, first_column +
+            embedding_dim) of a wider table (a column shard); its initial rows
+            are that slice of the wider table's.
+
+    Attributes:
+        lr: the learning rate of the next updates; starts at ``optimizer.lr``,
+            and a schedule may change it (a fused TorchRec optimizer's
+            param_groups set it).
 
     Example::
 
@@ -142,13 +174,14 @@ class DiskEmbeddingBag(nn.Module):
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
                  device: Optional[Union[str, torch.device]] = None, seed: int = 0, include_last_offset: bool = False,
-                 expected_rows: Optional[int] = None, cache_policy: str = "lfu") -> None:
+                 expected_rows: Optional[int] = None, cache_policy: str = "lfu", first_column: int = 0) -> None:
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
                             ("memory_budget_bytes", memory_budget_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows)):
+        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
+                            ("first_column", first_column)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if mode not in _MODES:
@@ -169,10 +202,12 @@ class DiskEmbeddingBag(nn.Module):
         self.embedding_dim = embedding_dim
         self.mode = mode
         self.optimizer = optimizer
+        self.lr = float(optimizer.lr)
         self.staleness = staleness
         self.dtype = dtype
         self.device = device
         self.seed = seed
+        self.memory_budget_bytes = memory_budget_bytes
         self.include_last_offset = include_last_offset
         self._state_dim = optimizer.state_dim(embedding_dim)
         self._weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
@@ -199,7 +234,7 @@ class DiskEmbeddingBag(nn.Module):
             self._cache = _C.EmbeddingCache(
                 self._store._store, cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind,
                 *optimizer.hyperparameters(), optimizer.initial_state(1, embedding_dim).flatten().tolist(), int(seed),
-                -bound, bound, cache_policy, staleness, str(device))
+                -bound, bound, cache_policy, staleness, str(device), first_column)
         except BaseException:
             self._store.close()
             raise
@@ -214,24 +249,37 @@ class DiskEmbeddingBag(nn.Module):
 
     def _queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
         self._step += 1
-        self._cache.queue_update(unique, grads.contiguous(), self._step)
+        self._cache.queue_update(unique, grads.contiguous(), self._step, self.lr)
 
-    def export_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Current weights [n, dim] (of `dtype`, on the CPU) of these rows, every queued update applied."""
+    @property
+    def state_dim(self) -> int:
+        """Optimizer state floats per row (0 for SGD)."""
+        return self._state_dim
+
+    def export_rows(self, ids: torch.Tensor, include_state: bool = False
+                    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Current weights [n, dim] (of `dtype`, on the CPU) of these rows, every queued update applied;
+        with `include_state`, also their optimizer state [n, state_dim] (float32), from the same read."""
         rows = self._cache.read_rows(self._check_ids(ids).reshape(-1).contiguous())
-        return self._weights_of(rows[:, : self._weight_words].contiguous()).clone()
+        weights = self._weights_of(rows[:, : self._weight_words].contiguous()).clone()
+        return (weights, rows[:, self._weight_words:].clone()) if include_state else weights
 
-    def import_rows(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Sets these rows' weights; their optimizer state starts afresh."""
+    def import_rows(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
+        """Sets these rows' weights and optimizer state (default: the state of a row never updated)."""
         ids = self._check_ids(ids).reshape(-1).contiguous()
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must be a tensor of shape [{ids.numel()}, {self.embedding_dim}]")
+        if state is not None and (not isinstance(state, torch.Tensor)
+                                  or tuple(state.shape) != (ids.numel(), self._state_dim)):
+            raise ValueError(f"state must be a tensor of shape [{ids.numel()}, {self._state_dim}]")
         weights = weights.detach().to(device="cpu", dtype=self.dtype)
         if self.dtype != torch.float32:
             if self.embedding_dim * self.dtype.itemsize % 4:
                 weights = torch.cat([weights, weights.new_zeros(ids.numel(), 1)], dim=1)
             weights = weights.contiguous().view(torch.float32)
-        state = self.optimizer.initial_state(ids.numel(), self.embedding_dim)
+        if state is None:
+            state = self.optimizer.initial_state(ids.numel(), self.embedding_dim)
+        state = state.detach().to(device="cpu", dtype=torch.float32)
         self._cache.write_rows(ids, torch.cat([weights, state], dim=1).contiguous())
 
     def lookahead(self, input: torch.Tensor) -> None:
@@ -239,16 +287,52 @@ class DiskEmbeddingBag(nn.Module):
         ids = self._check_ids(input).reshape(-1).contiguous()
         self._cache.lookahead(_C.EmbeddingCache.unique(ids, self.num_embeddings)[0])
 
-    # ---- state_dict: the `weight` key of nn.EmbeddingBag -----------------------------------------
+    # ---- all rows at once: snapshots and state_dict (the `weight` key of nn.EmbeddingBag) ------------
     _STATE_CHUNK_ROWS = 1 << 18
 
+    def snapshot(self, include_state: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Every row's current weights [num_embeddings, dim] (with `include_state`, also the optimizer
+        state [num_embeddings, state_dim]), read from the store chunk by chunk.
+
+        A snapshot larger than the table's memory budget is written to a file-backed tensor in
+        the table's directory (its file already unlinked: the disk space returns when the tensor
+        dies), so tables larger than memory save without being materialised in memory.
+        """
+        n = self.num_embeddings
+        nbytes = n * (self.embedding_dim * self.dtype.itemsize + (4 * self._state_dim if include_state else 0))
+        where = self._store.path if nbytes > self.memory_budget_bytes else None
+        weight = _empty_rows((n, self.embedding_dim), self.dtype, where)
+        state = _empty_rows((n, self._state_dim), torch.float32, where) if include_state else None
+        for start in range(0, n, self._STATE_CHUNK_ROWS):
+            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, n))
+            if state is None:
+                weight[start:start + ids.numel()] = self.export_rows(ids)
+            else:
+                weight[start:start + ids.numel()], state[start:start + ids.numel()] = self.export_rows(ids, True)
+        return weight if state is None else (weight, state)
+
+    def restore(self, weight: Optional[torch.Tensor] = None, state: Optional[torch.Tensor] = None) -> None:
+        """Sets every row's weights from `weight` [num_embeddings, dim] and/or its optimizer state
+        from `state` [num_embeddings, state_dim]; the part not given keeps its current value (as
+        loading an nn.EmbeddingBag's weight keeps its optimizer's state). Rows go chunk by chunk:
+        a file-backed tensor is never read into memory at once."""
+        n = self.num_embeddings
+        for name, given, width in (("weight", weight, self.embedding_dim), ("state", state, self._state_dim)):
+            if given is not None and (not isinstance(given, torch.Tensor) or tuple(given.shape) != (n, width)):
+                raise ValueError(f"{name} must be a tensor of shape [{n}, {width}], got "
+                                 f"{list(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
+        if weight is None and state is None:
+            return
+        for start in range(0, n, self._STATE_CHUNK_ROWS):
+            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, n))
+            rows = slice(start, start + ids.numel())
+            if weight is None or (state is None and self._state_dim):
+                current_weight, current_state = self.export_rows(ids, include_state=True)
+            self.import_rows(ids, current_weight if weight is None else weight[rows],
+                             (current_state if self._state_dim else None) if state is None else state[rows])
+
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        # The weights are materialised, chunk by chunk, into one tensor: fine while they fit in memory.
-        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype)
-        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
-            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
-            weight[start:start + ids.numel()] = self.export_rows(ids)
-        destination[prefix + "weight"] = weight
+        destination[prefix + "weight"] = self.snapshot()
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                               strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
@@ -256,14 +340,10 @@ class DiskEmbeddingBag(nn.Module):
         if key not in state_dict:
             missing_keys.append(key)
             return
-        weight = state_dict[key]
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            error_msgs.append(f"{key}: shape {tuple(weight.shape)} differs from the table's "
-                              f"{(self.num_embeddings, self.embedding_dim)}")
-            return
-        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):  # rows go to the store chunk by chunk
-            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
-            self.import_rows(ids, weight[start:start + ids.numel()])
+        try:
+            self.restore(weight=state_dict[key])
+        except ValueError as e:
+            error_msgs.append(f"{key}: {e}")
 
     def synchronize(self) -> None:
         """Returns once every queued update is applied (export_rows and flush wait for them too)."""

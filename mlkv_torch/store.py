@@ -15,7 +15,8 @@ _ELEMENT_TYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = None, high: Optional[float] = None,
-                 dtype: torch.dtype = torch.float32, num_embeddings: Optional[int] = None) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, num_embeddings: Optional[int] = None,
+                 first_column: int = 0) -> torch.Tensor:
     """Deterministic initial values of embedding rows never written.
 
     Element j of row `id` is uniform in [low, high) and a function of
@@ -30,6 +31,8 @@ def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = 
         low, high: the range; both or neither.
         dtype: float32, float16 or bfloat16.
         num_embeddings: the table's row count, for the default range.
+        first_column: the rows are columns [first_column, first_column + dim)
+            of the full rows (a column shard of a wider table).
 
     Returns:
         [N, dim] rows of `dtype` on the CPU.
@@ -53,7 +56,10 @@ def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = 
         raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
     if ids.numel() and int(ids.min()) < 0:
         raise ValueError(f"ids must be non-negative, got {int(ids.min())}")
-    return _C.initial_rows(ids.detach().to("cpu").contiguous(), dim, int(seed), float(low), float(high), dtype)
+    return _C.initial_rows(ids.detach().to("cpu").contiguous(), dim, int(seed), float(low), float(high), dtype,
+                           int(first_column))
+
+
 _IO_ENGINES = ("auto", "uring", "threads")
 
 KeysLike = Union[torch.Tensor, Sequence[int]]
