@@ -252,6 +252,18 @@ class DiskEmbeddingBag(nn.Module):
         self._cache.queue_update(unique, grads.contiguous(), self._step, self.lr)
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps the table has taken (Adam's bias correction counts them); a restore
+        from a checkpoint sets it."""
+        return self._step
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"steps must be a non-negative int, got {value!r}")
+        self._step = value
+
+    @property
     def state_dim(self) -> int:
         """Optimizer state floats per row (0 for SGD)."""
         return self._state_dim

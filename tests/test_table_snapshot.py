@@ -72,7 +72,7 @@ def test_restore_of_weights_and_state_continues_training_identically(tmp_path, o
     weight, state = table.snapshot(include_state=True)
     copy = DiskEmbeddingBag(300, 8, path=tmp_path / "b", optimizer=optimizer, cache_rows=50)
     copy.restore(weight=weight, state=state)
-    copy._step = table._step  # Adam's bias correction counts the table's steps
+    copy.steps = table.steps  # Adam's bias correction counts the table's steps
     _train(table, 3, seed=1)
     _train(copy, 3, seed=1)
     torch.testing.assert_close(copy.snapshot(), table.snapshot(), rtol=0, atol=0)

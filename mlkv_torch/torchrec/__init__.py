@@ -1,7 +1,14 @@
-"""TorchRec integration: DiskEmbeddingBagCollection, a drop-in for EmbeddingBagCollection.
+"""TorchRec integration.
+
+- `DiskEmbeddingBagCollection`: a drop-in for EmbeddingBagCollection with every table on disk.
+- `DiskEmbeddingBagCollectionSharder` and `DiskAwarePlanner`: under DistributedModelParallel,
+  the planner puts the tables that do not fit memory on disk, the rest keep TorchRec's kernels.
 
 Importing this module needs torchrec; the core package (`mlkv_torch`) does not.
 """
 from .collection import DiskEmbeddingBagCollection
+from .planner import DiskAwarePerfEstimator, DiskAwarePlanner, DiskAwareStorageEstimator
+from .sharding import DISK_KERNEL, DiskEmbeddingBagCollectionSharder, ShardedDiskEmbeddingBagCollection
 
-__all__ = ["DiskEmbeddingBagCollection"]
+__all__ = ["DiskEmbeddingBagCollection", "DiskEmbeddingBagCollectionSharder", "ShardedDiskEmbeddingBagCollection",
+           "DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator", "DISK_KERNEL"]

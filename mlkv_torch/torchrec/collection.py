@@ -2,23 +2,19 @@
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Dict, List, Optional, Union
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
 from ..embedding import DiskEmbeddingBag
+from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, pool_features, table_seed
 
 __all__ = ["DiskEmbeddingBagCollection"]
-
-_POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
-_DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
-_MIN_TABLE_BUDGET = 64 << 10  # a table's share never drops below the store's few pages
 
 
 class DiskEmbeddingBagCollection(nn.Module):
@@ -57,9 +53,9 @@ class DiskEmbeddingBagCollection(nn.Module):
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be distinct, got {names}")
         for t in tables:
-            if t.pooling not in _POOLING_MODES:
+            if t.pooling not in POOLING_MODES:
                 raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
-            if t.data_type not in _DATA_TYPES:
+            if t.data_type not in DATA_TYPES:
                 raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported (FP32, FP16, BF16)")
             if not t.feature_names:
                 t.feature_names = [t.name]
@@ -73,11 +69,11 @@ class DiskEmbeddingBagCollection(nn.Module):
             share = size / total
             self.embedding_bags[t.name] = DiskEmbeddingBag(
                 t.num_embeddings, t.embedding_dim, path=os.path.join(os.fspath(path), t.name),
-                mode=_POOLING_MODES[t.pooling], optimizer=optimizer,
+                mode=POOLING_MODES[t.pooling], optimizer=optimizer,
                 cache_rows=None if cache_rows is None else int(cache_rows * share),
-                memory_budget_bytes=max(_MIN_TABLE_BUDGET, int(memory_budget_bytes * share)), staleness=staleness,
-                dtype=_DATA_TYPES[t.data_type], device=self._device,
-                seed=(seed * 1_000_003 + zlib.crc32(t.name.encode())) & 0x7FFFFFFF, include_last_offset=True,
+                memory_budget_bytes=max(MIN_TABLE_BUDGET, int(memory_budget_bytes * share)), staleness=staleness,
+                dtype=DATA_TYPES[t.data_type], device=self._device,
+                seed=table_seed(seed, t.name), include_last_offset=True,
                 cache_policy=cache_policy)
         self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
@@ -108,19 +104,20 @@ class DiskEmbeddingBagCollection(nn.Module):
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError("the collection is weighted, but the KeyedJaggedTensor has no weights")
         by_name = features.to_dict()
+        batch_size = features.stride()
         pooled: List[torch.Tensor] = []
         for bag, names in zip(self.embedding_bags.values(), self._feature_names):
             jts = [by_name[n] for n in names]
-            # One call per table: its features' bags side by side, so the table steps once per backward.
+            for jt in jts:
+                if jt.lengths().numel() != batch_size:
+                    raise ValueError(f"feature {names[jts.index(jt)]!r} has {jt.lengths().numel()} bags, "
+                                     f"the batch has {batch_size}")
             values = torch.cat([jt.values() for jt in jts]) if len(jts) > 1 else jts[0].values()
             lengths = torch.cat([jt.lengths() for jt in jts]) if len(jts) > 1 else jts[0].lengths()
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-            torch.cumsum(lengths, 0, out=offsets[1:])
             weights = None
             if self._is_weighted:
                 weights = torch.cat([jt.weights() for jt in jts]) if len(jts) > 1 else jts[0].weights()
-            out = bag(values, offsets, weights).float()
-            pooled.extend(out.split([jt.lengths().numel() for jt in jts]))
+            pooled.append(pool_features(bag, values, lengths, weights, len(jts), batch_size))
         return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, dim=1),
                            length_per_key=self._lengths_per_embedding)
 

@@ -1,0 +1,190 @@
+"""DiskAwarePlanner: TorchRec's EmbeddingShardingPlanner with estimators that know the disk tier.
+
+With `DiskEmbeddingBagCollectionSharder`, every table may take TorchRec's own
+kernels or the disk kernel (``customized_kernel``). The stock estimators know
+nothing of the disk kernel, so this planner's enumerator estimates it:
+
+- storage: a disk shard takes its memory budget (``memory_fraction`` of its
+  bytes: cache and store log) in host memory (DDR; on a GPU its cache is in
+  HBM) and its bytes, times the log's space amplification, on disk (SSD);
+- perf: TorchRec's estimate of the fused kernel on the same shard, plus the
+  expected disk reads of its misses at the topology's SSD bandwidth.
+
+The disk kernel is always slower, so the planner keeps a table in memory
+when the memory caps allow it, and moves tables to disk when they do not.
+`ParameterConstraints(compute_kernels=["customized_kernel"])` forces a table
+to disk, ``["fused"]`` keeps it in memory. A plan that cannot fit raises
+TorchRec's PlannerError, naming each table that fits neither in memory nor
+on disk.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import (ParameterConstraints, Perf, PlannerError, ShardEstimator,
+                                                ShardingOption, Storage, Topology)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+
+from .. import optim as optim_lib
+from .sharding import DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, shard_memory_budget
+from .tables import optimizer_from_fused_params, row_bytes
+
+__all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
+
+DISK_SPACE_AMPLIFICATION = 2.0
+"""Disk bytes per live byte a store may hold: the log is compacted when half of a segment is garbage."""
+_RECORD_HEADER_BYTES = 16
+_DISK_PAGE_BYTES = 4096  # one random read per missed row
+
+
+def _planned_optimizer(option: ShardingOption, fused_params: Dict[str, Any], options: DiskTableOptions
+                       ) -> optim_lib.SparseOptimizer:
+    """The optimizer the sharder will give this table (in-backward optimizer, fused_params, or options)."""
+    params = dict(fused_params or {})
+    classes = getattr(option.tensor, "_optimizer_classes", [None])
+    if classes and classes[0] is not None:
+        params.update(getattr(option.tensor, "_optimizer_kwargs", [{}])[0])
+        params.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
+    return optimizer_from_fused_params(params, option.name) or options.optimizer or optim_lib.SGD()
+
+
+class _DiskEstimatorBase(ShardEstimator):
+    """Holds the disk options the planner found on the sharder."""
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]]) -> None:
+        self._topology = topology
+        self._constraints = constraints or {}
+        self.options = DiskTableOptions(storage_dir="")
+
+    @staticmethod
+    def _split(options: List[ShardingOption]):
+        return ([o for o in options if o.compute_kernel == DISK_KERNEL],
+                [o for o in options if o.compute_kernel != DISK_KERNEL])
+
+
+class DiskAwareStorageEstimator(_DiskEstimatorBase):
+    """TorchRec's storage estimate for its kernels; for disk shards, memory budget and disk bytes."""
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(topology, constraints)
+        self._stock = EmbeddingStorageEstimator(topology, constraints, **kwargs)
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: Any = None) -> None:
+        disk, rest = self._split(sharding_options)
+        self._stock.estimate(rest, sharder_data_map)
+        for option in disk:
+            fused = sharder_data_map[option.module_type_key].fused_params if sharder_data_map else {}
+            optimizer = _planned_optimizer(option, fused, self.options)
+            dtype = option.tensor.dtype
+            for shard in option.shards:
+                rows, cols = shard.size
+                budget = shard_memory_budget(rows, cols, dtype, optimizer, self.options.memory_fraction)
+                on_disk = int(rows * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
+                              * DISK_SPACE_AMPLIFICATION)
+                if self._topology.compute_device == "cuda":  # the cache in device memory, the log on the host
+                    shard.storage = Storage(hbm=budget, ddr=budget, ssd=on_disk)
+                else:
+                    shard.storage = Storage(hbm=0, ddr=budget, ssd=on_disk)
+
+
+class DiskAwarePerfEstimator(_DiskEstimatorBase):
+    """TorchRec's perf estimate for its kernels; for disk shards, the fused kernel's estimate plus
+    the random reads of the rows that miss memory."""
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 is_inference: bool = False) -> None:
+        super().__init__(topology, constraints)
+        self._stock = EmbeddingPerfEstimator(topology, constraints, is_inference)
+
+    def _miss_rate(self, option: ShardingOption) -> float:
+        constraint = self._constraints.get(option.name)
+        stats = constraint.cache_params.stats if constraint and constraint.cache_params else None
+        if stats is not None:  # the user's measured access statistics for this table
+            return float(stats.expected_miss_rate(self.options.memory_fraction))
+        return 1.0 - self.options.memory_fraction  # no skew assumed: the pessimistic bound
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: Any = None) -> None:
+        disk, rest = self._split(sharding_options)
+        self._stock.estimate(rest, sharder_data_map)
+        if not disk:
+            return
+        for option in disk:  # TorchRec's estimate of the same shards in memory ...
+            option.compute_kernel = EmbeddingComputeKernel.FUSED.value
+        try:
+            self._stock.estimate(disk, sharder_data_map)
+        finally:
+            for option in disk:
+                option.compute_kernel = DISK_KERNEL
+        ssd_bytes_per_ms = self._topology.ssd_mem_bw
+        for option in disk:  # ... plus the disk reads of its misses
+            lookups = sum(length * option.batch_size for length in option.input_lengths) * self._topology.world_size
+            read_ms = lookups * self._miss_rate(option) * _DISK_PAGE_BYTES / ssd_bytes_per_ms
+            for shard in option.shards:
+                perf = shard.perf
+                shard.perf = Perf(fwd_compute=perf.fwd_compute + read_ms, fwd_comms=perf.fwd_comms,
+                                  bwd_compute=perf.bwd_compute + read_ms, bwd_comms=perf.bwd_comms,
+                                  input_dist_comms=perf.input_dist_comms, prefetch_compute=perf.prefetch_compute)
+
+
+class DiskAwarePlanner(EmbeddingShardingPlanner):
+    """EmbeddingShardingPlanner (same constructor, `plan`, `collective_plan`) whose default
+    enumerator estimates the disk kernel of `DiskEmbeddingBagCollectionSharder`.
+
+    Give the Topology ``ddr_cap`` (host memory per rank) and ``ssd_cap`` (disk per rank): tables
+    that do not fit the memory caps go to disk.
+    """
+
+    def __init__(self, topology: Optional[Topology] = None, batch_size: Optional[int] = None,
+                 constraints: Optional[Dict[str, ParameterConstraints]] = None, **kwargs: Any) -> None:
+        self._disk_estimators: List[_DiskEstimatorBase] = []
+        if topology is not None and kwargs.get("enumerator") is None:
+            self._disk_estimators = [DiskAwarePerfEstimator(topology, constraints),
+                                     DiskAwareStorageEstimator(topology, constraints)]
+            kwargs["enumerator"] = EmbeddingEnumerator(topology=topology, batch_size=batch_size or 512,
+                                                       constraints=constraints, estimator=self._disk_estimators)
+        super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, **kwargs)
+
+    def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        disk_sharders = [s for s in sharders if isinstance(s, DiskEmbeddingBagCollectionSharder)]
+        for estimator in self._disk_estimators:
+            estimator.options = disk_sharders[0].options if disk_sharders else DiskTableOptions(storage_dir="")
+        try:
+            return super().plan(module, sharders)
+        except PlannerError as e:
+            raise PlannerError(self._what_does_not_fit(module, sharders) + str(e), e.error_type) from e
+
+    def _what_does_not_fit(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> str:
+        """A line per table that fits no rank in memory and none on disk, in its smallest option."""
+        device = self._topology.devices[0].storage
+        smallest: Dict[str, Dict[str, Storage]] = {}
+        for option in self._enumerator.enumerate(module, sharders):
+            where = "disk" if option.compute_kernel == DISK_KERNEL else "memory"
+            largest_shard = max((s.storage for s in option.shards if s.storage is not None),
+                                key=lambda s: (s.hbm, s.ddr, s.ssd), default=None)
+            if largest_shard is None:
+                continue
+            best = smallest.setdefault(option.name, {})
+            if where not in best or (largest_shard.ddr + largest_shard.hbm) < (best[where].ddr + best[where].hbm):
+                best[where] = largest_shard
+        lines = []
+        gib = 1 << 30
+        for table, best in smallest.items():
+            problems = []
+            for where, need in sorted(best.items()):
+                if not need.fits_in(device):
+                    short = [f"{tier} {getattr(need, tier) / gib:.3f} GiB > {getattr(device, tier) / gib:.3f} GiB"
+                             for tier in ("hbm", "ddr", "ssd") if getattr(need, tier) > getattr(device, tier)]
+                    problems.append(f"{where}: its largest shard needs " + ", ".join(short))
+            if len(problems) == len(best):
+                lines.append(f"table {table!r} fits no rank ({'; '.join(problems)})")
+        if not lines:
+            return "every table fits a rank alone, but not all of them together within the caps; "
+        return "; ".join(lines) + ". "

@@ -1,0 +1,490 @@
+"""Disk tables under DistributedModelParallel: a sharder whose tables may live on disk.
+
+TorchRec's plug-in point for a third-party kernel is the compute kernel
+``customized_kernel``. `DiskEmbeddingBagCollectionSharder` offers it beside
+TorchRec's own kernels for table-wise, column-wise and table-column-wise
+sharding; the planner (`DiskAwarePlanner`) decides which tables take it. A
+table planned on it becomes, on each rank that holds a shard, a
+DiskEmbeddingBag in ``storage_dir/rank<r>/<table>_rows<r0>_cols<c0>``.
+
+- Forward: `DiskEmbeddingKernel` pools the shard's features after TorchRec's
+  input distribution, exactly as TorchRec's fused kernel would.
+- Training: the fused optimizer comes from ``apply_optimizer_in_backward`` or
+  the sharder's ``fused_params`` (TorchRec's way) or its ``optimizer`` (an
+  mlkv_torch.optim rule, which the in-memory tables of the plan then share).
+  ``dmp.fused_optimizer`` holds the disk tables: its ``param_groups`` set their
+  learning rate, and its ``state_dict()`` holds their optimizer state.
+- Checkpoints: ``dmp.state_dict()`` holds every disk table as a ShardedTensor
+  under EmbeddingBagCollection's key (``embedding_bags.<table>.weight``),
+  read from the stores; a shard larger than its memory budget is file-backed,
+  so torch.distributed.checkpoint saves it without materialising it.
+  ``load_state_dict`` writes the rows back, from ShardedTensors or from an
+  unsharded collection's full tensors.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, GroupedEmbeddingConfig,
+                                                  ShardedEmbeddingTable)
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .. import optim as optim_lib
+from ..embedding import DiskEmbeddingBag
+from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, fused_params_of, optimizer_from_fused_params,
+                     pool_features, row_bytes, table_seed)
+
+__all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
+           "ShardedDiskEmbeddingBagCollection", "shard_memory_budget"]
+
+DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+"""The compute kernel of disk tables in a sharding plan."""
+
+_DISK_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
+                        ShardingType.TABLE_COLUMN_WISE.value)
+
+
+@dataclass(frozen=True)
+class DiskTableOptions:
+    """How the sharder builds disk tables (see DiskEmbeddingBagCollectionSharder)."""
+
+    storage_dir: str
+    optimizer: Optional[optim_lib.SparseOptimizer] = None
+    memory_fraction: float = 0.1
+    staleness: int = 0
+    cache_policy: str = "lfu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
+        if self.optimizer is not None and not isinstance(self.optimizer, optim_lib.SparseOptimizer):
+            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
+
+
+def shard_memory_budget(rows: int, cols: int, dtype: torch.dtype, optimizer: optim_lib.SparseOptimizer,
+                        memory_fraction: float) -> int:
+    """Host memory (cache and store log) a disk shard of rows x cols is given: `memory_fraction`
+    of its stored bytes, at least MIN_TABLE_BUDGET. The planner's storage estimate uses this too."""
+    return max(MIN_TABLE_BUDGET, int(memory_fraction * rows * row_bytes(cols, dtype, optimizer)))
+
+
+def _table_optimizer(table: ShardedEmbeddingTable, fused_params: Optional[Dict[str, Any]],
+                     options: DiskTableOptions) -> optim_lib.SparseOptimizer:
+    # apply_optimizer_in_backward and the sharder's fused_params arrive as TorchRec fused parameters.
+    return (optimizer_from_fused_params(fused_params, table.name) or options.optimizer or optim_lib.SGD())
+
+
+class _ShardOptimizerState:
+    """The optimizer state of one table's shards on this rank, in TorchRec's stateful protocol:
+    KeyedOptimizer.state_dict() calls `state_dict()` ({"rows": a ShardedTensor [rows, state
+    columns] read from the stores, "step": the table's step count, which Adam's bias correction
+    uses}) and load_state_dict() calls `load_state_dict()` (written back to them)."""
+
+    def __init__(self, kernel: "DiskEmbeddingKernel", table: str) -> None:
+        self._kernel, self._table = kernel, table
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"rows": self._kernel.optimizer_state(self._table), "step": self._kernel.step_of(self._table)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._kernel.load_optimizer_state(self._table, state["rows"], int(state["step"]))
+
+
+class _DiskFusedOptimizer(FusedOptimizer):
+    """The fused optimizer of a kernel's disk tables: step() is a no-op (updates happen in
+    backward); ``param_groups[0]["lr"]`` is the tables' learning rate."""
+
+    def __init__(self, params: Dict[str, torch.Tensor], state: Dict[torch.Tensor, Any], lr: float) -> None:
+        super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+
+class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
+    """The disk tables of one group of a TorchRec lookup on this rank: each shard a DiskEmbeddingBag.
+
+    ``forward(KJT) -> Tensor [batch, sum of feature dims]``, the features in the group's order,
+    as TorchRec's fused kernel.
+    """
+
+    def __init__(self, config: GroupedEmbeddingConfig, options: DiskTableOptions,
+                 pg: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self._config = config
+        self._device = torch.device(device if device is not None else "cpu")
+        rank = dist.get_rank(pg) if pg is not None and dist.is_initialized() else 0
+        self._rank_dir = os.path.join(options.storage_dir, f"rank{rank}")
+        self._pg = pg
+        self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
+        self.bags = nn.ModuleList()
+        lrs = set()
+        for table in self._shards:
+            if table.pooling not in POOLING_MODES:
+                raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported on disk (SUM or MEAN)")
+            if table.data_type not in DATA_TYPES:
+                raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported on disk")
+            row_offset, col_offset = self._offsets(table)
+            if row_offset != 0 or table.local_rows != table.num_embeddings:
+                raise ValueError(f"table {table.name!r}: disk tables are sharded table-wise or column-wise, "
+                                 f"not by rows")
+            optimizer = _table_optimizer(table, table.fused_params or config.fused_params, options)
+            dtype = DATA_TYPES[table.data_type]
+            bag = DiskEmbeddingBag(
+                table.num_embeddings, table.local_cols,
+                path=os.path.join(self._rank_dir, f"{table.name}_rows{row_offset}_cols{col_offset}"),
+                mode=POOLING_MODES[table.pooling], optimizer=optimizer,
+                memory_budget_bytes=shard_memory_budget(table.local_rows, table.local_cols, dtype, optimizer,
+                                                        options.memory_fraction),
+                staleness=options.staleness, dtype=dtype, device=self._device,
+                seed=table_seed(options.seed, table.name), include_last_offset=True,
+                cache_policy=options.cache_policy, first_column=col_offset)
+            # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
+            bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            self.bags.append(bag)
+            lrs.add(optimizer.lr)
+        if len(lrs) > 1:
+            raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
+        self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
+        for table, bag in zip(self._shards, self.bags):
+            self._bags_by_table[table.name].append((table, bag))
+        params = {f"{name}.weight": shards[0][1]._anchor for name, shards in self._bags_by_table.items()}
+        state = {shards[0][1]._anchor: {f"{name}.optimizer_state": _ShardOptimizerState(self, name)}
+                 for name, shards in self._bags_by_table.items() if shards[0][1].state_dim}
+        self._optimizer = _DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
+
+    @staticmethod
+    def _offsets(table: ShardedEmbeddingTable) -> Tuple[int, int]:
+        offsets = table.local_metadata.shard_offsets if table.local_metadata is not None else [0, 0]
+        return int(offsets[0]), int(offsets[1])
+
+    # ---- BaseEmbedding / FusedOptimizerModule -----------------------------------------------------
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        return self._config
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optimizer
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        if features.variable_stride_per_key():
+            raise ValueError("disk tables do not support variable batch sizes per feature")
+        lr = float(next(iter(self._optimizer.param_groups))["lr"])
+        batch_size = features.stride()
+        pooled = []
+        for table, bag, kjt in zip(self._shards, self.bags,
+                                   features.split([len(t.feature_names) for t in self._shards])):
+            bag.lr = lr  # the fused optimizer's param_groups set the learning rate of this step
+            weights = kjt.weights() if self._config.is_weighted else None
+            pooled.append(pool_features(bag, kjt.values(), kjt.lengths(), weights, len(table.feature_names),
+                                        batch_size))
+        return torch.cat(pooled, dim=1)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, shards in self._bags_by_table.items():
+            yield f"{prefix}{name}.weight", shards[0][1]._anchor
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+        yield from ()
+
+    def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, shards in self._bags_by_table.items():
+            yield name, shards[0][1]._anchor
+
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        # The sharded collection's hook puts each table's ShardedTensor in its state dict.
+        return destination if destination is not None else {}
+
+    def flush(self) -> None:
+        for bag in self.bags:
+            bag.flush()
+
+    def purge(self) -> None:
+        pass
+
+    # ---- rows ---------------------------------------------------------------------------------------
+    @property
+    def table_names(self) -> List[str]:
+        return list(self._bags_by_table)
+
+    def local_weight_shards(self, table: str) -> List[Shard]:
+        """This rank's shards of `table`, read from the stores (file-backed beyond their budget)."""
+        return [Shard(bag.snapshot(), shard.local_metadata) for shard, bag in self._bags_by_table[table]]
+
+    def load_weights(self, table: str, weight: torch.Tensor) -> None:
+        """Writes this rank's shards of `table` from a ShardedTensor of the same plan or a full tensor."""
+        for shard, bag in self._bags_by_table[table]:
+            row_offset, col_offset = self._offsets(shard)
+            bag.restore(weight=_local_part(weight, table, row_offset, col_offset, shard.local_rows, shard.local_cols))
+
+    def optimizer_state(self, table: str) -> ShardedTensor:
+        """The optimizer state of `table` on this rank: a ShardedTensor [rows, state columns of all shards]."""
+        shards = self._bags_by_table[table]
+        metadata = self._state_metadata(table)
+        local = [Shard(bag.snapshot(include_state=True)[1], metadata.shards_metadata[self._state_shard_index(table, shard)])
+                 for shard, bag in shards]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self._pg)
+
+    def load_optimizer_state(self, table: str, state: ShardedTensor, step: int) -> None:
+        metadata = self._state_metadata(table)
+        for shard, bag in self._bags_by_table[table]:
+            where = metadata.shards_metadata[self._state_shard_index(table, shard)]
+            bag.restore(state=_local_part(state, f"{table} optimizer state", *where.shard_offsets, *where.shard_sizes))
+            bag.steps = step
+
+    def step_of(self, table: str) -> int:
+        """Optimizer steps `table` has taken (its shards step together)."""
+        return max(bag.steps for _, bag in self._bags_by_table[table])
+
+    def _state_metadata(self, table: str) -> ShardedTensorMetadata:
+        """The optimizer state's layout: shard k of the weights ([r0, c0], rows x cols) keeps its state
+        at columns after the states of the shards left of it."""
+        first, bag = self._bags_by_table[table][0]
+        weights = first.global_metadata.shards_metadata
+        optimizer = bag.optimizer
+        state_cols = {int(m.shard_offsets[1]): optimizer.state_dim(int(m.shard_sizes[1])) for m in weights}
+        starts, total = {}, 0
+        for col in sorted(state_cols):
+            starts[col], total = total, total + state_cols[col]
+        shards = [ShardMetadata(shard_offsets=[int(m.shard_offsets[0]), starts[int(m.shard_offsets[1])]],
+                                shard_sizes=[int(m.shard_sizes[0]), state_cols[int(m.shard_offsets[1])]],
+                                placement=m.placement) for m in weights]
+        return ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([first.num_embeddings, total]),
+                                     tensor_properties=TensorProperties(dtype=torch.float32))
+
+    @staticmethod
+    def _state_shard_index(table: str, shard: ShardedEmbeddingTable) -> int:
+        offsets = list(shard.local_metadata.shard_offsets)
+        for i, m in enumerate(shard.global_metadata.shards_metadata):
+            if list(m.shard_offsets) == offsets:
+                return i
+        raise ValueError(f"table {table!r}: shard at {offsets} is not in the plan")
+
+    def close(self) -> None:
+        for bag in self.bags:
+            bag.close()
+
+
+def _local_part(tensor: torch.Tensor, what: str, row_offset: int, col_offset: int, rows: int, cols: int
+                ) -> torch.Tensor:
+    """The [rows, cols] block at (row_offset, col_offset) of a full tensor, or of a ShardedTensor that
+    holds exactly that block on this rank."""
+    if isinstance(tensor, ShardedTensor):
+        for shard in tensor.local_shards():
+            if list(shard.metadata.shard_offsets) == [row_offset, col_offset]:
+                if list(shard.metadata.shard_sizes) != [rows, cols]:
+                    break
+                return shard.tensor
+        raise ValueError(f"{what}: the ShardedTensor holds no [{rows}, {cols}] shard at "
+                         f"[{row_offset}, {col_offset}] on this rank (saved under another plan?)")
+    if tensor.dim() != 2 or tensor.shape[0] < row_offset + rows or tensor.shape[1] < col_offset + cols:
+        raise ValueError(f"{what}: shape {list(tensor.shape)} does not contain the shard "
+                         f"[{row_offset}:{row_offset + rows}, {col_offset}:{col_offset + cols}]")
+    return tensor[row_offset:row_offset + rows, col_offset:col_offset + cols]
+
+
+class _DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """TorchRec's pooled lookup, with DiskEmbeddingKernel for groups planned on disk."""
+
+    def __init__(self, options: DiskTableOptions, **kwargs: Any) -> None:
+        self._disk_options = options  # read by _create_embedding_kernel, which the base __init__ calls
+        super().__init__(**kwargs)
+
+    def _create_embedding_kernel(self, config: GroupedEmbeddingConfig, device: Optional[torch.device],
+                                 pg: Optional[dist.ProcessGroup], sharding_type: Optional[ShardingType],
+                                 env: Optional[ShardingEnv]) -> BaseEmbedding:
+        if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            return DiskEmbeddingKernel(config, self._disk_options, pg=pg, device=device)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class _DiskLookupMixin:
+    """Makes a TorchRec pooled sharding build _DiskPooledEmbeddingsLookup."""
+
+    disk_options: DiskTableOptions
+
+    def create_lookup(self, device: Optional[torch.device] = None, fused_params: Optional[Dict[str, Any]] = None,
+                      feature_processor: Any = None) -> GroupedPooledEmbeddingsLookup:
+        return _DiskPooledEmbeddingsLookup(
+            self.disk_options, grouped_configs=self._grouped_embedding_configs, pg=self._pg,  # type: ignore
+            device=device if device is not None else self._device, feature_processor=feature_processor,  # type: ignore
+            env=self._env)  # type: ignore
+
+
+class _DiskTwSharding(_DiskLookupMixin, TwPooledEmbeddingSharding):
+    pass
+
+
+class _DiskCwSharding(_DiskLookupMixin, CwPooledEmbeddingSharding):
+    pass
+
+
+class _DiskTwCwSharding(_DiskLookupMixin, TwCwPooledEmbeddingSharding):
+    pass
+
+
+_DISK_SHARDINGS = {ShardingType.TABLE_WISE.value: _DiskTwSharding, ShardingType.COLUMN_WISE.value: _DiskCwSharding,
+                   ShardingType.TABLE_COLUMN_WISE.value: _DiskTwCwSharding}
+
+
+class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """TorchRec's ShardedEmbeddingBagCollection whose ``customized_kernel`` tables live on disk."""
+
+    def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, options: DiskTableOptions, **kwargs: Any) -> None:
+        self._disk_options = options  # read by create_embedding_bag_sharding, which the base __init__ calls
+        self._disk_table_names = [name for name, ps in table_name_to_parameter_sharding.items()
+                                  if ps.compute_kernel == DISK_KERNEL]
+        super().__init__(module, table_name_to_parameter_sharding, env, **kwargs)
+        self._register_state_dict_hook(ShardedDiskEmbeddingBagCollection._disk_tables_to_state_dict)
+        self._register_load_state_dict_pre_hook(self._disk_tables_from_state_dict, with_module=True)
+
+    def create_embedding_bag_sharding(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
+                                      device: Optional[torch.device] = None, permute_embeddings: bool = False,
+                                      qcomm_codecs_registry: Optional[Dict[str, Any]] = None) -> EmbeddingSharding:
+        sharding_type = sharding_infos[0].param_sharding.sharding_type
+        on_disk = [i.param_sharding.compute_kernel == DISK_KERNEL for i in sharding_infos]
+        if not any(on_disk):
+            return ShardedEmbeddingBagCollection.create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings=permute_embeddings,
+                qcomm_codecs_registry=qcomm_codecs_registry)
+        if sharding_type not in _DISK_SHARDINGS:
+            tables = [i.embedding_config.name for i, d in zip(sharding_infos, on_disk) if d]
+            raise ValueError(f"disk tables {tables} are sharded {sharding_type}; disk tables support "
+                             f"{list(_DISK_SHARDINGS)}")
+        kwargs: Dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
+        if sharding_type != ShardingType.TABLE_WISE.value:
+            kwargs["permute_embeddings"] = permute_embeddings
+        sharding = _DISK_SHARDINGS[sharding_type](sharding_infos, env, device, **kwargs)
+        sharding.disk_options = self._disk_options
+        return sharding
+
+    def reset_parameters(self) -> None:
+        # Disk tables start from their stores (initial rows or the rows already there); TorchRec's
+        # init_fn must not touch them, and ranks without a shard still need the `weight` attribute.
+        for name in getattr(self, "_disk_table_names", []):
+            module = self.embedding_bags[name]
+            if "weight" not in module._parameters:
+                module.register_parameter("weight", nn.Parameter(torch.empty(0)))
+                module.weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+        super().reset_parameters()
+
+    def _disk_kernels(self) -> Iterator[DiskEmbeddingKernel]:
+        for lookup in self._lookups:
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            for module in getattr(lookup, "_emb_modules", []):
+                if isinstance(module, DiskEmbeddingKernel):
+                    yield module
+
+    def _global_metadata(self, table: str) -> ShardedTensorMetadata:
+        config = self._table_name_to_config[table]
+        spec = self.module_sharding_plan[table].sharding_spec
+        return spec.build_metadata(tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
+                                   tensor_properties=TensorProperties(dtype=DATA_TYPES[config.data_type]))
+
+    @staticmethod
+    def _disk_tables_to_state_dict(module: "ShardedDiskEmbeddingBagCollection", destination: Dict[str, Any],
+                                   prefix: str, local_metadata: Dict[str, Any]) -> None:
+        local: Dict[str, List[Shard]] = defaultdict(list)
+        for kernel in module._disk_kernels():
+            for table in kernel.table_names:
+                local[table].extend(kernel.local_weight_shards(table))
+        for table in module._disk_table_names:
+            destination[f"{prefix}embedding_bags.{table}.weight"] = \
+                ShardedTensor._init_from_local_shards_and_global_metadata(
+                    local[table], module._global_metadata(table), process_group=module._env.process_group)
+
+    @staticmethod
+    def _disk_tables_from_state_dict(module: "ShardedDiskEmbeddingBagCollection", state_dict: Dict[str, Any],
+                                     prefix: str, *args: Any) -> None:
+        kernels = {table: kernel for kernel in module._disk_kernels() for table in kernel.table_names}
+        for table in module._disk_table_names:
+            key = f"{prefix}embedding_bags.{table}.weight"
+            if key not in state_dict:
+                continue  # load_state_dict reports it missing
+            weight = state_dict.pop(key)
+            if table in kernels:
+                kernels[table].load_weights(table, weight)
+            module._skip_missing_weight_key.append(key)
+
+    def close(self) -> None:
+        """Closes this rank's disk tables (their stores checkpoint)."""
+        for kernel in self._disk_kernels():
+            kernel.close()
+
+
+class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """EmbeddingBagCollectionSharder that can put tables on disk (compute kernel ``customized_kernel``).
+
+    Pass it to DistributedModelParallel (and to the planner) in place of TorchRec's sharder;
+    the plan says which tables go to disk (`DiskAwarePlanner` decides by memory).
+
+    Args:
+        storage_dir: where disk tables live; rank r uses ``storage_dir/rank<r>``.
+        optimizer: the fused rule of every table without an in-backward optimizer
+            (`apply_optimizer_in_backward` takes precedence); the in-memory tables of the plan
+            get the same rule through TorchRec's fused parameters. Default: fused_params's, else
+            SGD(lr=0.01), TorchRec's default.
+        memory_fraction: host memory of a disk shard (cache and store log), as a fraction of its
+            bytes on disk (weights and optimizer state).
+        staleness: the per-row staleness bound of disk tables (0: exact).
+        cache_policy: "lfu" or "lru".
+        seed: seed of the initial rows of disk tables.
+        fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
+    """
+
+    def __init__(self, storage_dir: str, *, optimizer: Optional[optim_lib.SparseOptimizer] = None,
+                 memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu", seed: int = 0,
+                 fused_params: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness,
+                                        cache_policy, seed)
+        if optimizer is not None:
+            fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
+        super().__init__(fused_params=fused_params, **kwargs)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = super().compute_kernels(sharding_type, compute_device_type)
+        if sharding_type in _DISK_SHARDING_TYPES:
+            kernels = kernels + [DISK_KERNEL]
+        return kernels
+
+    def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None
+              ) -> ShardedDiskEmbeddingBagCollection:
+        return ShardedDiskEmbeddingBagCollection(
+            module, params, env, self.options, fused_params=self.fused_params, device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedDiskEmbeddingBagCollection]:
+        return ShardedDiskEmbeddingBagCollection

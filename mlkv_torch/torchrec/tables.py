@@ -1,0 +1,90 @@
+"""What DiskEmbeddingBagCollection and the sharded disk kernel share: how a TorchRec table
+becomes a DiskEmbeddingBag (seed, pooling, dtype, memory budget), how its features pool,
+and how TorchRec's fused optimizer parameters map to mlkv_torch.optim."""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.modules.embedding_configs import DataType, PoolingType
+
+from .. import optim as optim_lib
+from ..embedding import DiskEmbeddingBag
+
+POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+MIN_TABLE_BUDGET = 64 << 10  # a table's share never drops below the store's few pages
+
+
+def table_seed(seed: int, table_name: str) -> int:
+    """The seed of a table's initial rows: the collection's seed mixed with the table's name."""
+    return (seed * 1_000_003 + zlib.crc32(table_name.encode())) & 0x7FFFFFFF
+
+
+def row_bytes(embedding_dim: int, dtype: torch.dtype, optimizer: optim_lib.SparseOptimizer) -> int:
+    """Bytes of one stored row: the weights (padded to 32-bit words) and the float32 optimizer state."""
+    return 4 * (-(-embedding_dim * dtype.itemsize // 4) + optimizer.state_dim(embedding_dim))
+
+
+def pool_features(bag: DiskEmbeddingBag, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor],
+                  num_features: int, batch_size: int) -> torch.Tensor:
+    """Pools the bags of `num_features` features of one table in one call (so the table steps
+    once per backward). `lengths` is feature-major ([num_features * batch_size]); returns
+    [batch_size, num_features * dim] float32, feature after feature, as TorchRec lays them out."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    pooled = bag(values, offsets, weights).float()
+    if num_features == 1:
+        return pooled
+    return pooled.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
+
+
+_FUSED_KINDS = {
+    EmbOptimType.EXACT_SGD: optim_lib.SGD,
+    EmbOptimType.EXACT_ADAGRAD: optim_lib.Adagrad,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: optim_lib.RowWiseAdagrad,
+    EmbOptimType.ADAM: optim_lib.Adam,
+}
+_FBGEMM_EPS = 1.0e-8  # FBGEMM's default eps, so disk and in-memory tables of one plan train alike
+
+
+def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table: str
+                                ) -> Optional[optim_lib.SparseOptimizer]:
+    """The mlkv_torch.optim rule for TorchRec's fused parameters (from the sharder's fused_params
+    or `apply_optimizer_in_backward`); None when they name no optimizer."""
+    params = dict(fused_params or {})
+    kind = params.get("optimizer")
+    if kind is None:
+        return None
+    if isinstance(kind, str):
+        kind = EmbOptimType(kind)
+    if kind not in _FUSED_KINDS:
+        raise ValueError(f"table {table!r}: optimizer {kind} has no disk-table form; use SGD, Adagrad, "
+                         f"row-wise Adagrad or Adam")
+    if params.get("weight_decay"):
+        raise ValueError(f"table {table!r}: weight_decay is not supported on disk tables")
+    lr = float(params.get("learning_rate", params.get("lr", 0.01)))
+    eps = float(params.get("eps", _FBGEMM_EPS))
+    if kind == EmbOptimType.EXACT_SGD:
+        return optim_lib.SGD(lr=lr)
+    if kind == EmbOptimType.EXACT_ADAGRAD:
+        return optim_lib.Adagrad(lr=lr, eps=eps, initial_accumulator_value=float(
+            params.get("initial_accumulator_value", 0.0)))
+    if kind == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        return optim_lib.RowWiseAdagrad(lr=lr, eps=eps)
+    betas = params.get("betas", (params.get("beta1", 0.9), params.get("beta2", 0.999)))
+    return optim_lib.Adam(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps)
+
+
+def fused_params_of(optimizer: optim_lib.SparseOptimizer) -> Dict[str, Any]:
+    """TorchRec's fused parameters for an mlkv_torch.optim rule, so tables TorchRec keeps in
+    memory train with the same rule as the disk tables."""
+    kind = {cls: kind for kind, cls in _FUSED_KINDS.items()}[type(optimizer)]
+    params: Dict[str, Any] = {"optimizer": kind, "learning_rate": optimizer.lr}
+    if hasattr(optimizer, "eps"):
+        params["eps"] = optimizer.eps
+    if isinstance(optimizer, optim_lib.Adam):
+        params["beta1"], params["beta2"] = optimizer.betas
+    return params

@@ -1,0 +1,152 @@
+"""A torchrun worker for tests/test_torchrec_dmp.py: DLRM under DistributedModelParallel (gloo, CPU)
+with TorchRec's in-memory kernels and with disk tables chosen through DiskAwarePlanner.
+
+    torchrun --nproc_per_node 2 tests/dmp_worker.py PHASE OUT_DIR
+
+Phases (rank 0 writes OUT_DIR/<phase>.json):
+- equivalence: per optimizer, the losses of the all-in-memory plan and of the mixed plan (t1
+  table-wise and t3 column-wise on disk), from the same initial rows and batches, with a
+  learning-rate change through dmp.fused_optimizer halfway.
+- save: the mixed plan trains STEPS steps and saves a checkpoint (torch.distributed.checkpoint)
+  after SAVE_AT steps.
+- resume: a new job, with empty storage, loads that checkpoint and trains the remaining steps.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner.types import ParameterConstraints, Topology
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from mlkv_torch import initial_rows, optim
+from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+from mlkv_torch.torchrec.tables import table_seed
+
+DIM, BATCH, STEPS, SAVE_AT, LR, HOT_IDS = 16, 8, 8, 4, 0.1, 40
+SIZES = {"t0": 50, "t1": 3000, "t2": 400, "t3": 5000}
+TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
+          for name, n in SIZES.items()]
+
+
+def constraints(mixed: bool):
+    memory, disk = ["fused"], [DISK_KERNEL]
+    return {
+        "t0": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=memory),
+        "t1": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=disk if mixed else memory),
+        "t2": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=memory),
+        "t3": ParameterConstraints(sharding_types=["column_wise"], compute_kernels=disk if mixed else memory,
+                                   min_partition=DIM // 2),
+    }
+
+
+def build(mixed: bool, optimizer: str, storage_dir: str):
+    torch.manual_seed(0)  # the same dense layers in every build
+    ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                 over_arch_layer_sizes=[16, 1], dense_device=torch.device("cpu"))
+    if optimizer == "rowwise_adagrad":  # TorchRec's way: an in-backward optimizer on the tables
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags.parameters(), {"lr": LR, "eps": 1e-8})
+        sharder = DiskEmbeddingBagCollectionSharder(storage_dir)
+    else:  # an mlkv_torch rule on the sharder, which the in-memory tables share
+        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
+    planner = DiskAwarePlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+                               batch_size=BATCH, constraints=constraints(mixed))
+    plan = planner.collective_plan(model, [sharder])
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan
+
+
+def set_initial_rows(dmp) -> None:
+    """Every table, in memory or on disk, starts from mlkv_torch.initial_rows: each rank fills its
+    local shards through the state dict."""
+    state = dmp.state_dict()
+    for name, n in SIZES.items():
+        full = initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n)
+        for shard in state[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"].local_shards():
+            (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            shard.tensor.detach().copy_(full[r0:r0 + rows, c0:c0 + cols])
+    dmp.load_state_dict(state)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    lengths = torch.randint(0, 4, (len(TABLES) * BATCH,), generator=g)
+    # Ids from a hot range, so rows recur and their optimizer state matters.
+    values = torch.cat([torch.randint(0, min(HOT_IDS, SIZES[t.name]), (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),),
+                                      generator=g) for i, t in enumerate(TABLES)])
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in TABLES], values=values, lengths=lengths)
+    return torch.randn(BATCH, 4, generator=g), sparse, torch.randint(0, 2, (BATCH,), generator=g).float()
+
+
+def train_step(dmp, opt, step: int) -> float:
+    if step == STEPS // 2:  # a schedule: the learning rate reaches every table through the optimizers
+        for group in opt.param_groups:
+            group["lr"] = LR / 4
+    dense, sparse, labels = batch(step)
+    opt.zero_grad()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(dense, sparse).squeeze(1), labels)
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def gathered(losses):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, losses)
+    return everyone
+
+
+def main() -> None:
+    phase, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    result = {}
+    if phase == "equivalence":
+        for optimizer in ("sgd", "rowwise_adagrad"):
+            for mixed in (False, True):
+                dmp, opt, plan = build(mixed, optimizer, os.path.join(out_dir, f"store-{optimizer}-{mixed}"))
+                kernels = {t: [p.compute_kernel, p.sharding_type, len(p.sharding_spec.shards)]
+                           for t, p in plan.plan["sparse_arch.embedding_bag_collection"].items()}
+                set_initial_rows(dmp)
+                losses = [train_step(dmp, opt, step) for step in range(STEPS)]
+                result[f"{optimizer}/{'mixed' if mixed else 'memory'}"] = {"losses": gathered(losses),
+                                                                          "kernels": kernels}
+    elif phase == "save":
+        dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-save"))
+        set_initial_rows(dmp)
+        losses = []
+        for step in range(STEPS):
+            if step == SAVE_AT:
+                dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()},
+                         checkpoint_id=os.path.join(out_dir, "checkpoint"))
+            losses.append(train_step(dmp, opt, step))
+        result["losses"] = gathered(losses)
+    elif phase == "resume":
+        dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-resume"))
+        state = {"model": dmp.state_dict(), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=os.path.join(out_dir, "checkpoint"))
+        dmp.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        result["losses"] = gathered([train_step(dmp, opt, step) for step in range(SAVE_AT, STEPS)])
+    else:
+        raise SystemExit(f"unknown phase {phase!r}")
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""DistributedModelParallel with disk tables: 2 real processes under torchrun (gloo, CPU).
+
+tests/dmp_worker.py runs DLRM with TorchRec's in-memory kernels and with the planner's
+mixed plan (a table-wise and a column-wise table on disk); from the same initial rows and
+batches, the losses must agree at every step, for SGD (the sharder's optimizer) and row-wise
+Adagrad (apply_optimizer_in_backward), across a learning-rate change made through the
+optimizer's param_groups. A job that saves a checkpoint (torch.distributed.checkpoint) and a
+new job that resumes from it with empty storage must produce the same losses after it.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+WORKER = Path(__file__).with_name("dmp_worker.py")
+
+
+def _torchrun(phase: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(WORKER), phase, str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{phase} failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return json.loads((out / f"{phase}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dmp")
+    results = {phase: _torchrun(phase, out) for phase in ("equivalence", "save")}
+    shutil.rmtree(out / "store-save")  # the resumed job starts from the checkpoint alone
+    results["resume"] = _torchrun("resume", out)
+    return results
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_mixed_plan_trains_as_the_all_in_memory_plan(runs, optimizer):
+    memory, mixed = runs["equivalence"][f"{optimizer}/memory"], runs["equivalence"][f"{optimizer}/mixed"]
+    assert {t: k[0] for t, k in memory["kernels"].items()} == dict.fromkeys(["t0", "t1", "t2", "t3"], "fused")
+    assert mixed["kernels"]["t1"] == ["customized_kernel", "table_wise", 1]
+    assert mixed["kernels"]["t3"] == ["customized_kernel", "column_wise", 2]
+    assert mixed["kernels"]["t0"][0] == mixed["kernels"]["t2"][0] == "fused"
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(mixed["losses"][rank]), torch.tensor(memory["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_a_job_resumed_from_a_checkpoint_continues_as_the_uninterrupted_job(runs):
+    save_at = 8 - len(runs["resume"]["losses"][0])
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(runs["resume"]["losses"][rank]),
+                                   torch.tensor(runs["save"]["losses"][rank][save_at:]), rtol=0, atol=0)
