@@ -134,3 +134,43 @@ def test_works_unmodified_in_dlrm_dcn_and_deepfm(tmp_path):
         assert out.shape == (6, 1)
         out.sum().backward()
         assert not torch.equal(disk.embedding_bags["t0"].export_rows(torch.arange(500)), before)
+
+
+def test_split_budget_follows_traffic_and_caps_at_need():
+    from mlkv_torch.torchrec.collection import split_budget
+
+    assert split_budget(1000, [10_000, 10_000], [1, 3]) == [250, 750]
+    # The small table takes only what it needs; the rest splits by traffic.
+    assert split_budget(1000, [100, 10_000, 10_000], [4, 1, 1]) == [100, 450, 450]
+    assert split_budget(1000, [100, 200], [1, 1]) == [100, 200]  # everything fits
+
+
+def test_memory_budget_goes_by_traffic_small_tables_whole(tmp_path):
+    configs = [EmbeddingBagConfig(name="small", num_embeddings=100, embedding_dim=DIM, feature_names=["a"]),
+               EmbeddingBagConfig(name="big", num_embeddings=200_000, embedding_dim=DIM, feature_names=["b"]),
+               EmbeddingBagConfig(name="busy", num_embeddings=200_000, embedding_dim=DIM, feature_names=["c"])]
+    budget = 2 << 20
+    ours = DiskEmbeddingBagCollection(configs, path=tmp_path / "c", memory_budget_bytes=budget,
+                                      lookups_per_sample={"busy": 3.0})
+    small, big, busy = (ours.embedding_bags[n] for n in ("small", "big", "busy"))
+    assert small.cache_rows == 100  # whole in memory
+    assert busy.memory_budget_bytes == pytest.approx(3 * big.memory_budget_bytes, rel=1e-6)
+    assert small.memory_budget_bytes + big.memory_budget_bytes + busy.memory_budget_bytes <= budget
+    ours.close()
+    with pytest.raises(ValueError, match="lookups_per_sample names tables.*'nope'"):
+        DiskEmbeddingBagCollection(configs, path=tmp_path / "d", lookups_per_sample={"nope": 1.0})
+
+
+def test_features_of_different_batch_sizes_are_refused(tmp_path):
+    ours = DiskEmbeddingBagCollection(tables(shared=False), path=tmp_path / "c", memory_budget_bytes=1 << 20)
+    good = kjt(0)
+    lengths = good.lengths().clone()
+    # Feature f3 gets one bag fewer than the others: a KJT whose features disagree on the batch size.
+    stride_lengths = {f: lengths[i * 6:(i + 1) * 6] for i, f in enumerate(FEATURES)}
+    stride_lengths["f3"] = stride_lengths["f3"][:5]
+    values = good.values()[: int(torch.cat(list(stride_lengths.values())).sum())]
+    bad = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=torch.cat(list(stride_lengths.values())),
+                            stride_per_key_per_rank=[[6], [6], [6], [5]])
+    with pytest.raises(ValueError, match="feature 'f3' has 5 bags, the batch has 6"):
+        ours(bad)
+    ours.close()

@@ -12,9 +12,28 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
 from ..embedding import DiskEmbeddingBag
-from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, pool_features, table_seed
+from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, pool_features, row_bytes, table_seed
 
-__all__ = ["DiskEmbeddingBagCollection"]
+__all__ = ["DiskEmbeddingBagCollection", "split_budget"]
+
+
+def split_budget(budget: int, needs: List[int], traffic: List[float]) -> List[int]:
+    """Splits `budget` bytes among tables in proportion to their `traffic`, giving no table more
+    than it `needs` (water-filling: the budget a capped table leaves is split among the rest)."""
+    shares = [0] * len(needs)
+    active, left = list(range(len(needs))), float(budget)
+    while active:
+        weight = sum(traffic[i] for i in active)
+        capped = [i for i in active if left * traffic[i] / weight >= needs[i]]
+        if not capped:
+            for i in active:
+                shares[i] = int(left * traffic[i] / weight)
+            break
+        for i in capped:
+            shares[i] = needs[i]
+            left -= needs[i]
+        active = [i for i in active if i not in capped]
+    return shares
 
 
 class DiskEmbeddingBagCollection(nn.Module):
@@ -33,9 +52,14 @@ class DiskEmbeddingBagCollection(nn.Module):
         path: a directory; table ``t`` lives in ``path/t``.
         optimizer: the fused sparse optimizer of every table.
         memory_budget_bytes: host memory for rows, for the whole collection,
-            split among tables by their size.
+            split among tables by traffic and size (`split_budget`): in
+            proportion to each table's lookups per sample, but never more than
+            a table needs to hold all its rows; what small tables leave goes to
+            the others.
         cache_rows: rows of hot cache for the whole collection, split the same
             way (default: each table's own default).
+        lookups_per_sample: expected ids per sample of each table (its traffic),
+            by table name; default: one per feature of the table.
         staleness: the per-row staleness bound of every table.
         is_weighted: features carry per-id weights.
         seed: seed of the initial rows (each table mixes in its name).
@@ -45,7 +69,8 @@ class DiskEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: List[EmbeddingBagConfig], device: Optional[Union[str, torch.device]] = None, *,
                  path: Union[str, os.PathLike], optimizer: Optional[optim_lib.SparseOptimizer] = None,
                  memory_budget_bytes: int = 256 << 20, cache_rows: Optional[int] = None, staleness: int = 0,
-                 is_weighted: bool = False, seed: int = 0, cache_policy: str = "lfu") -> None:
+                 is_weighted: bool = False, seed: int = 0, cache_policy: str = "lfu",
+                 lookups_per_sample: Optional[Dict[str, float]] = None) -> None:
         super().__init__()
         if not tables:
             raise ValueError("tables must not be empty")
@@ -62,16 +87,26 @@ class DiskEmbeddingBagCollection(nn.Module):
         self._is_weighted = is_weighted
         self._device = torch.device(device if device is not None else "cpu")
         self._embedding_bag_configs = tables
-        sizes = [t.num_embeddings * t.embedding_dim for t in tables]
-        total = sum(sizes)
+        traffic = dict(lookups_per_sample or {})
+        unknown = sorted(set(traffic) - set(names))
+        if unknown:
+            raise ValueError(f"lookups_per_sample names tables the collection does not have: {unknown}")
+        if any(not v > 0 for v in traffic.values()):
+            raise ValueError(f"lookups_per_sample must be positive, got {traffic}")
+        rule = optimizer if optimizer is not None else optim_lib.SGD()
+        # A table is whole in memory with twice its rows (the cache's half and the store log's half),
+        # and never takes less than the store's minimum.
+        needs = [max(MIN_TABLE_BUDGET, 2 * t.num_embeddings * row_bytes(t.embedding_dim, DATA_TYPES[t.data_type], rule))
+                 for t in tables]
+        budgets = split_budget(memory_budget_bytes, needs, [traffic.get(t.name, len(t.feature_names)) for t in tables])
         self.embedding_bags = nn.ModuleDict()
-        for t, size in zip(tables, sizes):
-            share = size / total
+        for t, budget in zip(tables, budgets):
+            share = budget / memory_budget_bytes
             self.embedding_bags[t.name] = DiskEmbeddingBag(
                 t.num_embeddings, t.embedding_dim, path=os.path.join(os.fspath(path), t.name),
                 mode=POOLING_MODES[t.pooling], optimizer=optimizer,
-                cache_rows=None if cache_rows is None else int(cache_rows * share),
-                memory_budget_bytes=max(MIN_TABLE_BUDGET, int(memory_budget_bytes * share)), staleness=staleness,
+                cache_rows=None if cache_rows is None else min(t.num_embeddings, int(cache_rows * share)),
+                memory_budget_bytes=max(MIN_TABLE_BUDGET, budget), staleness=staleness,
                 dtype=DATA_TYPES[t.data_type], device=self._device,
                 seed=table_seed(seed, t.name), include_last_offset=True,
                 cache_policy=cache_policy)
