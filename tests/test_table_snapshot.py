@@ -95,7 +95,7 @@ def test_restore_of_weights_alone_keeps_the_optimizer_state(tmp_path):
 
 
 def test_learning_rate_changes_apply_to_the_next_updates(tmp_path):
-    table = DiskEmbeddingBag(100, 4, path=tmp_path / "t", optimizer=optim.SGD(lr=0.5), staleness=2, cache_rows=30)
+    table = DiskEmbeddingBag(100, 4, path=tmp_path / "t", optimizer=optim.SGD(lr=0.5), cache_rows=30)
     reference = torch.nn.EmbeddingBag(100, 4, mode="sum", sparse=True)
     with torch.no_grad():
         reference.weight.copy_(table.snapshot())
@@ -113,6 +113,23 @@ def test_learning_rate_changes_apply_to_the_next_updates(tmp_path):
         reference(ids, offsets).pow(2).sum().backward()
         sgd.step()
     torch.testing.assert_close(table.snapshot(), reference.weight.detach())
+    table.close()
+
+
+def test_an_update_still_queued_keeps_the_learning_rate_of_its_step(tmp_path):
+    table = DiskEmbeddingBag(50, 4, path=tmp_path / "t", optimizer=optim.SGD(lr=0.5), staleness=4)
+    start = table.snapshot()
+    ids, offsets = torch.tensor([1, 2, 2, 7]), torch.tensor([0, 2])
+    table._cache.pause_applier(True)  # hold the update in the queue
+    table(ids, offsets).sum().backward()
+    table.lr = 1e-4  # changed while the step's update is still queued
+    table._cache.pause_applier(False)
+    table.synchronize()
+    expected = start.clone()
+    expected[1] -= 0.5
+    expected[2] -= 0.5 * 2
+    expected[7] -= 0.5
+    torch.testing.assert_close(table.snapshot(), expected)
     table.close()
 
 
