@@ -146,8 +146,7 @@ def disk_stats(dmp) -> Dict[str, Dict[str, Any]]:
     sharded = dmp.module.sparse_arch.embedding_bag_collection
     if not isinstance(sharded, ShardedDiskEmbeddingBagCollection):
         return {}
-    return {name: bag.stats() for kernel in sharded._disk_kernels()
-            for name, bag in zip(kernel.table_names, kernel.bags)}
+    return sharded.stats()
 
 
 def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> Dict[str, Any]:
@@ -181,7 +180,7 @@ def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> 
     for table, stats in after.items():
         hits = stats["cache_hits"] - before[table]["cache_hits"]
         looked_up = hits + stats["cache_misses"] - before[table]["cache_misses"]
-        tables[table] = {"rows": rows[table], "hit_rate": hits / max(1, looked_up),
+        tables[table] = {"rows": rows[table.rsplit("_rows", 1)[0]], "hit_rate": hits / max(1, looked_up),
                          "store_reads_per_step": (stats["store_reads"] - before[table]["store_reads"]) / args.steps}
     result = {"plan": name, "kernels": kernels, "seconds": seconds,
               "samples_per_s": args.batch * dist.get_world_size() * args.steps / seconds, "losses": losses,

@@ -33,8 +33,9 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from .. import optim as optim_lib
-from .sharding import DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, shard_memory_budget
-from .tables import optimizer_from_fused_params, row_bytes
+from .sharding import (DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, resolve_optimizer,
+                       shard_memory_budget)
+from .tables import row_bytes
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
 
@@ -52,7 +53,7 @@ def _planned_optimizer(option: ShardingOption, fused_params: Dict[str, Any], opt
     if classes and classes[0] is not None:
         params.update(getattr(option.tensor, "_optimizer_kwargs", [{}])[0])
         params.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
-    return optimizer_from_fused_params(params, option.name) or options.optimizer or optim_lib.SGD()
+    return resolve_optimizer(params, option.name, options)
 
 
 class _DiskEstimatorBase(ShardEstimator):

@@ -53,7 +53,7 @@ from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, fused_params_o
                      pool_features, row_bytes, table_seed)
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
-           "ShardedDiskEmbeddingBagCollection", "shard_memory_budget"]
+           "ShardedDiskEmbeddingBagCollection", "resolve_optimizer", "shard_memory_budget"]
 
 DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 """The compute kernel of disk tables in a sharding plan."""
@@ -89,10 +89,11 @@ def shard_memory_budget(rows: int, cols: int, dtype: torch.dtype, optimizer: opt
     return max(MIN_TABLE_BUDGET, int(memory_fraction * rows * row_bytes(cols, dtype, optimizer)))
 
 
-def _table_optimizer(table: ShardedEmbeddingTable, fused_params: Optional[Dict[str, Any]],
-                     options: DiskTableOptions) -> optim_lib.SparseOptimizer:
-    # apply_optimizer_in_backward and the sharder's fused_params arrive as TorchRec fused parameters.
-    return (optimizer_from_fused_params(fused_params, table.name) or options.optimizer or optim_lib.SGD())
+def resolve_optimizer(fused_params: Optional[Dict[str, Any]], table: str, options: DiskTableOptions
+                      ) -> optim_lib.SparseOptimizer:
+    """A disk table's optimizer: from TorchRec's fused parameters (where apply_optimizer_in_backward
+    and the sharder's fused_params arrive), else the sharder's rule, else TorchRec's default SGD."""
+    return optimizer_from_fused_params(fused_params, table) or options.optimizer or optim_lib.SGD()
 
 
 class _ShardOptimizerState:
@@ -152,11 +153,11 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             if row_offset != 0 or table.local_rows != table.num_embeddings:
                 raise ValueError(f"table {table.name!r}: disk tables are sharded table-wise or column-wise, "
                                  f"not by rows")
-            optimizer = _table_optimizer(table, table.fused_params or config.fused_params, options)
+            optimizer = resolve_optimizer(table.fused_params or config.fused_params, table.name, options)
             dtype = DATA_TYPES[table.data_type]
             bag = DiskEmbeddingBag(
                 table.num_embeddings, table.local_cols,
-                path=os.path.join(self._rank_dir, f"{table.name}_rows{row_offset}_cols{col_offset}"),
+                path=os.path.join(self._rank_dir, self._shard_name(table)),
                 mode=POOLING_MODES[table.pooling], optimizer=optimizer,
                 memory_budget_bytes=shard_memory_budget(table.local_rows, table.local_cols, dtype, optimizer,
                                                         options.memory_fraction),
@@ -176,6 +177,11 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         state = {shards[0][1]._anchor: {f"{name}.optimizer_state": _ShardOptimizerState(self, name)}
                  for name, shards in self._bags_by_table.items() if shards[0][1].state_dim}
         self._optimizer = _DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
+
+    @classmethod
+    def _shard_name(cls, table: ShardedEmbeddingTable) -> str:
+        row_offset, col_offset = cls._offsets(table)
+        return f"{table.name}_rows{row_offset}_cols{col_offset}"
 
     @staticmethod
     def _offsets(table: ShardedEmbeddingTable) -> Tuple[int, int]:
@@ -288,6 +294,10 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 return i
         raise ValueError(f"table {table!r}: shard at {offsets} is not in the plan")
 
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """DiskEmbeddingBag.stats() of each shard, by ``<table>_rows<r0>_cols<c0>``."""
+        return {self._shard_name(table): bag.stats() for table, bag in zip(self._shards, self.bags)}
+
     def close(self) -> None:
         for bag in self.bags:
             bag.close()
@@ -397,7 +407,8 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 module.weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
         super().reset_parameters()
 
-    def _disk_kernels(self) -> Iterator[DiskEmbeddingKernel]:
+    def disk_kernels(self) -> Iterator[DiskEmbeddingKernel]:
+        """The kernels of this rank's disk tables."""
         for lookup in self._lookups:
             while isinstance(lookup, nn.parallel.DistributedDataParallel):
                 lookup = lookup.module
@@ -415,7 +426,7 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _disk_tables_to_state_dict(module: "ShardedDiskEmbeddingBagCollection", destination: Dict[str, Any],
                                    prefix: str, local_metadata: Dict[str, Any]) -> None:
         local: Dict[str, List[Shard]] = defaultdict(list)
-        for kernel in module._disk_kernels():
+        for kernel in module.disk_kernels():
             for table in kernel.table_names:
                 local[table].extend(kernel.local_weight_shards(table))
         for table in module._disk_table_names:
@@ -426,7 +437,7 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     @staticmethod
     def _disk_tables_from_state_dict(module: "ShardedDiskEmbeddingBagCollection", state_dict: Dict[str, Any],
                                      prefix: str, *args: Any) -> None:
-        kernels = {table: kernel for kernel in module._disk_kernels() for table in kernel.table_names}
+        kernels = {table: kernel for kernel in module.disk_kernels() for table in kernel.table_names}
         for table in module._disk_table_names:
             key = f"{prefix}embedding_bags.{table}.weight"
             if key not in state_dict:
@@ -436,9 +447,13 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 kernels[table].load_weights(table, weight)
             module._skip_missing_weight_key.append(key)
 
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """DiskEmbeddingBag.stats() of each disk shard on this rank, by ``<table>_rows<r0>_cols<c0>``."""
+        return {name: stats for kernel in self.disk_kernels() for name, stats in kernel.stats().items()}
+
     def close(self) -> None:
         """Closes this rank's disk tables (their stores checkpoint)."""
-        for kernel in self._disk_kernels():
+        for kernel in self.disk_kernels():
             kernel.close()
 
 
