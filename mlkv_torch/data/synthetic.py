@@ -1,0 +1,180 @@
+"""Synthetic click-through data with a planted model: Criteo-shaped, deterministic, any size.
+
+Each sample has `num_dense` dense features (standard normal) and one id per sparse feature,
+drawn Zipf(`zipf`) over the feature's cardinality; hot ranks are scattered over the id space
+by a fixed bijection, so hot ids are not the small ones. The label is Bernoulli(sigmoid(
+logit)), with
+
+    logit = bias + sum over features of effect(feature, id) + dense . dense_weights
+
+where effect(feature, id) is a hidden per-id value, uniform in [-effect_scale, effect_scale),
+derived from (seed, feature, id) alone (no table is stored, so 100M-row features cost
+nothing). A model that learns the effects reaches `oracle_auc()`, the AUC of the true
+probabilities, well above 0.5.
+
+Batches are numbered; batch b is a function of (seed, b) alone. `SyntheticCTRDataset` hands
+batch numbers to workers and ranks round-robin, so none is produced twice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..store import initial_rows
+
+__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "SyntheticCTR", "SyntheticCTRDataset"]
+
+CRITEO_KAGGLE_CARDINALITIES: Tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10,
+    5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+"""Rows of the 26 categorical features of Criteo Kaggle (torchrec's preprocessing)."""
+
+_SCATTER = 2654435761  # a prime above every cardinality: rank -> (rank * _SCATTER + c) % n is a bijection
+_EFFECT_SEED_STRIDE = 7919
+
+
+@dataclass(frozen=True)
+class SyntheticCTR:
+    """The generator's parameters; `batch(b, batch_size)` draws batch b.
+
+    Args:
+        cardinalities: ids per sparse feature (default Criteo Kaggle's).
+        num_dense: dense features per sample.
+        zipf: the Zipf exponent of every feature's ids (> 1).
+        effect_scale: the range of the hidden per-id effects.
+        dense_scale: the range of the hidden dense weights.
+        bias: the logit's constant (negative: clicks are rarer than non-clicks).
+        seed: everything follows from it.
+    """
+
+    cardinalities: Tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
+    num_dense: int = 13
+    zipf: float = 1.05
+    effect_scale: float = 1.0
+    dense_scale: float = 0.3
+    bias: float = -1.0
+    seed: int = 0
+    dense_weights: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cardinalities", tuple(int(c) for c in self.cardinalities))
+        if not self.cardinalities or min(self.cardinalities) < 1 or max(self.cardinalities) >= _SCATTER:
+            raise ValueError(f"cardinalities must be between 1 and {_SCATTER - 1}, got {self.cardinalities}")
+        if not self.zipf > 1.0:
+            raise ValueError(f"zipf must be above 1, got {self.zipf}")
+        if self.num_dense < 0:
+            raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
+        g = torch.Generator().manual_seed(self.seed)
+        object.__setattr__(self, "dense_weights", (torch.rand(self.num_dense, generator=g) * 2 - 1) * self.dense_scale)
+
+    @property
+    def feature_names(self) -> List[str]:
+        return [f"cat_{i}" for i in range(len(self.cardinalities))]
+
+    def ids(self, feature: int, uniforms: torch.Tensor) -> torch.Tensor:
+        """Ids of `feature` for uniforms in [0, 1): bounded Zipf ranks by the inverse of the
+        continuous power law's CDF, scattered over the id space."""
+        n = self.cardinalities[feature]
+        a = 1.0 - self.zipf
+        top = math.pow(n + 1.0, a)
+        ranks = ((top - 1.0) * uniforms.double() + 1.0).pow(1.0 / a).floor().long() - 1
+        offset = ((self.seed + 1) * 0x9E3779B1 + feature * 0x85EBCA6B) % n  # the hottest id is not 0
+        return (ranks.clamp_(0, n - 1) * _SCATTER + offset) % n
+
+    def effects(self, feature: int, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden per-id effects of `feature`."""
+        seed = (self.seed * 1_000_003 + feature * _EFFECT_SEED_STRIDE + 1) & 0x7FFFFFFF
+        return initial_rows(ids, 1, seed=seed, low=-self.effect_scale, high=self.effect_scale).squeeze(1)
+
+    def batch(self, index: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch `index`: (dense [B, num_dense], ids [B, features], labels [B], true click probabilities [B])."""
+        mixed = (self.seed * 0x9E3779B97F4A7C15) ^ (index * 0xBF58476D1CE4E5B9 + 1)
+        g = torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
+        dense = torch.randn(batch_size, self.num_dense, generator=g)
+        uniforms = torch.rand(batch_size, len(self.cardinalities), generator=g)
+        ids = torch.stack([self.ids(f, uniforms[:, f]) for f in range(len(self.cardinalities))], dim=1)
+        logit = self.bias + dense @ self.dense_weights
+        for f in range(len(self.cardinalities)):
+            logit = logit + self.effects(f, ids[:, f])
+        probability = torch.sigmoid(logit)
+        labels = (torch.rand(batch_size, generator=g) < probability).float()
+        return dense, ids, labels, probability
+
+    def oracle_auc(self, samples: int = 65536, first_batch: int = 1 << 40) -> float:
+        """The AUC of the true probabilities on fresh samples: what a perfect model reaches."""
+        _, _, labels, probability = self.batch(first_batch, samples)
+        return binary_auc(probability, labels)
+
+
+def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC by the rank statistic (ties get their mean rank)."""
+    order = torch.argsort(scores)
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    sorted_scores = scores[order]
+    # Mean rank over runs of equal scores.
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    mean_rank = (ends - (counts.double() - 1) / 2)[inverse]
+    ranks[order] = mean_rank
+    positives = labels > 0.5
+    n_pos, n_neg = int(positives.sum()), int((~positives).sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC needs both positive and negative labels")
+    return float((ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+class SyntheticCTRDataset(IterableDataset):
+    """Batches of a SyntheticCTR as torchrec `Batch`es (dense, KJT with one id per feature, labels).
+
+    Batch numbers `first_batch`, `first_batch + 1`, ... go round-robin to ranks and, within a
+    rank, to DataLoader workers: no batch is produced twice. Use with ``DataLoader(dataset,
+    batch_size=None, num_workers=...)``.
+
+    Args:
+        generator: the SyntheticCTR.
+        batch_size: samples per batch.
+        num_batches: batches over all ranks (one epoch); None: endless.
+        rank, world_size: this process's share (default: torch.distributed's, else 0 of 1).
+        first_batch: the number of the first batch (a resumed run starts after its last).
+    """
+
+    def __init__(self, generator: SyntheticCTR, batch_size: int, num_batches: Optional[int] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None, first_batch: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+            initialized = dist.is_available() and dist.is_initialized()
+            rank = dist.get_rank() if initialized else 0
+            world_size = dist.get_world_size() if initialized else 1
+        self.generator, self.batch_size, self.num_batches = generator, batch_size, num_batches
+        self.rank, self.world_size, self.first_batch = rank, world_size, first_batch
+
+    def batch_numbers(self) -> Iterator[int]:
+        """The batch numbers this rank and DataLoader worker produce, in order."""
+        worker = get_worker_info()
+        workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+        step = self.world_size * workers
+        b = self.first_batch + self.rank + self.world_size * worker_id
+        end = None if self.num_batches is None else self.first_batch + self.num_batches
+        while end is None or b < end:
+            yield b
+            b += step
+
+    def __iter__(self):
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        names = self.generator.feature_names
+        for b in self.batch_numbers():
+            dense, ids, labels, _ = self.generator.batch(b, self.batch_size)
+            sparse = KeyedJaggedTensor.from_lengths_sync(
+                keys=names, values=ids.t().reshape(-1),
+                lengths=torch.ones(len(names) * self.batch_size, dtype=torch.int64))
+            yield Batch(dense_features=dense, sparse_features=sparse, labels=labels)
