@@ -376,6 +376,8 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["prefetched_rows"] = s.lookahead_rows;
   d["prefetch_hits"] = s.lookahead_hits;
   d["prefetch_dropped_rows"] = s.lookahead_dropped;
+  d["prefetch_latency_ms"] = s.lookahead_latency_us / 1e3;
+  d["prefetch_wait_ms"] = static_cast<double>(s.lookahead_wait_us) / 1e3;
   return d;
 }
 

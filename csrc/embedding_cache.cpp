@@ -740,14 +740,14 @@ void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
     // Queued under mu_ too, so requests reach the prefetch thread in sequence order.
     std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
     prefetch_requested_ = sequence;
-    prefetch_queue_.emplace_back(sequence, std::move(outside));
+    prefetch_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now()});
   }
   prefetch_cv_.notify_one();
 }
 
 void EmbeddingCache::PrefetchLoop() {
   for (;;) {
-    std::pair<int32_t, std::vector<int64_t>> request;
+    PrefetchRequest request;
     {
       std::unique_lock<std::mutex> lock(prefetch_mu_);
       prefetch_cv_.wait(lock, [&] { return prefetch_stopping_ || !prefetch_queue_.empty(); });
@@ -755,7 +755,7 @@ void EmbeddingCache::PrefetchLoop() {
       request = std::move(prefetch_queue_.front());
       prefetch_queue_.pop_front();
     }
-    const std::vector<int64_t>& ids = request.second;
+    const std::vector<int64_t>& ids = request.ids;
     {
       std::lock_guard<std::mutex> lock(mu_);
       prefetch_reading_ = true;
@@ -773,7 +773,7 @@ void EmbeddingCache::PrefetchLoop() {
       std::lock_guard<std::mutex> lock(mu_);
       prefetch_reading_ = false;
       for (size_t i = 0; i < ids.size(); ++i) {
-        if (prefetching_.Find(ids[i]) == request.first) prefetching_.Erase(ids[i]);
+        if (prefetching_.Find(ids[i]) == request.sequence) prefetching_.Erase(ids[i]);
         if (!read_ok || written_while_prefetching_.Find(ids[i]) >= 0 || slot_of_.Find(ids[i]) >= 0 ||
             staged_.Find(ids[i]) >= 0) {
           continue;
@@ -788,7 +788,10 @@ void EmbeddingCache::PrefetchLoop() {
     }
     {
       std::lock_guard<std::mutex> lock(prefetch_mu_);
-      prefetch_done_ = request.first;
+      prefetch_done_ = request.sequence;
+      const double latency_us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - request.queued).count();
+      lookahead_latency_us_ = lookahead_latency_us_ == 0 ? latency_us : 0.7 * lookahead_latency_us_ + 0.3 * latency_us;
     }
     prefetched_cv_.notify_all();
   }
@@ -802,8 +805,10 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
     for (int64_t i = 0; i < n; ++i) needed = std::max(needed, prefetching_.Find(ids[i]));
   }
   if (needed <= 0) return;
+  const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(prefetch_mu_);
   prefetched_cv_.wait(lock, [&] { return prefetch_done_ >= needed || prefetch_stopping_; });
+  lookahead_wait_us_ += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 bool EmbeddingCache::Stage(int64_t id, const float* row) {
@@ -896,6 +901,11 @@ CacheStats EmbeddingCache::Stats() {
     s = stats_;
     s.cached_rows = static_cast<int64_t>(slot_of_.size());
     s.pending_rows = static_cast<int64_t>(pending_.size());
+  }
+  {
+    std::lock_guard<std::mutex> lock(prefetch_mu_);
+    s.lookahead_latency_us = lookahead_latency_us_;
+    s.lookahead_wait_us = lookahead_wait_us_;
   }
   std::lock_guard<std::mutex> lock(queue_mu_);
   s.queued_updates = queued_;

@@ -29,6 +29,7 @@
 
 #include <torch/extension.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -89,6 +90,10 @@ struct CacheStats {
           written_back = 0, updates_applied = 0, rows_updated = 0, queued_updates = 0, pending_rows = 0,
           max_staleness = 0, cached_rows = 0, waits = 0, lookahead_rows = 0, lookahead_hits = 0,
           lookahead_dropped = 0;
+  // Prefetch timing: the latency of a lookahead (queued -> rows staged), a moving average over
+  // recent requests, and the total time fetches waited for prefetches still in flight.
+  double lookahead_latency_us = 0;
+  int64_t lookahead_wait_us = 0;
 };
 
 class EmbeddingCache {
@@ -231,8 +236,15 @@ class EmbeddingCache {
 
   std::mutex prefetch_mu_;
   std::condition_variable prefetch_cv_, prefetched_cv_;
-  std::deque<std::pair<int32_t, std::vector<int64_t>>> prefetch_queue_;  // (sequence, ids)
+  struct PrefetchRequest {
+    int32_t sequence;
+    std::vector<int64_t> ids;
+    std::chrono::steady_clock::time_point queued;
+  };
+  std::deque<PrefetchRequest> prefetch_queue_;
   int32_t prefetch_requested_ = 0, prefetch_done_ = 0;
+  double lookahead_latency_us_ = 0;  // moving average, under prefetch_mu_
+  int64_t lookahead_wait_us_ = 0;    // under prefetch_mu_
   bool prefetch_stopping_ = false;
   std::thread prefetcher_;
 };

@@ -156,6 +156,14 @@ class DiskEmbeddingBagCollection(nn.Module):
         return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, dim=1),
                            length_per_key=self._lengths_per_embedding)
 
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading the rows of a future batch's features into memory; returns at once."""
+        by_name = features.to_dict()
+        for bag, names in zip(self.embedding_bags.values(), self._feature_names):
+            ids = [by_name[n].values() for n in names if n in by_name]
+            if ids:
+                bag.lookahead(torch.cat(ids) if len(ids) > 1 else ids[0])
+
     # ---- tables -----------------------------------------------------------------------------------
     def flush(self) -> None:
         """Applies queued updates of every table and writes changed rows to the stores."""
