@@ -334,7 +334,7 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capa
                                                 int64_t kind, double lr, double eps, double beta1, double beta2,
                                                 std::vector<float> initial_state, int64_t seed, double low, double high,
                                                 const std::string& policy, int64_t staleness, const std::string& device,
-                                                int64_t first_column) {
+                                                int64_t first_column, int64_t staging_bytes) {
   mlkv::CacheOptions o;
   o.capacity = capacity;
   o.dim = dim;
@@ -352,6 +352,7 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capa
     throw py::value_error("cache_policy must be 'lfu' or 'lru', got '" + policy + "'");
   }
   o.staleness = staleness;
+  o.staging_bytes = staging_bytes;
   return std::make_unique<mlkv::EmbeddingCache>(store.engine(), std::move(o), torch::Device(device));
 }
 
@@ -439,7 +440,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&MakeCache), py::arg("store"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
            py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
            py::arg("seed"), py::arg("low"), py::arg("high"), py::arg("policy"), py::arg("staleness"), py::arg("device"),
-           py::arg("first_column") = 0)
+           py::arg("first_column") = 0, py::arg("staging_bytes") = 32 << 20)
       .def_static("unique", &EmbeddingCache::Unique, nogil)
       .def("fetch", &EmbeddingCache::Fetch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)

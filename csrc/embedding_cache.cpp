@@ -44,7 +44,6 @@ void DispatchWeightType(WeightType t, F&& f) {
 }
 
 constexpr int kVictimSamples = 8;
-constexpr int64_t kStagingBytes = 32 << 20;  // lookahead staging, beside the memory budget
 constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
 constexpr int kVictimRounds = 4;
 
@@ -164,8 +163,9 @@ EmbeddingCache::EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions opti
     sketch_mask_ = width - 1;
   }
   age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
-  const int64_t staged_capacity = std::max<int64_t>(4096, kStagingBytes / (row_words_ * 4));
-  staged_rows_.resize(static_cast<size_t>(staged_capacity * row_words_));
+  TORCH_CHECK_VALUE(opt_.staging_bytes >= 0, "staging_bytes must be non-negative, got ", opt_.staging_bytes);
+  const int64_t staged_capacity = std::max<int64_t>(4096, opt_.staging_bytes / (row_words_ * 4));
+  staged_rows_.reset(new float[static_cast<size_t>(staged_capacity * row_words_)]);
   staged_free_.resize(static_cast<size_t>(staged_capacity));
   staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
   staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);

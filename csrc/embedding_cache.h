@@ -83,6 +83,7 @@ struct CacheOptions {
   RowInit init;
   CachePolicy policy = CachePolicy::kLfu;
   int64_t staleness = 0;
+  int64_t staging_bytes = 32 << 20;  // lookahead staging area (at least 4096 rows), beside the budget
 };
 
 struct CacheStats {
@@ -217,7 +218,7 @@ class EmbeddingCache {
 
   // Lookahead staging: rows read ahead, waiting for the fetch that needs them.
   IdMap staged_;                     // id -> entry of staged_rows_
-  std::vector<float> staged_rows_;   // row_words floats per entry
+  std::unique_ptr<float[]> staged_rows_;  // row_words floats per entry; untouched (no memory) until used
   std::vector<int32_t> staged_free_;
   std::vector<int64_t> staged_id_;   // per entry, -1 when free
   std::vector<uint32_t> staged_epoch_;  // the fetch epoch it was staged in

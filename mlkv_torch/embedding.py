@@ -156,6 +156,9 @@ class DiskEmbeddingBag(nn.Module):
         first_column: this table holds columns [first_column, first_column +
             embedding_dim) of a wider table (a column shard); its initial rows
             are that slice of the wider table's.
+        staging_bytes: host memory, beside the budget, for rows read ahead
+            (`lookahead`) and rows the cache policy kept out until their update;
+            default half the budget, within [256 KiB, 32 MiB] (at least 4096 rows).
 
     Attributes:
         lr: the learning rate of the next updates; starts at ``optimizer.lr``,
@@ -174,14 +177,16 @@ class DiskEmbeddingBag(nn.Module):
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
                  device: Optional[Union[str, torch.device]] = None, seed: int = 0, include_last_offset: bool = False,
-                 expected_rows: Optional[int] = None, cache_policy: str = "lfu", first_column: int = 0) -> None:
+                 expected_rows: Optional[int] = None, cache_policy: str = "lfu", first_column: int = 0,
+                 staging_bytes: Optional[int] = None) -> None:
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
                             ("memory_budget_bytes", memory_budget_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
-                            ("first_column", first_column)):
+                            ("first_column", first_column),
+                            ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if mode not in _MODES:
@@ -234,7 +239,8 @@ class DiskEmbeddingBag(nn.Module):
             self._cache = _C.EmbeddingCache(
                 self._store._store, cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind,
                 *optimizer.hyperparameters(), optimizer.initial_state(1, embedding_dim).flatten().tolist(), int(seed),
-                -bound, bound, cache_policy, staleness, str(device), first_column)
+                -bound, bound, cache_policy, staleness, str(device), first_column,
+                staging_bytes if staging_bytes is not None else min(32 << 20, max(256 << 10, memory_budget_bytes // 2)))
         except BaseException:
             self._store.close()
             raise

@@ -1,0 +1,150 @@
+"""The experiment schema: YAML files and ``dotted.key=value`` overrides, read through pydantic.
+
+Every section forbids unknown keys; a wrong key, a wrong type or a missing data path raises
+ConfigError with the dotted name of the key at fault.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["ConfigError", "ExperimentConfig", "load_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key or path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """DLRM's architecture."""
+
+    embedding_dim: int = Field(16, gt=0)
+    dense_arch: List[int] = [64, 16]  # the last layer is embedding_dim
+    over_arch: List[int] = [64, 1]  # the last layer is 1
+
+
+class SyntheticDataConfig(_Section):
+    """The synthetic generator (mlkv_torch.data.SyntheticCTR)."""
+
+    cardinalities: Union[Literal["criteo_kaggle"], List[int]] = "criteo_kaggle"
+    scale: int = Field(1, gt=0, description="divide every cardinality by this (at least 2 rows)")
+    num_dense: int = Field(13, ge=0)
+    zipf: float = Field(1.05, gt=1.0)
+    seed: int = 0
+
+
+class DataConfig(_Section):
+    kind: Literal["synthetic"] = "synthetic"
+    synthetic: SyntheticDataConfig = SyntheticDataConfig()
+    num_workers: int = Field(0, ge=0)
+
+
+class StorageConfig(_Section):
+    """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection) or `disk`."""
+
+    kind: Literal["memory", "disk"] = "disk"
+    path: Optional[str] = None  # default: <output_dir>/tables
+    memory_budget_bytes: int = Field(64 << 20, gt=0)
+    cache_rows: Optional[int] = Field(None, ge=0)
+    staleness: int = Field(0, ge=0)
+    cache_policy: Literal["lfu", "lru"] = "lfu"
+
+
+class PipelineConfig(_Section):
+    depth: Union[Literal["auto"], int] = "auto"
+
+    @field_validator("depth")
+    @classmethod
+    def _non_negative(cls, value: Union[str, int]) -> Union[str, int]:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("depth must be >= 0 or 'auto'")
+        return value
+
+
+class TrainConfig(_Section):
+    batch_size: int = Field(1024, gt=0)
+    steps: int = Field(100, gt=0)
+    optimizer: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    lr: float = Field(0.05, gt=0)
+    dense_lr: Optional[float] = Field(None, gt=0)  # default: lr
+    log_every: int = Field(10, gt=0)
+    checkpoint_every: Optional[int] = Field(None, gt=0)
+    seed: int = 0
+
+
+class EvalConfig(_Section):
+    every: int = Field(50, gt=0)
+    batches: int = Field(8, gt=0)
+
+
+class ExperimentConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    storage: StorageConfig = StorageConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    output_dir: str
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExperimentConfig":
+        if not self.model.dense_arch or self.model.dense_arch[-1] != self.model.embedding_dim:
+            raise ValueError(f"model.dense_arch must end with model.embedding_dim ({self.model.embedding_dim}), "
+                             f"got {self.model.dense_arch}")
+        if not self.model.over_arch or self.model.over_arch[-1] != 1:
+            raise ValueError(f"model.over_arch must end with 1, got {self.model.over_arch}")
+        return self
+
+
+def _apply_override(tree: Dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
+    dotted, raw = override.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = tree
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {'.'.join(keys[:depth + 1])} is not a section")
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Reads a YAML experiment, applies ``dotted.key=value`` overrides (values parsed as YAML)
+    and validates it; raises ConfigError naming the key at fault."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {os.fspath(path)!r} does not exist")
+    with open(path) as f:
+        try:
+            tree = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{os.fspath(path)}: not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{os.fspath(path)}: the top level must be a mapping of sections")
+    for override in overrides:
+        _apply_override(tree, override)
+    try:
+        return ExperimentConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for error in e.errors():
+            where = ".".join(str(part) for part in error["loc"]) or "config"
+            problem = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            lines.append(f"{where}: {problem}")
+        raise ConfigError(f"{os.fspath(path)}: " + "; ".join(lines)) from None
+
+
+def cardinalities_of(data: SyntheticDataConfig) -> Tuple[int, ...]:
+    """The synthetic features' cardinalities after scaling."""
+    from .data import CRITEO_KAGGLE_CARDINALITIES
+
+    base = CRITEO_KAGGLE_CARDINALITIES if data.cardinalities == "criteo_kaggle" else tuple(data.cardinalities)
+    return tuple(max(2, int(n) // data.scale) for n in base)
