@@ -47,7 +47,11 @@ class DataConfig(_Section):
 
 
 class StorageConfig(_Section):
-    """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection) or `disk`."""
+    """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection) or `disk`.
+
+    `memory_budget_bytes` is for the whole collection in one process, and per rank under
+    torchrun, where the planner keeps in memory the tables that fit it and puts the rest on disk.
+    """
 
     kind: Literal["memory", "disk"] = "disk"
     path: Optional[str] = None  # default: <output_dir>/tables
@@ -55,6 +59,7 @@ class StorageConfig(_Section):
     cache_rows: Optional[int] = Field(None, ge=0)
     staleness: int = Field(0, ge=0)
     cache_policy: Literal["lfu", "lru"] = "lfu"
+    memory_fraction: float = Field(0.1, gt=0, le=1)  # under torchrun: a disk table's memory, of its bytes
 
 
 class PipelineConfig(_Section):

@@ -1,6 +1,7 @@
 """Trains and evaluates DLRM from a YAML experiment.
 
     python -m mlkv_torch.train CONFIG [dotted.key=value ...] [--resume]
+    torchrun --nproc_per_node N -m mlkv_torch.train CONFIG ...   # DistributedModelParallel, gloo on CPU
 
 Writes to ``output_dir``: ``metrics.jsonl`` (a line every ``train.log_every`` steps and at
 each evaluation), ``summary.json`` at the end (samples_per_s, auc, logloss, steps,
@@ -19,6 +20,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
@@ -28,6 +30,8 @@ __all__ = ["main", "run"]
 _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adagrad": optim_lib.RowWiseAdagrad,
                "adam": optim_lib.Adam}
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
+_PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
+_PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
 
 
 def _peak_rss_bytes() -> int:
@@ -53,12 +57,9 @@ class _Experiment:
     """The model, data and optimizers of one run."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from torchrec.models.dlrm import DLRM, DLRMTrain
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
         from .data import SyntheticCTR
-        from .torchrec import DiskEmbeddingBagCollection
 
         self.config = config
         data = config.data.synthetic
@@ -68,37 +69,95 @@ class _Experiment:
                                      feature_names=[name])
                   for name, n in zip(self.generator.feature_names, self.generator.cardinalities)]
         torch.manual_seed(config.train.seed)
-        rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
-        storage = config.storage
-        self.tables_path = storage.path or os.path.join(config.output_dir, "tables")
+        self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
+        self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self._build_sharded(tables)
+        else:
+            self._build_local(tables)
+
+    def _dlrm(self, collection: torch.nn.Module) -> torch.nn.Module:
+        from torchrec.models.dlrm import DLRM, DLRMTrain
+
+        model = self.config.model
+        return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=self.generator.num_dense,
+                              dense_arch_layer_sizes=model.dense_arch, over_arch_layer_sizes=model.over_arch,
+                              dense_device=torch.device("cpu")))
+
+    def _build_local(self, tables) -> None:
+        """One process: DiskEmbeddingBagCollection, or torchrec's EmbeddingBagCollection in memory."""
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        from .torchrec import DiskEmbeddingBagCollection
+
+        config, storage = self.config, self.config.storage
         if storage.kind == "disk":
             self.collection = DiskEmbeddingBagCollection(
-                tables, path=self.tables_path, optimizer=rule, memory_budget_bytes=storage.memory_budget_bytes,
+                tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
                 cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
                 cache_policy=storage.cache_policy)
         else:
             from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
-            self.collection = EmbeddingBagCollection(tables)
             from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+            self.collection = EmbeddingBagCollection(tables)
             torch_rule = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam,
                           "rowwise_adagrad": RowWiseAdagrad}[config.train.optimizer]
             apply_optimizer_in_backward(torch_rule, self.collection.parameters(), {"lr": config.train.lr})
-        self.model = DLRMTrain(DLRM(embedding_bag_collection=self.collection, dense_in_features=data.num_dense,
-                                    dense_arch_layer_sizes=config.model.dense_arch,
-                                    over_arch_layer_sizes=config.model.over_arch))
+        self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters()
                  if "embedding_bag" not in name and not hasattr(p, "_in_backward_optimizers")]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
 
-    def loader(self, first_batch: int, num_batches: int):
+    def _build_sharded(self, tables) -> None:
+        """Under torchrun: DistributedModelParallel; DiskAwarePlanner puts on disk the tables that do not
+        fit `memory_budget_bytes` per rank (storage kind memory: none)."""
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner.types import Topology
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from .torchrec import DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+
+        config, storage = self.config, self.config.storage
+        model = self._dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")))
+        sharder = DiskEmbeddingBagCollectionSharder(
+            self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
+            staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed)
+        # The planner's cap also covers what it reserves for the dense model and inputs.
+        ddr_cap = (storage.memory_budget_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
+            if storage.kind == "disk" else 1 << 40
+        topology = Topology(world_size=dist.get_world_size(), compute_device="cpu", ddr_cap=int(ddr_cap),
+                            ssd_cap=1 << 42)
+        planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, debug=False)
+        plan = planner.collective_plan(model, [sharder])
+        self.model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        self.collection = self.model.module.model.sparse_arch.embedding_bag_collection
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(self.model.named_parameters())),
+                                      lambda params: torch.optim.Adagrad(params, lr=config.train.dense_lr or config.train.lr))
+        self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if self.distributed else 1
+
+    @property
+    def is_main(self) -> bool:
+        return not self.distributed or dist.get_rank() == 0
+
+    def loader(self, first_step: int, steps: int):
+        """The batches of steps [first_step, first_step + steps) of this rank (each step takes one
+        batch per rank, numbered globally)."""
         from torch.utils.data import DataLoader
 
         from .data import SyntheticCTRDataset
 
-        dataset = SyntheticCTRDataset(self.generator, self.config.train.batch_size, num_batches=num_batches,
-                                      rank=0, world_size=1, first_batch=first_batch)
+        world = self.world_size
+        dataset = SyntheticCTRDataset(self.generator, self.config.train.batch_size, num_batches=steps * world,
+                                      rank=dist.get_rank() if self.distributed else 0, world_size=world,
+                                      first_batch=first_step * world)
         workers = self.config.data.num_workers
         return iter(DataLoader(dataset, batch_size=None, num_workers=workers) if workers else dataset)
 
@@ -117,18 +176,25 @@ class _Experiment:
         loss_sum, count = 0.0, 0
         self.model.eval()
         with torch.no_grad():
-            for batch in self.loader(_EVAL_FIRST_BATCH, self.config.eval.batches):
+            for batch in self.loader(_EVAL_FIRST_BATCH // self.world_size, self.config.eval.batches):
                 loss, (_, logits, labels) = self.model(batch)
                 auroc.update(torch.sigmoid(logits), labels.int())
                 loss_sum += float(loss) * labels.numel()
                 count += labels.numel()
         self.model.train()
-        return {"auc": float(auroc.compute()), "logloss": loss_sum / count}
+        totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
+        if self.distributed:  # AUROC gathers its inputs across ranks itself
+            dist.all_reduce(totals)
+        return {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1])}
 
     def checkpoint_path(self) -> str:
-        return os.path.join(self.config.output_dir, "checkpoint.pt")
+        """A file in one process; under torchrun, the pointer to the latest checkpoint directory."""
+        return os.path.join(self.config.output_dir, "checkpoint.pt" if not self.distributed else "checkpoint.latest")
 
     def save(self, step: int) -> None:
+        if self.distributed:
+            self._save_sharded(step)
+            return
         state = {"step": step, "model": self.model.state_dict(), "dense_optimizer": self.optimizer.state_dict()}
         if hasattr(self.collection, "embedding_bags"):
             state["table_optimizer_state"] = {
@@ -140,7 +206,40 @@ class _Experiment:
         torch.save(state, partial)
         os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
 
+    def _save_sharded(self, step: int) -> None:
+        """torch.distributed.checkpoint into checkpoint-<step>/; the pointer moves once it is whole."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
+        directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
+        dcp.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                  "step": torch.tensor(step)}, checkpoint_id=directory)
+        dist.barrier()
+        if self.is_main:
+            previous = self._latest_sharded()
+            with open(self.checkpoint_path() + ".partial", "w") as f:
+                f.write(os.path.basename(directory))
+            os.replace(self.checkpoint_path() + ".partial", self.checkpoint_path())
+            if previous and previous != directory:
+                shutil.rmtree(previous, ignore_errors=True)
+        dist.barrier()
+
+    def _latest_sharded(self) -> Optional[str]:
+        if not os.path.exists(self.checkpoint_path()):
+            return None
+        with open(self.checkpoint_path()) as f:
+            return os.path.join(self.config.output_dir, f.read().strip())
+
     def load(self) -> int:
+        if self.distributed:
+            import torch.distributed.checkpoint as dcp
+
+            state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": torch.tensor(0)}
+            dcp.load(state, checkpoint_id=self._latest_sharded())
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
+            return int(state["step"])
         state = torch.load(self.checkpoint_path(), weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["dense_optimizer"])
@@ -166,13 +265,15 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
         start_step = experiment.load()
     train = config.train
     pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth)
-    data = experiment.loader(first_batch=start_step, num_batches=train.steps - start_step)
+    data = experiment.loader(start_step, train.steps - start_step)
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     evaluation: Dict[str, float] = {}
     started = time.perf_counter()
     samples = 0
-    bar = tqdm(total=train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
-    with open(metrics_path, "a") as metrics:
+    main = experiment.is_main  # under torchrun, rank 0 reports for all
+    world = experiment.world_size
+    bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
+    with open(metrics_path if main else os.devnull, "a") as metrics:
         step = start_step
         window_start, window_samples = time.perf_counter(), 0
         while step < train.steps:
@@ -181,8 +282,8 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
             except StopIteration:
                 break
             step += 1
-            samples += labels.numel()
-            window_samples += labels.numel()
+            samples += labels.numel() * world
+            window_samples += labels.numel() * world
             record: Dict[str, Any] = {}
             if step % train.log_every == 0 or step == train.steps:
                 now = time.perf_counter()
@@ -207,15 +308,16 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
     elapsed = time.perf_counter() - started
     if hasattr(experiment.collection, "flush"):
         experiment.collection.flush()
-    summary = {"steps": step, "samples": samples, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
+    summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": experiment.generator.oracle_auc(samples=16384),
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind == "disk" else 0,
                "storage": config.storage.kind}
-    with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    if main:
+        with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     if hasattr(experiment.collection, "close"):
         experiment.collection.close()
     return summary
@@ -227,14 +329,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=200")
     parser.add_argument("--resume", action="store_true", help="continue from output_dir's latest checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides and options in any order
     try:
         config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by torchrun
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
         summary = run(config, resume=args.resume, progress=not args.no_progress)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=1))
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    if not distributed or int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary, indent=1))
     return 0
 
 

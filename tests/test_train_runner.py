@@ -74,3 +74,25 @@ def test_missing_files_are_named(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(tmp_path / "nope.yaml")],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2 and "config error" in done.stderr and "nope.yaml" in done.stderr
+
+
+def _torchrun(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}", "--no-progress",
+           "data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
+           "storage.memory_budget_bytes=1048576", "train.log_every=1", "train.checkpoint_every=4",
+           "pipeline.depth=2", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return done
+
+
+def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
+    _torchrun(tmp_path / "whole", 12)
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["samples"] == 12 * 2 * 256
+    assert summary["hit_rate"] is not None and summary["disk_bytes"] > 0, "the planner must put tables on disk"
+    _torchrun(tmp_path / "split", 8)
+    _torchrun(tmp_path / "split", 12, "--resume")
+    expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
