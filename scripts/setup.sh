@@ -49,6 +49,6 @@ echo "[setup] building mlkv_torch (C++ extension, no build isolation so the inst
 pip -c "$constraints" --no-build-isolation -e .
 "$py" -c 'import mlkv_torch, torch; print(f"[setup] mlkv_torch {mlkv_torch.__version__} built against torch {torch.__version__}")'
 if [[ ${1:-} != --no-quickstart ]]; then
-  echo "[setup] running the quickstart: $py scripts/quickstart.py"
-  "$py" scripts/quickstart.py
+  echo "[setup] running the quickstart: $py -m mlkv_torch.train configs/quickstart.yaml"
+  "$py" -m mlkv_torch.train configs/quickstart.yaml --no-progress
 fi
