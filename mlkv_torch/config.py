@@ -37,6 +37,7 @@ class SyntheticDataConfig(_Section):
     scale: int = Field(1, gt=0, description="divide every cardinality by this (at least 2 rows)")
     num_dense: int = Field(13, ge=0)
     zipf: float = Field(1.05, gt=1.0)
+    effect_scale: float = Field(1.0, ge=0)  # range of the hidden per-id effects: how much the ids decide
     seed: int = 0
 
 

@@ -64,7 +64,7 @@ class _Experiment:
         self.config = config
         data = config.data.synthetic
         self.generator = SyntheticCTR(cardinalities=cardinalities_of(data), num_dense=data.num_dense, zipf=data.zipf,
-                                      seed=data.seed)
+                                      effect_scale=data.effect_scale, seed=data.seed)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=[name])
                   for name, n in zip(self.generator.feature_names, self.generator.cardinalities)]
@@ -147,17 +147,20 @@ class _Experiment:
     def is_main(self) -> bool:
         return not self.distributed or dist.get_rank() == 0
 
-    def loader(self, first_step: int, steps: int):
-        """The batches of steps [first_step, first_step + steps) of this rank (each step takes one
-        batch per rank, numbered globally)."""
-        from torch.utils.data import DataLoader
-
+    def dataset(self, first_step: int, steps: int):
+        """This rank's batches of steps [first_step, first_step + steps) (each step takes one batch
+        per rank, numbered globally)."""
         from .data import SyntheticCTRDataset
 
         world = self.world_size
-        dataset = SyntheticCTRDataset(self.generator, self.config.train.batch_size, num_batches=steps * world,
-                                      rank=dist.get_rank() if self.distributed else 0, world_size=world,
-                                      first_batch=first_step * world)
+        return SyntheticCTRDataset(self.generator, self.config.train.batch_size, num_batches=steps * world,
+                                   rank=dist.get_rank() if self.distributed else 0, world_size=world,
+                                   first_batch=first_step * world)
+
+    def loader(self, first_step: int, steps: int):
+        from torch.utils.data import DataLoader
+
+        dataset = self.dataset(first_step, steps)
         workers = self.config.data.num_workers
         return iter(DataLoader(dataset, batch_size=None, num_workers=workers) if workers else dataset)
 
@@ -170,22 +173,27 @@ class _Experiment:
         return hits / looked_up if looked_up else None
 
     def evaluate(self) -> Dict[str, float]:
+        """AUC and log loss on held-out batches, and the AUC of the planted model's true
+        probabilities on the same batches (what a perfect model would reach there)."""
         from torchmetrics.classification import BinaryAUROC
 
-        auroc = BinaryAUROC()
+        auroc, oracle = BinaryAUROC(), BinaryAUROC()
         loss_sum, count = 0.0, 0
         self.model.eval()
+        dataset = self.dataset(_EVAL_FIRST_BATCH // self.world_size, self.config.eval.batches)
         with torch.no_grad():
-            for batch in self.loader(_EVAL_FIRST_BATCH // self.world_size, self.config.eval.batches):
+            for number, batch in zip(dataset.batch_numbers(), dataset):
                 loss, (_, logits, labels) = self.model(batch)
                 auroc.update(torch.sigmoid(logits), labels.int())
+                oracle.update(self.generator.batch(number, labels.numel())[3], labels.int())
                 loss_sum += float(loss) * labels.numel()
                 count += labels.numel()
         self.model.train()
         totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
         if self.distributed:  # AUROC gathers its inputs across ranks itself
             dist.all_reduce(totals)
-        return {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1])}
+        return {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1]),
+                "oracle_auc": float(oracle.compute())}
 
     def checkpoint_path(self) -> str:
         """A file in one process; under torchrun, the pointer to the latest checkpoint directory."""
@@ -310,7 +318,7 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
         experiment.collection.flush()
     summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
-               "oracle_auc": experiment.generator.oracle_auc(samples=16384),
+               "oracle_auc": evaluation.get("oracle_auc"),
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind == "disk" else 0,

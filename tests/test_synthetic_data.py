@@ -17,6 +17,9 @@ def test_batches_are_a_function_of_seed_and_number():
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert not torch.equal(g.batch(6, 64)[1], a[1])
     assert not torch.equal(SyntheticCTR(cardinalities=(50, 10_000, 7), seed=4).batch(5, 64)[1], a[1])
+    # Far-apart numbers are different batches too (a torch CPU generator would keep only a seed's
+    # low 32 bits, making batch 2**40 + 5 batch 5: evaluation batches would be training batches).
+    assert not torch.equal(g.batch(5 + (1 << 40), 64)[1], a[1])
 
 
 def test_ids_are_in_range_and_skewed():

@@ -26,7 +26,7 @@ def test_quickstart_runs_from_the_command_line(tmp_path):
     for key in ("samples_per_s", "auc", "logloss", "steps", "peak_rss_bytes", "disk_bytes"):
         assert key in summary, key
     assert summary["steps"] == 12 and summary["samples_per_s"] > 0 and summary["disk_bytes"] > 0
-    assert 0.5 < summary["auc"] <= 1.0
+    assert 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02  # no model beats the planted one
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == [4, 8, 12]
     assert [r["step"] for r in lines if "eval_auc" in r] == [6, 12]

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -66,10 +67,12 @@ class SyntheticCTR:
             raise ValueError(f"cardinalities must be between 1 and {_SCATTER - 1}, got {self.cardinalities}")
         if not self.zipf > 1.0:
             raise ValueError(f"zipf must be above 1, got {self.zipf}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be non-negative, got {self.seed}")
         if self.num_dense < 0:
             raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
-        g = torch.Generator().manual_seed(self.seed)
-        object.__setattr__(self, "dense_weights", (torch.rand(self.num_dense, generator=g) * 2 - 1) * self.dense_scale)
+        weights = np.random.default_rng([self.seed, -1 & 0xFFFFFFFF]).random(self.num_dense)
+        object.__setattr__(self, "dense_weights", torch.from_numpy((weights * 2 - 1) * self.dense_scale).float())
 
     @property
     def feature_names(self) -> List[str]:
@@ -92,16 +95,17 @@ class SyntheticCTR:
 
     def batch(self, index: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Batch `index`: (dense [B, num_dense], ids [B, features], labels [B], true click probabilities [B])."""
-        mixed = (self.seed * 0x9E3779B97F4A7C15) ^ (index * 0xBF58476D1CE4E5B9 + 1)
-        g = torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
-        dense = torch.randn(batch_size, self.num_dense, generator=g)
-        uniforms = torch.rand(batch_size, len(self.cardinalities), generator=g)
+        # numpy's SeedSequence keeps (seed, index) whole; torch's CPU generator would keep only the low
+        # 32 bits of a seed, so batches 2**40 + k and k would be the same batch.
+        rng = np.random.default_rng([self.seed, index])
+        dense = torch.from_numpy(rng.standard_normal((batch_size, self.num_dense), dtype=np.float32))
+        uniforms = torch.from_numpy(rng.random((batch_size, len(self.cardinalities))))
         ids = torch.stack([self.ids(f, uniforms[:, f]) for f in range(len(self.cardinalities))], dim=1)
         logit = self.bias + dense @ self.dense_weights
         for f in range(len(self.cardinalities)):
             logit = logit + self.effects(f, ids[:, f])
         probability = torch.sigmoid(logit)
-        labels = (torch.rand(batch_size, generator=g) < probability).float()
+        labels = (torch.from_numpy(rng.random(batch_size, dtype=np.float32)) < probability).float()
         return dense, ids, labels, probability
 
     def oracle_auc(self, samples: int = 65536, first_batch: int = 1 << 40) -> float:
