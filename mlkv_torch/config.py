@@ -41,9 +41,22 @@ class SyntheticDataConfig(_Section):
     seed: int = 0
 
 
+class CriteoDataConfig(_Section):
+    """Criteo click logs: `tsv` files (converted once into `cache_dir`) or torchrec's `npy` day
+    prefixes (``<prefix>_dense.npy``, ``_sparse.npy``, ``_labels.npy``)."""
+
+    format: Literal["tsv", "npy"] = "tsv"
+    train: List[str] = []
+    eval: List[str] = []
+    cardinalities: Union[Literal["criteo_kaggle"], List[int]] = "criteo_kaggle"
+    scale: int = Field(1, gt=0)
+    cache_dir: Optional[str] = None  # default: <output_dir>/criteo_npy
+
+
 class DataConfig(_Section):
-    kind: Literal["synthetic"] = "synthetic"
+    kind: Literal["synthetic", "criteo"] = "synthetic"
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
+    criteo: CriteoDataConfig = CriteoDataConfig()
     num_workers: int = Field(0, ge=0)
 
 
@@ -106,6 +119,8 @@ class ExperimentConfig(_Section):
                              f"got {self.model.dense_arch}")
         if not self.model.over_arch or self.model.over_arch[-1] != 1:
             raise ValueError(f"model.over_arch must end with 1, got {self.model.over_arch}")
+        if self.data.kind == "criteo" and not self.data.criteo.train:
+            raise ValueError("data.criteo.train must list the training files")
         return self
 
 
@@ -138,7 +153,7 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) ->
     for override in overrides:
         _apply_override(tree, override)
     try:
-        return ExperimentConfig.model_validate(tree)
+        config = ExperimentConfig.model_validate(tree)
     except ValidationError as e:
         lines = []
         for error in e.errors():
@@ -146,11 +161,22 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) ->
             problem = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
             lines.append(f"{where}: {problem}")
         raise ConfigError(f"{os.fspath(path)}: " + "; ".join(lines)) from None
+    if config.data.kind == "criteo":
+        criteo = config.data.criteo
+        suffixes = [".tsv"] if criteo.format == "tsv" else ["_dense.npy", "_sparse.npy", "_labels.npy"]
+        for split in ("train", "eval"):
+            for i, entry in enumerate(getattr(criteo, split)):
+                for suffix in suffixes:
+                    file = entry if criteo.format == "tsv" else entry + suffix
+                    if not os.path.isfile(file):
+                        raise ConfigError(f"data.criteo.{split}[{i}]: file {file!r} does not exist")
+    return config
 
 
-def cardinalities_of(data: SyntheticDataConfig) -> Tuple[int, ...]:
-    """The synthetic features' cardinalities after scaling."""
+def cardinalities_of(cardinalities: Union[str, Sequence[int]], scale: int) -> Tuple[int, ...]:
+    """Rows per table: Criteo Kaggle's ("criteo_kaggle") or the list given, divided by `scale`
+    (at least 2 rows each)."""
     from .data import CRITEO_KAGGLE_CARDINALITIES
 
-    base = CRITEO_KAGGLE_CARDINALITIES if data.cardinalities == "criteo_kaggle" else tuple(data.cardinalities)
-    return tuple(max(2, int(n) // data.scale) for n in base)
+    base = CRITEO_KAGGLE_CARDINALITIES if cardinalities == "criteo_kaggle" else tuple(cardinalities)
+    return tuple(max(2, int(n) // scale) for n in base)

@@ -12,12 +12,13 @@ tables' hit rate.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,21 +54,89 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
+class _SyntheticSource:
+    """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        from .data import SyntheticCTR
+
+        data = config.data.synthetic
+        self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
+                                      num_dense=data.num_dense, zipf=data.zipf, effect_scale=data.effect_scale,
+                                      seed=data.seed)
+        self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.cardinalities
+        self.num_dense, self.batch_size, self.workers = data.num_dense, config.train.batch_size, config.data.num_workers
+
+    def _dataset(self, first_step: int, steps: int, rank: int, world: int):
+        from .data import SyntheticCTRDataset
+
+        # Each step takes one batch per rank; batches are numbered globally.
+        return SyntheticCTRDataset(self.generator, self.batch_size, num_batches=steps * world, rank=rank,
+                                   world_size=world, first_batch=first_step * world)
+
+    def train(self, first_step: int, steps: int, rank: int, world: int) -> Iterator[Any]:
+        from torch.utils.data import DataLoader
+
+        dataset = self._dataset(first_step, steps, rank, world)
+        return iter(DataLoader(dataset, batch_size=None, num_workers=self.workers) if self.workers else dataset)
+
+    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        dataset = self._dataset(_EVAL_FIRST_BATCH // world, batches, rank, world)
+        for number, batch in zip(dataset.batch_numbers(), dataset):
+            yield batch, self.generator.batch(number, self.batch_size)[3]
+
+
+class _CriteoSource:
+    """Criteo days (TSV, converted once, or torchrec's npy layout) through torchrec's datapipe."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+
+        from .data.criteo import tsv_to_npy
+
+        criteo = config.data.criteo
+        cache = criteo.cache_dir or os.path.join(config.output_dir, "criteo_npy")
+        self.train_days = tsv_to_npy(criteo.train, cache) if criteo.format == "tsv" else list(criteo.train)
+        self.eval_days = tsv_to_npy(criteo.eval, cache) if criteo.format == "tsv" else list(criteo.eval)
+        self.feature_names = list(DEFAULT_CAT_NAMES)
+        self.cardinalities = cardinalities_of(criteo.cardinalities, criteo.scale)
+        self.num_dense, self.batch_size = INT_FEATURE_COUNT, config.train.batch_size
+
+    def train(self, first_step: int, steps: int, rank: int, world: int) -> Iterator[Any]:
+        from .data.criteo import criteo_batches
+
+        def epochs() -> Iterator[Any]:
+            while True:  # as many passes as the steps need
+                produced = False
+                for batch in criteo_batches(self.train_days, self.batch_size, self.cardinalities, rank, world):
+                    produced = True
+                    yield batch
+                if not produced:
+                    raise ConfigError(f"data.criteo.train holds fewer rows than one batch per rank "
+                                      f"({self.batch_size} x {world})")
+
+        return itertools.islice(epochs(), first_step, first_step + steps)
+
+    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        from .data.criteo import criteo_batches
+
+        if not self.eval_days:
+            return iter(())
+        days = criteo_batches(self.eval_days, self.batch_size, self.cardinalities, rank, world)
+        return ((batch, None) for batch in itertools.islice(days, batches))
+
+
 class _Experiment:
     """The model, data and optimizers of one run."""
 
     def __init__(self, config: ExperimentConfig) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-        from .data import SyntheticCTR
-
         self.config = config
-        data = config.data.synthetic
-        self.generator = SyntheticCTR(cardinalities=cardinalities_of(data), num_dense=data.num_dense, zipf=data.zipf,
-                                      effect_scale=data.effect_scale, seed=data.seed)
+        self.source = _SyntheticSource(config) if config.data.kind == "synthetic" else _CriteoSource(config)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=[name])
-                  for name, n in zip(self.generator.feature_names, self.generator.cardinalities)]
+                  for name, n in zip(self.source.feature_names, self.source.cardinalities)]
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
@@ -81,7 +150,7 @@ class _Experiment:
         from torchrec.models.dlrm import DLRM, DLRMTrain
 
         model = self.config.model
-        return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=self.generator.num_dense,
+        return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=self.source.num_dense,
                               dense_arch_layer_sizes=model.dense_arch, over_arch_layer_sizes=model.over_arch,
                               dense_device=torch.device("cpu")))
 
@@ -147,22 +216,13 @@ class _Experiment:
     def is_main(self) -> bool:
         return not self.distributed or dist.get_rank() == 0
 
-    def dataset(self, first_step: int, steps: int):
-        """This rank's batches of steps [first_step, first_step + steps) (each step takes one batch
-        per rank, numbered globally)."""
-        from .data import SyntheticCTRDataset
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.distributed else 0
 
-        world = self.world_size
-        return SyntheticCTRDataset(self.generator, self.config.train.batch_size, num_batches=steps * world,
-                                   rank=dist.get_rank() if self.distributed else 0, world_size=world,
-                                   first_batch=first_step * world)
-
-    def loader(self, first_step: int, steps: int):
-        from torch.utils.data import DataLoader
-
-        dataset = self.dataset(first_step, steps)
-        workers = self.config.data.num_workers
-        return iter(DataLoader(dataset, batch_size=None, num_workers=workers) if workers else dataset)
+    def loader(self, first_step: int, steps: int) -> Iterator[Any]:
+        """This rank's batches of steps [first_step, first_step + steps)."""
+        return self.source.train(first_step, steps, self.rank, self.world_size)
 
     def hit_rate(self) -> Optional[float]:
         if not hasattr(self.collection, "stats"):
@@ -173,27 +233,33 @@ class _Experiment:
         return hits / looked_up if looked_up else None
 
     def evaluate(self) -> Dict[str, float]:
-        """AUC and log loss on held-out batches, and the AUC of the planted model's true
-        probabilities on the same batches (what a perfect model would reach there)."""
+        """AUC and log loss on held-out batches and, for synthetic data, the AUC of the planted
+        model's true probabilities on the same batches (what a perfect model would reach there)."""
         from torchmetrics.classification import BinaryAUROC
 
         auroc, oracle = BinaryAUROC(), BinaryAUROC()
         loss_sum, count = 0.0, 0
         self.model.eval()
-        dataset = self.dataset(_EVAL_FIRST_BATCH // self.world_size, self.config.eval.batches)
+        planted = False
         with torch.no_grad():
-            for number, batch in zip(dataset.batch_numbers(), dataset):
+            for batch, probabilities in self.source.eval(self.config.eval.batches, self.rank, self.world_size):
                 loss, (_, logits, labels) = self.model(batch)
                 auroc.update(torch.sigmoid(logits), labels.int())
-                oracle.update(self.generator.batch(number, labels.numel())[3], labels.int())
+                if probabilities is not None:
+                    oracle.update(probabilities, labels.int())
+                    planted = True
                 loss_sum += float(loss) * labels.numel()
                 count += labels.numel()
         self.model.train()
         totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
         if self.distributed:  # AUROC gathers its inputs across ranks itself
             dist.all_reduce(totals)
-        return {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1]),
-                "oracle_auc": float(oracle.compute())}
+        if totals[1] == 0:
+            return {}
+        result = {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1])}
+        if planted:
+            result["oracle_auc"] = float(oracle.compute())
+        return result
 
     def checkpoint_path(self) -> str:
         """A file in one process; under torchrun, the pointer to the latest checkpoint directory."""

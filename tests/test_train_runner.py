@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchrec")
 
@@ -96,3 +97,57 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     _torchrun(tmp_path / "split", 12, "--resume")
     expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
+
+
+def _write_criteo_tsv(path: Path, rows: int, seed: int) -> None:
+    """Criteo's TSV layout: label, 13 integers (some missing), 26 hex categoricals (some missing)."""
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for _ in range(rows):
+        label = int(torch.randint(0, 2, (1,), generator=g))
+        ints = [str(int(v)) if v >= 0 else "" for v in torch.randint(-1, 50, (13,), generator=g)]
+        cats = [format(int(v), "08x") if v >= 0 else "" for v in torch.randint(-1, 5000, (26,), generator=g)]
+        lines.append("\t".join([str(label), *ints, *cats]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_criteo_tsv_and_npy_days(tmp_path):
+    _write_criteo_tsv(tmp_path / "day_0.tsv", 600, 0)
+    _write_criteo_tsv(tmp_path / "day_1.tsv", 300, 1)
+    training = ["data.kind=criteo", "data.criteo.cardinalities=[" + ",".join(["1000"] * 26) + "]", "train.steps=12",
+                "train.batch_size=64", "eval.every=6", "eval.batches=3", "storage.memory_budget_bytes=1048576",
+                "train.log_every=1"]
+    tsv = [f"output_dir={tmp_path / 'tsv'}", f"data.criteo.train=[{tmp_path / 'day_0.tsv'}]",
+           f"data.criteo.eval=[{tmp_path / 'day_1.tsv'}]", *training]
+    summary = run(load_config(QUICKSTART, tsv), progress=False)
+    assert summary["steps"] == 12 and summary["samples"] == 12 * 64  # 9 batches a pass: a second pass
+    assert 0.0 <= summary["auc"] <= 1.0 and summary["oracle_auc"] is None
+    cache = tmp_path / "tsv" / "criteo_npy"
+    assert (cache / "day_0_sparse.npy").exists() and (cache / "day_1_labels.npy").exists()
+    # The converted days, read as torchrec's npy layout, train the same.
+    npy = [f"output_dir={tmp_path / 'npy'}", "data.criteo.format=npy", f"data.criteo.train=[{cache / 'day_0'}]",
+           f"data.criteo.eval=[{cache / 'day_1'}]", *training]
+    again = run(load_config(QUICKSTART, npy), progress=False)
+    assert _losses(tmp_path / "npy") == _losses(tmp_path / "tsv")
+    assert again["auc"] == pytest.approx(summary["auc"])
+    with pytest.raises(ConfigError, match=r"data\.criteo\.train\[0\]: file .*nope\.tsv' does not exist"):
+        load_config(QUICKSTART, [f"output_dir={tmp_path}", "data.kind=criteo",
+                                 f"data.criteo.train=[{tmp_path / 'nope.tsv'}]"])
+    with pytest.raises(ConfigError, match=r"data\.criteo\.train must list"):
+        load_config(QUICKSTART, [f"output_dir={tmp_path}", "data.kind=criteo"])
+
+
+@pytest.mark.parametrize("name", ["quickstart", "synthetic_large", "criteo_kaggle", "criteo_terabyte"])
+def test_every_shipped_config_loads(tmp_path, name):
+    overrides = [f"output_dir={tmp_path}"]
+    if name.startswith("criteo"):
+        day = tmp_path / "day_0"
+        if name == "criteo_kaggle":
+            _write_criteo_tsv(day.with_suffix(".tsv"), 4, 0)
+            overrides.append(f"data.criteo.train=[{day.with_suffix('.tsv')}]")
+        else:
+            for part in ("dense", "sparse", "labels"):
+                (tmp_path / f"day_0_{part}.npy").write_bytes(b"")
+            overrides.append(f"data.criteo.train=[{day}]")
+    config = load_config(REPO / "configs" / f"{name}.yaml", overrides)
+    assert config.train.steps > 0
