@@ -155,25 +155,14 @@ class _Experiment:
                               dense_device=torch.device("cpu")))
 
     def _build_local(self, tables) -> None:
-        """One process: DiskEmbeddingBagCollection, or torchrec's EmbeddingBagCollection in memory."""
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
+        """One process, disk storage: DiskEmbeddingBagCollection (so the pipeline can look ahead)."""
         from .torchrec import DiskEmbeddingBagCollection
 
         config, storage = self.config, self.config.storage
-        if storage.kind == "disk":
-            self.collection = DiskEmbeddingBagCollection(
-                tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
-                cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
-                cache_policy=storage.cache_policy)
-        else:
-            from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-            from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-            self.collection = EmbeddingBagCollection(tables)
-            torch_rule = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam,
-                          "rowwise_adagrad": RowWiseAdagrad}[config.train.optimizer]
-            apply_optimizer_in_backward(torch_rule, self.collection.parameters(), {"lr": config.train.lr})
+        self.collection = DiskEmbeddingBagCollection(
+            tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
+            cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
+            cache_policy=storage.cache_policy)
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters()
                  if "embedding_bag" not in name and not hasattr(p, "_in_backward_optimizers")]
@@ -325,7 +314,26 @@ class _Experiment:
 
 
 def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:
-    """Runs one experiment; returns the summary (also written to output_dir/summary.json)."""
+    """Runs one experiment; returns the summary (also written to output_dir/summary.json).
+
+    Storage kind `memory` uses TorchRec's fused in-memory kernels, which come through
+    DistributedModelParallel: in one process, a one-process gloo group is made for it.
+    """
+    own_group = config.storage.kind == "memory" and not (dist.is_available() and dist.is_initialized())
+    if own_group:
+        os.makedirs(config.output_dir, exist_ok=True)
+        rendezvous = os.path.join(config.output_dir, ".process_group")
+        if os.path.exists(rendezvous):
+            os.remove(rendezvous)  # a FileStore left by an earlier run would be read as this one's
+        dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
+    try:
+        return _run(config, resume, progress)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, Any]:
     from tqdm import tqdm
 
     from .pipeline import LookaheadPipeline

@@ -151,3 +151,12 @@ def test_every_shipped_config_loads(tmp_path, name):
             overrides.append(f"data.criteo.train=[{day}]")
     config = load_config(REPO / "configs" / f"{name}.yaml", overrides)
     assert config.train.steps > 0
+
+
+def test_memory_storage_trains_with_torchrecs_fused_kernels(tmp_path):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "storage.kind=memory", "train.steps=8",
+                                      "eval.every=8", *SMALL])
+    summary = run(config, progress=False)
+    assert summary["storage"] == "memory" and summary["steps"] == 8 and summary["disk_bytes"] == 0
+    assert 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
+    assert summary["hit_rate"] is None  # no disk table
