@@ -316,18 +316,30 @@ class DiskEmbeddingBag(nn.Module):
         the table's directory (its file already unlinked: the disk space returns when the tensor
         dies), so tables larger than memory save without being materialised in memory.
         """
+        weight, state = self._read_all(weights=True, state=include_state)
+        return (weight, state) if include_state else weight
+
+    def state_snapshot(self) -> torch.Tensor:
+        """Every row's optimizer state [num_embeddings, state_dim], as `snapshot` (the weights
+        are read with it but not kept)."""
+        return self._read_all(weights=False, state=True)[1]
+
+    def _read_all(self, weights: bool, state: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         n = self.num_embeddings
-        nbytes = n * (self.embedding_dim * self.dtype.itemsize + (4 * self._state_dim if include_state else 0))
+        nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0) + (4 * self._state_dim if state else 0))
         where = self._store.path if nbytes > self.memory_budget_bytes else None
-        weight = _empty_rows((n, self.embedding_dim), self.dtype, where)
-        state = _empty_rows((n, self._state_dim), torch.float32, where) if include_state else None
+        weight_out = _empty_rows((n, self.embedding_dim), self.dtype, where) if weights else None
+        state_out = _empty_rows((n, self._state_dim), torch.float32, where) if state else None
         for start in range(0, n, self._STATE_CHUNK_ROWS):
             ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, n))
-            if state is None:
-                weight[start:start + ids.numel()] = self.export_rows(ids)
-            else:
-                weight[start:start + ids.numel()], state[start:start + ids.numel()] = self.export_rows(ids, True)
-        return weight if state is None else (weight, state)
+            rows = slice(start, start + ids.numel())
+            if state_out is None:
+                weight_out[rows] = self.export_rows(ids)
+                continue
+            chunk_weight, state_out[rows] = self.export_rows(ids, include_state=True)
+            if weight_out is not None:
+                weight_out[rows] = chunk_weight
+        return weight_out, state_out
 
     def restore(self, weight: Optional[torch.Tensor] = None, state: Optional[torch.Tensor] = None) -> None:
         """Sets every row's weights from `weight` [num_embeddings, dim] and/or its optimizer state

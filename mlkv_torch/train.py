@@ -164,8 +164,7 @@ class _Experiment:
             cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
             cache_policy=storage.cache_policy)
         self.model = self._dlrm(self.collection)
-        dense = [p for name, p in self.model.named_parameters()
-                 if "embedding_bag" not in name and not hasattr(p, "_in_backward_optimizers")]
+        dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
 
     def _build_sharded(self, tables) -> None:
@@ -214,8 +213,6 @@ class _Experiment:
         return self.source.train(first_step, steps, self.rank, self.world_size)
 
     def hit_rate(self) -> Optional[float]:
-        if not hasattr(self.collection, "stats"):
-            return None
         stats = self.collection.stats().values()
         hits = sum(s["cache_hits"] for s in stats)
         looked_up = hits + sum(s["cache_misses"] for s in stats)
@@ -259,12 +256,9 @@ class _Experiment:
             self._save_sharded(step)
             return
         state = {"step": step, "model": self.model.state_dict(), "dense_optimizer": self.optimizer.state_dict()}
-        if hasattr(self.collection, "embedding_bags"):
-            state["table_optimizer_state"] = {
-                name: bag.snapshot(include_state=True)[1] for name, bag in self.collection.embedding_bags.items()
-                if hasattr(bag, "snapshot")}
-            state["table_steps"] = {name: bag.steps for name, bag in self.collection.embedding_bags.items()
-                                    if hasattr(bag, "steps")}
+        bags = self.collection.embedding_bags.items()  # one process: a DiskEmbeddingBagCollection
+        state["table_optimizer_state"] = {name: bag.state_snapshot() for name, bag in bags}
+        state["table_steps"] = {name: bag.steps for name, bag in bags}
         partial = self.checkpoint_path() + ".partial"
         torch.save(state, partial)
         os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
@@ -306,7 +300,7 @@ class _Experiment:
         state = torch.load(self.checkpoint_path(), weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["dense_optimizer"])
-        for name, table_state in state.get("table_optimizer_state", {}).items():
+        for name, table_state in state["table_optimizer_state"].items():
             bag = self.collection.embedding_bags[name]
             bag.restore(state=table_state)
             bag.steps = state["table_steps"][name]
@@ -400,8 +394,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     if main:
         with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-    if hasattr(experiment.collection, "close"):
-        experiment.collection.close()
+    experiment.collection.close()
     return summary
 
 

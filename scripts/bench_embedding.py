@@ -72,7 +72,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_store import (cpu_seconds, dir_bytes, fmt_rate, meminfo_kib, proc_status_kib,  # noqa: E402
+from bench_store import (ReportLog, cpu_seconds, dir_bytes, fmt_rate, meminfo_kib, proc_status_kib,  # noqa: E402
                          reset_peak_rss, system_busy_seconds, wait_for_quiet_machine)
 
 MiB = 1 << 20
@@ -551,11 +551,8 @@ def main() -> int:
     lookaheads = [{"off": False, "on": True}[x] for x in args.lookahead.split(",") if x]
     table_bytes = args.rows * args.dim * 4
 
-    lines: List[str] = []
-
-    def log(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
+    log = ReportLog()
+    lines = log.lines
 
     if args.wait_quiet > 0:
         wait_for_quiet_machine(args.wait_quiet)

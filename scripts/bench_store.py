@@ -109,6 +109,17 @@ def system_busy_seconds() -> float:
     return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+class ReportLog:
+    """Prints report lines as they come and keeps them for the report file."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __call__(self, s: str = "") -> None:
+        print(s, flush=True)
+        self.lines.append(s)
+
+
 def wait_for_quiet_machine(seconds: float) -> None:
     """Waits up to `seconds` for other processes to leave the cores (below 0.3 busy over 5 s)."""
     deadline, busy = time.time() + seconds, 0.0
@@ -753,11 +764,8 @@ def main() -> int:
     if args.sustained_seconds is None:
         args.sustained_seconds = 2.0 if args.smoke else 20.0
     systems = [s for s in args.systems.split(",") if s]
-    lines: List[str] = []
-
-    def log(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
+    log = ReportLog()
+    lines = log.lines
 
     if args.wait_quiet > 0:
         wait_for_quiet_machine(args.wait_quiet)

@@ -143,10 +143,9 @@ class DiskEmbeddingBagCollection(nn.Module):
         pooled: List[torch.Tensor] = []
         for bag, names in zip(self.embedding_bags.values(), self._feature_names):
             jts = [by_name[n] for n in names]
-            for jt in jts:
+            for name, jt in zip(names, jts):
                 if jt.lengths().numel() != batch_size:
-                    raise ValueError(f"feature {names[jts.index(jt)]!r} has {jt.lengths().numel()} bags, "
-                                     f"the batch has {batch_size}")
+                    raise ValueError(f"feature {name!r} has {jt.lengths().numel()} bags, the batch has {batch_size}")
             values = torch.cat([jt.values() for jt in jts]) if len(jts) > 1 else jts[0].values()
             lengths = torch.cat([jt.lengths() for jt in jts]) if len(jts) > 1 else jts[0].lengths()
             weights = None

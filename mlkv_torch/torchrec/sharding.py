@@ -255,7 +255,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         """The optimizer state of `table` on this rank: a ShardedTensor [rows, state columns of all shards]."""
         shards = self._bags_by_table[table]
         metadata = self._state_metadata(table)
-        local = [Shard(bag.snapshot(include_state=True)[1], metadata.shards_metadata[self._state_shard_index(table, shard)])
+        local = [Shard(bag.state_snapshot(), metadata.shards_metadata[self._state_shard_index(table, shard)])
                  for shard, bag in shards]
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self._pg)
 
