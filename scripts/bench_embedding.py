@@ -225,9 +225,9 @@ class TimedCache:
         add_time(self.times, "fetch", t)
         return rows
 
-    def queue_update(self, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+    def queue_update(self, ids: torch.Tensor, grads: torch.Tensor, step: int, lr: float) -> None:
         t = time.perf_counter()
-        self.inner.queue_update(ids, grads, step)
+        self.inner.queue_update(ids, grads, step, lr)
         add_time(self.times, "queue_update", t)
 
     def __getattr__(self, name: str) -> Any:

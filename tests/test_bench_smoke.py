@@ -1,0 +1,19 @@
+"""The benchmark scripts still run (their --smoke modes): an API change must not break them silently."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py"])
+def test_benchmark_smoke_runs(tmp_path, script):
+    if script == "bench_dmp.py":
+        pytest.importorskip("torchrec")
+    output = "--json" if script == "bench_embedding.py" else "--out"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--smoke", output, str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "ERROR" not in done.stdout, done.stdout[-4000:]
