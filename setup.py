@@ -1,9 +1,12 @@
 """Builds mlkv_torch._C: a CppExtension, or a CUDAExtension (adding cuda/*.cu)
 when torch has CUDA and nvcc is present. MLKV_FORCE_CPU=1 forces the CPU build.
+With RocksDB's headers and library present (Debian: librocksdb-dev; scripts/setup.sh
+installs it), the RocksDB baseline store is built in; MLKV_WITHOUT_ROCKSDB=1 leaves it out.
 
 Build with `pip install --no-build-isolation .`: an isolated build would fetch
 the newest torch (with CUDA) instead of using the one installed.
 """
+import ctypes.util
 import glob
 import os
 
@@ -14,6 +17,16 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def rocksdb_found() -> bool:
+    """RocksDB's header and shared library, where the system's compiler finds them."""
+    if os.environ.get("MLKV_WITHOUT_ROCKSDB", "0") == "1":
+        return False
+    prefix = os.environ.get("ROCKSDB_PREFIX")
+    if prefix:
+        return os.path.exists(os.path.join(prefix, "include/rocksdb/db.h"))
+    return os.path.exists("/usr/include/rocksdb/db.h") and ctypes.util.find_library("rocksdb") is not None
+
+
 def extension():
     sources = sorted(glob.glob("csrc/engine/*.cc") + glob.glob("csrc/*.cpp"))
     cuda_sources = sorted(glob.glob("cuda/*.cu"))
@@ -21,15 +34,26 @@ def extension():
     with_cuda = bool(cuda_sources) and not force_cpu and torch.version.cuda is not None and CUDA_HOME is not None
     cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
     include_dirs = [os.path.join(ROOT, "csrc")]
+    macros, libraries, library_dirs = [], [], []
+    if rocksdb_found():
+        macros.append(("MLKV_WITH_ROCKSDB", "1"))
+        libraries.append("rocksdb")
+        prefix = os.environ.get("ROCKSDB_PREFIX")
+        if prefix:
+            include_dirs.append(os.path.join(prefix, "include"))
+            library_dirs.append(os.path.join(prefix, "lib"))
     if with_cuda:
         return CUDAExtension(
             "mlkv_torch._C",
             sources + cuda_sources,
             include_dirs=include_dirs,
-            define_macros=[("MLKV_WITH_CUDA", "1")],
+            define_macros=macros + [("MLKV_WITH_CUDA", "1")],
+            libraries=libraries,
+            library_dirs=library_dirs,
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
         )
-    return CppExtension("mlkv_torch._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+    return CppExtension("mlkv_torch._C", sources, include_dirs=include_dirs, define_macros=macros,
+                        libraries=libraries, library_dirs=library_dirs, extra_compile_args={"cxx": cxx_flags})
 
 
 setup(

@@ -1,4 +1,5 @@
-// Python binding of the storage engine: mlkv_torch._C.Store.
+// Python binding of the storage engines (mlkv_torch._C.Store, and RocksStore when built with RocksDB)
+// and of the embedding cache.
 // Tensors are checked here (the Python wrapper checks them first, with
 // friendlier messages); engine calls run with the GIL released, and a non-OK
 // Status becomes a typed Python exception.
@@ -10,6 +11,7 @@
 
 #include "embedding_cache.h"
 #include "engine/kv_store.h"
+#include "engine/rocks_row_store.h"
 #include "row_ops.h"
 
 namespace py = pybind11;
@@ -53,13 +55,64 @@ void Check(const Status& st, const std::vector<int64_t>* missing = nullptr) {
   }
 }
 
+// Runs an engine call with the GIL released (it may wait on the disk or on other threads).
+template <typename F>
+auto Unlocked(F&& f) {
+  py::gil_scoped_release release;
+  return f();
+}
+
 void CheckKeys(const torch::Tensor& keys) {
   TORCH_CHECK_TYPE(keys.scalar_type() == torch::kInt64, "keys must be int64, got ", keys.scalar_type());
   TORCH_CHECK_VALUE(keys.dim() == 1, "keys must be 1-D, got shape ", keys.sizes());
   TORCH_CHECK_VALUE(keys.device().is_cpu() && keys.is_contiguous(), "keys must be a contiguous CPU tensor");
 }
 
-class Store {
+// What every store binding offers, over the RowStore a table's cache shares.
+class RowStoreHandle {
+ public:
+  // The store, shared with a table's cache, which keeps it alive.
+  std::shared_ptr<mlkv::RowStore> rows() const { return rows_; }
+
+  void Put(const torch::Tensor& keys, const torch::Tensor& values) {
+    CheckKeys(keys);
+    TORCH_CHECK_VALUE(values.device().is_cpu() && values.is_contiguous(), "values must be a contiguous CPU tensor");
+    TORCH_CHECK_VALUE(static_cast<uint64_t>(values.numel() * values.element_size()) ==
+                          static_cast<uint64_t>(keys.numel()) * rows_->value_bytes(),
+                      "values must hold ", keys.numel(), " rows of ", rows_->value_bytes(), " bytes");
+    Status st;
+    {
+      py::gil_scoped_release release;
+      st = rows_->Put(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), values.data_ptr());
+    }
+    Check(st);
+  }
+
+  torch::Tensor Lookup(const torch::Tensor& keys, torch::Tensor& out) {
+    CheckKeys(keys);
+    CheckRowsOut(keys, out);
+    torch::Tensor found = torch::empty({keys.numel()}, torch::kBool);
+    Status st;
+    {
+      py::gil_scoped_release release;
+      st = rows_->Lookup(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), out.data_ptr(), found.data_ptr<bool>());
+    }
+    Check(st);
+    return found;
+  }
+
+ protected:
+  void CheckRowsOut(const torch::Tensor& keys, const torch::Tensor& out) const {
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
+                          static_cast<uint64_t>(out.numel() * out.element_size()) ==
+                              static_cast<uint64_t>(keys.numel()) * rows_->value_bytes(),
+                      "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
+  }
+
+  std::shared_ptr<mlkv::RowStore> rows_;
+};
+
+class Store : public RowStoreHandle {
  public:
   Store(const std::string& path, int64_t dim, int64_t element_type, int64_t memory_budget_bytes, int64_t expected_keys,
         int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth, const std::string& io_engine,
@@ -97,23 +150,7 @@ class Store {
     }
     Check(st);
     store_ = std::move(store);
-  }
-
-  // The engine, shared with a table's cache, which keeps it alive.
-  std::shared_ptr<mlkv::KVStore> engine() const { return store_; }
-
-  void Put(const torch::Tensor& keys, const torch::Tensor& values) {
-    CheckKeys(keys);
-    TORCH_CHECK_VALUE(values.device().is_cpu() && values.is_contiguous(), "values must be a contiguous CPU tensor");
-    TORCH_CHECK_VALUE(static_cast<uint64_t>(values.numel() * values.element_size()) ==
-                          static_cast<uint64_t>(keys.numel()) * store_->value_bytes(),
-                      "values must hold ", keys.numel(), " rows of ", store_->value_bytes(), " bytes");
-    Status st;
-    {
-      py::gil_scoped_release release;
-      st = store_->Put(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), values.data_ptr());
-    }
-    Check(st);
+    rows_ = store_;
   }
 
   void Get(const torch::Tensor& keys, torch::Tensor& out) {
@@ -126,19 +163,6 @@ class Store {
       st = store_->Get(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), out.data_ptr(), &missing);
     }
     Check(st, &missing);
-  }
-
-  torch::Tensor Lookup(const torch::Tensor& keys, torch::Tensor& out) {
-    CheckKeys(keys);
-    CheckRowsOut(keys, out);
-    torch::Tensor found = torch::empty({keys.numel()}, torch::kBool);
-    Status st;
-    {
-      py::gil_scoped_release release;
-      st = store_->Lookup(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), out.data_ptr(), found.data_ptr<bool>());
-    }
-    Check(st);
-    return found;
   }
 
   torch::Tensor Contains(const torch::Tensor& keys) {
@@ -177,20 +201,11 @@ class Store {
 
   template <Status (mlkv::KVStore::*Method)()>
   void Call() {
-    Status st;
-    {
-      py::gil_scoped_release release;
-      st = (store_.get()->*Method)();
-    }
-    Check(st);
+    Check(Unlocked([&] { return (store_.get()->*Method)(); }));
   }
 
   py::dict Stats() {
-    mlkv::StoreStats s;
-    {
-      py::gil_scoped_release release;
-      s = store_->Stats();
-    }
+    const mlkv::StoreStats s = Unlocked([&] { return store_->Stats(); });
     py::dict d;
     d["rows"] = s.rows;
     d["memory_bytes"] = s.memory_bytes;
@@ -223,15 +238,52 @@ class Store {
   int64_t Size() { return static_cast<int64_t>(store_->Size()); }
 
  private:
-  void CheckRowsOut(const torch::Tensor& keys, const torch::Tensor& out) const {
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
-                          static_cast<uint64_t>(out.numel() * out.element_size()) ==
-                              static_cast<uint64_t>(keys.numel()) * store_->value_bytes(),
-                      "out must be a contiguous CPU tensor of ", keys.numel(), " rows");
-  }
-
   std::shared_ptr<mlkv::KVStore> store_;
 };
+
+#ifdef MLKV_WITH_ROCKSDB
+// The RocksDB baseline: the same rows and calls a table's cache uses, over RocksDB.
+class RocksStore : public RowStoreHandle {
+ public:
+  RocksStore(const std::string& path, int64_t value_bytes, int64_t memory_budget_bytes, bool direct_io) {
+    TORCH_CHECK_VALUE(value_bytes > 0 && memory_budget_bytes > 0, "store sizes must be positive");
+    Status st;
+    std::unique_ptr<mlkv::RocksRowStore> store;
+    {
+      py::gil_scoped_release release;
+      st = mlkv::RocksRowStore::Open(path, static_cast<uint32_t>(value_bytes), static_cast<uint64_t>(memory_budget_bytes),
+                                     direct_io, &store);
+    }
+    Check(st);
+    store_ = std::move(store);
+    rows_ = store_;
+  }
+
+  template <Status (mlkv::RocksRowStore::*Method)()>
+  void Call() {
+    Check(Unlocked([&] { return (store_.get()->*Method)(); }));
+  }
+
+  py::dict Stats() {
+    const mlkv::RocksStats s = Unlocked([&] { return store_->Stats(); });
+    py::dict d;
+    d["rows_estimate"] = s.rows_estimate;
+    d["disk_bytes"] = s.disk_bytes;
+    d["memtable_bytes"] = s.memtable_bytes;
+    d["block_cache_bytes"] = s.block_cache_bytes;
+    d["block_cache_hits"] = s.block_cache_hits;
+    d["block_cache_misses"] = s.block_cache_misses;
+    d["rows_read"] = s.rows_read;
+    d["rows_found"] = s.rows_found;
+    d["rows_written"] = s.rows_written;
+    d["direct_io"] = s.direct_io;
+    return d;
+  }
+
+ private:
+  std::shared_ptr<mlkv::RocksRowStore> store_;
+};
+#endif  // MLKV_WITH_ROCKSDB
 
 // Rows never written: element j of row `id` is uniform in [low, high), a
 // function of (seed, id, j) alone, so every batch order gives the same rows.
@@ -330,7 +382,7 @@ void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double be
   }
 }
 
-std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capacity, int64_t dim, int64_t weight_type,
+std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const RowStoreHandle& store, int64_t capacity, int64_t dim, int64_t weight_type,
                                                 int64_t kind, double lr, double eps, double beta1, double beta2,
                                                 std::vector<float> initial_state, int64_t seed, double low, double high,
                                                 const std::string& policy, int64_t staleness, const std::string& device,
@@ -353,7 +405,7 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const Store& store, int64_t capa
   }
   o.staleness = staleness;
   o.staging_bytes = staging_bytes;
-  return std::make_unique<mlkv::EmbeddingCache>(store.engine(), std::move(o), torch::Device(device));
+  return std::make_unique<mlkv::EmbeddingCache>(store.rows(), std::move(o), torch::Device(device));
 }
 
 py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
@@ -389,10 +441,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   static PyObject* corruption_error =
       py::register_exception<CorruptionException>(m, "CorruptionError", PyExc_RuntimeError).ptr();
   static PyObject* store_io_error = py::register_exception<StoreIOException>(m, "StoreIOError", PyExc_OSError).ptr();
+#ifdef MLKV_WITH_ROCKSDB
+  m.attr("with_rocksdb") = true;
+#else
+  m.attr("with_rocksdb") = false;
+#endif
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
   m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("low"), py::arg("high"),
         py::arg("dtype"), py::arg("first_column") = 0, "Deterministic initial rows: uniform [low, high) from (seed, id, column).");
-  py::class_<Store>(m, "Store")
+  py::class_<RowStoreHandle>(m, "RowStore");  // what EmbeddingCache takes
+  py::class_<Store, RowStoreHandle>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
                     const std::string&, int64_t, bool, double, bool>(),
            py::arg("path"), py::arg("dim"), py::arg("element_type"), py::arg("memory_budget_bytes"),
@@ -412,6 +470,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &Store::Stats)
       .def("size", &Store::Size);
 
+#ifdef MLKV_WITH_ROCKSDB
+  py::class_<RocksStore, RowStoreHandle>(m, "RocksStore")
+      .def(py::init<const std::string&, int64_t, int64_t, bool>(), py::arg("path"), py::arg("value_bytes"),
+           py::arg("memory_budget_bytes"), py::arg("direct_io"))
+      .def("put", &RocksStore::Put)
+      .def("lookup", &RocksStore::Lookup)
+      .def("checkpoint", &RocksStore::Call<&mlkv::RocksRowStore::Checkpoint>)
+      .def("close", &RocksStore::Call<&mlkv::RocksRowStore::Close>)
+      .def("stats", &RocksStore::Stats);
+#endif
   // StatusError from the cache maps to the exceptions of the store's own calls.
   py::register_exception_translator([](std::exception_ptr p) {
     try {

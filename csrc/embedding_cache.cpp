@@ -125,7 +125,7 @@ void IdMap::Grow() {
 
 // ---- EmbeddingCache ------------------------------------------------------------------------------
 
-EmbeddingCache::EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions options, torch::Device device)
+EmbeddingCache::EmbeddingCache(std::shared_ptr<RowStore> store, CacheOptions options, torch::Device device)
     : store_(std::move(store)),
       opt_(std::move(options)),
       device_(device),

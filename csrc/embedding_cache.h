@@ -1,5 +1,5 @@
 // EmbeddingCache: the hot cache of a DiskEmbeddingBag table, in device
-// memory, in front of a KVStore, with the table's fused optimizer and an
+// memory, in front of a RowStore (KVStore or RocksDB), with the table's fused optimizer and an
 // applier thread that takes updates off the training step.
 //
 // - Rows: `capacity` rows of the table layout (row_ops.h) in one tensor on
@@ -39,7 +39,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/kv_store.h"
+#include "engine/row_store.h"
 #include "row_ops.h"
 
 namespace mlkv {
@@ -99,7 +99,7 @@ struct CacheStats {
 
 class EmbeddingCache {
  public:
-  EmbeddingCache(std::shared_ptr<KVStore> store, CacheOptions options, torch::Device device);
+  EmbeddingCache(std::shared_ptr<RowStore> store, CacheOptions options, torch::Device device);
   ~EmbeddingCache();
 
   // Distinct ids in order of first appearance and, per input position, its
@@ -192,7 +192,7 @@ class EmbeddingCache {
   // Waits (without mu_) until no prefetch in flight covers one of `ids`.
   void WaitForPrefetches(const int64_t* ids, int64_t n);
 
-  std::shared_ptr<KVStore> store_;
+  std::shared_ptr<RowStore> store_;
   const CacheOptions opt_;
   const torch::Device device_;
   const bool on_host_;  // the slots are in host memory

@@ -6,7 +6,7 @@ The core (KVStore) needs only torch; TorchRec integration lives in
 from . import optim
 from .embedding import DiskEmbeddingBag
 from .pipeline import LookaheadPipeline
-from .store import CorruptionError, KVStore, initial_rows
+from .store import CorruptionError, KVStore, RocksDBStore, initial_rows
 
-__all__ = ["KVStore", "CorruptionError", "DiskEmbeddingBag", "LookaheadPipeline", "initial_rows", "optim"]
+__all__ = ["KVStore", "RocksDBStore", "CorruptionError", "DiskEmbeddingBag", "LookaheadPipeline", "initial_rows", "optim"]
 __version__ = "0.1.0"

@@ -61,13 +61,15 @@ class DataConfig(_Section):
 
 
 class StorageConfig(_Section):
-    """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection) or `disk`.
+    """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection), `disk`
+    (mlkv's log-structured store) or `rocksdb` (the same cache and op over RocksDB: the
+    offloading baseline).
 
     `memory_budget_bytes` is for the whole collection in one process, and per rank under
     torchrun, where the planner keeps in memory the tables that fit it and puts the rest on disk.
     """
 
-    kind: Literal["memory", "disk"] = "disk"
+    kind: Literal["memory", "disk", "rocksdb"] = "disk"
     path: Optional[str] = None  # default: <output_dir>/tables
     memory_budget_bytes: int = Field(64 << 20, gt=0)
     cache_rows: Optional[int] = Field(None, ge=0)

@@ -1,4 +1,4 @@
-"""DiskEmbeddingBag: an embedding bag whose table lives in a KVStore.
+"""DiskEmbeddingBag: an embedding bag whose table lives in a KVStore (or, as a baseline, in RocksDB).
 
 Forward takes the distinct ids of the batch, fetches their weights through a
 hot cache in device memory (rows missing from it come from the store, or are
@@ -28,13 +28,14 @@ from torch import nn
 
 from . import _C
 from . import optim as optim_lib
-from .store import KVStore
+from .store import KVStore, RocksDBStore
 
 __all__ = ["DiskEmbeddingBag"]
 
 _MODES = ("sum", "mean")
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CACHE_POLICIES = ("lfu", "lru")
+_BACKENDS = ("mlkv", "rocksdb")
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
 
 
@@ -159,6 +160,8 @@ class DiskEmbeddingBag(nn.Module):
         staging_bytes: host memory, beside the budget, for rows read ahead
             (`lookahead`) and rows the cache policy kept out until their update;
             default half the budget, within [256 KiB, 32 MiB] (at least 4096 rows).
+        backend: the store under the cache: "mlkv" (the log-structured KVStore) or
+            "rocksdb" (RocksDBStore, the offloading baseline; same cache, same op).
 
     Attributes:
         lr: the learning rate of the next updates; starts at ``optimizer.lr``,
@@ -178,7 +181,7 @@ class DiskEmbeddingBag(nn.Module):
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
                  device: Optional[Union[str, torch.device]] = None, seed: int = 0, include_last_offset: bool = False,
                  expected_rows: Optional[int] = None, cache_policy: str = "lfu", first_column: int = 0,
-                 staging_bytes: Optional[int] = None) -> None:
+                 staging_bytes: Optional[int] = None, backend: str = "mlkv") -> None:
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
                             ("memory_budget_bytes", memory_budget_bytes)):
@@ -195,6 +198,8 @@ class DiskEmbeddingBag(nn.Module):
             raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
         if cache_policy not in _CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         optimizer = optimizer if optimizer is not None else optim_lib.SGD()
         if not isinstance(optimizer, optim_lib.SparseOptimizer):
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
@@ -232,8 +237,12 @@ class DiskEmbeddingBag(nn.Module):
         self.cache_rows = cache_rows
         self._step = 0
         self._anchor = nn.Parameter(torch.empty(0))
-        self._store = KVStore(path, self._weight_words + self._state_dim, torch.float32, store_budget,
-                              expected_rows=expected_rows or min(num_embeddings, 1 << 22))
+        if backend == "rocksdb":
+            self._store = RocksDBStore(path, self._weight_words + self._state_dim, torch.float32, store_budget)
+        else:
+            self._store = KVStore(path, self._weight_words + self._state_dim, torch.float32, store_budget,
+                                  expected_rows=expected_rows or min(num_embeddings, 1 << 22))
+        self.backend = backend
         bound = (1.0 / num_embeddings) ** 0.5
         try:
             self._cache = _C.EmbeddingCache(
@@ -382,7 +391,8 @@ class DiskEmbeddingBag(nn.Module):
     def flush(self) -> None:
         """Applies queued updates and writes every changed row to the store."""
         self._cache.write_back()
-        self._store.flush()
+        if isinstance(self._store, KVStore):  # its background reads; RocksDB has none
+            self._store.flush()
 
     def stats(self) -> Dict[str, Any]:
         """The store's counters, the cache's (hits, misses, evictions, pending updates, largest
@@ -456,4 +466,4 @@ class DiskEmbeddingBag(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, "
                 f"cache_rows={self.cache_rows}, staleness={self.staleness}, dtype={self.dtype}, device={self.device}, "
-                f"path={self._store.path!r}")
+                f"path={self._store.path!r}" + (f", backend={self.backend!r}" if self.backend != "mlkv" else ""))

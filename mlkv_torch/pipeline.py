@@ -12,10 +12,18 @@ follows them when they change.
 
 The model takes a batch and returns ``(loss, output)``, as torchrec's DLRMTrain does; the
 batch has ``sparse_features`` (a KeyedJaggedTensor), as torchrec's Batch. Disk tables are
-found in the model: every module with ``lookahead(KeyedJaggedTensor)`` and
-``embedding_bag_configs()`` (DiskEmbeddingBagCollection). Under DistributedModelParallel the
-ids reach a table's rank only after TorchRec's input distribution, which this pipeline does
-not run ahead: there it trains without lookahead.
+found in the model: every module with ``lookahead(KeyedJaggedTensor)`` and either
+``embedding_bag_configs()`` (DiskEmbeddingBagCollection, one process) or
+``lookahead_process_group`` (ShardedDiskEmbeddingBagCollection, under DistributedModelParallel).
+
+Under DistributedModelParallel the ids of a batch reach the rank that holds their rows only
+after TorchRec's input distribution, so the sharded collection's ``lookahead`` runs that
+input distribution for the batch entering the window (an all-to-all of its ids, which its
+forward runs again k steps later) and then starts the reads on each rank. It is a collective:
+every rank runs the pipeline in lockstep (as DMP training itself requires: the same number of
+batches on every rank), and with ``depth="auto"`` the ranks agree on k (the largest any rank
+wants) at each re-measurement. TorchRec's own PrefetchTrainPipelineSparseDist reuses the
+forward's input distribution instead, but looks only one batch ahead and needs CUDA streams.
 """
 from __future__ import annotations
 
@@ -25,22 +33,44 @@ from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["LookaheadPipeline"]
 
-_ADAPT_EVERY = 8  # steps between re-measurements of the auto depth
+_ADAPT_EVERY = 8  # steps between readings of the prefetch latency (and choices of the auto depth)
 _EWMA = 0.3
+
+
+def _disk_collections(model: nn.Module) -> List[nn.Module]:
+    """The modules of `model` that look ahead on a batch's KeyedJaggedTensor: one-process disk
+    collections and sharded ones (not the DiskEmbeddingBags inside them, which take ids)."""
+    return [m for m in model.modules() if callable(getattr(m, "lookahead", None))
+            and (hasattr(m, "embedding_bag_configs") or hasattr(m, "lookahead_process_group"))]
 
 
 class LookaheadPipeline:
     """A TorchRec-style training pipeline (``progress(dataloader_iter)``) that looks ahead.
 
+    Works on a model with DiskEmbeddingBagCollection in one process and on a
+    DistributedModelParallel model with disk tables (ShardedDiskEmbeddingBagCollection), where
+    every rank must call `progress` alike (see the module's docstring).
+
     Args:
-        model: returns ``(loss, output)`` for a batch (torchrec's DLRMTrain).
+        model: returns ``(loss, output)`` for a batch (torchrec's DLRMTrain, or DMP over it).
         optimizer: stepped after each backward (fused disk tables update in backward).
         depth: batches looked ahead (0: none), or "auto".
         max_depth: the largest depth "auto" picks.
+
+    Example::
+
+        pipeline = LookaheadPipeline(dmp, optimizer, depth="auto")
+        batches = iter(dataloader)
+        while True:
+            try:
+                loss, logits, labels = pipeline.progress(batches)
+            except StopIteration:
+                break
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, depth: Union[int, str] = 1,
@@ -54,10 +84,13 @@ class LookaheadPipeline:
         self._depth = 1 if self._auto else int(depth)
         self._max_depth = max_depth
         self._window: Deque[Any] = deque()
-        self._tables: List[nn.Module] = [m for m in model.modules()
-                                         if callable(getattr(m, "lookahead", None)) and hasattr(m, "embedding_bag_configs")]
+        self._tables: List[nn.Module] = _disk_collections(model)
+        # The groups whose ranks look ahead together must also agree on the depth.
+        groups = (getattr(t, "lookahead_process_group", None) for t in self._tables)
+        self._groups: List[dist.ProcessGroup] = list({id(g): g for g in groups if g is not None}.values())
         self._steps = 0
         self._step_ms = 0.0
+        self._lookahead_ms = 0.0
         self._latency_ms = 0.0
 
     @property
@@ -66,9 +99,18 @@ class LookaheadPipeline:
         return self._depth
 
     def stats(self) -> Dict[str, float]:
-        """The depth, the step time and the prefetch latency it was chosen from (ms, moving averages)."""
+        """What the pipeline measured (times in ms).
+
+        Returns:
+            ``depth``; ``step_ms``, a moving average of forward, backward and optimizer step;
+            ``prefetch_latency_ms``, the largest the disk tables report, read every few steps
+            (with depth "auto" under DMP, the largest of any rank: "auto" picks the depth from
+            these two); ``lookahead_ms``, a moving average of the time to issue one batch's
+            lookahead (under DMP: its input distribution, including the wait for the other
+            ranks); ``disk_collections``, the disk collections found in the model.
+        """
         return {"depth": self._depth, "step_ms": self._step_ms, "prefetch_latency_ms": self._latency_ms,
-                "disk_collections": len(self._tables)}
+                "lookahead_ms": self._lookahead_ms, "disk_collections": len(self._tables)}
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
         while len(self._window) <= self._depth:
@@ -77,9 +119,11 @@ class LookaheadPipeline:
             except StopIteration:
                 return
             self._window.append(batch)
-            if self._depth > 0:  # rows of this batch start coming in now, steps before it trains
+            if self._depth > 0 and self._tables:  # rows of this batch start coming in now, steps before it trains
+                start = time.perf_counter()
                 for collection in self._tables:
                     collection.lookahead(batch.sparse_features)
+                self._lookahead_ms = self._average(self._lookahead_ms, (time.perf_counter() - start) * 1e3)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Trains one batch; returns the model's output. Raises StopIteration when the data ends."""
@@ -92,16 +136,33 @@ class LookaheadPipeline:
         loss, output = self._model(batch)
         loss.backward()
         self._optimizer.step()
-        elapsed_ms = (time.perf_counter() - start) * 1e3
-        self._step_ms = elapsed_ms if self._steps == 0 else (1 - _EWMA) * self._step_ms + _EWMA * elapsed_ms
+        self._step_ms = self._average(self._step_ms, (time.perf_counter() - start) * 1e3)
         self._steps += 1
-        if self._auto and self._steps % _ADAPT_EVERY == 0:
-            self._adapt()
+        if self._steps % _ADAPT_EVERY == 0:
+            self._measure()
         return output
 
-    def _adapt(self) -> None:
+    @staticmethod
+    def _average(average: float, sample: float) -> float:
+        """The moving average after `sample` (the first sample starts it)."""
+        return sample if average == 0.0 else (1 - _EWMA) * average + _EWMA * sample
+
+    def _measure(self) -> None:
+        """Reads the prefetch latency of the disk tables; with depth "auto", picks the depth from it."""
         latencies = [stats.get("prefetch_latency_ms", 0.0) for collection in self._tables
                      for stats in collection.stats().values()]
-        self._latency_ms = max(latencies, default=0.0)
-        if self._latency_ms > 0 and self._step_ms > 0:
-            self._depth = min(self._max_depth, max(1, math.ceil(self._latency_ms / self._step_ms)))
+        latency_ms = max(latencies, default=0.0)
+        if not self._auto:
+            self._latency_ms = latency_ms
+            return
+        wanted = 0  # no measurement yet: keep the depth
+        if latency_ms > 0 and self._step_ms > 0:
+            wanted = min(self._max_depth, max(1, math.ceil(latency_ms / self._step_ms)))
+        if self._groups:  # every rank must fill its window alike, or the lookaheads' collectives deadlock
+            agreed = torch.tensor([latency_ms, float(wanted)], dtype=torch.float64)
+            for group in self._groups:
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            latency_ms, wanted = float(agreed[0]), int(agreed[1])
+        self._latency_ms = latency_ms
+        if wanted > 0:
+            self._depth = wanted

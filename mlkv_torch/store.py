@@ -65,7 +65,107 @@ _IO_ENGINES = ("auto", "uring", "threads")
 KeysLike = Union[torch.Tensor, Sequence[int]]
 
 
-class KVStore:
+class _RowStore:
+    """What both stores share: rows of ``dim`` elements of ``dtype`` under non-negative int64 keys,
+    batched put and lookup, and an open/closed life. Subclasses set ``_store`` (the binding)."""
+
+    _store: Any
+
+    def _open(self, path: Union[str, os.PathLike], dim: int, dtype: torch.dtype, memory_budget_bytes: int) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        for name, value in (("dim", dim), ("memory_budget_bytes", memory_budget_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
+        if dtype not in _ELEMENT_TYPES:
+            raise TypeError(f"dtype must be one of {list(_ELEMENT_TYPES)}, got {dtype}")
+        self._closed = True
+        self._path = os.fspath(path)
+        self._dim = dim
+        self._dtype = dtype
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def _keys(self, keys: KeysLike) -> torch.Tensor:
+        if not isinstance(keys, torch.Tensor):
+            keys = torch.as_tensor(keys, dtype=None)
+            if keys.numel() == 0:
+                keys = keys.to(torch.int64)
+        if keys.dtype != torch.int64:
+            raise TypeError(f"keys must be int64, got {keys.dtype}")
+        if keys.dim() != 1:
+            raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+        return keys.detach().to("cpu").contiguous()
+
+    def put(self, keys: KeysLike, values: torch.Tensor) -> None:
+        """Inserts or overwrites rows; with duplicate keys the last one wins."""
+        keys = self._keys(keys)
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype != self._dtype:
+            raise TypeError(f"values must be {self._dtype} (the store's dtype), got {values.dtype}")
+        if tuple(values.shape) != (keys.numel(), self._dim):
+            raise ValueError(f"values must have shape [{keys.numel()}, {self._dim}] (keys x dim), "
+                             f"got {list(values.shape)}")
+        self._store.put(keys, values.detach().to("cpu").contiguous())
+
+    def lookup(self, keys: KeysLike) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rows [N, dim], found bool [N]); rows of absent keys are zero.
+
+        Absent keys are no error: a caller that initializes missing rows (an
+        embedding table) reads present and absent ones in one call.
+        """
+        keys = self._keys(keys)
+        rows = torch.zeros(keys.numel(), self._dim, dtype=self._dtype)
+        found = self._store.lookup(keys, rows)
+        return rows, found
+
+    def checkpoint(self) -> None:
+        """Makes the current contents durable; reopening the path recovers them."""
+        self._store.checkpoint()
+
+    def stats(self) -> Dict[str, Any]:
+        """The store's counters (see the subclass)."""
+        self._check_open()
+        return self._store.stats()
+
+    def close(self) -> None:
+        """Checkpoints and releases the path. Idempotent."""
+        if self._closed:
+            return
+        self._store.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"store at {self._path} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVStore(_RowStore):
     """A larger-than-memory key-value store of fixed-width rows.
 
     Keys are non-negative int64; each value is a row of ``dim`` elements of
@@ -118,64 +218,17 @@ class KVStore:
         compaction_ratio: float = 2.0,
         promote_hot_reads: bool = True,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        for name, value in (("dim", dim), ("memory_budget_bytes", memory_budget_bytes), ("expected_rows", expected_rows),
-                            ("segment_bytes", segment_bytes), ("page_bytes", page_bytes), ("io_depth", io_depth),
-                            ("io_threads", io_threads)):
+        self._open(path, dim, dtype, memory_budget_bytes)
+        for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes), ("page_bytes", page_bytes),
+                            ("io_depth", io_depth), ("io_threads", io_threads)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if dim <= 0:
-            raise ValueError(f"dim must be positive, got {dim}")
-        if memory_budget_bytes <= 0:
-            raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
-        if dtype not in _ELEMENT_TYPES:
-            raise TypeError(f"dtype must be one of {list(_ELEMENT_TYPES)}, got {dtype}")
         if io_engine not in _IO_ENGINES:
             raise ValueError(f"io_engine must be one of {_IO_ENGINES}, got {io_engine!r}")
-        self._closed = True
-        self._path = os.fspath(path)
-        self._dim = dim
-        self._dtype = dtype
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
                                bool(direct_io), float(compaction_ratio), bool(promote_hot_reads))
         self._closed = False
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    @property
-    def dim(self) -> int:
-        return self._dim
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    def _keys(self, keys: KeysLike) -> torch.Tensor:
-        if not isinstance(keys, torch.Tensor):
-            keys = torch.as_tensor(keys, dtype=None)
-            if keys.numel() == 0:
-                keys = keys.to(torch.int64)
-        if keys.dtype != torch.int64:
-            raise TypeError(f"keys must be int64, got {keys.dtype}")
-        if keys.dim() != 1:
-            raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
-        return keys.detach().to("cpu").contiguous()
-
-    def put(self, keys: KeysLike, values: torch.Tensor) -> None:
-        """Inserts or overwrites rows; with duplicate keys the last one wins."""
-        keys = self._keys(keys)
-        if not isinstance(values, torch.Tensor):
-            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        if values.dtype != self._dtype:
-            raise TypeError(f"values must be {self._dtype} (the store's dtype), got {values.dtype}")
-        if tuple(values.shape) != (keys.numel(), self._dim):
-            raise ValueError(f"values must have shape [{keys.numel()}, {self._dim}] (keys x dim), "
-                             f"got {list(values.shape)}")
-        self._store.put(keys, values.detach().to("cpu").contiguous())
 
     def get(self, keys: KeysLike, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Returns rows [N, dim] on the keys' device; KeyError names keys not in the store.
@@ -199,17 +252,6 @@ class KVStore:
         self._store.get(keys, out)
         return out
 
-    def lookup(self, keys: KeysLike) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns (rows [N, dim], found bool [N]); rows of absent keys are zero.
-
-        Unlike get, absent keys are no error: a caller that initializes missing
-        rows (an embedding table) reads present and absent ones in one call.
-        """
-        keys = self._keys(keys)
-        rows = torch.zeros(keys.numel(), self._dim, dtype=self._dtype)
-        found = self._store.lookup(keys, rows)
-        return rows, found
-
     def contains(self, keys: KeysLike) -> torch.Tensor:
         """Returns a bool tensor [N]: whether each key holds a row."""
         return self._store.contains(self._keys(keys))
@@ -226,33 +268,13 @@ class KVStore:
         """Waits until queued lookaheads are applied; raises an error one of them met."""
         self._store.flush()
 
-    def checkpoint(self) -> None:
-        """Makes the current contents durable; reopening the path recovers them."""
-        self._store.checkpoint()
-
     def compact(self) -> None:
         """Copies live rows out of the on-disk log, checkpoints, and deletes the old segments."""
         self._store.compact()
 
     def stats(self) -> Dict[str, Any]:
         """Counters: rows, memory and disk bytes, memory hits, disk reads, lookahead rows, ..."""
-        self._check_open()
-        return self._store.stats()
-
-    def close(self) -> None:
-        """Checkpoints and releases the path. Idempotent."""
-        if self._closed:
-            return
-        self._store.close()
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"store at {self._path} is closed")
+        return super().stats()
 
     def __len__(self) -> int:
         self._check_open()
@@ -261,12 +283,38 @@ class KVStore:
     def __contains__(self, key: int) -> bool:
         return bool(self.contains([key])[0])
 
-    def __enter__(self) -> "KVStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         rows = "closed" if self._closed else f"rows={len(self)}"
         return f"KVStore(path={self._path!r}, dim={self._dim}, dtype={self._dtype}, {rows})"
+
+
+class RocksDBStore(_RowStore):
+    """The same rows in RocksDB: the offloading baseline MLKV was measured against.
+
+    ``DiskEmbeddingBag(..., backend="rocksdb")`` runs its cache and optimizer over this
+    store instead of the hybrid log, so a comparison isolates the store. RocksDB gets
+    settings that favour it: no write-ahead log (rows become durable at `checkpoint` and
+    `close`, as the log's do at its checkpoint), no compression, 4 KiB blocks with bloom
+    filters. ``memory_budget_bytes`` is split between its block cache and two memtables;
+    reads bypass the page cache where the file system allows (``direct_io``).
+
+    Needs a build with RocksDB (Debian's librocksdb-dev; ``scripts/setup.sh`` installs it).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], dim: int, dtype: torch.dtype = torch.float32,
+                 memory_budget_bytes: int = 256 << 20, *, direct_io: bool = True) -> None:
+        if not _C.with_rocksdb:
+            raise RuntimeError("mlkv_torch was built without RocksDB: install its headers and library "
+                               "(Debian: apt-get install librocksdb-dev) and rebuild the package")
+        self._open(path, dim, dtype, memory_budget_bytes)
+        self._store = _C.RocksStore(self._path, dim * dtype.itemsize, memory_budget_bytes, bool(direct_io))
+        self._closed = False
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: RocksDB's estimate of its rows, live SST bytes, memtable and block-cache bytes,
+        block-cache hits and misses (a data-block miss is a disk read), rows read, found and written."""
+        return super().stats()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"RocksDBStore(path={self._path!r}, dim={self._dim}, dtype={self._dtype}, {state})"

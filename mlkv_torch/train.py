@@ -30,6 +30,7 @@ __all__ = ["main", "run"]
 
 _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adagrad": optim_lib.RowWiseAdagrad,
                "adam": optim_lib.Adam}
+_BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbeddingBag backend
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
@@ -162,7 +163,7 @@ class _Experiment:
         self.collection = DiskEmbeddingBagCollection(
             tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
             cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
-            cache_policy=storage.cache_policy)
+            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind])
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
@@ -182,10 +183,11 @@ class _Experiment:
         model = self._dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")))
         sharder = DiskEmbeddingBagCollectionSharder(
             self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
-            staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed)
+            staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
+            backend=_BACKENDS.get(storage.kind, "mlkv"))  # memory: nothing on disk
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
-            if storage.kind == "disk" else 1 << 40
+            if storage.kind != "memory" else 1 << 40
         topology = Topology(world_size=dist.get_world_size(), compute_device="cpu", ddr_cap=int(ddr_cap),
                             ssd_cap=1 << 42)
         planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, debug=False)
@@ -389,7 +391,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "oracle_auc": evaluation.get("oracle_auc"),
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
                "peak_rss_bytes": _peak_rss_bytes(),
-               "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind == "disk" else 0,
+               "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
                "storage": config.storage.kind}
     if main:
         with open(os.path.join(config.output_dir, "summary.json"), "w") as f:

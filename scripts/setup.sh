@@ -11,9 +11,18 @@ PYTHON=${PYTHON:-python3}
 VENV=${MLKV_VENV:-.venv}
 TORCH_CPU_VERSION=2.13.0
 
-if ! command -v g++ >/dev/null 2>&1; then
-  echo "[setup] installing a C++ compiler (g++)"
-  apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+apt_packages=()
+command -v g++ >/dev/null 2>&1 || apt_packages+=(g++)
+# RocksDB's headers and library: the rocksdb storage kind (the offloading baseline) is built with them.
+[[ -e /usr/include/rocksdb/db.h || ${MLKV_WITHOUT_ROCKSDB:-0} == 1 ]] || apt_packages+=(librocksdb-dev)
+if ((${#apt_packages[@]})); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing ${apt_packages[*]} with apt-get"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}" >/dev/null
+  else
+    echo "[setup] please install ${apt_packages[*]} (Debian/Ubuntu package names); without librocksdb-dev the"
+    echo "        package builds without the rocksdb storage kind"
+  fi
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV (with access to system site-packages, so an installed torch is reused)"
@@ -47,7 +56,8 @@ echo "[setup] installing tools for tests and benchmarks"
 pip -c "$constraints" numpy pyyaml "pydantic>=2,<3" matplotlib pytest hypothesis ninja rocksdict lmdb
 echo "[setup] building mlkv_torch (C++ extension, no build isolation so the installed torch is used)"
 pip -c "$constraints" --no-build-isolation -e .
-"$py" -c 'import mlkv_torch, torch; print(f"[setup] mlkv_torch {mlkv_torch.__version__} built against torch {torch.__version__}")'
+"$py" -c 'import mlkv_torch, torch; rocks = "with" if mlkv_torch._C.with_rocksdb else "without"
+print(f"[setup] mlkv_torch {mlkv_torch.__version__} built against torch {torch.__version__}, {rocks} RocksDB")'
 if [[ ${1:-} != --no-quickstart ]]; then
   echo "[setup] running the quickstart: $py -m mlkv_torch.train configs/quickstart.yaml"
   "$py" -m mlkv_torch.train configs/quickstart.yaml --no-progress

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -52,11 +52,13 @@ def constraints(mixed: bool):
     }
 
 
-def build(mixed: bool, optimizer: str, storage_dir: str):
+def build(mixed: bool, optimizer: str, storage_dir: str, train_model: bool = False):
     torch.manual_seed(0)  # the same dense layers in every build
     ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
                  over_arch_layer_sizes=[16, 1], dense_device=torch.device("cpu"))
+    if train_model:  # model(batch) -> (loss, output), as training pipelines call it
+        model = DLRMTrain(model)
     if optimizer == "rowwise_adagrad":  # TorchRec's way: an in-backward optimizer on the tables
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags.parameters(), {"lr": LR, "eps": 1e-8})
         sharder = DiskEmbeddingBagCollectionSharder(storage_dir)
@@ -71,23 +73,23 @@ def build(mixed: bool, optimizer: str, storage_dir: str):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan
 
 
-def set_initial_rows(dmp) -> None:
+def set_initial_rows(dmp, collection: str = "sparse_arch.embedding_bag_collection") -> None:
     """Every table, in memory or on disk, starts from mlkv_torch.initial_rows: each rank fills its
-    local shards through the state dict."""
+    local shards through the state dict (`collection`: the collection's name in it)."""
     state = dmp.state_dict()
     for name, n in SIZES.items():
         full = initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n)
-        for shard in state[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"].local_shards():
+        for shard in state[f"{collection}.embedding_bags.{name}.weight"].local_shards():
             (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             shard.tensor.detach().copy_(full[r0:r0 + rows, c0:c0 + cols])
     dmp.load_state_dict(state)
 
 
-def batch(step: int):
+def batch(step: int, hot_ids: int = HOT_IDS):
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     lengths = torch.randint(0, 4, (len(TABLES) * BATCH,), generator=g)
     # Ids from a hot range, so rows recur and their optimizer state matters.
-    values = torch.cat([torch.randint(0, min(HOT_IDS, SIZES[t.name]), (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),),
+    values = torch.cat([torch.randint(0, min(hot_ids, SIZES[t.name]), (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),),
                                       generator=g) for i, t in enumerate(TABLES)])
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in TABLES], values=values, lengths=lengths)
     return torch.randn(BATCH, 4, generator=g), sparse, torch.randint(0, 2, (BATCH,), generator=g).float()

@@ -56,7 +56,7 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.lernrate=0.1"], r"train\.lernrate: unknown key"),
     (["train.lr=fast"], r"train\.lr: Input should be a valid number"),
-    (["storage.kind=tape"], r"storage\.kind: Input should be 'memory' or 'disk'"),
+    (["storage.kind=tape"], r"storage\.kind: Input should be 'memory', 'disk' or 'rocksdb'"),
     (["model.embedding_dim=8"], r"model\.dense_arch must end with model\.embedding_dim"),
     (["pipeline.depth=-2"], r"pipeline\.depth"),
     (["train.steps"], r"not of the form dotted\.key=value"),
@@ -160,3 +160,17 @@ def test_memory_storage_trains_with_torchrecs_fused_kernels(tmp_path):
     assert summary["storage"] == "memory" and summary["steps"] == 8 and summary["disk_bytes"] == 0
     assert 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
     assert summary["hit_rate"] is None  # no disk table
+
+
+@pytest.mark.skipif(not __import__("mlkv_torch")._C.with_rocksdb, reason="built without RocksDB")
+def test_rocksdb_storage_trains_exactly_as_the_disk_store(tmp_path):
+    common = [*SMALL, "train.steps=8", "train.log_every=1", "eval.every=8", "pipeline.depth=2"]
+    runs = {}
+    for kind in ("disk", "rocksdb"):
+        summary = run(load_config(QUICKSTART, [f"output_dir={tmp_path / kind}", f"storage.kind={kind}", *common]),
+                      progress=False)
+        assert summary["storage"] == kind and summary["disk_bytes"] > 0
+        runs[kind] = _losses(tmp_path / kind)
+    assert list(runs["rocksdb"]) == list(range(1, 9))
+    assert runs["rocksdb"] == runs["disk"]  # the same cache and op over another store: the same training
+    assert (tmp_path / "rocksdb" / "tables" / "t_cat_0" / "CURRENT").exists()  # RocksDB's own files

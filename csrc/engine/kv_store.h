@@ -26,6 +26,7 @@
 
 #include "hash_index.h"
 #include "io_reader.h"
+#include "row_store.h"
 #include "status.h"
 
 namespace mlkv {
@@ -90,20 +91,20 @@ struct StoreStats {
   std::string io_engine;
 };
 
-class KVStore {
+class KVStore : public RowStore {
  public:
   // Creates a store at `path` (a directory) or recovers the latest checkpoint there.
   static Status Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out);
-  ~KVStore();
+  ~KVStore() override;
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
 
   // Values are row-major [n, dim] of the store's element type, as raw bytes.
-  Status Put(const int64_t* keys, size_t n, const void* values);
+  Status Put(const int64_t* keys, size_t n, const void* values) override;
   // Fills `values`; when keys are absent returns NotFound and lists them in `missing`.
   Status Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing);
   // Like Get, but absent keys are no error: found[i] says which rows were filled.
-  Status Lookup(const int64_t* keys, size_t n, void* values, bool* found);
+  Status Lookup(const int64_t* keys, size_t n, void* values, bool* found) override;
   Status Contains(const int64_t* keys, size_t n, bool* found);
   Status Delete(const int64_t* keys, size_t n, uint64_t* deleted);
   // Queues the rows for a background copy from disk to memory; returns at once.
@@ -115,8 +116,8 @@ class KVStore {
   Status Close();
   StoreStats Stats() const;
   uint64_t Size() const;
-  uint32_t value_bytes() const { return value_bytes_; }
-  const std::string& path() const { return path_; }
+  uint32_t value_bytes() const override { return value_bytes_; }
+  const std::string& path() const override { return path_; }
 
  private:
   struct SegmentFile;

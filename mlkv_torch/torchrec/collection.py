@@ -64,13 +64,14 @@ class DiskEmbeddingBagCollection(nn.Module):
         is_weighted: features carry per-id weights.
         seed: seed of the initial rows (each table mixes in its name).
         cache_policy: "lfu" or "lru".
+        backend: the store under every table: "mlkv" (KVStore) or "rocksdb" (the baseline).
     """
 
     def __init__(self, tables: List[EmbeddingBagConfig], device: Optional[Union[str, torch.device]] = None, *,
                  path: Union[str, os.PathLike], optimizer: Optional[optim_lib.SparseOptimizer] = None,
                  memory_budget_bytes: int = 256 << 20, cache_rows: Optional[int] = None, staleness: int = 0,
                  is_weighted: bool = False, seed: int = 0, cache_policy: str = "lfu",
-                 lookups_per_sample: Optional[Dict[str, float]] = None) -> None:
+                 lookups_per_sample: Optional[Dict[str, float]] = None, backend: str = "mlkv") -> None:
         super().__init__()
         if not tables:
             raise ValueError("tables must not be empty")
@@ -109,7 +110,7 @@ class DiskEmbeddingBagCollection(nn.Module):
                 memory_budget_bytes=max(MIN_TABLE_BUDGET, budget), staleness=staleness,
                 dtype=DATA_TYPES[t.data_type], device=self._device,
                 seed=table_seed(seed, t.name), include_last_offset=True,
-                cache_policy=cache_policy)
+                cache_policy=cache_policy, backend=backend)
         self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]

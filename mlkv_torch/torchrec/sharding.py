@@ -9,6 +9,9 @@ DiskEmbeddingBag in ``storage_dir/rank<r>/<table>_rows<r0>_cols<c0>``.
 
 - Forward: `DiskEmbeddingKernel` pools the shard's features after TorchRec's
   input distribution, exactly as TorchRec's fused kernel would.
+- Lookahead: ``ShardedDiskEmbeddingBagCollection.lookahead(features)`` runs the
+  input distribution of a future batch (a collective) and starts reading, on each
+  rank, the rows of its shards that the batch will look up (LookaheadPipeline).
 - Training: the fused optimizer comes from ``apply_optimizer_in_backward`` or
   the sharder's ``fused_params`` (TorchRec's way) or its ``optimizer`` (an
   mlkv_torch.optim rule, which the in-memory tables of the plan then share).
@@ -26,23 +29,25 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_kernel import BaseEmbedding
-from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, GroupedEmbeddingConfig,
+from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, GroupedEmbeddingConfig, KJTList,
                                                   ShardedEmbeddingTable)
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.embeddingbag import (EmbeddingBagCollectionContext, EmbeddingBagCollectionSharder,
+                                              ShardedEmbeddingBagCollection)
 from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import Awaitable, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -72,6 +77,7 @@ class DiskTableOptions:
     staleness: int = 0
     cache_policy: str = "lfu"
     seed: int = 0
+    backend: str = "mlkv"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -163,7 +169,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                                                         options.memory_fraction),
                 staleness=options.staleness, dtype=dtype, device=self._device,
                 seed=table_seed(options.seed, table.name), include_last_offset=True,
-                cache_policy=options.cache_policy, first_column=col_offset)
+                cache_policy=options.cache_policy, first_column=col_offset, backend=options.backend)
             # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
             bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
             self.bags.append(bag)
@@ -203,13 +209,21 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         lr = float(next(iter(self._optimizer.param_groups))["lr"])
         batch_size = features.stride()
         pooled = []
-        for table, bag, kjt in zip(self._shards, self.bags,
-                                   features.split([len(t.feature_names) for t in self._shards])):
+        for table, bag, kjt in zip(self._shards, self.bags, self._features_by_shard(features)):
             bag.lr = lr  # the fused optimizer's param_groups set the learning rate of this step
             weights = kjt.weights() if self._config.is_weighted else None
             pooled.append(pool_features(bag, kjt.values(), kjt.lengths(), weights, len(table.feature_names),
                                         batch_size))
         return torch.cat(pooled, dim=1)
+
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading the rows that `features` (as `forward` receives them) will look up; returns at once."""
+        for bag, kjt in zip(self.bags, self._features_by_shard(features)):
+            if kjt.values().numel():
+                bag.lookahead(kjt.values())
+
+    def _features_by_shard(self, features: KeyedJaggedTensor) -> List[KeyedJaggedTensor]:
+        return features.split([len(t.feature_names) for t in self._shards])
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -335,6 +349,13 @@ class _DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             return DiskEmbeddingKernel(config, self._disk_options, pg=pg, device=device)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading the rows of the disk groups that `features` (as `forward` receives them) will
+        look up; the in-memory groups have nothing to read."""
+        for kernel, group in zip(self._emb_modules, features.split(self._feature_splits)):
+            if isinstance(kernel, DiskEmbeddingKernel):
+                kernel.lookahead(group)
+
 
 class _DiskLookupMixin:
     """Makes a TorchRec pooled sharding build _DiskPooledEmbeddingsLookup."""
@@ -374,6 +395,7 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._disk_table_names = [name for name, ps in table_name_to_parameter_sharding.items()
                                   if ps.compute_kernel == DISK_KERNEL]
         super().__init__(module, table_name_to_parameter_sharding, env, **kwargs)
+        self._input_keys: Optional[List[str]] = None  # of the first input distribution (see input_dist)
         self._register_state_dict_hook(ShardedDiskEmbeddingBagCollection._disk_tables_to_state_dict)
         self._register_load_state_dict_pre_hook(self._disk_tables_from_state_dict, with_module=True)
 
@@ -407,14 +429,57 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 module.weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
         super().reset_parameters()
 
-    def disk_kernels(self) -> Iterator[DiskEmbeddingKernel]:
-        """The kernels of this rank's disk tables."""
+    def _unwrapped_lookups(self) -> Iterator[nn.Module]:
+        """The lookups, one per sharding type, without the DistributedDataParallel some are wrapped in."""
         for lookup in self._lookups:
             while isinstance(lookup, nn.parallel.DistributedDataParallel):
                 lookup = lookup.module
+            yield lookup
+
+    def disk_kernels(self) -> Iterator[DiskEmbeddingKernel]:
+        """The kernels of this rank's disk tables."""
+        for lookup in self._unwrapped_lookups():
             for module in getattr(lookup, "_emb_modules", []):
                 if isinstance(module, DiskEmbeddingKernel):
                     yield module
+
+    @property
+    def lookahead_process_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that must call `lookahead` together, batch for batch in the same order (it runs
+        the input distribution); None when the plan has no disk table, and `lookahead` does nothing."""
+        return self._env.process_group if self._disk_table_names else None
+
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading, on the ranks that hold them, the disk rows a future batch will look up.
+
+        A collective over `lookahead_process_group`: it runs TorchRec's input distribution of
+        `features` (an all-to-all of the ids, which the batch's forward runs again) and waits for
+        it; the reads themselves run in the background. Every rank calls it with its part of the
+        same future batch, the KeyedJaggedTensor the module's forward will receive.
+
+        Args:
+            features: this rank's sparse features of the future batch.
+        """
+        if not self._disk_table_names:  # the same on every rank: the plan is global
+            return
+        dist_input = self.input_dist(self.create_context(), features).wait().wait()
+        for lookup, sharding_features in zip(self._unwrapped_lookups(), dist_input):
+            if isinstance(lookup, _DiskPooledEmbeddingsLookup):
+                lookup.lookahead(sharding_features)
+
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: Union[KeyedJaggedTensor, TensorDict]
+                   ) -> Awaitable[Awaitable[KJTList]]:
+        # TorchRec fixes the feature permutation on the first call: a lookahead with other keys than
+        # the forward's would route ids to the wrong tables.
+        if isinstance(features, KeyedJaggedTensor):
+            keys = features.keys()
+            if self._input_keys is None:
+                self._input_keys = list(keys)
+            elif keys != self._input_keys:
+                raise ValueError(f"the sparse features' keys {keys} differ from those of the first input "
+                                 f"distribution {self._input_keys}: lookahead must get the KeyedJaggedTensor "
+                                 f"the module's forward gets")
+        return super().input_dist(ctx, features)
 
     def _global_metadata(self, table: str) -> ShardedTensorMetadata:
         config = self._table_name_to_config[table]
@@ -474,14 +539,15 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         staleness: the per-row staleness bound of disk tables (0: exact).
         cache_policy: "lfu" or "lru".
         seed: seed of the initial rows of disk tables.
+        backend: the store under disk tables: "mlkv" (KVStore) or "rocksdb" (the baseline).
         fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
     """
 
     def __init__(self, storage_dir: str, *, optimizer: Optional[optim_lib.SparseOptimizer] = None,
                  memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu", seed: int = 0,
-                 fused_params: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+                 fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv", **kwargs: Any) -> None:
         self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness,
-                                        cache_policy, seed)
+                                        cache_policy, seed, backend)
         if optimizer is not None:
             fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **kwargs)
