@@ -76,6 +76,9 @@ class StorageConfig(_Section):
     staleness: int = Field(0, ge=0)
     cache_policy: Literal["lfu", "lru"] = "lfu"
     memory_fraction: float = Field(0.1, gt=0, le=1)  # under torchrun: a disk table's memory, of its bytes
+    # Write every row to the store before training, so reads come from disk as in a table trained
+    # for a while, not from the generator of fresh rows (benchmarks).
+    populate: bool = False
 
 
 class PipelineConfig(_Section):

@@ -370,6 +370,16 @@ class DiskEmbeddingBag(nn.Module):
             self.import_rows(ids, current_weight if weight is None else weight[rows],
                              (current_state if self._state_dim else None) if state is None else state[rows])
 
+    def populate(self) -> None:
+        """Writes every row to the store, rows never written with their initial values (rows
+        already written keep theirs), chunk by chunk. Training then reads rows from the store as
+        in a table trained for a while, rather than generating fresh ones: benchmarks use it."""
+        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
+            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
+            weights, state = self.export_rows(ids, include_state=True)
+            self.import_rows(ids, weights, state)
+        self._cache.write_back()
+
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.snapshot()
 

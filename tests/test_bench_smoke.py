@@ -8,9 +8,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py"])
+@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
-    if script == "bench_dmp.py":
+    if script != "bench_embedding.py":
         pytest.importorskip("torchrec")
     output = "--json" if script == "bench_embedding.py" else "--out"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--smoke", output, str(tmp_path / "out.json")],

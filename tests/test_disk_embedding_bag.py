@@ -188,3 +188,20 @@ def test_empty_batch(tmp_path):
     out = emb(torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))
     torch.testing.assert_close(out, torch.zeros(2, DIM))
     out.sum().backward()  # nothing to update, nothing fails
+
+
+@pytest.mark.parametrize("backend", ["mlkv", pytest.param("rocksdb", marks=pytest.mark.skipif(
+    not __import__("mlkv_torch")._C.with_rocksdb, reason="built without RocksDB"))])
+def test_populate_writes_every_row_and_changes_none(tmp_path, backend):
+    emb = make(tmp_path, optimizer=optim.Adagrad(lr=0.2), backend=backend)
+    ids, offsets, target = batch(0)
+    (emb(ids, offsets) * target).sum().backward()  # some rows trained, the rest never written
+    before = emb.export_rows(torch.arange(NUM), include_state=True)
+    emb.populate()
+    stats = emb.stats()
+    assert stats.get("rows", stats.get("rows_written")) >= NUM
+    for got, expected in zip(emb.export_rows(torch.arange(NUM), include_state=True), before):
+        torch.testing.assert_close(got, expected)
+    fresh_before = emb.stats()["fresh_rows"]
+    emb.export_rows(torch.arange(NUM))
+    assert emb.stats()["fresh_rows"] == fresh_before, "after populate no row is generated: all come from the store"
