@@ -89,6 +89,7 @@ class LookaheadPipeline:
         groups = (getattr(t, "lookahead_process_group", None) for t in self._tables)
         self._groups: List[dist.ProcessGroup] = list({id(g): g for g in groups if g is not None}.values())
         self._steps = 0
+        self._batches_taken = 0  # drawn from the data loader, to name a bad one
         self._step_ms = 0.0
         self._lookahead_ms = 0.0
         self._latency_ms = 0.0
@@ -118,6 +119,8 @@ class LookaheadPipeline:
                 batch = next(dataloader_iter)
             except StopIteration:
                 return
+            self._batches_taken += 1
+            self._check_batch(batch, self._batches_taken - 1)
             self._window.append(batch)
             if self._depth > 0 and self._tables:  # rows of this batch start coming in now, steps before it trains
                 start = time.perf_counter()
@@ -141,6 +144,21 @@ class LookaheadPipeline:
         if self._steps % _ADAPT_EVERY == 0:
             self._measure()
         return output
+
+    @staticmethod
+    def _check_batch(batch: Any, index: int) -> None:
+        """Refuses a batch whose parts disagree on its size, naming them (DLRM would fail later with a
+        bare size error, or a disk table would look ahead on ids that never train)."""
+        sparse = getattr(batch, "sparse_features", None)
+        if sparse is None or not callable(getattr(sparse, "stride", None)):
+            raise TypeError(f"batch {index} has no sparse_features (a KeyedJaggedTensor): "
+                            f"got {type(batch).__name__}")
+        samples = sparse.stride()
+        for name in ("dense_features", "labels"):
+            part = getattr(batch, name, None)
+            if isinstance(part, torch.Tensor) and part.dim() > 0 and part.shape[0] != samples:
+                raise ValueError(f"batch {index}: {name} has {part.shape[0]} rows but "
+                                 f"sparse_features has {samples} samples")
 
     @staticmethod
     def _average(average: float, sample: float) -> float:
