@@ -8,7 +8,10 @@ Disk tables are populated first (storage.populate: every row written to the stor
 training), so a row missing from memory is read from disk, as in a table trained for a while;
 `--fresh` leaves them empty (rows never written are generated, not read).
 
-    python scripts/bench_pipeline.py [--scale 10] [--steps 200] [--smoke]
+    python scripts/bench_pipeline.py [--scale 10] [--steps 200] [--nproc 2] [--smoke]
+
+With ``--nproc N`` every configuration runs under torchrun with N processes (DistributedModelParallel,
+DiskAwarePlanner; the budget is split evenly over the ranks).
 
 Each configuration is a fresh process (`python -m mlkv_torch.train configs/synthetic_large.yaml
 ...`); its summary.json gives samples/s (over all steps, including one evaluation of 4 batches at the
@@ -35,6 +38,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=0.10, help="memory budget, fraction of the tables' bytes")
     ap.add_argument("--out", default="bench-out/bench_pipeline.json")
+    ap.add_argument("--nproc", type=int, default=1, help="processes per configuration (torchrun when > 1)")
+    ap.add_argument("--depths", default="0,1,4,auto", help="look-ahead depths of the disk store (rocksdb: 0, 1, auto)")
     ap.add_argument("--fresh", action="store_true", help="do not populate the disk tables first")
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     args = ap.parse_args(argv)
@@ -45,17 +50,20 @@ def main(argv: List[str]) -> int:
 
     base = load_config(os.path.join(REPO, "configs", "synthetic_large.yaml"), ["output_dir=/unused"])
     rows = sum(cardinalities_of(base.data.synthetic.cardinalities, args.scale))
-    budget = max(1 << 20, int(args.budget * rows * BYTES_PER_ROW))
+    budget = max(1 << 20, int(args.budget * rows * BYTES_PER_ROW / args.nproc))  # per rank
     populate = [] if args.fresh else ["storage.populate=true"]
     configs = [(f"{kind}, depth {depth}", [f"storage.kind={kind}", f"pipeline.depth={depth}", *populate])
-               for kind, depths in (("disk", ("0", "1", "4", "auto")), ("rocksdb", ("0", "1", "auto")))
+               for kind, depths in (("disk", args.depths.split(",")), ("rocksdb", ("0", "1", "auto")))
                for depth in depths]
     configs.append(("memory (TorchRec fused)", ["storage.kind=memory"]))
     results: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as work:
         for i, (name, extra) in enumerate(configs):
             out = os.path.join(work, str(i))
-            cmd = [sys.executable, "-m", "mlkv_torch.train", os.path.join(REPO, "configs", "synthetic_large.yaml"),
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"] \
+                if args.nproc > 1 else []
+            cmd = [sys.executable, *launcher, "-m", "mlkv_torch.train",
+                   os.path.join(REPO, "configs", "synthetic_large.yaml"),
                    f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
                    f"train.batch_size={args.batch}", f"storage.memory_budget_bytes={budget}",
                    f"eval.every={args.steps}", "eval.batches=4", "train.checkpoint_every=null", "--no-progress",
@@ -71,7 +79,8 @@ def main(argv: List[str]) -> int:
                   flush=True)
     reference, in_memory = results[0]["samples_per_s"], results[-1]["samples_per_s"]
     print(f"\n{rows:,} rows ({rows * BYTES_PER_ROW / 2**20:,.0f} MiB with row-wise Adagrad), memory budget "
-          f"{budget / 2**20:.1f} MiB for disk tables; {args.steps} steps of {args.batch}")
+          f"{budget / 2**20:.1f} MiB for disk tables{' per rank' if args.nproc > 1 else ''}; {args.steps} steps of "
+          f"{args.batch}{f' per rank, {args.nproc} processes' if args.nproc > 1 else ''}")
     print(f"tables {'left empty (fresh rows generated)' if args.fresh else 'populated before training'}")
     print("| configuration | samples/s | vs disk depth 0 | vs memory | hit rate | final depth | AUC (oracle) | "
           "peak RSS (MiB) | on disk (MiB) |")
