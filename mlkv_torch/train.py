@@ -200,14 +200,7 @@ class _Experiment:
 
     def populate(self) -> int:
         """Writes every row of this rank's disk tables to their stores (storage.populate); returns the rows."""
-        from .embedding import DiskEmbeddingBag
-
-        rows = 0
-        for module in self.model.modules():
-            if isinstance(module, DiskEmbeddingBag):
-                module.populate()
-                rows += module.num_embeddings
-        return rows
+        return self.collection.populate() if hasattr(self.collection, "populate") else 0
 
     @property
     def world_size(self) -> int:
@@ -353,7 +346,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
         rows = experiment.populate()
         populate_s = time.perf_counter() - began
         if experiment.is_main:
-            print(f"[train] wrote {rows:,} rows to the stores before training in {populate_s:.1f} s", flush=True)
+            print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores before training in {populate_s:.1f} s", flush=True)
     start_step = 0
     if resume:
         if not os.path.exists(experiment.checkpoint_path()):

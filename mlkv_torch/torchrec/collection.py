@@ -170,6 +170,12 @@ class DiskEmbeddingBagCollection(nn.Module):
         for bag in self.embedding_bags.values():
             bag.flush()
 
+    def populate(self) -> int:
+        """Writes every row of every table to its store (`DiskEmbeddingBag.populate`); returns the rows."""
+        for bag in self.embedding_bags.values():
+            bag.populate()
+        return sum(bag.num_embeddings for bag in self.embedding_bags.values())
+
     def close(self) -> None:
         """Closes every table (checkpointing its store)."""
         for bag in self.embedding_bags.values():

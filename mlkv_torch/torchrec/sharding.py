@@ -312,6 +312,12 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         """DiskEmbeddingBag.stats() of each shard, by ``<table>_rows<r0>_cols<c0>``."""
         return {self._shard_name(table): bag.stats() for table, bag in zip(self._shards, self.bags)}
 
+    def populate(self) -> int:
+        """Writes every row of this kernel's shards to their stores; returns the rows."""
+        for bag in self.bags:
+            bag.populate()
+        return sum(bag.num_embeddings for bag in self.bags)
+
     def close(self) -> None:
         for bag in self.bags:
             bag.close()
@@ -515,6 +521,11 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """DiskEmbeddingBag.stats() of each disk shard on this rank, by ``<table>_rows<r0>_cols<c0>``."""
         return {name: stats for kernel in self.disk_kernels() for name, stats in kernel.stats().items()}
+
+    def populate(self) -> int:
+        """Writes every row of this rank's disk shards to their stores (`DiskEmbeddingBag.populate`),
+        so reads come from disk as in tables trained for a while; returns the rows."""
+        return sum(kernel.populate() for kernel in self.disk_kernels())
 
     def close(self) -> None:
         """Closes this rank's disk tables (their stores checkpoint)."""
