@@ -35,7 +35,7 @@ __all__ = ["DiskEmbeddingBag"]
 _MODES = ("sum", "mean")
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CACHE_POLICIES = ("lfu", "lru")
-_BACKENDS = ("mlkv", "rocksdb")
+BACKENDS = ("mlkv", "rocksdb")  # the stores a table can sit on
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
 
 
@@ -198,8 +198,8 @@ class DiskEmbeddingBag(nn.Module):
             raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
         if cache_policy not in _CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         optimizer = optimizer if optimizer is not None else optim_lib.SGD()
         if not isinstance(optimizer, optim_lib.SparseOptimizer):
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
@@ -370,15 +370,17 @@ class DiskEmbeddingBag(nn.Module):
             self.import_rows(ids, current_weight if weight is None else weight[rows],
                              (current_state if self._state_dim else None) if state is None else state[rows])
 
-    def populate(self) -> None:
+    def populate(self) -> int:
         """Writes every row to the store, rows never written with their initial values (rows
-        already written keep theirs), chunk by chunk. Training then reads rows from the store as
-        in a table trained for a while, rather than generating fresh ones: benchmarks use it."""
+        already written keep theirs), chunk by chunk; returns the rows. Training then reads rows
+        from the store as in a table trained for a while, rather than generating fresh ones:
+        benchmarks use it."""
         for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
             ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
             weights, state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, weights, state)
         self._cache.write_back()
+        return self.num_embeddings
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.snapshot()

@@ -172,9 +172,7 @@ class DiskEmbeddingBagCollection(nn.Module):
 
     def populate(self) -> int:
         """Writes every row of every table to its store (`DiskEmbeddingBag.populate`); returns the rows."""
-        for bag in self.embedding_bags.values():
-            bag.populate()
-        return sum(bag.num_embeddings for bag in self.embedding_bags.values())
+        return sum(bag.populate() for bag in self.embedding_bags.values())
 
     def close(self) -> None:
         """Closes every table (checkpointing its store)."""

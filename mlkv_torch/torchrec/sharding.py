@@ -53,7 +53,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
-from ..embedding import DiskEmbeddingBag
+from ..embedding import BACKENDS, DiskEmbeddingBag
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, fused_params_of, optimizer_from_fused_params,
                      pool_features, row_bytes, table_seed)
 
@@ -84,6 +84,8 @@ class DiskTableOptions:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
             raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.optimizer is not None and not isinstance(self.optimizer, optim_lib.SparseOptimizer):
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
 
@@ -314,9 +316,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
 
     def populate(self) -> int:
         """Writes every row of this kernel's shards to their stores; returns the rows."""
-        for bag in self.bags:
-            bag.populate()
-        return sum(bag.num_embeddings for bag in self.bags)
+        return sum(bag.populate() for bag in self.bags)
 
     def close(self) -> None:
         for bag in self.bags:
