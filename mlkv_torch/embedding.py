@@ -20,7 +20,7 @@ import os
 import tempfile
 import warnings
 import weakref
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -333,15 +333,20 @@ class DiskEmbeddingBag(nn.Module):
         are read with it but not kept)."""
         return self._read_all(weights=False, state=True)[1]
 
+    def _row_chunks(self) -> Iterator[Tuple[torch.Tensor, slice]]:
+        """The ids of every row, a chunk at a time, with the chunk's rows as a slice: a pass over
+        the whole table never holds more than a chunk."""
+        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
+            stop = min(start + self._STATE_CHUNK_ROWS, self.num_embeddings)
+            yield torch.arange(start, stop), slice(start, stop)
+
     def _read_all(self, weights: bool, state: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         n = self.num_embeddings
         nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0) + (4 * self._state_dim if state else 0))
         where = self._store.path if nbytes > self.memory_budget_bytes else None
         weight_out = _empty_rows((n, self.embedding_dim), self.dtype, where) if weights else None
         state_out = _empty_rows((n, self._state_dim), torch.float32, where) if state else None
-        for start in range(0, n, self._STATE_CHUNK_ROWS):
-            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, n))
-            rows = slice(start, start + ids.numel())
+        for ids, rows in self._row_chunks():
             if state_out is None:
                 weight_out[rows] = self.export_rows(ids)
                 continue
@@ -362,9 +367,7 @@ class DiskEmbeddingBag(nn.Module):
                                  f"{list(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
         if weight is None and state is None:
             return
-        for start in range(0, n, self._STATE_CHUNK_ROWS):
-            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, n))
-            rows = slice(start, start + ids.numel())
+        for ids, rows in self._row_chunks():
             if weight is None or (state is None and self._state_dim):
                 current_weight, current_state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, current_weight if weight is None else weight[rows],
@@ -375,8 +378,7 @@ class DiskEmbeddingBag(nn.Module):
         already written keep theirs), chunk by chunk; returns the rows. Training then reads rows
         from the store as in a table trained for a while, rather than generating fresh ones:
         benchmarks use it."""
-        for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
-            ids = torch.arange(start, min(start + self._STATE_CHUNK_ROWS, self.num_embeddings))
+        for ids, _ in self._row_chunks():
             weights, state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, weights, state)
         self._cache.write_back()
@@ -403,8 +405,7 @@ class DiskEmbeddingBag(nn.Module):
     def flush(self) -> None:
         """Applies queued updates and writes every changed row to the store."""
         self._cache.write_back()
-        if isinstance(self._store, KVStore):  # its background reads; RocksDB has none
-            self._store.flush()
+        self._store.flush()
 
     def stats(self) -> Dict[str, Any]:
         """The store's counters, the cache's (hits, misses, evictions, pending updates, largest

@@ -104,13 +104,14 @@ class LookaheadPipeline:
 
         Returns:
             ``depth``; ``step_ms``, a moving average of forward, backward and optimizer step;
-            ``prefetch_latency_ms``, the largest the disk tables report, read every few steps
-            (with depth "auto" under DMP, the largest of any rank: "auto" picks the depth from
-            these two); ``lookahead_ms``, a moving average of the time to issue one batch's
+            ``prefetch_latency_ms``, the largest the disk tables report (with depth "auto", as
+            read at its last choice, every few steps, and under DMP the largest of any rank:
+            "auto" picks the depth from these two); ``lookahead_ms``, a moving average of the time to issue one batch's
             lookahead (under DMP: its input distribution, including the wait for the other
             ranks); ``disk_collections``, the disk collections found in the model.
         """
-        return {"depth": self._depth, "step_ms": self._step_ms, "prefetch_latency_ms": self._latency_ms,
+        latency_ms = self._latency_ms if self._auto else self._table_latency_ms()
+        return {"depth": self._depth, "step_ms": self._step_ms, "prefetch_latency_ms": latency_ms,
                 "lookahead_ms": self._lookahead_ms, "disk_collections": len(self._tables)}
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
@@ -141,8 +142,8 @@ class LookaheadPipeline:
         self._optimizer.step()
         self._step_ms = self._average(self._step_ms, (time.perf_counter() - start) * 1e3)
         self._steps += 1
-        if self._steps % _ADAPT_EVERY == 0:
-            self._measure()
+        if self._auto and self._steps % _ADAPT_EVERY == 0:
+            self._adapt()
         return output
 
     @staticmethod
@@ -165,14 +166,15 @@ class LookaheadPipeline:
         """The moving average after `sample` (the first sample starts it)."""
         return sample if average == 0.0 else (1 - _EWMA) * average + _EWMA * sample
 
-    def _measure(self) -> None:
-        """Reads the prefetch latency of the disk tables; with depth "auto", picks the depth from it."""
-        latencies = [stats.get("prefetch_latency_ms", 0.0) for collection in self._tables
-                     for stats in collection.stats().values()]
-        latency_ms = max(latencies, default=0.0)
-        if not self._auto:
-            self._latency_ms = latency_ms
-            return
+    def _table_latency_ms(self) -> float:
+        """The largest prefetch latency the disk tables of this rank report (their stats() read the
+        stores too: not for every step)."""
+        return max((stats.get("prefetch_latency_ms", 0.0) for collection in self._tables
+                    for stats in collection.stats().values()), default=0.0)
+
+    def _adapt(self) -> None:
+        """Depth "auto": picks the depth from the prefetch latency and the step time."""
+        latency_ms = self._table_latency_ms()
         wanted = 0  # no measurement yet: keep the depth
         if latency_ms > 0 and self._step_ms > 0:
             wanted = min(self._max_depth, max(1, math.ceil(latency_ms / self._step_ms)))

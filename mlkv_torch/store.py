@@ -310,6 +310,11 @@ class RocksDBStore(_RowStore):
         self._store = _C.RocksStore(self._path, dim * dtype.itemsize, memory_budget_bytes, bool(direct_io))
         self._closed = False
 
+    def flush(self) -> None:
+        """Returns at once: unlike KVStore, this store runs no reads in the background for its
+        callers, and RocksDB reports its own background errors on the calls that meet them."""
+        self._check_open()
+
     def stats(self) -> Dict[str, Any]:
         """Counters: RocksDB's estimate of its rows, live SST bytes, memtable and block-cache bytes,
         block-cache hits and misses (a data-block miss is a disk read), rows read, found and written."""

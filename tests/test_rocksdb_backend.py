@@ -8,16 +8,12 @@ import torch
 
 from mlkv_torch import CorruptionError, DiskEmbeddingBag, RocksDBStore, _C, optim
 
+from conftest import DIM, rows_for
 from test_disk_embedding_bag import NUM, OPTIMIZERS, batch, reference_like
 
 pytestmark = pytest.mark.skipif(not _C.with_rocksdb, reason="built without RocksDB (librocksdb-dev)")
 
-DIM = 8
 SMALL_BUDGET = 256 << 10  # 64 KiB memtables: a few thousand rows push most of them into SST files
-
-
-def rows_for(keys: torch.Tensor, tag: int) -> torch.Tensor:
-    return keys.to(torch.float32).unsqueeze(1) * 100 + torch.arange(DIM, dtype=torch.float32) + tag * 1e6
 
 
 def test_store_equals_a_dict_across_flushes_and_reopen(tmp_path):
