@@ -382,11 +382,23 @@ void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double be
   }
 }
 
-std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const RowStoreHandle& store, int64_t capacity, int64_t dim, int64_t weight_type,
-                                                int64_t kind, double lr, double eps, double beta1, double beta2,
-                                                std::vector<float> initial_state, int64_t seed, double low, double high,
+// One table of a cache, as Python describes it: (name, store, num_embeddings, seed, low, high, first_column).
+using TableArgs = std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, double, double, int64_t>;
+
+std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& tables, int64_t capacity, int64_t dim,
+                                                int64_t weight_type, int64_t kind, double lr, double eps, double beta1,
+                                                double beta2, std::vector<float> initial_state,
                                                 const std::string& policy, int64_t staleness, const std::string& device,
-                                                int64_t first_column, int64_t staging_bytes) {
+                                                int64_t staging_bytes) {
+  std::vector<mlkv::CacheTable> cache_tables;
+  for (const auto& [name, store, num_embeddings, seed, low, high, first_column] : tables) {
+    TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
+    TORCH_CHECK_VALUE(first_column >= 0, "table '", name, "': first_column must be non-negative, got ", first_column);
+    cache_tables.push_back({name, store->rows(),
+                            {static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low),
+                             first_column},
+                            num_embeddings});
+  }
   mlkv::CacheOptions o;
   o.capacity = capacity;
   o.dim = dim;
@@ -394,8 +406,6 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const RowStoreHandle& store, int
   o.weight_type = static_cast<mlkv::WeightType>(weight_type);
   o.optimizer = MakeSpec(kind, lr, eps, beta1, beta2);
   o.initial_state = std::move(initial_state);
-  TORCH_CHECK_VALUE(first_column >= 0, "first_column must be non-negative, got ", first_column);
-  o.init = {static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low), first_column};
   if (policy == "lfu") {
     o.policy = mlkv::CachePolicy::kLfu;
   } else if (policy == "lru") {
@@ -405,7 +415,7 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const RowStoreHandle& store, int
   }
   o.staleness = staleness;
   o.staging_bytes = staging_bytes;
-  return std::make_unique<mlkv::EmbeddingCache>(store.rows(), std::move(o), torch::Device(device));
+  return std::make_unique<mlkv::EmbeddingCache>(std::move(cache_tables), std::move(o), torch::Device(device));
 }
 
 py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
@@ -432,6 +442,28 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["prefetch_latency_ms"] = s.lookahead_latency_us / 1e3;
   d["prefetch_wait_ms"] = static_cast<double>(s.lookahead_wait_us) / 1e3;
   return d;
+}
+
+// The per-table part of the cache's counters, one dict per table, under CacheStatsDict's names.
+py::list TableStatsList(mlkv::EmbeddingCache& cache) {
+  std::vector<mlkv::TableCounters> counters;
+  {
+    py::gil_scoped_release release;
+    counters = cache.TableStats();
+  }
+  py::list out;
+  for (const mlkv::TableCounters& t : counters) {
+    py::dict d;
+    d["cache_hits"] = t.hits;
+    d["cache_misses"] = t.misses;
+    d["store_reads"] = t.store_reads;
+    d["fresh_rows"] = t.fresh_rows;
+    d["cached_rows"] = t.cached_rows;
+    d["prefetch_hits"] = t.lookahead_hits;
+    d["written_back"] = t.written_back;
+    out.append(d);
+  }
+  return out;
 }
 
 }  // namespace
@@ -505,11 +537,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using mlkv::EmbeddingCache;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<EmbeddingCache>(m, "EmbeddingCache")
-      .def(py::init(&MakeCache), py::arg("store"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
+      .def(py::init(&MakeCache), py::arg("tables"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
            py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
-           py::arg("seed"), py::arg("low"), py::arg("high"), py::arg("policy"), py::arg("staleness"), py::arg("device"),
-           py::arg("first_column") = 0, py::arg("staging_bytes") = 32 << 20)
+           py::arg("policy"), py::arg("staleness"), py::arg("device"), py::arg("staging_bytes") = 32 << 20)
       .def_static("unique", &EmbeddingCache::Unique, nogil)
+      .def("unique_keys", &EmbeddingCache::UniqueKeys, nogil)
       .def("fetch", &EmbeddingCache::Fetch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)
       .def("drain", &EmbeddingCache::Drain, nogil)
@@ -520,6 +552,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("close", &EmbeddingCache::Close, nogil)
       .def("stats", &CacheStatsDict)
+      .def("table_stats", &TableStatsList)
+      .def_property_readonly_static("table_shift", [](py::object) { return mlkv::kTableShift; })
       .def_property_readonly("row_words", &EmbeddingCache::row_words)
       .def_property_readonly("weight_words", &EmbeddingCache::weight_words);
 }

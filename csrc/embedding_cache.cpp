@@ -125,8 +125,8 @@ void IdMap::Grow() {
 
 // ---- EmbeddingCache ------------------------------------------------------------------------------
 
-EmbeddingCache::EmbeddingCache(std::shared_ptr<RowStore> store, CacheOptions options, torch::Device device)
-    : store_(std::move(store)),
+EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device)
+    : tables_(std::move(tables)),
       opt_(std::move(options)),
       device_(device),
       on_host_(device.is_cpu()),
@@ -139,8 +139,16 @@ EmbeddingCache::EmbeddingCache(std::shared_ptr<RowStore> store, CacheOptions opt
   TORCH_CHECK_VALUE(opt_.staleness >= 0, "staleness must be >= 0, got ", opt_.staleness);
   TORCH_CHECK_VALUE(static_cast<int64_t>(opt_.initial_state.size()) == row_words_ - weight_words_,
                     "initial_state must have ", row_words_ - weight_words_, " values");
-  TORCH_CHECK_VALUE(static_cast<int64_t>(store_->value_bytes()) == row_words_ * 4, "the store's rows hold ",
-                    store_->value_bytes(), " bytes, the table needs ", row_words_ * 4);
+  TORCH_CHECK_VALUE(!tables_.empty() && tables_.size() < (size_t{1} << (63 - kTableShift)),
+                    "a cache holds 1 to 2^23 tables, got ", tables_.size());
+  for (const CacheTable& t : tables_) {
+    TORCH_CHECK_VALUE(t.store != nullptr, "table '", t.name, "' has no store");
+    TORCH_CHECK_VALUE(t.num_embeddings > 0 && t.num_embeddings <= kIdMask + 1, "table '", t.name,
+                      "': num_embeddings must be in [1, 2^40], got ", t.num_embeddings);
+    TORCH_CHECK_VALUE(static_cast<int64_t>(t.store->value_bytes()) == row_words_ * 4, "the store of table '", t.name,
+                      "' holds rows of ", t.store->value_bytes(), " bytes, the table needs ", row_words_ * 4);
+  }
+  table_stats_.resize(tables_.size());
 #ifndef MLKV_WITH_CUDA
   TORCH_CHECK_VALUE(device_.is_cpu(), "this build of mlkv_torch has no CUDA kernels; device must be the CPU");
 #endif
@@ -220,6 +228,58 @@ std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Ten
   return {torch::tensor(distinct, torch::kInt64), inverse};
 }
 
+std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch::Tensor& values,
+                                                                    const std::vector<int64_t>& feature_counts,
+                                                                    const std::vector<int64_t>& feature_tables) const {
+  CheckIds(values);
+  TORCH_CHECK_VALUE(feature_counts.size() == feature_tables.size(), "feature_counts has ", feature_counts.size(),
+                    " features, feature_tables ", feature_tables.size());
+  const int64_t n = values.numel();
+  int64_t total = 0;
+  for (size_t f = 0; f < feature_counts.size(); ++f) {
+    TORCH_CHECK_VALUE(feature_counts[f] >= 0, "feature ", f, " has a negative count of ids");
+    TORCH_CHECK_VALUE(feature_tables[f] >= 0 && feature_tables[f] < static_cast<int64_t>(tables_.size()), "feature ", f,
+                      " names table ", feature_tables[f], " of ", tables_.size());
+    total += feature_counts[f];
+  }
+  TORCH_CHECK_VALUE(total == n, "the features hold ", total, " ids, values has ", n);
+  const int64_t* id = values.data_ptr<int64_t>();
+  torch::Tensor inverse = torch::empty({n}, torch::kInt64);
+  int64_t* inv = inverse.data_ptr<int64_t>();
+  std::vector<int64_t> distinct;
+  IdMap index(static_cast<size_t>(n));
+  int64_t i = 0;
+  for (size_t f = 0; f < feature_counts.size(); ++f) {
+    const CacheTable& table = tables_[static_cast<size_t>(feature_tables[f])];
+    const int64_t table_bits = TableKey(feature_tables[f], 0);
+    for (const int64_t end = i + feature_counts[f]; i < end; ++i) {
+      TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < table.num_embeddings, "id ", id[i], " is out of range [0, ",
+                        table.num_embeddings, ") of table '", table.name, "'");
+      const int64_t key = table_bits | id[i];
+      const int32_t next = static_cast<int32_t>(distinct.size());
+      const int32_t at = index.Insert(key, next);
+      if (at == next) distinct.push_back(key);
+      inv[i] = at;
+    }
+  }
+  return {torch::tensor(distinct, torch::kInt64), inverse};
+}
+
+std::vector<EmbeddingCache::TableBatch> EmbeddingCache::SplitByTable(const int64_t* keys, size_t n,
+                                                                   int64_t* only) const {
+  *only = n ? TableOf(keys[0]) : 0;
+  size_t i = 0;
+  while (i < n && TableOf(keys[i]) == *only) ++i;
+  if (i == n) return {};
+  std::vector<TableBatch> batches(tables_.size());
+  for (i = 0; i < n; ++i) {
+    TableBatch& b = batches[static_cast<size_t>(TableOf(keys[i]))];
+    b.ids.push_back(keys[i] & kIdMask);
+    b.positions.push_back(i);
+  }
+  return batches;
+}
+
 void EmbeddingCache::ThrowIfFailed() {
   if (!failed_.ok()) throw StatusError(failed_);
 }
@@ -232,16 +292,35 @@ void EmbeddingCache::WaitQueuedAtMost(int64_t n) {
   applied_cv_.wait(lock, [&] { return queued_ <= n; });
 }
 
-void EmbeddingCache::ReadFromStore(const int64_t* ids, size_t n, float* out, int64_t* fresh) {
+void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bool* fresh) const {
   if (n == 0) return;
   std::unique_ptr<bool[]> found(new bool[n]);
-  ThrowIfError(store_->Lookup(ids, n, out, found.get()));
+  int64_t only;
+  const std::vector<TableBatch> batches = SplitByTable(keys, n, &only);
+  if (batches.empty()) {
+    std::vector<int64_t> ids(keys, keys + n);
+    for (int64_t& id : ids) id &= kIdMask;
+    ThrowIfError(tables_[static_cast<size_t>(only)].store->Lookup(ids.data(), n, out, found.get()));
+  } else {
+    // One batched read per table, into a buffer, then back to the batch's order.
+    for (size_t t = 0; t < batches.size(); ++t) {
+      const TableBatch& b = batches[t];
+      if (b.ids.empty()) continue;
+      std::vector<float> rows(b.ids.size() * static_cast<size_t>(row_words_));
+      std::unique_ptr<bool[]> table_found(new bool[b.ids.size()]);
+      ThrowIfError(tables_[t].store->Lookup(b.ids.data(), b.ids.size(), rows.data(), table_found.get()));
+      for (size_t k = 0; k < b.ids.size(); ++k) {
+        std::memcpy(out + b.positions[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
+        found[b.positions[k]] = table_found[k];
+      }
+    }
+  }
   std::vector<float> initial(static_cast<size_t>(opt_.dim));
   for (size_t i = 0; i < n; ++i) {
+    fresh[i] = !found[i];
     if (found[i]) continue;
-    ++*fresh;
     float* row = out + i * row_words_;
-    InitialRow(opt_.init, ids[i], opt_.dim, initial.data());
+    InitialRow(tables_[static_cast<size_t>(TableOf(keys[i]))].init, keys[i] & kIdMask, opt_.dim, initial.data());
     DispatchWeightType(opt_.weight_type, [&](auto zero) {
       using W = decltype(zero);
       W* w = reinterpret_cast<W*>(row);
@@ -331,10 +410,12 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admissi
     if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s]) return -1;
     admissions->push_back({s, slot_id_[s], slot_freq_[s], slot_dirty_[s]});
     slot_of_.Erase(slot_id_[s]);
+    --table_stats_[static_cast<size_t>(TableOf(slot_id_[s]))].cached_rows;
     if (opt_.policy == CachePolicy::kLru) LruUnlink(s);
   }
   slot_id_[s] = id;
   slot_of_.Insert(id, s);
+  ++table_stats_[static_cast<size_t>(TableOf(id))].cached_rows;
   slot_freq_[s] = frequency;
   slot_dirty_[s] = 0;
   slot_epoch_[s] = epoch_;
@@ -345,6 +426,7 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admissi
 void EmbeddingCache::UndoAdmissions(const std::vector<Admission>& admissions) {
   for (auto a = admissions.rbegin(); a != admissions.rend(); ++a) {
     slot_of_.Erase(slot_id_[a->slot]);
+    --table_stats_[static_cast<size_t>(TableOf(slot_id_[a->slot]))].cached_rows;
     slot_id_[a->slot] = a->evicted_id;
     if (a->evicted_id < 0) {
       free_slots_.push_back(a->slot);
@@ -352,6 +434,7 @@ void EmbeddingCache::UndoAdmissions(const std::vector<Admission>& admissions) {
       continue;
     }
     slot_of_.Insert(a->evicted_id, a->slot);
+    ++table_stats_[static_cast<size_t>(TableOf(a->evicted_id))].cached_rows;
     slot_freq_[a->slot] = a->evicted_freq;
     slot_dirty_[a->slot] = a->evicted_dirty;
   }
@@ -450,11 +533,14 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t s = slot_of_.Find(id[i]);
+      TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(id[i]))];
       if (s >= 0) {
         source[i] = s;
         Touch(s);
+        ++counters.hits;
       } else {
         source[i] = -1;
+        ++counters.misses;
         missed_pos.push_back(i);
         missed_ids.push_back(id[i]);
       }
@@ -469,7 +555,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     stats_.misses += m;
     missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
     float* missed = missed_rows.data_ptr<float>();
-    stats_.lookahead_hits += ReadThroughStaging(missed_ids.data(), static_cast<size_t>(m), missed);
+    ReadThroughStaging(missed_ids.data(), static_cast<size_t>(m), missed);
 
     std::vector<Admission> admissions;
     std::vector<int32_t> admitted_slots;
@@ -502,7 +588,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
         UndoAdmissions(admissions);
         throw StatusError(st);
       }
-      stats_.written_back += static_cast<int64_t>(evicted_ids.size());
+      CountWrittenBack(evicted_ids);
     }
     for (const Admission& a : admissions) stats_.evictions += a.evicted_id >= 0;
     stats_.admitted += static_cast<int64_t>(admissions.size());
@@ -691,8 +777,8 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
     std::memcpy(dst + cached_pos[k] * row_words_, cached.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
   }
   torch::Tensor missed = torch::empty({static_cast<int64_t>(missed_ids.size()), row_words_}, torch::kFloat32);
-  int64_t fresh = 0;
-  ReadFromStore(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>(), &fresh);
+  std::unique_ptr<bool[]> fresh(new bool[missed_ids.size()]);
+  ReadFromStore(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>(), fresh.get());
   for (size_t k = 0; k < missed_pos.size(); ++k) {
     std::memcpy(dst + missed_pos[k] * row_words_, missed.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
   }
@@ -764,8 +850,8 @@ void EmbeddingCache::PrefetchLoop() {
     std::vector<float> rows(ids.size() * static_cast<size_t>(row_words_));
     bool read_ok = true;
     try {
-      int64_t fresh = 0;
-      ReadFromStore(ids.data(), ids.size(), rows.data(), &fresh);
+      std::unique_ptr<bool[]> fresh(new bool[ids.size()]);
+      ReadFromStore(ids.data(), ids.size(), rows.data(), fresh.get());
     } catch (const std::exception&) {
       read_ok = false;  // the fetch that needs these rows reads them itself and meets the error
     }
@@ -845,20 +931,25 @@ int64_t EmbeddingCache::ReadThroughStaging(const int64_t* ids, size_t n, float* 
     }
     std::memcpy(out + i * row_words_, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
     Unstage(ids[i], entry);
+    ++table_stats_[static_cast<size_t>(TableOf(ids[i]))].lookahead_hits;
   }
-  int64_t fresh = 0;
-  if (unstaged_ids.size() == n) {
-    ReadFromStore(ids, n, out, &fresh);
-  } else if (!unstaged_ids.empty()) {
-    std::vector<float> rows(unstaged_ids.size() * static_cast<size_t>(row_words_));
-    ReadFromStore(unstaged_ids.data(), unstaged_ids.size(), rows.data(), &fresh);
-    for (size_t k = 0; k < unstaged_pos.size(); ++k) {
+  const size_t m = unstaged_ids.size();
+  std::unique_ptr<bool[]> fresh(new bool[m]);
+  if (m == n) {
+    ReadFromStore(ids, n, out, fresh.get());
+  } else if (m > 0) {
+    std::vector<float> rows(m * static_cast<size_t>(row_words_));
+    ReadFromStore(unstaged_ids.data(), m, rows.data(), fresh.get());
+    for (size_t k = 0; k < m; ++k) {
       std::memcpy(out + unstaged_pos[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
     }
   }
-  stats_.fresh_rows += fresh;
-  stats_.store_reads += static_cast<int64_t>(unstaged_ids.size()) - fresh;
-  return static_cast<int64_t>(n - unstaged_ids.size());
+  for (size_t k = 0; k < m; ++k) {
+    TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(unstaged_ids[k]))];
+    ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
+    ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
+  }
+  return static_cast<int64_t>(n - m);
 }
 
 Status EmbeddingCache::PutToStore(const int64_t* ids, size_t n, const float* rows) {
@@ -867,7 +958,31 @@ Status EmbeddingCache::PutToStore(const int64_t* ids, size_t n, const float* row
     if (entry >= 0) Unstage(ids[i], entry);
     if (prefetch_reading_) written_while_prefetching_.Insert(ids[i], 1);
   }
-  return store_->Put(ids, n, rows);
+  int64_t only;
+  const std::vector<TableBatch> batches = SplitByTable(ids, n, &only);
+  if (batches.empty()) {
+    std::vector<int64_t> table_ids(ids, ids + n);
+    for (int64_t& id : table_ids) id &= kIdMask;
+    return tables_[static_cast<size_t>(only)].store->Put(table_ids.data(), n, rows);
+  }
+  for (size_t t = 0; t < batches.size(); ++t) {
+    const TableBatch& b = batches[t];
+    if (b.ids.empty()) continue;
+    std::vector<float> table_rows(b.ids.size() * static_cast<size_t>(row_words_));
+    for (size_t k = 0; k < b.ids.size(); ++k) {
+      std::memcpy(&table_rows[k * row_words_], rows + b.positions[k] * row_words_, row_words_ * sizeof(float));
+    }
+    // Tables written before a failing one keep their rows: each put is whole or not at all, and the
+    // caller keeps every row it meant to write (dirty in the cache, or queued) until all succeeded.
+    const Status st = tables_[t].store->Put(b.ids.data(), b.ids.size(), table_rows.data());
+    if (!st.ok()) return st;
+  }
+  return Status::OK();
+}
+
+void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
+  stats_.written_back += static_cast<int64_t>(keys.size());
+  for (int64_t key : keys) ++table_stats_[static_cast<size_t>(TableOf(key))].written_back;
 }
 
 void EmbeddingCache::WriteBack() {
@@ -885,7 +1000,7 @@ void EmbeddingCache::WriteBack() {
   torch::Tensor rows = SlotRowsToHost(slots);
   ThrowIfError(PutToStore(ids.data(), ids.size(), rows.data_ptr<float>()));
   for (int32_t s : slots) slot_dirty_[s] = 0;
-  stats_.written_back += static_cast<int64_t>(ids.size());
+  CountWrittenBack(ids);
 }
 
 void EmbeddingCache::Close() {
@@ -901,6 +1016,8 @@ CacheStats EmbeddingCache::Stats() {
     s = stats_;
     s.cached_rows = static_cast<int64_t>(slot_of_.size());
     s.pending_rows = static_cast<int64_t>(pending_.size());
+    s.lookahead_hits = 0;
+    for (const TableCounters& t : table_stats_) s.lookahead_hits += t.lookahead_hits;
   }
   {
     std::lock_guard<std::mutex> lock(prefetch_mu_);
@@ -911,6 +1028,15 @@ CacheStats EmbeddingCache::Stats() {
   s.queued_updates = queued_;
   s.waits = waits_;
   return s;
+}
+
+}  // namespace mlkv
+
+namespace mlkv {
+
+std::vector<TableCounters> EmbeddingCache::TableStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_stats_;
 }
 
 }  // namespace mlkv

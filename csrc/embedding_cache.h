@@ -1,10 +1,14 @@
-// EmbeddingCache: the hot cache of a DiskEmbeddingBag table, in device
-// memory, in front of a RowStore (KVStore or RocksDB), with the table's fused optimizer and an
-// applier thread that takes updates off the training step.
+// EmbeddingCache: the table-batched hot cache of a group of disk tables that share a row
+// layout (dim, weight type, optimizer), in device memory, in front of one RowStore per table
+// (KVStore or RocksDB), with the group's fused optimizer and an applier thread that takes
+// updates off the training step. A DiskEmbeddingBag is the one-table case.
 //
-// - Rows: `capacity` rows of the table layout (row_ops.h) in one tensor on
-//   the table's device. Index and policy live on the host: an open-addressing
-//   map id -> slot and per-slot counters.
+// - Keys: a row of table t, id i is the key (t << kTableShift) | i (TableKey), so every
+//   table's rows share one index, one slot tensor and one policy, and a whole batch of
+//   every table's features is fetched, updated and read ahead in one call.
+// - Rows: `capacity` rows of the layout (row_ops.h) in one tensor on
+//   the device. Index and policy live on the host: an open-addressing
+//   map key -> slot and per-slot counters.
 // - Policy "lfu": a miss is admitted only when its recent frequency (a
 //   count-min sketch, halved periodically so it follows drift) beats that of
 //   the coldest of a few sampled residents. Policy "lru": every miss is
@@ -51,6 +55,12 @@ struct StatusError : std::runtime_error {
   Status status;
 };
 
+// Bits of a key below the table index: ids up to 2^40 (a trillion rows), 2^23 tables.
+constexpr int kTableShift = 40;
+constexpr int64_t kIdMask = (int64_t{1} << kTableShift) - 1;
+inline int64_t TableKey(int64_t table, int64_t id) { return (table << kTableShift) | id; }
+inline int64_t TableOf(int64_t key) { return key >> kTableShift; }
+
 // Open-addressing map from non-negative int64 ids to int32 values; linear
 // probing with backward-shift deletion (no tombstones).
 class IdMap {
@@ -74,13 +84,20 @@ class IdMap {
 
 enum class CachePolicy : int { kLfu = 0, kLru = 1 };
 
+// One table of a cache: its store, the initial values of its rows never written, its size.
+struct CacheTable {
+  std::string name;  // named in errors
+  std::shared_ptr<RowStore> store;
+  RowInit init;
+  int64_t num_embeddings = 0;
+};
+
 struct CacheOptions {
-  int64_t capacity = 0;      // rows held at most
+  int64_t capacity = 0;      // rows held at most, over all tables
   int64_t dim = 0;           // weights per row
   WeightType weight_type = WeightType::kFloat32;
   OptimizerSpec optimizer;
   std::vector<float> initial_state;  // state of rows never written
-  RowInit init;
   CachePolicy policy = CachePolicy::kLfu;
   int64_t staleness = 0;
   int64_t staging_bytes = 32 << 20;  // lookahead staging area (at least 4096 rows), beside the budget
@@ -97,16 +114,29 @@ struct CacheStats {
   int64_t lookahead_wait_us = 0;
 };
 
+// The counters of CacheStats that belong to one table of the cache.
+struct TableCounters {
+  int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, cached_rows = 0, lookahead_hits = 0,
+          written_back = 0;
+};
+
 class EmbeddingCache {
  public:
-  EmbeddingCache(std::shared_ptr<RowStore> store, CacheOptions options, torch::Device device);
+  EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device);
   ~EmbeddingCache();
 
   // Distinct ids in order of first appearance and, per input position, its
   // index among them. Raises (ValueError) on an id outside [0, num_embeddings).
   static std::tuple<torch::Tensor, torch::Tensor> Unique(const torch::Tensor& ids, int64_t num_embeddings);
-  // Weights [n, weight_words] (float32 words) of distinct `ids`, on the device;
-  // admits misses per policy.
+  // The same over a batch of several features: `values` holds feature_counts[f] ids of
+  // feature f after those of f - 1, each a row of table feature_tables[f]. Returns the
+  // distinct keys (TableKey) and, per value, its index among them; raises (ValueError)
+  // naming the table on an id outside the table.
+  std::tuple<torch::Tensor, torch::Tensor> UniqueKeys(const torch::Tensor& values,
+                                                      const std::vector<int64_t>& feature_counts,
+                                                      const std::vector<int64_t>& feature_tables) const;
+  // Weights [n, weight_words] (float32 words) of distinct keys `ids`, on the device;
+  // admits misses per policy. Every method below takes keys (TableKey), not ids.
   torch::Tensor Fetch(const torch::Tensor& ids);
   // Queues one optimizer step for distinct `ids` with gradient rows `grads`
   // [n, dim] float32 (on the device), at learning rate `lr` (the rate when
@@ -130,6 +160,8 @@ class EmbeddingCache {
   // Drains and writes back, then stops the applier.
   void Close();
   CacheStats Stats();
+  std::vector<TableCounters> TableStats();
+  int64_t num_tables() const { return static_cast<int64_t>(tables_.size()); }
   int64_t row_words() const { return row_words_; }
   int64_t weight_words() const { return weight_words_; }
 
@@ -151,9 +183,16 @@ class EmbeddingCache {
   void Apply(const Update& u);        // holds mu_
   void ThrowIfFailed();               // holds mu_: rethrows an error the applier met
   void WaitQueuedAtMost(int64_t n);
-  // Reads full rows of ids not cached from the store (initial rows for ids
-  // never written) into `out` [n, row_words] CPU.
-  void ReadFromStore(const int64_t* ids, size_t n, float* out, int64_t* fresh);
+  // Reads full rows of keys not cached from their tables' stores (initial rows for ids
+  // never written) into `out` [n, row_words] CPU; fresh[i] says row i was never written.
+  void ReadFromStore(const int64_t* keys, size_t n, float* out, bool* fresh) const;
+  // Rows of one table: its ids (keys without the table bits) and their positions in a batch.
+  struct TableBatch {
+    std::vector<int64_t> ids;
+    std::vector<size_t> positions;
+  };
+  // `keys` split by table; empty when they all belong to table `*only` (set then).
+  std::vector<TableBatch> SplitByTable(const int64_t* keys, size_t n, int64_t* only) const;
   // A slot given to a missed id, and what it held before (evicted_id -1: it was free).
   struct Admission {
     int32_t slot;
@@ -183,6 +222,7 @@ class EmbeddingCache {
   // Every store write of the cache goes here: staged copies of the rows become
   // stale, and so do rows a prefetch is reading at the moment. Holds mu_.
   Status PutToStore(const int64_t* ids, size_t n, const float* rows);
+  void CountWrittenBack(const std::vector<int64_t>& keys);  // holds mu_
   // Staging (holds mu_): keep a row read from the store for a later fetch or update.
   bool Stage(int64_t id, const float* row);
   void Unstage(int64_t id, int32_t entry);
@@ -192,7 +232,7 @@ class EmbeddingCache {
   // Waits (without mu_) until no prefetch in flight covers one of `ids`.
   void WaitForPrefetches(const int64_t* ids, int64_t n);
 
-  std::shared_ptr<RowStore> store_;
+  const std::vector<CacheTable> tables_;
   const CacheOptions opt_;
   const torch::Device device_;
   const bool on_host_;  // the slots are in host memory
@@ -215,6 +255,7 @@ class EmbeddingCache {
   uint64_t rng_ = 0x9E3779B97F4A7C15ull;
   IdMap pending_;  // id -> updates queued and not applied (staleness > 0 only)
   CacheStats stats_;
+  std::vector<TableCounters> table_stats_;  // cached_rows kept current; the rest count up
 
   // Lookahead staging: rows read ahead, waiting for the fetch that needs them.
   IdMap staged_;                     // id -> entry of staged_rows_

@@ -20,7 +20,8 @@ import os
 import tempfile
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from . import _C
 from . import optim as optim_lib
 from .store import KVStore, RocksDBStore
 
-__all__ = ["DiskEmbeddingBag"]
+__all__ = ["DiskEmbeddingBag", "DiskTable", "DiskTableBatch", "split_host_memory"]
 
 _MODES = ("sum", "mean")
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -39,50 +40,57 @@ BACKENDS = ("mlkv", "rocksdb")  # the stores a table can sit on
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
 
 
-class _DiskEmbeddingBagFunction(torch.autograd.Function):
-    """Autograd glue: `anchor` (an empty parameter) makes backward run even
-    when no other input needs a gradient, and says whether the table trains:
-    under no_grad, or with the module frozen, nothing is updated."""
+class _PooledLookup(torch.autograd.Function):
+    """Autograd glue of the table-batched lookup: pools the fetched rows of every feature in one
+    ``embedding_bag`` call; backward computes one gradient row per distinct key and queues the
+    batch's fused optimizer step. `anchors` (one empty parameter per table) make backward run
+    even when no other input needs a gradient, and say which tables train: under no_grad, or
+    with a table frozen, its rows are not updated."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, table: "DiskEmbeddingBag", unique: torch.Tensor, inverse: torch.Tensor,
-                offsets: torch.Tensor, weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
-        out = F.embedding_bag(inverse, weights, offsets, mode=table.mode, per_sample_weights=per_sample_weights,
+    def forward(ctx: Any, batch: "DiskTableBatch", unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+                weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor], *anchors: torch.Tensor) -> torch.Tensor:
+        out = F.embedding_bag(inverse, weights, offsets, mode=batch.mode, per_sample_weights=per_sample_weights,
                               include_last_offset=True)
-        ctx.table = table
-        psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[6]
+        ctx.batch = batch
+        psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[5]
         ctx.save_for_backward(unique, inverse, offsets, weights if psw_needs_grad else None, per_sample_weights)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        table: DiskEmbeddingBag = ctx.table
+        batch: DiskTableBatch = ctx.batch
         unique, inverse, offsets, weights, per_sample_weights = ctx.saved_tensors
         if grad_out.device.type == "cpu":
-            grads, grad_psw = _C.bag_backward(grad_out, offsets, inverse, unique.numel(), table.mode == "mean",
+            grads, grad_psw = _C.bag_backward(grad_out, offsets, inverse, unique.numel(), batch.mode == "mean",
                                               per_sample_weights, weights)
         else:
-            grads, grad_psw = _bag_backward_torch(grad_out, offsets, inverse, unique.numel(), table.mode == "mean",
+            grads, grad_psw = _bag_backward_torch(grad_out, offsets, inverse, unique.numel(), batch.mode == "mean",
                                                   per_sample_weights, weights)
         if grad_psw is not None:
             grad_psw = grad_psw.to(per_sample_weights.dtype)
-        if ctx.needs_input_grad[0]:  # a frozen table (requires_grad_(False)) is not updated
-            table._queue_update(unique, grads)
-        return None, None, None, None, None, None, grad_psw
+        trains = ctx.needs_input_grad[6:]
+        if all(trains):
+            batch.queue_update(unique, grads)
+        elif any(trains):  # some tables frozen (requires_grad_(False)): their rows keep their values
+            keep = torch.tensor(trains).index_select(0, unique >> _C.EmbeddingCache.table_shift)
+            if bool(keep.any()):
+                batch.queue_update(unique[keep].contiguous(), grads[keep.to(grads.device)])
+        return (None, None, None, None, None, grad_psw) + (None,) * len(trains)
 
 
-_OPEN_TABLES: "weakref.WeakSet[DiskEmbeddingBag]" = weakref.WeakSet()
+_OPEN_BATCHES: "weakref.WeakSet[DiskTableBatch]" = weakref.WeakSet()
 
 
 @atexit.register
 def _close_open_tables() -> None:
-    """At interpreter exit, close tables still open: their cached rows reach the store, and the
+    """At interpreter exit, close tables still open: their cached rows reach the stores, and the
     cache's threads stop before the interpreter and torch tear down."""
-    for table in list(_OPEN_TABLES):
+    for batch in list(_OPEN_BATCHES):
         try:
-            table.close()
+            batch.close()
         except Exception as e:  # exiting anyway: say what was lost
-            warnings.warn(f"closing {table._store.path} at exit failed: {e}")
+            warnings.warn(f"closing {', '.join(s.path for s in batch.stores)} at exit failed: {e}")
 
 
 def _bag_backward_torch(grad_out: torch.Tensor, offsets: torch.Tensor, inverse: torch.Tensor, distinct: int, mean: bool,
@@ -126,6 +134,242 @@ def _empty_rows(shape: Tuple[int, int], dtype: torch.dtype, directory: Optional[
     return mapped.view(shape)
 
 
+@dataclass(frozen=True)
+class DiskTable:
+    """One table of a DiskTableBatch.
+
+    Args:
+        name: named in errors and stats.
+        num_embeddings: rows; ids must lie in [0, num_embeddings).
+        path: the directory of its store.
+        seed: seed of the initial values of its rows never written.
+        first_column: the table holds columns [first_column, first_column + dim) of a wider
+            table (a column shard); its initial rows are that slice of the wider table's.
+        expected_rows: sizes the store's index; default min(num_embeddings, 4M).
+    """
+
+    name: str
+    num_embeddings: int
+    path: str
+    seed: int = 0
+    first_column: int = 0
+    expected_rows: Optional[int] = None
+
+
+def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
+                      cache_rows: Optional[int] = None) -> Tuple[int, int]:
+    """The budget rule of a table batch: ``(cache_rows, store_log_bytes per table)``.
+
+    The stores' in-memory logs only buffer writes (the cache serves the hot rows), so they
+    share an eighth of the budget, each at least the store's minimum; the cache (on the CPU)
+    takes the rest, never more rows than the tables have. On a GPU the cache lives in device
+    memory and the host budget goes to the logs. An explicit `cache_rows` must leave the logs
+    their minimum."""
+    log_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // (8 * num_tables))
+    if not on_host:
+        log_bytes = max(_STORE_MIN_BYTES, memory_budget_bytes // num_tables)
+        return (min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows), log_bytes
+    if cache_rows is None:
+        cache_rows = min(total_rows, max(0, memory_budget_bytes - num_tables * log_floor) // row_bytes)
+    left = memory_budget_bytes - cache_rows * row_bytes
+    if left < num_tables * log_floor:
+        raise ValueError(f"cache_rows={cache_rows} takes {cache_rows * row_bytes} bytes of the "
+                         f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
+                         f"{log_floor} of them for its log ({num_tables} tables)")
+    return cache_rows, max(log_floor, left // num_tables)
+
+
+class DiskTableBatch:
+    """The table-batched disk kernel: tables of one row layout (dim, weight type, optimizer,
+    pooling) behind one hot cache, as FBGEMM's table-batched embeddings are.
+
+    A batch of every table's features is deduplicated, fetched (misses read from each table's
+    store in one batched read per table), pooled in one ``embedding_bag`` call and updated by one
+    fused optimizer pass over its distinct rows; one applier and one prefetch thread serve all the
+    tables. A cached row of table t, id i, is keyed ``(t << table_shift) | i``, so admission and
+    eviction weigh every table's rows against each other by frequency.
+
+    DiskEmbeddingBag is the one-table case; DiskEmbeddingBagCollection and the sharded disk kernel
+    build one batch per row layout and view each table as a DiskEmbeddingBag.
+
+    Args:
+        tables: the tables (each its own store directory).
+        embedding_dim: elements per row.
+        mode: "sum" or "mean".
+        optimizer: a `mlkv_torch.optim` rule, shared by the tables.
+        cache_rows: rows of the hot cache on `device`, for all tables; default by `split_host_memory`.
+        memory_budget_bytes: host memory for rows, for all tables (`split_host_memory`).
+        staleness: updates a forward may miss per row (0: exact).
+        dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
+        device: where the cache, the pooling and the output live (CPU or CUDA).
+        cache_policy: "lfu" (frequency-based admission) or "lru".
+        staging_bytes: host memory, beside the budget, for rows read ahead and rows the policy kept
+            out until their update; default half the budget, within [256 KiB, 32 MiB].
+        backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
+    """
+
+    def __init__(self, tables: Sequence[DiskTable], embedding_dim: int, *, mode: str = "sum",
+                 optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
+                 memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[str, torch.device]] = None, cache_policy: str = "lfu",
+                 staging_bytes: Optional[int] = None, backend: str = "mlkv") -> None:
+        for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
+                            ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not tables:
+            raise ValueError("a table batch needs at least one table")
+        for t in tables:
+            if isinstance(t.num_embeddings, bool) or not isinstance(t.num_embeddings, int) or t.num_embeddings <= 0:
+                raise ValueError(f"num_embeddings must be a positive int, got {t.num_embeddings!r}")
+            if isinstance(t.first_column, bool) or not isinstance(t.first_column, int) or t.first_column < 0:
+                raise ValueError(f"first_column must be a non-negative int, got {t.first_column!r}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if dtype not in _WEIGHT_TYPES:
+            raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
+        if cache_policy not in _CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        optimizer = optimizer if optimizer is not None else optim_lib.SGD()
+        if not isinstance(optimizer, optim_lib.SparseOptimizer):
+            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.tables = list(tables)
+        self.embedding_dim = embedding_dim
+        self.mode = mode
+        self.optimizer = optimizer
+        self.lr = float(optimizer.lr)
+        self.staleness = staleness
+        self.dtype = dtype
+        self.device = device
+        self.memory_budget_bytes = memory_budget_bytes
+        self.state_dim = optimizer.state_dim(embedding_dim)
+        self.weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
+        self.row_bytes = 4 * (self.weight_words + self.state_dim)
+        self.cache_rows, log_bytes = split_host_memory(
+            memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,
+            device.type == "cpu", cache_rows)
+        self.step = 0
+        self.backend = backend
+        # One empty parameter per table: autograd runs backward through it and tells which tables train.
+        self.anchors = [nn.Parameter(torch.empty(0)) for _ in self.tables]
+        self.stores: List[Union[KVStore, RocksDBStore]] = []
+        try:
+            for t in self.tables:
+                if backend == "rocksdb":
+                    self.stores.append(RocksDBStore(t.path, self.weight_words + self.state_dim, torch.float32,
+                                                    log_bytes))
+                else:
+                    self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
+                                               expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22)))
+            self.cache = _C.EmbeddingCache(
+                [(t.name, store._store, t.num_embeddings, int(t.seed), -(1.0 / t.num_embeddings) ** 0.5,
+                  (1.0 / t.num_embeddings) ** 0.5, t.first_column) for t, store in zip(self.tables, self.stores)],
+                self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.hyperparameters(),
+                optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
+                staging_bytes if staging_bytes is not None else min(32 << 20, max(256 << 10, memory_budget_bytes // 2)))
+        except BaseException:
+            for store in self.stores:
+                store.close()
+            raise
+        _OPEN_BATCHES.add(self)
+
+    # ---- keys -------------------------------------------------------------------------------------
+    def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """The cache keys of rows `ids` (int64 CPU, checked in range) of table `table`."""
+        return ids | (table << _C.EmbeddingCache.table_shift) if table else ids
+
+    def unique_keys(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Distinct keys of a batch of features (`values` feature after feature, feature_counts[f] ids
+        of table feature_tables[f]) and each value's index among them; an id out of its table's range
+        raises ValueError naming the table."""
+        return self.cache.unique_keys(_as_int64_cpu(values, "ids"), feature_counts, feature_tables)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def pool(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int], offsets: torch.Tensor,
+             per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
+        over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
+        anchor (`anchors[t]`) requires a gradient."""
+        unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
+        weights = self.weights_of(self.cache.fetch(unique))
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
+        return _PooledLookup.apply(self, unique, inverse.to(self.device), offsets.to(self.device), weights,
+                                   per_sample_weights, *self.anchors)
+
+    def queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
+        """Queues one optimizer step (at the current `lr`) for distinct keys `unique`."""
+        self.step += 1
+        self.cache.queue_update(unique, grads.contiguous(), self.step, self.lr)
+
+    def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> None:
+        """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once."""
+        self.cache.lookahead(self.unique_keys(values, feature_counts, feature_tables)[0])
+
+    # ---- rows -------------------------------------------------------------------------------------
+    def weights_of(self, words: torch.Tensor) -> torch.Tensor:
+        """[n, dim] weights of `dtype`, viewed in rows of 32-bit words."""
+        if self.dtype == torch.float32:
+            return words[:, : self.embedding_dim]
+        return words.view(self.dtype)[:, : self.embedding_dim]
+
+    def read_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """Current full rows (weights' words, then state) [n, row words] float32 of table `table`."""
+        return self.cache.read_rows(self.keys(table, ids))
+
+    def write_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.cache.write_rows(self.keys(table, ids), rows)
+
+    def synchronize(self) -> None:
+        self.cache.drain()
+
+    def flush(self) -> None:
+        """Applies queued updates and writes every changed row to the stores."""
+        self.cache.write_back()
+        for store in self.stores:
+            store.flush()
+
+    def stats(self, table: int) -> Dict[str, Any]:
+        """Table `table`'s store counters and its part of the cache's (hits, misses, store reads,
+        cached rows), beside the counters the tables share (pending updates, staleness, prefetch
+        timing)."""
+        cache = dict(self.cache.stats(), **self.cache.table_stats()[table])
+        looked_up = cache["cache_hits"] + cache["cache_misses"]
+        return dict(self.stores[table].stats(), **cache, cache_rows=self.cache_rows, step=self.step,
+                    hit_rate=cache["cache_hits"] / looked_up if looked_up else 0.0)
+
+    @property
+    def closed(self) -> bool:
+        return all(store.closed for store in self.stores)
+
+    def close(self) -> None:
+        """Applies queued updates, writes the cache back, checkpoints the stores and releases their directories."""
+        if self.closed:
+            return
+        try:
+            self.cache.close()
+        finally:
+            for store in self.stores:
+                store.close()
+
+
+def _as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what} must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    return ids.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()  # the cache's index lives on the host
+
+
 class DiskEmbeddingBag(nn.Module):
     """An embedding bag over a table larger than memory, trained by a fused sparse optimizer.
 
@@ -141,9 +385,9 @@ class DiskEmbeddingBag(nn.Module):
         path: the store's directory (created, or reopened with its rows).
         mode: "sum" or "mean".
         optimizer: a `mlkv_torch.optim` rule (SGD, Adagrad, RowWiseAdagrad, Adam).
-        cache_rows: rows of the hot cache on `device`. Default: half of
-            `memory_budget_bytes` on the CPU (none below 32 KiB), as many rows
-            as the budget on a GPU.
+        cache_rows: rows of the hot cache on `device`. Default (`split_host_memory`):
+            what the budget holds after the store's in-memory log takes an eighth of it
+            (at least 16 KiB) on the CPU; as many rows as the budget on a GPU.
         memory_budget_bytes: host memory for rows. On the CPU it holds the
             cache and the store's in-memory log; on a GPU only the log (the
             cache is in device memory).
@@ -183,113 +427,79 @@ class DiskEmbeddingBag(nn.Module):
                  expected_rows: Optional[int] = None, cache_policy: str = "lfu", first_column: int = 0,
                  staging_bytes: Optional[int] = None, backend: str = "mlkv") -> None:
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
-                            ("memory_budget_bytes", memory_budget_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
-                            ("first_column", first_column),
-                            ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if dtype not in _WEIGHT_TYPES:
-            raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
-        if cache_policy not in _CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        optimizer = optimizer if optimizer is not None else optim_lib.SGD()
-        if not isinstance(optimizer, optim_lib.SparseOptimizer):
-            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
-        device = torch.device(device if device is not None else "cpu")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.mode = mode
-        self.optimizer = optimizer
-        self.lr = float(optimizer.lr)
-        self.staleness = staleness
-        self.dtype = dtype
-        self.device = device
-        self.seed = seed
-        self.memory_budget_bytes = memory_budget_bytes
+        path = os.fspath(path)
+        batch = DiskTableBatch(
+            [DiskTable(os.path.basename(os.path.normpath(path)), num_embeddings, path, seed, first_column, expected_rows)],
+            embedding_dim, mode=mode, optimizer=optimizer, cache_rows=cache_rows,
+            memory_budget_bytes=memory_budget_bytes, staleness=staleness, dtype=dtype, device=device,
+            cache_policy=cache_policy, staging_bytes=staging_bytes, backend=backend)
+        self._attach(batch, 0, include_last_offset)
+
+    @classmethod
+    def of_batch(cls, batch: DiskTableBatch, table: int, include_last_offset: bool = True) -> "DiskEmbeddingBag":
+        """Table `table` of a DiskTableBatch, as a DiskEmbeddingBag (what a collection's
+        ``embedding_bags[name]`` holds). Its forward runs the batch's kernel for this table alone;
+        flush, synchronize and close act on the whole batch."""
+        bag = cls.__new__(cls)
+        nn.Module.__init__(bag)
+        bag._attach(batch, table, include_last_offset)
+        return bag
+
+    def _attach(self, batch: DiskTableBatch, table: int, include_last_offset: bool) -> None:
+        spec = batch.tables[table]
+        self._batch, self._table = batch, table
+        self.num_embeddings = spec.num_embeddings
+        self.embedding_dim = batch.embedding_dim
+        self.mode = batch.mode
+        self.optimizer = batch.optimizer
+        self.staleness = batch.staleness
+        self.dtype = batch.dtype
+        self.device = batch.device
+        self.seed = spec.seed
+        self.memory_budget_bytes = batch.memory_budget_bytes
+        self.cache_rows = batch.cache_rows
+        self.backend = batch.backend
         self.include_last_offset = include_last_offset
-        self._state_dim = optimizer.state_dim(embedding_dim)
-        self._weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
-        row_bytes = 4 * (self._weight_words + self._state_dim)
-        store_budget = memory_budget_bytes
-        store_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // 4)  # the store's log keeps at least this
-        if cache_rows is None:
-            share = memory_budget_bytes - max(store_floor, memory_budget_bytes // 2) if device.type == "cpu" \
-                else memory_budget_bytes
-            cache_rows = min(num_embeddings, max(0, share) // row_bytes)
-        if device.type == "cpu":
-            store_budget = memory_budget_bytes - cache_rows * row_bytes
-            if store_budget < store_floor:
-                raise ValueError(f"cache_rows={cache_rows} takes {cache_rows * row_bytes} bytes of the "
-                                 f"{memory_budget_bytes}-byte memory_budget_bytes; the store needs at least "
-                                 f"{store_floor} of them")
-        self.cache_rows = cache_rows
-        self._step = 0
-        self._anchor = nn.Parameter(torch.empty(0))
-        if backend == "rocksdb":
-            self._store = RocksDBStore(path, self._weight_words + self._state_dim, torch.float32, store_budget)
-        else:
-            self._store = KVStore(path, self._weight_words + self._state_dim, torch.float32, store_budget,
-                                  expected_rows=expected_rows or min(num_embeddings, 1 << 22))
-        self.backend = backend
-        bound = (1.0 / num_embeddings) ** 0.5
-        try:
-            self._cache = _C.EmbeddingCache(
-                self._store._store, cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind,
-                *optimizer.hyperparameters(), optimizer.initial_state(1, embedding_dim).flatten().tolist(), int(seed),
-                -bound, bound, cache_policy, staleness, str(device), first_column,
-                staging_bytes if staging_bytes is not None else min(32 << 20, max(256 << 10, memory_budget_bytes // 2)))
-        except BaseException:
-            self._store.close()
-            raise
-        _OPEN_TABLES.add(self)
+        self._anchor = batch.anchors[table]
+        self._store = batch.stores[table]
+        self._cache = batch.cache
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next updates (shared by the tables of a batch); starts at
+        ``optimizer.lr``, and a schedule may change it."""
+        return self._batch.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._batch.lr = float(value)
 
     # ---- rows -------------------------------------------------------------------------------------
-    def _weights_of(self, words: torch.Tensor) -> torch.Tensor:
-        """[n, dim] weights of `dtype`, viewed in rows of 32-bit words."""
-        if self.dtype == torch.float32:
-            return words[:, : self.embedding_dim]
-        return words.view(self.dtype)[:, : self.embedding_dim]
-
-    def _queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
-        self._step += 1
-        self._cache.queue_update(unique, grads.contiguous(), self._step, self.lr)
-
     @property
     def steps(self) -> int:
         """Optimizer steps the table has taken (Adam's bias correction counts them); a restore
         from a checkpoint sets it."""
-        return self._step
+        return self._batch.step
 
     @steps.setter
     def steps(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"steps must be a non-negative int, got {value!r}")
-        self._step = value
+        self._batch.step = value
 
     @property
     def state_dim(self) -> int:
         """Optimizer state floats per row (0 for SGD)."""
-        return self._state_dim
+        return self._batch.state_dim
 
     def export_rows(self, ids: torch.Tensor, include_state: bool = False
                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Current weights [n, dim] (of `dtype`, on the CPU) of these rows, every queued update applied;
         with `include_state`, also their optimizer state [n, state_dim] (float32), from the same read."""
-        rows = self._cache.read_rows(self._check_ids(ids).reshape(-1).contiguous())
-        weights = self._weights_of(rows[:, : self._weight_words].contiguous()).clone()
-        return (weights, rows[:, self._weight_words:].clone()) if include_state else weights
+        words = self._batch.weight_words
+        rows = self._batch.read_rows(self._table, self._check_ids(ids).reshape(-1).contiguous())
+        weights = self._batch.weights_of(rows[:, :words].contiguous()).clone()
+        return (weights, rows[:, words:].clone()) if include_state else weights
 
     def import_rows(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
         """Sets these rows' weights and optimizer state (default: the state of a row never updated)."""
@@ -297,8 +507,8 @@ class DiskEmbeddingBag(nn.Module):
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must be a tensor of shape [{ids.numel()}, {self.embedding_dim}]")
         if state is not None and (not isinstance(state, torch.Tensor)
-                                  or tuple(state.shape) != (ids.numel(), self._state_dim)):
-            raise ValueError(f"state must be a tensor of shape [{ids.numel()}, {self._state_dim}]")
+                                  or tuple(state.shape) != (ids.numel(), self.state_dim)):
+            raise ValueError(f"state must be a tensor of shape [{ids.numel()}, {self.state_dim}]")
         weights = weights.detach().to(device="cpu", dtype=self.dtype)
         if self.dtype != torch.float32:
             if self.embedding_dim * self.dtype.itemsize % 4:
@@ -307,12 +517,12 @@ class DiskEmbeddingBag(nn.Module):
         if state is None:
             state = self.optimizer.initial_state(ids.numel(), self.embedding_dim)
         state = state.detach().to(device="cpu", dtype=torch.float32)
-        self._cache.write_rows(ids, torch.cat([weights, state], dim=1).contiguous())
+        self._batch.write_rows(self._table, ids, torch.cat([weights, state], dim=1).contiguous())
 
     def lookahead(self, input: torch.Tensor) -> None:
         """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""
-        ids = self._check_ids(input).reshape(-1).contiguous()
-        self._cache.lookahead(_C.EmbeddingCache.unique(ids, self.num_embeddings)[0])
+        ids = _as_int64_cpu(input, "ids")
+        self._batch.lookahead(ids, [ids.numel()], [self._table])
 
     # ---- all rows at once: snapshots and state_dict (the `weight` key of nn.EmbeddingBag) ------------
     _STATE_CHUNK_ROWS = 1 << 18
@@ -342,10 +552,10 @@ class DiskEmbeddingBag(nn.Module):
 
     def _read_all(self, weights: bool, state: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         n = self.num_embeddings
-        nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0) + (4 * self._state_dim if state else 0))
+        nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0) + (4 * self.state_dim if state else 0))
         where = self._store.path if nbytes > self.memory_budget_bytes else None
         weight_out = _empty_rows((n, self.embedding_dim), self.dtype, where) if weights else None
-        state_out = _empty_rows((n, self._state_dim), torch.float32, where) if state else None
+        state_out = _empty_rows((n, self.state_dim), torch.float32, where) if state else None
         for ids, rows in self._row_chunks():
             if state_out is None:
                 weight_out[rows] = self.export_rows(ids)
@@ -361,17 +571,17 @@ class DiskEmbeddingBag(nn.Module):
         loading an nn.EmbeddingBag's weight keeps its optimizer's state). Rows go chunk by chunk:
         a file-backed tensor is never read into memory at once."""
         n = self.num_embeddings
-        for name, given, width in (("weight", weight, self.embedding_dim), ("state", state, self._state_dim)):
+        for name, given, width in (("weight", weight, self.embedding_dim), ("state", state, self.state_dim)):
             if given is not None and (not isinstance(given, torch.Tensor) or tuple(given.shape) != (n, width)):
                 raise ValueError(f"{name} must be a tensor of shape [{n}, {width}], got "
                                  f"{list(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
         if weight is None and state is None:
             return
         for ids, rows in self._row_chunks():
-            if weight is None or (state is None and self._state_dim):
+            if weight is None or (state is None and self.state_dim):
                 current_weight, current_state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, current_weight if weight is None else weight[rows],
-                             (current_state if self._state_dim else None) if state is None else state[rows])
+                             (current_state if self.state_dim else None) if state is None else state[rows])
 
     def populate(self) -> int:
         """Writes every row to the store, rows never written with their initial values (rows
@@ -381,7 +591,7 @@ class DiskEmbeddingBag(nn.Module):
         for ids, _ in self._row_chunks():
             weights, state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, weights, state)
-        self._cache.write_back()
+        self._batch.flush()
         return self.num_embeddings
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -400,36 +610,29 @@ class DiskEmbeddingBag(nn.Module):
 
     def synchronize(self) -> None:
         """Returns once every queued update is applied (export_rows and flush wait for them too)."""
-        self._cache.drain()
+        self._batch.synchronize()
 
     def flush(self) -> None:
-        """Applies queued updates and writes every changed row to the store."""
-        self._cache.write_back()
-        self._store.flush()
+        """Applies queued updates and writes every changed row to the store(s)."""
+        self._batch.flush()
 
     def stats(self) -> Dict[str, Any]:
-        """The store's counters, the cache's (hits, misses, evictions, pending updates, largest
-        staleness served) and the optimizer step count."""
-        cache = self._cache.stats()
-        looked_up = cache["cache_hits"] + cache["cache_misses"]
-        return dict(self._store.stats(), **cache, cache_rows=self.cache_rows, step=self._step,
-                    hit_rate=cache["cache_hits"] / looked_up if looked_up else 0.0)
+        """The store's counters, this table's part of the cache's (hits, misses, store reads,
+        cached rows), the counters its batch shares (evictions, pending updates, largest staleness
+        served, prefetch timing) and the optimizer step count."""
+        return self._batch.stats(self._table)
 
     def close(self) -> None:
-        """Applies queued updates, writes the cache back, checkpoints the store and releases its directory."""
-        if self._store.closed:
-            return
-        try:
-            self._cache.close()
-        finally:
-            self._store.close()
+        """Applies queued updates, writes the cache back, checkpoints the store(s) and releases their
+        directories; closes every table of the batch."""
+        self._batch.close()
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _check_ids(self, ids: torch.Tensor, check_range: bool = True) -> torch.Tensor:
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ids must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
         ids = ids.to(device="cpu", dtype=torch.int64)  # the cache's index lives on the host
-        if check_range and ids.numel():
+        if ids.numel():
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high
@@ -439,7 +642,9 @@ class DiskEmbeddingBag(nn.Module):
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pools rows per bag, with torch.nn.EmbeddingBag's conventions; returns [bags, dim]."""
-        ids = self._check_ids(input, check_range=False)  # unique() checks the range in its pass
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input).__name__)}")
+        ids = input.to(device="cpu", dtype=torch.int64)  # unique_keys checks the range in its pass
         if ids.dim() == 2:
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D (fixed-length bags)")
@@ -470,11 +675,8 @@ class DiskEmbeddingBag(nn.Module):
                 raise TypeError("per_sample_weights must be a floating-point tensor")
             if tuple(per_sample_weights.shape) != (ids.numel(),):
                 raise ValueError(f"per_sample_weights must have the input's shape, got {tuple(per_sample_weights.shape)}")
-            per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
-        unique, inverse = _C.EmbeddingCache.unique(ids.contiguous(), self.num_embeddings)
-        weights = self._weights_of(self._cache.fetch(unique))
-        return _DiskEmbeddingBagFunction.apply(self._anchor, self, unique, inverse.to(self.device),
-                                               offsets.to(self.device), weights, per_sample_weights)
+        ids = ids.contiguous()
+        return self._batch.pool(ids, [ids.numel()], [self._table], offsets, per_sample_weights)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, "

@@ -149,6 +149,16 @@ def disk_stats(dmp) -> Dict[str, Dict[str, Any]]:
     return sharded.stats()
 
 
+def train_step(model, opt, batch, losses: List[float]) -> None:
+    """One DLRM training step on (dense, sparse, labels); appends the loss."""
+    dense, sparse, labels = batch
+    opt.zero_grad()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(1), labels)
+    loss.backward()
+    opt.step()
+    losses.append(float(loss.detach()))
+
+
 def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> Dict[str, Any]:
     import torch.distributed as dist
 
@@ -159,12 +169,7 @@ def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> 
     losses = []
 
     def step(batch) -> None:
-        dense, sparse, labels = batch
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(dense, sparse).squeeze(1), labels)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        train_step(dmp, opt, batch, losses)
 
     for batch in batches[:args.warmup]:
         step(batch)

@@ -8,7 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py"])
+@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
     if script != "bench_embedding.py":
         pytest.importorskip("torchrec")
@@ -17,3 +17,5 @@ def test_benchmark_smoke_runs(tmp_path, script):
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ERROR" not in done.stdout, done.stdout[-4000:]
+    if script == "bench_kernel.py":  # the disk kernel trains DLRM exactly as TorchRec's in-memory kernel
+        assert "| False |" not in done.stdout and "| True |" in done.stdout, done.stdout[-4000:]

@@ -145,17 +145,40 @@ def test_split_budget_follows_traffic_and_caps_at_need():
     assert split_budget(1000, [100, 200], [1, 1]) == [100, 200]  # everything fits
 
 
-def test_memory_budget_goes_by_traffic_small_tables_whole(tmp_path):
+def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
+    from mlkv_torch.embedding import split_host_memory
+
     configs = [EmbeddingBagConfig(name="small", num_embeddings=100, embedding_dim=DIM, feature_names=["a"]),
                EmbeddingBagConfig(name="big", num_embeddings=200_000, embedding_dim=DIM, feature_names=["b"]),
-               EmbeddingBagConfig(name="busy", num_embeddings=200_000, embedding_dim=DIM, feature_names=["c"])]
+               EmbeddingBagConfig(name="wide", num_embeddings=200_000, embedding_dim=2 * DIM, feature_names=["c"])]
     budget = 2 << 20
     ours = DiskEmbeddingBagCollection(configs, path=tmp_path / "c", memory_budget_bytes=budget,
-                                      lookups_per_sample={"busy": 3.0})
-    small, big, busy = (ours.embedding_bags[n] for n in ("small", "big", "busy"))
-    assert small.cache_rows == 100  # whole in memory
-    assert busy.memory_budget_bytes == pytest.approx(3 * big.memory_budget_bytes, rel=1e-6)
-    assert small.memory_budget_bytes + big.memory_budget_bytes + busy.memory_budget_bytes <= budget
+                                      lookups_per_sample={"wide": 4.0})
+    small, big, wide = (ours.embedding_bags[n] for n in ("small", "big", "wide"))
+    assert small._batch is big._batch and wide._batch is not small._batch  # one kernel per row layout
+    assert small.memory_budget_bytes + wide.memory_budget_bytes <= budget
+    # traffic 1 + 1 against 4: the wide layout gets twice the other's budget
+    assert wide.memory_budget_bytes == pytest.approx(2 * small.memory_budget_bytes, rel=1e-6)
+    for bag, tables_in_kernel in ((small, 2), (wide, 1)):
+        cache_rows, log_bytes = split_host_memory(bag.memory_budget_bytes, tables_in_kernel,
+                                                  sum(t.num_embeddings for t in bag._batch.tables),
+                                                  bag._batch.row_bytes, on_host=True)
+        assert bag.cache_rows == cache_rows
+        assert cache_rows * bag._batch.row_bytes + tables_in_kernel * log_bytes <= bag.memory_budget_bytes
+        # the cache takes most of the budget: the logs an eighth, and what a cache row would not fill
+        assert tables_in_kernel * log_bytes <= bag.memory_budget_bytes // 8 + bag._batch.row_bytes
+    # One frequency-aware cache for both tables: the 100 rows of the small table, each read every
+    # batch, all end up cached, while the big table's uniformly spread ids mostly miss.
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        values = torch.cat([torch.arange(100), torch.randint(0, 200_000, (4_000,), generator=g),
+                            torch.randint(0, 200_000, (100,), generator=g)])
+        lengths = torch.cat([torch.full((100,), 1), torch.full((100,), 40), torch.full((100,), 1)])
+        ours(KeyedJaggedTensor.from_lengths_sync(keys=["a", "b", "c"], values=values, lengths=lengths)
+             ).values().sum().backward()
+    assert small.stats()["cached_rows"] == 100
+    assert big.stats()["cached_rows"] + small.stats()["cached_rows"] <= small.cache_rows
+    assert big.stats()["hit_rate"] < 0.5 < small.stats()["hit_rate"]
     ours.close()
     with pytest.raises(ValueError, match="lookups_per_sample names tables.*'nope'"):
         DiskEmbeddingBagCollection(configs, path=tmp_path / "d", lookups_per_sample={"nope": 1.0})

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -11,8 +11,8 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..embedding import DiskEmbeddingBag
-from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, pool_features, row_bytes, table_seed
+from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch
+from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, KernelRouting, row_bytes, table_seed
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 
@@ -37,29 +37,31 @@ def split_budget(budget: int, needs: List[int], traffic: List[float]) -> List[in
 
 
 class DiskEmbeddingBagCollection(nn.Module):
-    """An EmbeddingBagCollection whose tables live on disk, each a DiskEmbeddingBag.
+    """An EmbeddingBagCollection whose tables live on disk, behind one table-batched kernel.
 
     ``forward(KeyedJaggedTensor) -> KeyedTensor`` as EmbeddingBagCollection:
     the same keys (a feature shared by several tables reads ``feature@table``),
     the same order, float32 output; weighted features with ``is_weighted``; SUM
-    and MEAN pooling. The features of one table are looked up in one call, so
-    each table takes one optimizer step per backward, as a fused TorchRec
-    optimizer does.
+    and MEAN pooling. Tables of one row layout (dim, data type, pooling; in DLRM
+    all of them) share one DiskTableBatch: one hot cache, one lookup over every
+    feature of the batch, one fused optimizer step per backward, as TorchRec's
+    fused table-batched kernel. ``embedding_bags[name]`` views each table as a
+    DiskEmbeddingBag (rows, snapshots, stats).
 
     Args:
         tables: the tables, as for EmbeddingBagCollection.
         device: where the caches, pooling and outputs live (default CPU).
         path: a directory; table ``t`` lives in ``path/t``.
         optimizer: the fused sparse optimizer of every table.
-        memory_budget_bytes: host memory for rows, for the whole collection,
-            split among tables by traffic and size (`split_budget`): in
-            proportion to each table's lookups per sample, but never more than
-            a table needs to hold all its rows; what small tables leave goes to
-            the others.
+        memory_budget_bytes: host memory for rows, for the whole collection. Within a
+            row layout the tables share one cache, whose frequency-aware policy
+            gives the hot rows of every table their place (`split_host_memory`);
+            several layouts split it by traffic and size (`split_budget`).
         cache_rows: rows of hot cache for the whole collection, split the same
-            way (default: each table's own default).
+            way (default: what the budget holds).
         lookups_per_sample: expected ids per sample of each table (its traffic),
-            by table name; default: one per feature of the table.
+            by table name; default: one per feature of the table. Splits the
+            budget between row layouts.
         staleness: the per-row staleness bound of every table.
         is_weighted: features carry per-id weights.
         seed: seed of the initial rows (each table mixes in its name).
@@ -95,26 +97,40 @@ class DiskEmbeddingBagCollection(nn.Module):
         if any(not v > 0 for v in traffic.values()):
             raise ValueError(f"lookups_per_sample must be positive, got {traffic}")
         rule = optimizer if optimizer is not None else optim_lib.SGD()
-        # A table is whole in memory with twice its rows (the cache's half and the store log's half),
-        # and never takes less than the store's minimum.
-        needs = [max(MIN_TABLE_BUDGET, 2 * t.num_embeddings * row_bytes(t.embedding_dim, DATA_TYPES[t.data_type], rule))
-                 for t in tables]
-        budgets = split_budget(memory_budget_bytes, needs, [traffic.get(t.name, len(t.feature_names)) for t in tables])
-        self.embedding_bags = nn.ModuleDict()
-        for t, budget in zip(tables, budgets):
+        # Tables that share a row layout share a kernel; each layout's budget covers all its rows at most.
+        layouts: Dict[Tuple[int, torch.dtype, str], List[int]] = {}
+        for i, t in enumerate(tables):
+            layouts.setdefault((t.embedding_dim, DATA_TYPES[t.data_type], POOLING_MODES[t.pooling]), []).append(i)
+        groups = list(layouts.items())
+        needs = [sum(max(MIN_TABLE_BUDGET, tables[i].num_embeddings * row_bytes(dim, dtype, rule) * 9 // 8)
+                     for i in members) for (dim, dtype, _), members in groups]
+        traffic_of = [sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
+                      for _, members in groups]
+        budgets = split_budget(memory_budget_bytes, needs, traffic_of)
+        self._batches: List[DiskTableBatch] = []
+        bags: Dict[str, DiskEmbeddingBag] = {}
+        for ((dim, dtype, mode), members), budget in zip(groups, budgets):
             share = budget / memory_budget_bytes
-            self.embedding_bags[t.name] = DiskEmbeddingBag(
-                t.num_embeddings, t.embedding_dim, path=os.path.join(os.fspath(path), t.name),
-                mode=POOLING_MODES[t.pooling], optimizer=optimizer,
-                cache_rows=None if cache_rows is None else min(t.num_embeddings, int(cache_rows * share)),
-                memory_budget_bytes=max(MIN_TABLE_BUDGET, budget), staleness=staleness,
-                dtype=DATA_TYPES[t.data_type], device=self._device,
-                seed=table_seed(seed, t.name), include_last_offset=True,
-                cache_policy=cache_policy, backend=backend)
+            batch = DiskTableBatch(
+                [DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(os.fspath(path), tables[i].name),
+                           table_seed(seed, tables[i].name)) for i in members],
+                dim, mode=mode, optimizer=rule,
+                cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
+                                                               int(cache_rows * share)),
+                memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), budget), staleness=staleness, dtype=dtype,
+                device=self._device, cache_policy=cache_policy, backend=backend)
+            self._batches.append(batch)
+            for k, i in enumerate(members):
+                bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
+        self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
         self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._known_features = {f for names in self._feature_names for f in names}
+        # The features in the tables' order (a feature of two tables twice) and the kernel of each.
+        self._feature_order = [f for names in self._feature_names for f in names]
+        kernel_of = {i: (k, members.index(i)) for k, (_, members) in enumerate(groups) for i in members}
+        self._routing = KernelRouting([kernel_of[i] for i, names in enumerate(self._feature_names) for _ in names])
 
     # ---- EmbeddingBagCollection's interface -------------------------------------------------------
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -139,36 +155,33 @@ class DiskEmbeddingBagCollection(nn.Module):
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError("the collection is weighted, but the KeyedJaggedTensor has no weights")
-        by_name = features.to_dict()
         batch_size = features.stride()
-        pooled: List[torch.Tensor] = []
-        for bag, names in zip(self.embedding_bags.values(), self._feature_names):
-            jts = [by_name[n] for n in names]
-            for name, jt in zip(names, jts):
-                if jt.lengths().numel() != batch_size:
-                    raise ValueError(f"feature {name!r} has {jt.lengths().numel()} bags, the batch has {batch_size}")
-            values = torch.cat([jt.values() for jt in jts]) if len(jts) > 1 else jts[0].values()
-            lengths = torch.cat([jt.lengths() for jt in jts]) if len(jts) > 1 else jts[0].lengths()
-            weights = None
-            if self._is_weighted:
-                weights = torch.cat([jt.weights() for jt in jts]) if len(jts) > 1 else jts[0].weights()
-            pooled.append(pool_features(bag, values, lengths, weights, len(jts), batch_size))
-        return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, dim=1),
-                           length_per_key=self._lengths_per_embedding)
+        for name, count in zip(features.keys(), features.stride_per_key()):
+            if count != batch_size:
+                raise ValueError(f"feature {name!r} has {count} bags, the batch has {batch_size}")
+        values = self._routing.pool(self._batches, self._in_table_order(features), self._is_weighted)
+        return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
+
+    def _in_table_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The features in the tables' order (a permute only when the batch's differs)."""
+        keys = features.keys()
+        if keys == self._feature_order:
+            return features
+        index = {key: i for i, key in enumerate(keys)}
+        missing = sorted(set(self._feature_order) - set(index))
+        if missing:
+            raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
+        return features.permute([index[f] for f in self._feature_order])
 
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows of a future batch's features into memory; returns at once."""
-        by_name = features.to_dict()
-        for bag, names in zip(self.embedding_bags.values(), self._feature_names):
-            ids = [by_name[n].values() for n in names if n in by_name]
-            if ids:
-                bag.lookahead(torch.cat(ids) if len(ids) > 1 else ids[0])
+        self._routing.lookahead(self._batches, self._in_table_order(features))
 
     # ---- tables -----------------------------------------------------------------------------------
     def flush(self) -> None:
         """Applies queued updates of every table and writes changed rows to the stores."""
-        for bag in self.embedding_bags.values():
-            bag.flush()
+        for batch in self._batches:
+            batch.flush()
 
     def populate(self) -> int:
         """Writes every row of every table to its store (`DiskEmbeddingBag.populate`); returns the rows."""
@@ -176,8 +189,8 @@ class DiskEmbeddingBagCollection(nn.Module):
 
     def close(self) -> None:
         """Closes every table (checkpointing its store)."""
-        for bag in self.embedding_bags.values():
-            bag.close()
+        for batch in self._batches:
+            batch.close()
 
     def stats(self) -> Dict[str, Dict[str, object]]:
         """Each table's DiskEmbeddingBag.stats(), by table name."""

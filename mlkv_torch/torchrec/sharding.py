@@ -53,9 +53,9 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
-from ..embedding import BACKENDS, DiskEmbeddingBag
-from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, fused_params_of, optimizer_from_fused_params,
-                     pool_features, row_bytes, table_seed)
+from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch
+from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, KernelRouting, fused_params_of,
+                     optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
            "ShardedDiskEmbeddingBagCollection", "resolve_optimizer", "shard_memory_budget"]
@@ -135,7 +135,8 @@ class _DiskFusedOptimizer(FusedOptimizer):
 
 
 class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
-    """The disk tables of one group of a TorchRec lookup on this rank: each shard a DiskEmbeddingBag.
+    """The disk tables of one group of a TorchRec lookup on this rank, behind one table-batched kernel
+    per row layout (a DiskTableBatch; in DLRM one for all); each shard viewed as a DiskEmbeddingBag.
 
     ``forward(KJT) -> Tensor [batch, sum of feature dims]``, the features in the group's order,
     as TorchRec's fused kernel.
@@ -150,34 +151,48 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._rank_dir = os.path.join(options.storage_dir, f"rank{rank}")
         self._pg = pg
         self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
-        self.bags = nn.ModuleList()
-        lrs = set()
-        for table in self._shards:
+        # Shards of one row layout (columns, data type, pooling, optimizer) share one table-batched kernel.
+        Layout = Tuple[int, torch.dtype, str, optim_lib.SparseOptimizer]
+        layouts: Dict[Layout, List[int]] = {}
+        budgets: Dict[Layout, int] = defaultdict(int)
+        for i, table in enumerate(self._shards):
             if table.pooling not in POOLING_MODES:
                 raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported on disk (SUM or MEAN)")
             if table.data_type not in DATA_TYPES:
                 raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported on disk")
-            row_offset, col_offset = self._offsets(table)
+            row_offset, _ = self._offsets(table)
             if row_offset != 0 or table.local_rows != table.num_embeddings:
                 raise ValueError(f"table {table.name!r}: disk tables are sharded table-wise or column-wise, "
                                  f"not by rows")
             optimizer = resolve_optimizer(table.fused_params or config.fused_params, table.name, options)
             dtype = DATA_TYPES[table.data_type]
-            bag = DiskEmbeddingBag(
-                table.num_embeddings, table.local_cols,
-                path=os.path.join(self._rank_dir, self._shard_name(table)),
-                mode=POOLING_MODES[table.pooling], optimizer=optimizer,
-                memory_budget_bytes=shard_memory_budget(table.local_rows, table.local_cols, dtype, optimizer,
-                                                        options.memory_fraction),
-                staleness=options.staleness, dtype=dtype, device=self._device,
-                seed=table_seed(options.seed, table.name), include_last_offset=True,
-                cache_policy=options.cache_policy, first_column=col_offset, backend=options.backend)
-            # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
-            bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-            self.bags.append(bag)
-            lrs.add(optimizer.lr)
+            layout = (table.local_cols, dtype, POOLING_MODES[table.pooling], optimizer)
+            layouts.setdefault(layout, []).append(i)
+            budgets[layout] += shard_memory_budget(table.local_rows, table.local_cols, dtype, optimizer,
+                                                   options.memory_fraction)
+        lrs = {layout[3].lr for layout in layouts}
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
+        self._batches: List[DiskTableBatch] = []
+        bag_of: Dict[int, DiskEmbeddingBag] = {}
+        owners: Dict[int, Tuple[int, int]] = {}
+        for (cols, dtype, mode, optimizer), members in layouts.items():
+            batch = DiskTableBatch(
+                [DiskTable(self._shards[i].name, self._shards[i].num_embeddings,
+                           os.path.join(self._rank_dir, self._shard_name(self._shards[i])),
+                           table_seed(options.seed, self._shards[i].name), self._offsets(self._shards[i])[1])
+                 for i in members],
+                cols, mode=mode, optimizer=optimizer, memory_budget_bytes=budgets[(cols, dtype, mode, optimizer)], staleness=options.staleness, dtype=dtype,
+                device=self._device, cache_policy=options.cache_policy, backend=options.backend)
+            for k, i in enumerate(members):
+                bag_of[i] = DiskEmbeddingBag.of_batch(batch, k)
+                owners[i] = (len(self._batches), k)
+            # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
+            for anchor in batch.anchors:
+                anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            self._batches.append(batch)
+        self.bags = nn.ModuleList([bag_of[i] for i in range(len(self._shards))])
+        self._routing = KernelRouting([owners[i] for i, table in enumerate(self._shards) for _ in table.feature_names])
         self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
         for table, bag in zip(self._shards, self.bags):
             self._bags_by_table[table.name].append((table, bag))
@@ -209,23 +224,13 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if features.variable_stride_per_key():
             raise ValueError("disk tables do not support variable batch sizes per feature")
         lr = float(next(iter(self._optimizer.param_groups))["lr"])
-        batch_size = features.stride()
-        pooled = []
-        for table, bag, kjt in zip(self._shards, self.bags, self._features_by_shard(features)):
-            bag.lr = lr  # the fused optimizer's param_groups set the learning rate of this step
-            weights = kjt.weights() if self._config.is_weighted else None
-            pooled.append(pool_features(bag, kjt.values(), kjt.lengths(), weights, len(table.feature_names),
-                                        batch_size))
-        return torch.cat(pooled, dim=1)
+        for batch in self._batches:
+            batch.lr = lr  # the fused optimizer's param_groups set the learning rate of this step
+        return self._routing.pool(self._batches, features, self._config.is_weighted)
 
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows that `features` (as `forward` receives them) will look up; returns at once."""
-        for bag, kjt in zip(self.bags, self._features_by_shard(features)):
-            if kjt.values().numel():
-                bag.lookahead(kjt.values())
-
-    def _features_by_shard(self, features: KeyedJaggedTensor) -> List[KeyedJaggedTensor]:
-        return features.split([len(t.feature_names) for t in self._shards])
+        self._routing.lookahead(self._batches, features)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -246,8 +251,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         return destination if destination is not None else {}
 
     def flush(self) -> None:
-        for bag in self.bags:
-            bag.flush()
+        for batch in self._batches:
+            batch.flush()
 
     def purge(self) -> None:
         pass
@@ -319,8 +324,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         return sum(bag.populate() for bag in self.bags)
 
     def close(self) -> None:
-        for bag in self.bags:
-            bag.close()
+        for batch in self._batches:
+            batch.close()
 
 
 def _local_part(tensor: torch.Tensor, what: str, row_offset: int, col_offset: int, rows: int, cols: int

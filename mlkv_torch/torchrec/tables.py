@@ -1,17 +1,19 @@
 """What DiskEmbeddingBagCollection and the sharded disk kernel share: how a TorchRec table
-becomes a DiskEmbeddingBag (seed, pooling, dtype, memory budget), how its features pool,
-and how TorchRec's fused optimizer parameters map to mlkv_torch.optim."""
+becomes a disk table (seed, pooling, dtype, memory budget), how features reach the
+table-batched kernels (KernelRouting), and how TorchRec's fused optimizer parameters map to
+mlkv_torch.optim."""
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
-from ..embedding import DiskEmbeddingBag
+from ..embedding import DiskTableBatch
 
 POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -28,17 +30,60 @@ def row_bytes(embedding_dim: int, dtype: torch.dtype, optimizer: optim_lib.Spars
     return 4 * (-(-embedding_dim * dtype.itemsize // 4) + optimizer.state_dim(embedding_dim))
 
 
-def pool_features(bag: DiskEmbeddingBag, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor],
-                  num_features: int, batch_size: int) -> torch.Tensor:
-    """Pools the bags of `num_features` features of one table in one call (so the table steps
-    once per backward). `lengths` is feature-major ([num_features * batch_size]); returns
-    [batch_size, num_features * dim] float32, feature after feature, as TorchRec lays them out."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    pooled = bag(values, offsets, weights).float()
-    if num_features == 1:
-        return pooled
-    return pooled.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
+class KernelRouting:
+    """How the features of a batch reach the table-batched kernels that pool them.
+
+    The features come in one fixed order (the collection's tables' features, or a TorchRec
+    group's shards' features); feature i is pooled by kernel ``owners[i][0]`` as a row of its
+    table ``owners[i][1]``. Each kernel pools all its features in one call; their outputs are put
+    back in the features' order, as TorchRec lays out a KeyedTensor.
+    """
+
+    def __init__(self, owners: List[Tuple[int, int]]) -> None:
+        kernels = 1 + max((k for k, _ in owners), default=-1)
+        self.positions: List[List[int]] = [[] for _ in range(kernels)]  # the features of each kernel, in order
+        self.tables: List[List[int]] = [[] for _ in range(kernels)]  # the table of each, within its kernel
+        for i, (k, t) in enumerate(owners):
+            self.positions[k].append(i)
+            self.tables[k].append(t)
+        pooled_order = [i for positions in self.positions for i in positions]
+        # Where each feature's output columns are among the kernels' concatenated outputs (None: in order).
+        self.output_permutation: Optional[List[int]] = (
+            None if pooled_order == list(range(len(owners))) else [pooled_order.index(i) for i in range(len(owners))])
+
+    def _kernel_input(self, features: KeyedJaggedTensor, kernel: int) -> KeyedJaggedTensor:
+        positions = self.positions[kernel]
+        if positions == list(range(len(features.keys()))):
+            return features
+        return features.permute(positions)
+
+    def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool) -> torch.Tensor:
+        """[batch, sum of feature dims] float32, features in order."""
+        batch_size = features.stride()
+        pooled = []
+        for k, batch in enumerate(batches):
+            kjt = self._kernel_input(features, k)
+            lengths = kjt.lengths()
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            out = batch.pool(kjt.values(), kjt.length_per_key(), self.tables[k], offsets,
+                             kjt.weights() if weighted else None).float()
+            num_features = len(self.positions[k])
+            if num_features > 1:
+                out = out.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
+            pooled.append(out)
+        if self.output_permutation is None:
+            return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+        per_feature = [chunk for out, positions in zip(pooled, self.positions)
+                       for chunk in out.split(out.shape[1] // len(positions), dim=1)]
+        return torch.cat([per_feature[i] for i in self.output_permutation], dim=1)
+
+    def lookahead(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> None:
+        """Starts each kernel's reads of the rows `features` (as `pool` takes them) will look up."""
+        for k, batch in enumerate(batches):
+            kjt = self._kernel_input(features, k)
+            if kjt.values().numel():
+                batch.lookahead(kjt.values(), kjt.length_per_key(), self.tables[k])
 
 
 _FUSED_KINDS = {

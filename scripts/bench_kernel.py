@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Benchmarks the table-batched disk kernel in DLRM against TorchRec's fused in-memory kernel, in
+one process, on the same batches: the op layer's overhead, with the disk out of the way.
+
+    python scripts/bench_kernel.py [--scale 10] [--batch 2048] [--steps 150] [--smoke]
+
+Model: torchrec's DLRM (13 dense features, dense arch [64, dim], over arch [64, 1]) over the 26
+Criteo Kaggle tables divided by `--scale`, `--dim` float32 columns, one Zipf(`--zipf`) id per
+feature per sample (bench_dmp.py's batches), SGD (lr 0.05) on tables and dense part alike.
+
+Configurations, each from the same initial rows (mlkv_torch.initial_rows) and dense weights:
+  memory   TorchRec's EmbeddingBagCollection under DistributedModelParallel (a one-process gloo
+           group), fbgemm's fused CPU kernel with SGD in backward: the reference;
+  cached   DiskEmbeddingBagCollection (every table on the disk kernel), a memory budget that
+           holds every row, every row brought into the cache before timing: no store reads;
+  disk     the same at `--budget` (10%) of the tables' bytes, tables populated first, so misses
+           read the disk (with --disk).
+Reported: samples/s and the ratio to memory, hit rate and store reads per step, peak RSS, and
+whether the losses equal the reference's at every step (they must: staleness 0).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from bench_dmp import DENSE_FEATURES, make_batches, set_initial_rows, table_rows, train_step
+from bench_store import proc_status_kib, reset_peak_rss
+
+LR = 0.05
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=int, default=10, help="divide Criteo Kaggle's table sizes by this")
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--zipf", type=float, default=1.05)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--disk", action="store_true", help="also run the disk configuration")
+    ap.add_argument("--budget", type=float, default=0.10, help="disk configuration: memory, fraction of table bytes")
+    ap.add_argument("--dir", default=None, help="storage directory (default: a temporary one)")
+    ap.add_argument("--out", default="bench-out/bench_kernel.json")
+    ap.add_argument("--smoke", action="store_true", help="a small, quick run that checks the script works")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.scale, args.batch, args.warmup, args.steps, args.disk = 1000, 256, 2, 3, True
+    return args
+
+
+def dlrm(collection: torch.nn.Module, dim: int) -> torch.nn.Module:
+    from torchrec.models.dlrm import DLRM
+
+    torch.manual_seed(0)  # the same dense weights in every configuration
+    return DLRM(embedding_bag_collection=collection, dense_in_features=DENSE_FEATURES,
+                dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1], dense_device=torch.device("cpu"))
+
+
+def build_memory(args: argparse.Namespace, rows: Dict[str, int]):
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints, Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    tables = [EmbeddingBagConfig(name=name, embedding_dim=args.dim, num_embeddings=n, feature_names=[f"f_{name}"])
+              for name, n in rows.items()]
+    model = dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")), args.dim)
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
+    # Table-wise, so every table runs fbgemm's fused kernel (a data-parallel plan would not).
+    topology = Topology(world_size=1, compute_device="cpu")
+    constraints = {name: ParameterConstraints(sharding_types=["table_wise"]) for name in rows}
+    plan = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch, constraints=constraints,
+                                    debug=False).plan(model, [sharder])
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    set_initial_rows(dmp, rows, args.dim)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), None
+
+
+def build_disk(args: argparse.Namespace, rows: Dict[str, int], path: str, budget: int, populate: bool):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from mlkv_torch import optim
+    from mlkv_torch.torchrec import DiskEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name=name, embedding_dim=args.dim, num_embeddings=n, feature_names=[f"f_{name}"])
+              for name, n in rows.items()]
+    collection = DiskEmbeddingBagCollection(tables, path=path, optimizer=optim.SGD(lr=LR), memory_budget_bytes=budget)
+    if populate:
+        collection.populate()
+    else:
+        # Every row into the cache (a read, no update): the timed steps find every row there.
+        with torch.no_grad():
+            chunk = 1 << 16
+            for start in range(0, max(rows.values()), chunk):
+                counts = [max(0, min(n, start + chunk) - start) for n in rows.values()]
+                values = torch.cat([torch.arange(start, start + c) for c in counts])
+                collection(KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{name}" for name in rows], values=values,
+                                                               lengths=_padded_lengths(counts, chunk)))
+    model = dlrm(collection, args.dim)
+    dense = [p for name, p in model.named_parameters() if "embedding_bag" not in name]
+    return model, torch.optim.SGD(dense, lr=LR), collection
+
+
+def _padded_lengths(counts: List[int], chunk: int) -> torch.Tensor:
+    """One id per sample for the first counts[f] samples of feature f, none for the rest of `chunk`."""
+    return torch.cat([torch.cat([torch.ones(c, dtype=torch.int64), torch.zeros(chunk - c, dtype=torch.int64)])
+                      for c in counts])
+
+
+def run(args: argparse.Namespace, name: str, model, opt, collection, batches) -> Dict[str, Any]:
+    gc.collect()
+    reset_peak_rss()
+    losses: List[float] = []
+
+    def step(batch) -> None:
+        train_step(model, opt, batch, losses)
+
+    for batch in batches[:args.warmup]:
+        step(batch)
+    before = _counters(collection)
+    start = time.perf_counter()
+    for batch in batches[args.warmup:]:
+        step(batch)
+    if collection is not None:
+        collection.flush()  # every update applied inside the timed window
+    seconds = time.perf_counter() - start
+    after = _counters(collection)
+    result: Dict[str, Any] = {"config": name, "seconds": seconds, "samples_per_s": args.batch * args.steps / seconds,
+                              "losses": losses, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
+                              "threads": len(os.listdir("/proc/self/task"))}
+    if collection is not None:
+        looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
+        result.update(hit_rate=(after["hits"] - before["hits"]) / max(1, looked_up),
+                      store_reads_per_step=(after["store_reads"] - before["store_reads"]) / args.steps,
+                      first_time_ids_per_step=(after["misses"] - before["misses"]) / args.steps)
+    return result
+
+
+def _counters(collection) -> Dict[str, int]:
+    if collection is None:
+        return {}
+    stats = collection.stats().values()
+    return {key: sum(s[f"cache_{key}" if key != "store_reads" else key] for s in stats)
+            for key in ("hits", "misses", "store_reads")}
+
+
+def main(argv: List[str]) -> int:
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    rows = table_rows(args)
+    total_rows = sum(rows.values())
+    table_bytes = total_rows * args.dim * 4
+    batches = make_batches(args, rows, 0, args.warmup + args.steps)
+    storage = args.dir or tempfile.mkdtemp(prefix="bench-kernel-")
+    rendezvous = os.path.join(storage, ".process_group")
+    os.makedirs(storage, exist_ok=True)
+    dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
+    results = []
+    try:
+        results.append(run(args, "memory (TorchRec fused)", *build_memory(args, rows), batches))
+        # All rows, plus an eighth for the stores' logs and a margin for rounding.
+        cached_budget = int(table_bytes * 9 / 8) + (4 << 20)
+        model, opt, collection = build_disk(args, rows, os.path.join(storage, "cached"), cached_budget, False)
+        results.append(run(args, "cached (disk kernel, every row in memory)", model, opt, collection, batches))
+        collection.close()
+        if args.disk:
+            budget = max(1 << 20, int(args.budget * table_bytes))
+            model, opt, collection = build_disk(args, rows, os.path.join(storage, "disk"), budget, True)
+            results.append(run(args, f"disk ({args.budget:.0%} budget, populated)", model, opt, collection, batches))
+            collection.close()
+    finally:
+        dist.destroy_process_group()
+        if args.dir is None:
+            shutil.rmtree(storage, ignore_errors=True)
+    reference = results[0]
+    print(f"{len(rows)} tables, {total_rows:,} rows x {args.dim} ({table_bytes / 2**20:.0f} MiB), batch {args.batch}, "
+          f"{args.steps} timed steps after {args.warmup}; torch threads {torch.get_num_threads()}")
+    print("| configuration | samples/s | vs memory | hit rate | store reads/step | misses/step | peak RSS (MiB) | "
+          "threads | losses equal memory's |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        equal = np.allclose(r["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
+        reads = f"{r['store_reads_per_step']:,.0f}" if "hit_rate" in r else "-"
+        misses = f"{r['first_time_ids_per_step']:,.0f}" if "hit_rate" in r else "-"
+        print(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / reference['samples_per_s']:.2f}x | "
+              f"{hit} | {reads} | {misses} | {r['peak_rss_mib']:,.0f} | {r['threads']} | {equal} |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rows": total_rows, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
