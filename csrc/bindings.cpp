@@ -441,6 +441,7 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["prefetch_dropped_rows"] = s.lookahead_dropped;
   d["prefetch_latency_ms"] = s.lookahead_latency_us / 1e3;
   d["prefetch_wait_ms"] = static_cast<double>(s.lookahead_wait_us) / 1e3;
+  d["write_back_rows"] = s.write_back_rows;
   return d;
 }
 

@@ -27,12 +27,6 @@ void CheckIds(const torch::Tensor& ids) {
                     "ids must be a contiguous 1-D int64 CPU tensor");
 }
 
-size_t PowerOfTwoAtLeast(size_t n) {
-  size_t p = 16;
-  while (p < n) p <<= 1;
-  return p;
-}
-
 template <typename F>
 void DispatchWeightType(WeightType t, F&& f) {
   switch (t) {
@@ -46,82 +40,9 @@ void DispatchWeightType(WeightType t, F&& f) {
 constexpr int kVictimSamples = 8;
 constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
 constexpr int kVictimRounds = 4;
+constexpr size_t kWriteBatchRows = 4096;  // rows the writer puts per round
 
 }  // namespace
-
-// ---- IdMap ---------------------------------------------------------------------------------------
-
-IdMap::IdMap(size_t expected) {
-  const size_t cap = PowerOfTwoAtLeast(expected * 2);
-  ids_.assign(cap, -1);
-  values_.assign(cap, 0);
-  mask_ = cap - 1;
-}
-
-int32_t IdMap::Find(int64_t id) const {
-  for (size_t i = Home(id);; i = (i + 1) & mask_) {
-    if (ids_[i] == id) return values_[i];
-    if (ids_[i] < 0) return -1;
-  }
-}
-
-int32_t* IdMap::FindMutable(int64_t id) {
-  for (size_t i = Home(id);; i = (i + 1) & mask_) {
-    if (ids_[i] == id) return &values_[i];
-    if (ids_[i] < 0) return nullptr;
-  }
-}
-
-int32_t IdMap::Insert(int64_t id, int32_t value) {
-  if ((size_ + 1) * 2 > ids_.size()) Grow();  // load factor at most 1/2
-  for (size_t i = Home(id);; i = (i + 1) & mask_) {
-    if (ids_[i] == id) return values_[i];
-    if (ids_[i] < 0) {
-      ids_[i] = id;
-      values_[i] = value;
-      ++size_;
-      return value;
-    }
-  }
-}
-
-void IdMap::Erase(int64_t id) {
-  size_t i = Home(id);
-  while (ids_[i] != id) {
-    if (ids_[i] < 0) return;
-    i = (i + 1) & mask_;
-  }
-  // Backward shift: move later entries of the probe run into the hole when their home allows it.
-  for (size_t j = (i + 1) & mask_;; j = (j + 1) & mask_) {
-    if (ids_[j] < 0) break;
-    const size_t home = Home(ids_[j]);
-    const bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
-    if (movable) {
-      ids_[i] = ids_[j];
-      values_[i] = values_[j];
-      i = j;
-    }
-  }
-  ids_[i] = -1;
-  --size_;
-}
-
-void IdMap::Clear() {
-  std::fill(ids_.begin(), ids_.end(), -1);
-  size_ = 0;
-}
-
-void IdMap::Grow() {
-  std::vector<int64_t> old_ids = std::move(ids_);
-  std::vector<int32_t> old_values = std::move(values_);
-  ids_.assign(old_ids.size() * 2, -1);
-  values_.assign(old_ids.size() * 2, 0);
-  mask_ = ids_.size() - 1;
-  size_ = 0;
-  for (size_t i = 0; i < old_ids.size(); ++i) {
-    if (old_ids[i] >= 0) Insert(old_ids[i], old_values[i]);
-  }
-}
 
 // ---- EmbeddingCache ------------------------------------------------------------------------------
 
@@ -132,7 +53,8 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
       on_host_(device.is_cpu()),
       weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
       row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
-      slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))) {
+      slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))),
+      write_back_(row_words_) {
   TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
                     opt_.capacity);
   TORCH_CHECK_VALUE(opt_.dim > 0, "dim must be positive");
@@ -178,8 +100,11 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
   staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
   staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);
   for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
+  // The write-back buffer holds as many rows as the staging area before a fetch waits for the writer.
+  write_back_limit_ = staged_capacity;
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
   prefetcher_ = std::thread([this] { PrefetchLoop(); });
+  writer_ = std::thread([this] { WriterLoop(); });
 }
 
 EmbeddingCache::~EmbeddingCache() {
@@ -200,6 +125,12 @@ EmbeddingCache::~EmbeddingCache() {
     queue_cv_.notify_all();
     applier_.join();
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
+  }
+  writer_cv_.notify_all();
+  writer_.join();
   {
     std::lock_guard<std::mutex> lock(prefetch_mu_);
     prefetch_stopping_ = true;
@@ -423,23 +354,6 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admissi
   return s;
 }
 
-void EmbeddingCache::UndoAdmissions(const std::vector<Admission>& admissions) {
-  for (auto a = admissions.rbegin(); a != admissions.rend(); ++a) {
-    slot_of_.Erase(slot_id_[a->slot]);
-    --table_stats_[static_cast<size_t>(TableOf(slot_id_[a->slot]))].cached_rows;
-    slot_id_[a->slot] = a->evicted_id;
-    if (a->evicted_id < 0) {
-      free_slots_.push_back(a->slot);
-      if (opt_.policy == CachePolicy::kLru) LruUnlink(a->slot);
-      continue;
-    }
-    slot_of_.Insert(a->evicted_id, a->slot);
-    ++table_stats_[static_cast<size_t>(TableOf(a->evicted_id))].cached_rows;
-    slot_freq_[a->slot] = a->evicted_freq;
-    slot_dirty_[a->slot] = a->evicted_dirty;
-  }
-}
-
 // ---- data movement between host buffers and slots ----------------------------------------------
 
 void EmbeddingCache::CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows) {
@@ -521,121 +435,244 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   torch::Tensor out;
   std::vector<int64_t> source(static_cast<size_t>(n));  // slot, or -1: row i of `missed`
   std::vector<int64_t> missed_pos, missed_ids;
-  torch::Tensor missed_rows;
-  {
-    WaitQueuedAtMost(opt_.staleness);
-    WaitForPrefetches(id, n);
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
-      std::fill(slot_epoch_.begin(), slot_epoch_.end(), 0);
-      epoch_ = 1;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t s = slot_of_.Find(id[i]);
-      TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(id[i]))];
-      if (s >= 0) {
-        source[i] = s;
-        Touch(s);
-        ++counters.hits;
-      } else {
-        source[i] = -1;
-        ++counters.misses;
-        missed_pos.push_back(i);
-        missed_ids.push_back(id[i]);
-      }
-    }
-    if (opt_.staleness > 0 && pending_.size() > 0) {
-      int64_t worst = 0;
-      for (int64_t i = 0; i < n; ++i) worst = std::max<int64_t>(worst, pending_.Find(id[i]));
-      stats_.max_staleness = std::max(stats_.max_staleness, worst);
-    }
-    const int64_t m = static_cast<int64_t>(missed_ids.size());
-    stats_.hits += n - m;
-    stats_.misses += m;
-    missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
-    float* missed = missed_rows.data_ptr<float>();
-    ReadThroughStaging(missed_ids.data(), static_cast<size_t>(m), missed);
-
-    std::vector<Admission> admissions;
-    std::vector<int32_t> admitted_slots;
-    std::vector<int64_t> admitted_rows;  // rows of missed_rows
-    for (int64_t j = 0; j < m; ++j) {
-      const uint8_t frequency = opt_.policy == CachePolicy::kLfu ? SketchAdd(missed_ids[j]) : 1;
-      const int32_t s = Admit(missed_ids[j], frequency, &admissions);
-      if (s < 0) {
-        ++stats_.rejected;
-        continue;
-      }
-      admitted_slots.push_back(s);
-      admitted_rows.push_back(j);
-      source[missed_pos[j]] = s;
-    }
-    // Write evicted dirty rows back before their slots take the newcomers. If
-    // the store refuses, the evicted rows are still in their slots: undo.
-    std::vector<int64_t> evicted_ids;
-    std::vector<int32_t> evicted_slots;
-    for (const Admission& a : admissions) {
-      if (a.evicted_id >= 0 && a.evicted_dirty) {
-        evicted_ids.push_back(a.evicted_id);
-        evicted_slots.push_back(a.slot);
-      }
-    }
-    if (!evicted_slots.empty()) {
-      torch::Tensor rows = SlotRowsToHost(evicted_slots);
-      const Status st = PutToStore(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>());
-      if (!st.ok()) {
-        UndoAdmissions(admissions);
-        throw StatusError(st);
-      }
-      CountWrittenBack(evicted_ids);
-    }
-    for (const Admission& a : admissions) stats_.evictions += a.evicted_id >= 0;
-    stats_.admitted += static_cast<int64_t>(admissions.size());
-    // Rows left out of the cache wait in the staging area for this batch's update, which would
-    // otherwise read them from the store a second time.
-    for (int64_t j = 0; j < m; ++j) {
-      if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_);
-    }
-    if (!admitted_slots.empty()) {
-      CopyRowsToSlots(admitted_slots,
-                      admitted_rows.size() == static_cast<size_t>(m)
-                          ? missed_rows
-                          : missed_rows.index_select(0, torch::tensor(admitted_rows, torch::kInt64)));
-    }
-
-    if (on_host_) {
-      out = torch::empty({n, weight_words_}, torch::kFloat32);
-      float* dst = out.data_ptr<float>();
-      int64_t j = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* src;
-        if (j < m && missed_pos[j] == i) {
-          src = missed + j * row_words_;  // its slot (if admitted) holds the same row
-          ++j;
-        } else {
-          src = host_slots_ + source[i] * row_words_;
-        }
-        std::memcpy(dst + i * weight_words_, src, weight_words_ * sizeof(float));
-      }
+  WaitQueuedAtMost(opt_.staleness);
+  WaitForPrefetches(id, n);
+  // One fetch at a time: between its unlocked store reads and its admissions no other fetch
+  // changes which rows are cached.
+  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  ThrowIfFailed();
+  ThrowIfWriteFailed();
+  WaitForWriteBackRoom(lock);
+  if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
+    std::fill(slot_epoch_.begin(), slot_epoch_.end(), 0);
+    epoch_ = 1;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = slot_of_.Find(id[i]);
+    TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(id[i]))];
+    if (s >= 0) {
+      source[i] = s;
+      Touch(s);
+      ++counters.hits;
     } else {
-      // Device: gather every row from the slots, then overwrite the rows left out of the cache.
-      torch::Tensor slot_index = torch::tensor(source, torch::kInt64).clamp_min_(0).to(device_);
-      out = slots_.narrow(1, 0, weight_words_).index_select(0, slot_index);
-      std::vector<int64_t> outside_pos, outside_rows;
-      for (int64_t j = 0; j < m; ++j) {
-        if (source[missed_pos[j]] < 0) {
-          outside_pos.push_back(missed_pos[j]);
-          outside_rows.push_back(j);
-        }
+      source[i] = -1;
+      ++counters.misses;
+      missed_pos.push_back(i);
+      missed_ids.push_back(id[i]);
+    }
+  }
+  if (opt_.staleness > 0 && pending_.size() > 0) {
+    int64_t worst = 0;
+    for (int64_t i = 0; i < n; ++i) worst = std::max<int64_t>(worst, pending_.Find(id[i]));
+    stats_.max_staleness = std::max(stats_.max_staleness, worst);
+  }
+  const int64_t m = static_cast<int64_t>(missed_ids.size());
+  stats_.hits += n - m;
+  stats_.misses += m;
+  torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
+  float* missed = missed_rows.data_ptr<float>();
+  ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed, &lock);
+
+  std::vector<Admission> admissions;
+  std::vector<int32_t> admitted_slots;
+  std::vector<int64_t> admitted_rows;  // rows of missed_rows
+  for (int64_t j = 0; j < m; ++j) {
+    const uint8_t frequency = opt_.policy == CachePolicy::kLfu ? SketchAdd(missed_ids[j]) : 1;
+    const int32_t s = Admit(missed_ids[j], frequency, &admissions);
+    if (s < 0) {
+      ++stats_.rejected;
+      continue;
+    }
+    admitted_slots.push_back(s);
+    admitted_rows.push_back(j);
+    source[missed_pos[j]] = s;
+  }
+  // Evicted dirty rows leave for the stores through the write-back buffer (the writer thread puts
+  // them), before their slots take the newcomers.
+  std::vector<int64_t> evicted_ids;
+  std::vector<int32_t> evicted_slots;
+  for (const Admission& a : admissions) {
+    if (a.evicted_id >= 0 && a.evicted_dirty) {
+      evicted_ids.push_back(a.evicted_id);
+      evicted_slots.push_back(a.slot);
+    }
+  }
+  if (!evicted_slots.empty()) {
+    torch::Tensor rows = SlotRowsToHost(evicted_slots);
+    WriteBehind(evicted_ids.data(), evicted_ids.size(), rows.data_ptr<float>());
+    CountWrittenBack(evicted_ids);
+  }
+  for (const Admission& a : admissions) stats_.evictions += a.evicted_id >= 0;
+  stats_.admitted += static_cast<int64_t>(admissions.size());
+  // Rows left out of the cache wait in the staging area for this batch's update, which would
+  // otherwise read them from the store a second time.
+  for (int64_t j = 0; j < m; ++j) {
+    if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_);
+  }
+  if (!admitted_slots.empty()) {
+    CopyRowsToSlots(admitted_slots,
+                    admitted_rows.size() == static_cast<size_t>(m)
+                        ? missed_rows
+                        : missed_rows.index_select(0, torch::tensor(admitted_rows, torch::kInt64)));
+  }
+
+  if (on_host_) {
+    out = torch::empty({n, weight_words_}, torch::kFloat32);
+    float* dst = out.data_ptr<float>();
+    int64_t j = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* src;
+      if (j < m && missed_pos[j] == i) {
+        src = missed + j * row_words_;  // its slot (if admitted) holds the same row
+        ++j;
+      } else {
+        src = host_slots_ + source[i] * row_words_;
       }
-      if (!outside_pos.empty()) {
-        torch::Tensor rows = missed_rows.index_select(0, torch::tensor(outside_rows, torch::kInt64)).narrow(1, 0, weight_words_);
-        out.index_copy_(0, torch::tensor(outside_pos, torch::kInt64).to(device_), rows.to(device_));
+      std::memcpy(dst + i * weight_words_, src, weight_words_ * sizeof(float));
+    }
+  } else {
+    // Device: gather every row from the slots, then overwrite the rows left out of the cache.
+    torch::Tensor slot_index = torch::tensor(source, torch::kInt64).clamp_min_(0).to(device_);
+    out = opt_.capacity > 0 ? slots_.narrow(1, 0, weight_words_).index_select(0, slot_index)
+                            : torch::empty({n, weight_words_}, slots_.options());
+    std::vector<int64_t> outside_pos, outside_rows;
+    for (int64_t j = 0; j < m; ++j) {
+      if (source[missed_pos[j]] < 0) {
+        outside_pos.push_back(missed_pos[j]);
+        outside_rows.push_back(j);
       }
+    }
+    if (!outside_pos.empty()) {
+      torch::Tensor rows = missed_rows.index_select(0, torch::tensor(outside_rows, torch::kInt64)).narrow(1, 0, weight_words_);
+      out.index_copy_(0, torch::tensor(outside_pos, torch::kInt64).to(device_), rows.to(device_));
     }
   }
   return out;
+}
+
+void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
+                                      std::unique_lock<std::mutex>* lock) {
+  // Staged copies and rows waiting in the write-back buffer are the newest; the rest come from
+  // the stores, read without the lock (the applier, the writer and the prefetcher go on meanwhile).
+  std::vector<int64_t> read_pos, read_keys;
+  for (size_t i = 0; i < n; ++i) {
+    float* row = out + i * row_words_;
+    if (TakeStaged(keys[i], row)) continue;
+    if (const float* waiting = write_back_.Find(keys[i])) {
+      std::memcpy(row, waiting, row_words_ * sizeof(float));
+      continue;
+    }
+    read_pos.push_back(static_cast<int64_t>(i));
+    read_keys.push_back(keys[i]);
+  }
+  if (read_keys.empty()) return;
+  const size_t r = read_keys.size();
+  std::vector<float> rows(r * static_cast<size_t>(row_words_));
+  std::unique_ptr<bool[]> fresh(new bool[r]);
+  if (lock == nullptr) {
+    ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
+    for (size_t k = 0; k < r; ++k) {
+      std::memcpy(out + read_pos[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
+      TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(read_keys[k]))];
+      ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
+      ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
+    }
+    return;
+  }
+  ++reads_in_flight_;
+  lock->unlock();
+  try {
+    ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
+  } catch (...) {
+    lock->lock();
+    EndRead();
+    throw;
+  }
+  lock->lock();
+  // Any row of the batch may have been written while the lock was released (an update applied,
+  // including to a row taken from the staging area above): its newest value is in the write-back
+  // buffer, or (if its write completed meanwhile) in the store again, read once more under the
+  // lock (rare).
+  for (size_t k = 0; k < r; ++k) {
+    std::memcpy(out + read_pos[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
+    TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(read_keys[k]))];
+    ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
+    ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
+    Unstage(read_keys[k]);  // a prefetch that staged it meanwhile read it no later than this read
+  }
+  std::vector<int64_t> again_pos, again_keys;
+  for (size_t i = 0; i < n; ++i) {
+    if (const float* waiting = write_back_.Find(keys[i])) {
+      std::memcpy(out + i * row_words_, waiting, row_words_ * sizeof(float));
+    } else if (written_during_reads_.Find(keys[i]) >= 0) {
+      again_pos.push_back(static_cast<int64_t>(i));
+      again_keys.push_back(keys[i]);
+    }
+  }
+  EndRead();
+  if (!again_keys.empty()) {
+    std::vector<float> again(again_keys.size() * static_cast<size_t>(row_words_));
+    std::unique_ptr<bool[]> again_fresh(new bool[again_keys.size()]);
+    ReadFromStore(again_keys.data(), again_keys.size(), again.data(), again_fresh.get());
+    for (size_t k = 0; k < again_keys.size(); ++k) {
+      std::memcpy(out + again_pos[k] * row_words_, &again[k * row_words_], row_words_ * sizeof(float));
+    }
+  }
+}
+
+void EmbeddingCache::EndRead() {
+  if (--reads_in_flight_ == 0) written_during_reads_.Clear();
+}
+
+void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
+  if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
+  writer_cv_.notify_one();
+  written_cv_.wait(lock, [&] {
+    return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok();
+  });
+  ThrowIfWriteFailed();
+}
+
+void EmbeddingCache::ThrowIfWriteFailed() {
+  if (write_error_.ok()) return;
+  // Raised once; the rows stay in the buffer, and the writer tries again from the next call on
+  // (a disk that was full may have room again).
+  const Status error = write_error_;
+  write_error_ = Status::OK();
+  writer_cv_.notify_one();
+  throw StatusError(error);
+}
+
+void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* rows) {
+  for (size_t i = 0; i < n; ++i) {
+    Unstage(keys[i]);  // the staged copy is older
+    write_back_.Put(keys[i], rows + i * row_words_);
+  }
+  if (n) writer_cv_.notify_one();
+}
+
+void EmbeddingCache::WriterLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    writer_cv_.wait(lock, [&] { return writer_stopping_ || (write_back_.waiting() > 0 && write_error_.ok()); });
+    if (write_back_.waiting() == 0 || !write_error_.ok()) return;  // stopping
+    const WriteBackBuffer::Batch batch = write_back_.Take(kWriteBatchRows);
+    lock.unlock();
+    const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data());
+    lock.lock();
+    if (st.ok()) {
+      write_back_.Complete(batch);
+      // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
+      if (reads_in_flight_ > 0) {
+        for (int64_t key : batch.keys) written_during_reads_.Insert(key, 1);
+      }
+    } else {
+      write_back_.Return(batch);  // the rows stay in memory until a write succeeds
+      write_error_ = st;
+    }
+    written_cv_.notify_all();
+  }
 }
 
 void EmbeddingCache::Apply(const Update& u) {
@@ -645,7 +682,9 @@ void EmbeddingCache::Apply(const Update& u) {
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   const int64_t m = static_cast<int64_t>(missed_ids.size());
   torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
-  ReadThroughStaging(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
+  // Under the lock throughout: the slots split above stay the rows' slots. These rows are
+  // usually staged by the fetch before, so the stores are rarely read here.
+  ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), nullptr);
   if (on_host_) {
     std::vector<float*> rows(static_cast<size_t>(n));
     for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
@@ -681,8 +720,8 @@ void EmbeddingCache::Apply(const Update& u) {
       UpdateHostRows(rows.data(), grads.data_ptr<float>(), m, u);
     }
   }
-  // Rows outside the cache go straight back to the store.
-  if (m > 0) ThrowIfError(PutToStore(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>()));
+  // Rows outside the cache go back to the stores through the write-back buffer.
+  WriteBehind(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
   if (opt_.staleness > 0) AddPending(id, n, -1);
   ++stats_.updates_applied;
   stats_.rows_updated += n;
@@ -776,11 +815,21 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   for (size_t k = 0; k < cached_pos.size(); ++k) {
     std::memcpy(dst + cached_pos[k] * row_words_, cached.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
   }
-  torch::Tensor missed = torch::empty({static_cast<int64_t>(missed_ids.size()), row_words_}, torch::kFloat32);
-  std::unique_ptr<bool[]> fresh(new bool[missed_ids.size()]);
-  ReadFromStore(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>(), fresh.get());
+  // Not from the staging area: reading rows out must not take staged copies away from a fetch.
+  std::vector<int64_t> store_pos, store_ids;
   for (size_t k = 0; k < missed_pos.size(); ++k) {
-    std::memcpy(dst + missed_pos[k] * row_words_, missed.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
+    if (const float* waiting = write_back_.Find(missed_ids[k])) {
+      std::memcpy(dst + missed_pos[k] * row_words_, waiting, row_words_ * sizeof(float));
+    } else {
+      store_pos.push_back(missed_pos[k]);
+      store_ids.push_back(missed_ids[k]);
+    }
+  }
+  std::vector<float> rows(store_ids.size() * static_cast<size_t>(row_words_));
+  std::unique_ptr<bool[]> fresh(new bool[store_ids.size()]);
+  ReadFromStore(store_ids.data(), store_ids.size(), rows.data(), fresh.get());
+  for (size_t k = 0; k < store_pos.size(); ++k) {
+    std::memcpy(dst + store_pos[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
   }
   return out;
 }
@@ -793,14 +842,15 @@ void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& ro
   Drain();
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  WaitForWriteBackRoom(lock);
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   // Ids repeat at most harmlessly: the last row written for an id wins in both places.
   if (!cached_pos.empty()) CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
   if (!missed_pos.empty()) {
     torch::Tensor missed = rows.index_select(0, torch::tensor(missed_pos, torch::kInt64));
-    ThrowIfError(PutToStore(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>()));
+    WriteBehind(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>());
   }
 }
 
@@ -818,7 +868,10 @@ void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
       sequence = prefetch_requested_ + 1;
     }
     for (int64_t i = 0; i < n; ++i) {
-      if (slot_of_.Find(id[i]) >= 0 || staged_.Find(id[i]) >= 0 || prefetching_.Find(id[i]) >= 0) continue;
+      if (slot_of_.Find(id[i]) >= 0 || staged_.Find(id[i]) >= 0 || prefetching_.Find(id[i]) >= 0 ||
+          write_back_.Find(id[i]) != nullptr) {
+        continue;
+      }
       prefetching_.Insert(id[i], sequence);
       outside.push_back(id[i]);
     }
@@ -844,8 +897,7 @@ void EmbeddingCache::PrefetchLoop() {
     const std::vector<int64_t>& ids = request.ids;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      prefetch_reading_ = true;
-      written_while_prefetching_.Clear();
+      ++reads_in_flight_;
     }
     std::vector<float> rows(ids.size() * static_cast<size_t>(row_words_));
     bool read_ok = true;
@@ -857,11 +909,11 @@ void EmbeddingCache::PrefetchLoop() {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      prefetch_reading_ = false;
       for (size_t i = 0; i < ids.size(); ++i) {
         if (prefetching_.Find(ids[i]) == request.sequence) prefetching_.Erase(ids[i]);
-        if (!read_ok || written_while_prefetching_.Find(ids[i]) >= 0 || slot_of_.Find(ids[i]) >= 0 ||
-            staged_.Find(ids[i]) >= 0) {
+        // A row written since the read began (now waiting to be written, or written) is newer than the read.
+        if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || write_back_.Find(ids[i]) != nullptr ||
+            slot_of_.Find(ids[i]) >= 0 || staged_.Find(ids[i]) >= 0) {
           continue;
         }
         if (Stage(ids[i], &rows[i * row_words_])) {
@@ -870,7 +922,7 @@ void EmbeddingCache::PrefetchLoop() {
           ++stats_.lookahead_dropped;
         }
       }
-      written_while_prefetching_.Clear();
+      EndRead();
     }
     {
       std::lock_guard<std::mutex> lock(prefetch_mu_);
@@ -920,50 +972,27 @@ void EmbeddingCache::Unstage(int64_t id, int32_t entry) {
   staged_free_.push_back(entry);
 }
 
-int64_t EmbeddingCache::ReadThroughStaging(const int64_t* ids, size_t n, float* out) {
-  std::vector<int64_t> unstaged_pos, unstaged_ids;
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t entry = staged_.Find(ids[i]);
-    if (entry < 0) {
-      unstaged_pos.push_back(static_cast<int64_t>(i));
-      unstaged_ids.push_back(ids[i]);
-      continue;
-    }
-    std::memcpy(out + i * row_words_, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
-    Unstage(ids[i], entry);
-    ++table_stats_[static_cast<size_t>(TableOf(ids[i]))].lookahead_hits;
-  }
-  const size_t m = unstaged_ids.size();
-  std::unique_ptr<bool[]> fresh(new bool[m]);
-  if (m == n) {
-    ReadFromStore(ids, n, out, fresh.get());
-  } else if (m > 0) {
-    std::vector<float> rows(m * static_cast<size_t>(row_words_));
-    ReadFromStore(unstaged_ids.data(), m, rows.data(), fresh.get());
-    for (size_t k = 0; k < m; ++k) {
-      std::memcpy(out + unstaged_pos[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
-    }
-  }
-  for (size_t k = 0; k < m; ++k) {
-    TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(unstaged_ids[k]))];
-    ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
-    ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
-  }
-  return static_cast<int64_t>(n - m);
+void EmbeddingCache::Unstage(int64_t id) {
+  const int32_t entry = staged_.Find(id);
+  if (entry >= 0) Unstage(id, entry);
 }
 
-Status EmbeddingCache::PutToStore(const int64_t* ids, size_t n, const float* rows) {
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t entry = staged_.Find(ids[i]);
-    if (entry >= 0) Unstage(ids[i], entry);
-    if (prefetch_reading_) written_while_prefetching_.Insert(ids[i], 1);
-  }
+bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
+  const int32_t entry = staged_.Find(key);
+  if (entry < 0) return false;
+  std::memcpy(row, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
+  Unstage(key, entry);
+  ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
+  return true;
+}
+
+Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* rows) const {
   int64_t only;
-  const std::vector<TableBatch> batches = SplitByTable(ids, n, &only);
+  const std::vector<TableBatch> batches = SplitByTable(keys, n, &only);
   if (batches.empty()) {
-    std::vector<int64_t> table_ids(ids, ids + n);
-    for (int64_t& id : table_ids) id &= kIdMask;
-    return tables_[static_cast<size_t>(only)].store->Put(table_ids.data(), n, rows);
+    std::vector<int64_t> ids(keys, keys + n);
+    for (int64_t& id : ids) id &= kIdMask;
+    return tables_[static_cast<size_t>(only)].store->Put(ids.data(), n, rows);
   }
   for (size_t t = 0; t < batches.size(); ++t) {
     const TableBatch& b = batches[t];
@@ -972,8 +1001,8 @@ Status EmbeddingCache::PutToStore(const int64_t* ids, size_t n, const float* row
     for (size_t k = 0; k < b.ids.size(); ++k) {
       std::memcpy(&table_rows[k * row_words_], rows + b.positions[k] * row_words_, row_words_ * sizeof(float));
     }
-    // Tables written before a failing one keep their rows: each put is whole or not at all, and the
-    // caller keeps every row it meant to write (dirty in the cache, or queued) until all succeeded.
+    // A failure leaves the whole batch in the write-back buffer, to be written again: rows of
+    // the tables written before it are then written twice, with the same values.
     const Status st = tables_[t].store->Put(b.ids.data(), b.ids.size(), table_rows.data());
     if (!st.ok()) return st;
   }
@@ -987,7 +1016,7 @@ void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
 
 void EmbeddingCache::WriteBack() {
   Drain();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   std::vector<int64_t> ids;
   std::vector<int32_t> slots;
   for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {
@@ -996,11 +1025,16 @@ void EmbeddingCache::WriteBack() {
       slots.push_back(s);
     }
   }
-  if (ids.empty()) return;
-  torch::Tensor rows = SlotRowsToHost(slots);
-  ThrowIfError(PutToStore(ids.data(), ids.size(), rows.data_ptr<float>()));
-  for (int32_t s : slots) slot_dirty_[s] = 0;
-  CountWrittenBack(ids);
+  if (!ids.empty()) {
+    torch::Tensor rows = SlotRowsToHost(slots);
+    WriteBehind(ids.data(), ids.size(), rows.data_ptr<float>());
+    for (int32_t s : slots) slot_dirty_[s] = 0;
+    CountWrittenBack(ids);
+  }
+  // Every row reaches its store before this returns.
+  writer_cv_.notify_one();
+  written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
+  ThrowIfWriteFailed();
 }
 
 void EmbeddingCache::Close() {
@@ -1018,6 +1052,7 @@ CacheStats EmbeddingCache::Stats() {
     s.pending_rows = static_cast<int64_t>(pending_.size());
     s.lookahead_hits = 0;
     for (const TableCounters& t : table_stats_) s.lookahead_hits += t.lookahead_hits;
+    s.write_back_rows = static_cast<int64_t>(write_back_.size());
   }
   {
     std::lock_guard<std::mutex> lock(prefetch_mu_);

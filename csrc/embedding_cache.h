@@ -44,6 +44,8 @@
 #include <vector>
 
 #include "engine/row_store.h"
+#include "id_map.h"
+#include "write_back_buffer.h"
 #include "row_ops.h"
 
 namespace mlkv {
@@ -60,27 +62,6 @@ constexpr int kTableShift = 40;
 constexpr int64_t kIdMask = (int64_t{1} << kTableShift) - 1;
 inline int64_t TableKey(int64_t table, int64_t id) { return (table << kTableShift) | id; }
 inline int64_t TableOf(int64_t key) { return key >> kTableShift; }
-
-// Open-addressing map from non-negative int64 ids to int32 values; linear
-// probing with backward-shift deletion (no tombstones).
-class IdMap {
- public:
-  explicit IdMap(size_t expected = 16);
-  int32_t Find(int64_t id) const;
-  // Inserts id -> value when absent; returns the value now stored.
-  int32_t Insert(int64_t id, int32_t value);
-  int32_t* FindMutable(int64_t id);
-  void Erase(int64_t id);
-  size_t size() const { return size_; }
-  void Clear();
-
- private:
-  size_t Home(int64_t id) const { return static_cast<size_t>(SplitMix64(static_cast<uint64_t>(id))) & mask_; }
-  void Grow();
-  std::vector<int64_t> ids_;  // -1: empty
-  std::vector<int32_t> values_;
-  size_t mask_ = 0, size_ = 0;
-};
 
 enum class CachePolicy : int { kLfu = 0, kLru = 1 };
 
@@ -112,6 +93,7 @@ struct CacheStats {
   // recent requests, and the total time fetches waited for prefetches still in flight.
   double lookahead_latency_us = 0;
   int64_t lookahead_wait_us = 0;
+  int64_t write_back_rows = 0;  // rows waiting in the write-back buffer
 };
 
 // The counters of CacheStats that belong to one table of the cache.
@@ -200,9 +182,8 @@ class EmbeddingCache {
     uint8_t evicted_freq, evicted_dirty;
   };
   // Slot for a missed id, or -1 when the policy keeps it out. May evict; the
-  // caller writes evicted dirty rows back, or undoes the admissions.
+  // caller writes evicted dirty rows back.
   int32_t Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions);
-  void UndoAdmissions(const std::vector<Admission>& admissions);
   int32_t PickVictim();
   void Touch(int32_t slot);
   void LruUnlink(int32_t slot);
@@ -219,15 +200,25 @@ class EmbeddingCache {
     return spec;
   }
   void AddPending(const int64_t* ids, int64_t n, int delta);
-  // Every store write of the cache goes here: staged copies of the rows become
-  // stale, and so do rows a prefetch is reading at the moment. Holds mu_.
-  Status PutToStore(const int64_t* ids, size_t n, const float* rows);
+  // Every store write of the cache goes here (holds mu_): the rows wait in the write-back
+  // buffer, where reads find them, until the writer thread has put them.
+  void WriteBehind(const int64_t* keys, size_t n, const float* rows);
+  void WriterLoop();
+  void ThrowIfWriteFailed();  // holds mu_
+  // Waits (releasing mu_) while the write-back buffer is over its limit.
+  void WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock);
+  // Batched puts, one per table (no lock needed).
+  Status PutToStores(const int64_t* keys, size_t n, const float* rows) const;
   void CountWrittenBack(const std::vector<int64_t>& keys);  // holds mu_
+  // Full rows of keys not cached (holds mu_): staged copies (taken), rows in the write-back
+  // buffer, and store reads; with `lock`, the stores are read with it released.
+  void ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock);
+  void EndRead();  // a store read without mu_ ended (holds mu_)
   // Staging (holds mu_): keep a row read from the store for a later fetch or update.
   bool Stage(int64_t id, const float* row);
   void Unstage(int64_t id, int32_t entry);
-  // Full rows of ids not cached: staged copies (taken) or store reads. Returns the staged count.
-  int64_t ReadThroughStaging(const int64_t* ids, size_t n, float* out);
+  void Unstage(int64_t id);  // when staged
+  bool TakeStaged(int64_t key, float* row);  // copies and unstages a staged row
   void PrefetchLoop();
   // Waits (without mu_) until no prefetch in flight covers one of `ids`.
   void WaitForPrefetches(const int64_t* ids, int64_t n);
@@ -238,6 +229,7 @@ class EmbeddingCache {
   const bool on_host_;  // the slots are in host memory
   const int64_t weight_words_, row_words_;
 
+  std::mutex fetch_mu_;  // one fetch at a time (taken before mu_)
   std::mutex mu_;  // everything below; the applier holds it while it applies
   torch::Tensor slots_;  // [capacity, row_words] float32 on device_
   float* host_slots_ = nullptr;  // slots_ data when on the CPU
@@ -264,8 +256,16 @@ class EmbeddingCache {
   std::vector<int64_t> staged_id_;   // per entry, -1 when free
   std::vector<uint32_t> staged_epoch_;  // the fetch epoch it was staged in
   IdMap prefetching_;                // id -> sequence number of the request reading it
-  IdMap written_while_prefetching_;  // ids written to the store during the read in flight
-  bool prefetch_reading_ = false;
+  // Store reads running without mu_ (fetches' and the prefetcher's), and the keys whose writes
+  // completed meanwhile: those reads may hold older values.
+  int64_t reads_in_flight_ = 0;
+  IdMap written_during_reads_;
+  WriteBackBuffer write_back_;
+  int64_t write_back_limit_ = 0;
+  Status write_error_;  // the writer's last failure, not yet raised: it waits until it is  // rows the buffer may hold before a fetch waits for the writer
+  std::condition_variable writer_cv_, written_cv_;  // with mu_
+  bool writer_stopping_ = false;
+  std::thread writer_;
   Status failed_;  // the first error the applier met; every later call raises it
 
   std::mutex queue_mu_;

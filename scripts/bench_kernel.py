@@ -14,7 +14,7 @@ Configurations, each from the same initial rows (mlkv_torch.initial_rows) and de
   cached   DiskEmbeddingBagCollection (every table on the disk kernel), a memory budget that
            holds every row, every row brought into the cache before timing: no store reads;
   disk     the same at `--budget` (10%) of the tables' bytes, tables populated first, so misses
-           read the disk (with --disk).
+           read the disk, looking `--depth` batches ahead (with --disk).
 Reported: samples/s and the ratio to memory, hit rate and store reads per step, peak RSS, and
 whether the losses equal the reference's at every step (they must: staleness 0).
 """
@@ -49,6 +49,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--disk", action="store_true", help="also run the disk configuration")
     ap.add_argument("--budget", type=float, default=0.10, help="disk configuration: memory, fraction of table bytes")
+    ap.add_argument("--depth", type=int, default=1, help="disk configuration: batches looked ahead")
+    ap.add_argument("--iops", type=float, default=None,
+                    help="4 KiB random-read IOPS of the disk (../shared/tools/fio-limits.sh, queue depth 64): "
+                         "reports the disk configuration against the rate the disk allows for its reads")
     ap.add_argument("--dir", default=None, help="storage directory (default: a temporary one)")
     ap.add_argument("--out", default="bench-out/bench_kernel.json")
     ap.add_argument("--smoke", action="store_true", help="a small, quick run that checks the script works")
@@ -125,20 +129,26 @@ def _padded_lengths(counts: List[int], chunk: int) -> torch.Tensor:
                       for c in counts])
 
 
-def run(args: argparse.Namespace, name: str, model, opt, collection, batches) -> Dict[str, Any]:
+def run(args: argparse.Namespace, name: str, model, opt, collection, batches, depth: int = 0) -> Dict[str, Any]:
+    """Trains on `batches`, reading the rows of batch t + `depth` as batch t starts (LookaheadPipeline's
+    window, without its data loading); times the steps after the warm-up."""
     gc.collect()
     reset_peak_rss()
     losses: List[float] = []
+    for batch in batches[:depth]:
+        collection.lookahead(batch[1])
 
-    def step(batch) -> None:
-        train_step(model, opt, batch, losses)
+    def step(t: int) -> None:
+        if depth and t + depth < len(batches):
+            collection.lookahead(batches[t + depth][1])
+        train_step(model, opt, batches[t], losses)
 
-    for batch in batches[:args.warmup]:
-        step(batch)
+    for t in range(args.warmup):
+        step(t)
     before = _counters(collection)
     start = time.perf_counter()
-    for batch in batches[args.warmup:]:
-        step(batch)
+    for t in range(args.warmup, len(batches)):
+        step(t)
     if collection is not None:
         collection.flush()  # every update applied inside the timed window
     seconds = time.perf_counter() - start
@@ -149,17 +159,30 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches) ->
     if collection is not None:
         looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
         result.update(hit_rate=(after["hits"] - before["hits"]) / max(1, looked_up),
-                      store_reads_per_step=(after["store_reads"] - before["store_reads"]) / args.steps,
-                      first_time_ids_per_step=(after["misses"] - before["misses"]) / args.steps)
+                      disk_reads_per_step=(after["disk_reads"] - before["disk_reads"]) / args.steps,
+                      misses_per_step=(after["misses"] - before["misses"]) / args.steps)
     return result
+
+
+def first_time_ids_per_step(batches, warmup: int) -> float:
+    """Mean count, over the steps after `warmup`, of (feature, id) pairs no earlier step had."""
+    seen: Dict[str, set] = {}
+    new = 0
+    for t, (_, sparse, _) in enumerate(batches):
+        for key, jt in sparse.to_dict().items():
+            ids = set(jt.values().tolist())
+            if t >= warmup:
+                new += len(ids - seen.get(key, set()))
+            seen.setdefault(key, set()).update(ids)
+    return new / max(1, len(batches) - warmup)
 
 
 def _counters(collection) -> Dict[str, int]:
     if collection is None:
         return {}
     stats = collection.stats().values()
-    return {key: sum(s[f"cache_{key}" if key != "store_reads" else key] for s in stats)
-            for key in ("hits", "misses", "store_reads")}
+    return {"hits": sum(s["cache_hits"] for s in stats), "misses": sum(s["cache_misses"] for s in stats),
+            "disk_reads": sum(s["disk_reads"] for s in stats)}
 
 
 def main(argv: List[str]) -> int:
@@ -177,15 +200,16 @@ def main(argv: List[str]) -> int:
     results = []
     try:
         results.append(run(args, "memory (TorchRec fused)", *build_memory(args, rows), batches))
-        # All rows, plus an eighth for the stores' logs and a margin for rounding.
-        cached_budget = int(table_bytes * 9 / 8) + (4 << 20)
+        # All rows, and the eighth of the budget the stores' logs take (split_host_memory), and a margin.
+        cached_budget = int(table_bytes * 8 / 7) + (8 << 20)
         model, opt, collection = build_disk(args, rows, os.path.join(storage, "cached"), cached_budget, False)
         results.append(run(args, "cached (disk kernel, every row in memory)", model, opt, collection, batches))
         collection.close()
         if args.disk:
             budget = max(1 << 20, int(args.budget * table_bytes))
             model, opt, collection = build_disk(args, rows, os.path.join(storage, "disk"), budget, True)
-            results.append(run(args, f"disk ({args.budget:.0%} budget, populated)", model, opt, collection, batches))
+            results.append(run(args, f"disk ({args.budget:.0%} budget, populated, look-ahead {args.depth})", model, opt,
+                               collection, batches, args.depth))
             collection.close()
     finally:
         dist.destroy_process_group()
@@ -194,16 +218,24 @@ def main(argv: List[str]) -> int:
     reference = results[0]
     print(f"{len(rows)} tables, {total_rows:,} rows x {args.dim} ({table_bytes / 2**20:.0f} MiB), batch {args.batch}, "
           f"{args.steps} timed steps after {args.warmup}; torch threads {torch.get_num_threads()}")
-    print("| configuration | samples/s | vs memory | hit rate | store reads/step | misses/step | peak RSS (MiB) | "
+    print("| configuration | samples/s | vs memory | hit rate | disk reads/step | misses/step | peak RSS (MiB) | "
           "threads | losses equal memory's |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         equal = np.allclose(r["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
         hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
-        reads = f"{r['store_reads_per_step']:,.0f}" if "hit_rate" in r else "-"
-        misses = f"{r['first_time_ids_per_step']:,.0f}" if "hit_rate" in r else "-"
+        reads = f"{r['disk_reads_per_step']:,.0f}" if "hit_rate" in r else "-"
+        misses = f"{r['misses_per_step']:,.0f}" if "hit_rate" in r else "-"
         print(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / reference['samples_per_s']:.2f}x | "
               f"{hit} | {reads} | {misses} | {r['peak_rss_mib']:,.0f} | {r['threads']} | {equal} |")
+    first_seen = first_time_ids_per_step(batches, args.warmup)
+    print(f"first-time ids per timed step (an infinite cache's misses): {first_seen:,.0f}")
+    for r in results:
+        if args.iops and r.get("disk_reads_per_step"):
+            allowed = args.iops / r["disk_reads_per_step"] * args.batch
+            print(f"{r['config']}: {r['disk_reads_per_step']:,.0f} disk reads per step at {args.iops:,.0f} IOPS allow "
+                  f"{allowed:,.0f} samples/s; measured {r['samples_per_s'] / allowed:.2f}x of that, reading "
+                  f"{r['disk_reads_per_step'] * r['samples_per_s'] / args.batch:,.0f} rows/s")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "rows": total_rows, "results": results}, f, indent=1)

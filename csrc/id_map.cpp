@@ -1,0 +1,79 @@
+#include "id_map.h"
+
+#include <algorithm>
+
+namespace mlkv {
+
+IdMap::IdMap(size_t expected) {
+  const size_t cap = PowerOfTwoAtLeast(expected * 2);
+  ids_.assign(cap, -1);
+  values_.assign(cap, 0);
+  mask_ = cap - 1;
+}
+
+int32_t IdMap::Find(int64_t id) const {
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    if (ids_[i] == id) return values_[i];
+    if (ids_[i] < 0) return -1;
+  }
+}
+
+int32_t* IdMap::FindMutable(int64_t id) {
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    if (ids_[i] == id) return &values_[i];
+    if (ids_[i] < 0) return nullptr;
+  }
+}
+
+int32_t IdMap::Insert(int64_t id, int32_t value) {
+  if ((size_ + 1) * 2 > ids_.size()) Grow();  // load factor at most 1/2
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    if (ids_[i] == id) return values_[i];
+    if (ids_[i] < 0) {
+      ids_[i] = id;
+      values_[i] = value;
+      ++size_;
+      return value;
+    }
+  }
+}
+
+void IdMap::Erase(int64_t id) {
+  size_t i = Home(id);
+  while (ids_[i] != id) {
+    if (ids_[i] < 0) return;
+    i = (i + 1) & mask_;
+  }
+  // Backward shift: move later entries of the probe run into the hole when their home allows it.
+  for (size_t j = (i + 1) & mask_;; j = (j + 1) & mask_) {
+    if (ids_[j] < 0) break;
+    const size_t home = Home(ids_[j]);
+    const bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
+    if (movable) {
+      ids_[i] = ids_[j];
+      values_[i] = values_[j];
+      i = j;
+    }
+  }
+  ids_[i] = -1;
+  --size_;
+}
+
+void IdMap::Clear() {
+  std::fill(ids_.begin(), ids_.end(), -1);
+  size_ = 0;
+}
+
+void IdMap::Grow() {
+  std::vector<int64_t> old_ids = std::move(ids_);
+  std::vector<int32_t> old_values = std::move(values_);
+  ids_.assign(old_ids.size() * 2, -1);
+  values_.assign(old_ids.size() * 2, 0);
+  mask_ = ids_.size() - 1;
+  size_ = 0;
+  for (size_t i = 0; i < old_ids.size(); ++i) {
+    if (old_ids[i] >= 0) Insert(old_ids[i], old_values[i]);
+  }
+}
+
+}  // namespace mlkv

@@ -1,0 +1,132 @@
+"""The table-batched disk kernel trains DLRM exactly as TorchRec's fused in-memory kernel (fbgemm,
+under DistributedModelParallel in a one-process gloo group): the same loss at every step, for each
+fused optimizer, with no cache, a cache of part of the rows, and every row cached, with and without
+look-ahead."""
+import os
+
+import pytest
+import torch
+
+torchrec = pytest.importorskip("torchrec")
+import torch.distributed as dist  # noqa: E402
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
+from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: E402
+from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: E402
+from torchrec.distributed.planner.types import ParameterConstraints, Topology  # noqa: E402
+from torchrec.models.dlrm import DLRM  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper  # noqa: E402
+from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
+
+from mlkv_torch import initial_rows, optim  # noqa: E402
+from mlkv_torch.torchrec import DiskEmbeddingBagCollection  # noqa: E402
+from mlkv_torch.torchrec.tables import table_seed  # noqa: E402
+
+DIM, DENSE, BATCH, STEPS = 8, 4, 16, 25
+ROWS = {"t0": 400, "t1": 60, "t2": 250, "t3": 7}
+LR = 0.05
+OPTIMIZERS = {
+    "sgd": (optim.SGD(lr=LR), {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}),
+    "adagrad": (optim.Adagrad(lr=LR, eps=1e-8), {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR,
+                                                 "eps": 1e-8}),
+    "rowwise_adagrad": (optim.RowWiseAdagrad(lr=LR, eps=1e-8),
+                        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8}),
+}
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def configs():
+    return [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
+            for name, n in ROWS.items()]
+
+
+def dlrm(collection):
+    torch.manual_seed(0)
+    return DLRM(embedding_bag_collection=collection, dense_in_features=DENSE, dense_arch_layer_sizes=[16, DIM],
+                over_arch_layer_sizes=[16, 1])
+
+
+def batches():
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        lengths = torch.randint(0, 4, (len(ROWS), BATCH), generator=g)
+        # Skewed ids (squares of uniforms), so a part-size cache holds hot rows and misses cold ones.
+        values = torch.cat([(torch.rand(int(lengths[i].sum()), generator=g) ** 2 * n).long()
+                            for i, n in enumerate(ROWS.values())])
+        sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{name}" for name in ROWS], values=values,
+                                                     lengths=lengths.flatten())
+        out.append((torch.randn(BATCH, DENSE, generator=g), sparse,
+                    torch.randint(0, 2, (BATCH,), generator=g).float()))
+    return out
+
+
+def torchrec_losses(fused_params):
+    model = dlrm(EmbeddingBagCollection(configs(), device=torch.device("meta")))
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"), batch_size=BATCH,
+        constraints={name: ParameterConstraints(sharding_types=["table_wise"]) for name in ROWS},
+    ).plan(model, [sharder])
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    state = dmp.state_dict()
+    for name, n in ROWS.items():
+        for shard in state[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"].local_shards():
+            shard.tensor.detach().copy_(initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n))
+    dmp.load_state_dict(state)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    opt = CombinedOptimizer([dmp.fused_optimizer, dense])
+    return train(dmp, opt, batches())
+
+
+def train(model, opt, data, lookahead=None, depth=0):
+    losses = []
+    for t, (dense, sparse, labels) in enumerate(data):
+        if lookahead is not None and t + depth < len(data):
+            lookahead(data[t + depth][1])
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(1), labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("cache", ["none", "part", "all"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_path, optimizer, cache):
+    ours, fused_params = OPTIMIZERS[optimizer]
+    expected = torchrec_losses(fused_params)
+    cache_rows = {"none": 0, "part": 60, "all": sum(ROWS.values())}[cache]
+    collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=ours,
+                                            cache_rows=cache_rows, memory_budget_bytes=1 << 20)
+    assert collection.embedding_bags["t0"]._batch is collection.embedding_bags["t3"]._batch  # one kernel
+    model = dlrm(collection)
+    opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
+    data = batches()
+    losses = train(model, opt, data, collection.lookahead, depth=2 if cache == "part" else 0)
+    torch.testing.assert_close(losses, expected)
+    stats = collection.stats()
+    if cache == "part":  # rows went through the cache, the store and the staging area
+        assert sum(s["evictions"] for s in stats.values()) > 0
+        assert sum(s["prefetch_hits"] for s in stats.values()) > 0
+    trained = {name: bag.export_rows(torch.arange(ROWS[name])) for name, bag in collection.embedding_bags.items()}
+    collection.close()
+    # Reopened, every table holds what training left: cached rows were written back, evicted ones
+    # went through the write-back buffer.
+    reopened = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=ours,
+                                          cache_rows=cache_rows, memory_budget_bytes=1 << 20)
+    for name, bag in reopened.embedding_bags.items():
+        torch.testing.assert_close(bag.export_rows(torch.arange(ROWS[name])), trained[name])
+    reopened.close()
