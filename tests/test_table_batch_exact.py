@@ -130,3 +130,56 @@ def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_pa
     for name, bag in reopened.embedding_bags.items():
         torch.testing.assert_close(bag.export_rows(torch.arange(ROWS[name])), trained[name])
     reopened.close()
+
+
+class SparseReferenceCollection(torch.nn.Module):
+    """An EmbeddingBagCollection of torch.nn.EmbeddingBag(sparse=True) tables: the reference for Adam,
+    which fbgemm's CPU kernel lacks (our Adam is torch.optim.SparseAdam's rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configs = configs()
+        self.bags = torch.nn.ModuleDict({c.name: torch.nn.EmbeddingBag(c.num_embeddings, DIM, mode="sum", sparse=True)
+                                         for c in self.configs})
+        for c in self.configs:
+            self.bags[c.name].weight.data.copy_(initial_rows(torch.arange(c.num_embeddings), DIM,
+                                                             seed=table_seed(0, c.name),
+                                                             num_embeddings=c.num_embeddings))
+
+    def embedding_bag_configs(self):
+        return self.configs
+
+    def forward(self, features: KeyedJaggedTensor):
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        by_name = features.to_dict()
+        pooled = [self.bags[c.name](by_name[c.feature_names[0]].values(), by_name[c.feature_names[0]].offsets()[:-1])
+                  for c in self.configs]
+        return KeyedTensor(keys=[c.feature_names[0] for c in self.configs], values=torch.cat(pooled, dim=1),
+                           length_per_key=[DIM] * len(self.configs))
+
+
+@pytest.mark.parametrize("cache", ["none", "part", "all"])
+def test_dlrm_with_adam_on_the_disk_kernel_equals_sparse_adam(tmp_path, cache):
+    reference = dlrm(SparseReferenceCollection())
+    tables = [p for name, p in reference.named_parameters() if "bags" in name]
+    dense = [p for name, p in reference.named_parameters() if "bags" not in name]
+    sparse_opt, dense_opt = torch.optim.SparseAdam(tables, lr=LR, eps=1e-8), torch.optim.SGD(dense, lr=LR)
+
+    class Both:
+        def zero_grad(self):
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+
+        def step(self):
+            sparse_opt.step()
+            dense_opt.step()
+
+    expected = train(reference, Both(), batches())
+    cache_rows = {"none": 0, "part": 60, "all": sum(ROWS.values())}[cache]
+    collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=optim.Adam(lr=LR, eps=1e-8),
+                                            cache_rows=cache_rows, memory_budget_bytes=1 << 20)
+    model = dlrm(collection)
+    opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
+    torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected)
+    collection.close()
