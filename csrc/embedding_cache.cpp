@@ -1,5 +1,7 @@
 #include "embedding_cache.h"
 
+#include "engine/thread_name.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -653,6 +655,7 @@ void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* row
 }
 
 void EmbeddingCache::WriterLoop() {
+  NameThisThread("mlkv-writer");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     writer_cv_.wait(lock, [&] { return writer_stopping_ || (write_back_.waiting() > 0 && write_error_.ok()); });
@@ -758,6 +761,7 @@ void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& 
 }
 
 void EmbeddingCache::ApplierLoop() {
+  NameThisThread("mlkv-applier");
   for (;;) {
     Update u;
     {
@@ -885,6 +889,7 @@ void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
 }
 
 void EmbeddingCache::PrefetchLoop() {
+  NameThisThread("mlkv-prefetch");
   for (;;) {
     PrefetchRequest request;
     {

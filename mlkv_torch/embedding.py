@@ -31,7 +31,7 @@ from . import _C
 from . import optim as optim_lib
 from .store import KVStore, RocksDBStore
 
-__all__ = ["DiskEmbeddingBag", "DiskTable", "DiskTableBatch", "split_host_memory"]
+__all__ = ["DiskEmbeddingBag", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows", "split_host_memory"]
 
 _MODES = ("sum", "mean")
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -177,6 +177,12 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
                          f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
                          f"{log_floor} of them for its log ({num_tables} tables)")
     return cache_rows, max(log_floor, left // num_tables)
+
+
+def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int) -> int:
+    """The smallest budget with which `split_host_memory` caches every row (the same rule, inverted)."""
+    rows_bytes = total_rows * row_bytes
+    return max(-(-rows_bytes * 8 // 7) + 8 * num_tables, rows_bytes + num_tables * _STORE_MIN_BYTES)
 
 
 class DiskTableBatch:

@@ -14,7 +14,8 @@ Configurations, each from the same initial rows (mlkv_torch.initial_rows) and de
   cached   DiskEmbeddingBagCollection (every table on the disk kernel), a memory budget that
            holds every row, every row brought into the cache before timing: no store reads;
   disk     the same at `--budget` (10%) of the tables' bytes, tables populated first, so misses
-           read the disk, looking `--depth` batches ahead (with --disk).
+           read the disk, looking `--depth` batches ahead.
+`--configs` picks which run (memory always: it is the reference).
 Reported: samples/s and the ratio to memory, hit rate and store reads per step, peak RSS, and
 whether the losses equal the reference's at every step (they must: staleness 0).
 """
@@ -47,18 +48,21 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--zipf", type=float, default=1.05)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--disk", action="store_true", help="also run the disk configuration")
+    ap.add_argument("--configs", default="memory,cached", help="which of memory, cached, disk to run (memory first: "
+                    "the reference)")
     ap.add_argument("--budget", type=float, default=0.10, help="disk configuration: memory, fraction of table bytes")
     ap.add_argument("--depth", type=int, default=1, help="disk configuration: batches looked ahead")
     ap.add_argument("--iops", type=float, default=None,
                     help="4 KiB random-read IOPS of the disk (../shared/tools/fio-limits.sh, queue depth 64): "
                          "reports the disk configuration against the rate the disk allows for its reads")
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's choice); "
+                    "the disk tables' I/O threads share the cores with them")
     ap.add_argument("--dir", default=None, help="storage directory (default: a temporary one)")
     ap.add_argument("--out", default="bench-out/bench_kernel.json")
     ap.add_argument("--smoke", action="store_true", help="a small, quick run that checks the script works")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.scale, args.batch, args.warmup, args.steps, args.disk = 1000, 256, 2, 3, True
+        args.scale, args.batch, args.warmup, args.steps, args.configs = 1000, 256, 2, 3, "memory,cached,disk"
     return args
 
 
@@ -188,7 +192,11 @@ def _counters(collection) -> Dict[str, int]:
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
+    from mlkv_torch.embedding import host_memory_for_all_rows
+
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = table_rows(args)
     total_rows = sum(rows.values())
     table_bytes = total_rows * args.dim * 4
@@ -198,14 +206,15 @@ def main(argv: List[str]) -> int:
     os.makedirs(storage, exist_ok=True)
     dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
     results = []
+    configs = args.configs.split(",")
     try:
         results.append(run(args, "memory (TorchRec fused)", *build_memory(args, rows), batches))
-        # All rows, and the eighth of the budget the stores' logs take (split_host_memory), and a margin.
-        cached_budget = int(table_bytes * 8 / 7) + (8 << 20)
-        model, opt, collection = build_disk(args, rows, os.path.join(storage, "cached"), cached_budget, False)
-        results.append(run(args, "cached (disk kernel, every row in memory)", model, opt, collection, batches))
-        collection.close()
-        if args.disk:
+        if "cached" in configs:
+            cached_budget = host_memory_for_all_rows(len(rows), total_rows, args.dim * 4)
+            model, opt, collection = build_disk(args, rows, os.path.join(storage, "cached"), cached_budget, False)
+            results.append(run(args, "cached (disk kernel, every row in memory)", model, opt, collection, batches))
+            collection.close()
+        if "disk" in configs:
             budget = max(1 << 20, int(args.budget * table_bytes))
             model, opt, collection = build_disk(args, rows, os.path.join(storage, "disk"), budget, True)
             results.append(run(args, f"disk ({args.budget:.0%} budget, populated, look-ahead {args.depth})", model, opt,

@@ -146,7 +146,11 @@ def test_split_budget_follows_traffic_and_caps_at_need():
 
 
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
-    from mlkv_torch.embedding import split_host_memory
+    from mlkv_torch.embedding import host_memory_for_all_rows, split_host_memory
+
+    for tables_in_kernel, rows, width in ((1, 10, 36), (26, 3_376_254, 64), (3, 500_000, 68)):  # the rule, inverted
+        budget = host_memory_for_all_rows(tables_in_kernel, rows, width)
+        assert split_host_memory(budget, tables_in_kernel, rows, width, on_host=True)[0] == rows
 
     configs = [EmbeddingBagConfig(name="small", num_embeddings=100, embedding_dim=DIM, feature_names=["a"]),
                EmbeddingBagConfig(name="big", num_embeddings=200_000, embedding_dim=DIM, feature_names=["b"]),

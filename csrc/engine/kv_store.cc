@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "crc32c.h"
+#include "thread_name.h"
 
 namespace mlkv {
 namespace {
@@ -431,6 +432,7 @@ Status KVStore::WritePage(uint64_t page) {
 }
 
 void KVStore::FlushWorker() {
+  NameThisThread("mlkv-flush");
   std::unique_lock<std::mutex> lock(flush_mu_);
   while (true) {
     flush_cv_.wait(lock, [&] { return flush_stop_ || (flush_error_.ok() && flushed_page_ < flush_target_page_) || flush_retry_; });
@@ -744,6 +746,7 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
 }
 
 void KVStore::BackgroundWorker() {
+  NameThisThread("mlkv-copy");
   std::unique_lock<std::mutex> lock(lookahead_mu_);
   while (true) {
     lookahead_cv_.wait(lock, [&] { return lookahead_stop_ || !lookahead_queue_.empty(); });
@@ -1113,6 +1116,7 @@ Status KVStore::MaybeAutoCompactLocked() {
 }
 
 void KVStore::CompactionWorker() {
+  NameThisThread("mlkv-compact");
   std::unique_lock<std::mutex> state(compaction_state_mu_);
   while (true) {
     compaction_cv_.wait(state, [&] { return compaction_stop_ || compaction_requested_; });

@@ -11,7 +11,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch
+from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch, host_memory_for_all_rows
 from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, KernelRouting, row_bytes, table_seed
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
@@ -102,8 +102,10 @@ class DiskEmbeddingBagCollection(nn.Module):
         for i, t in enumerate(tables):
             layouts.setdefault((t.embedding_dim, DATA_TYPES[t.data_type], POOLING_MODES[t.pooling]), []).append(i)
         groups = list(layouts.items())
-        needs = [sum(max(MIN_TABLE_BUDGET, tables[i].num_embeddings * row_bytes(dim, dtype, rule) * 9 // 8)
-                     for i in members) for (dim, dtype, _), members in groups]
+        needs = [max(MIN_TABLE_BUDGET * len(members),
+                     host_memory_for_all_rows(len(members), sum(tables[i].num_embeddings for i in members),
+                                              row_bytes(dim, dtype, rule)))
+                 for (dim, dtype, _), members in groups]
         traffic_of = [sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
                       for _, members in groups]
         budgets = split_budget(memory_budget_bytes, needs, traffic_of)
