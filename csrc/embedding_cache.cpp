@@ -56,7 +56,7 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
       weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
       row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
       slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))),
-      write_back_(row_words_) {
+      write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(4096, opt_.staging_bytes / (row_words_ * 4)))) {
   TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
                     opt_.capacity);
   TORCH_CHECK_VALUE(opt_.dim > 0, "dim must be positive");
@@ -444,7 +444,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfFailed();
-  ThrowIfWriteFailed();
+  ThrowIfWriteFailed(lock);
   WaitForWriteBackRoom(lock);
   if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
     std::fill(slot_epoch_.begin(), slot_epoch_.end(), 0);
@@ -633,17 +633,18 @@ void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
   written_cv_.wait(lock, [&] {
     return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok();
   });
-  ThrowIfWriteFailed();
+  ThrowIfWriteFailed(lock);
 }
 
-void EmbeddingCache::ThrowIfWriteFailed() {
+void EmbeddingCache::ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock) {
   if (write_error_.ok()) return;
-  // Raised once; the rows stay in the buffer, and the writer tries again from the next call on
-  // (a disk that was full may have room again).
-  const Status error = write_error_;
-  write_error_ = Status::OK();
+  // The rows stay in the buffer. Each call tries the write again first (a disk that was full may
+  // have room now) and raises while it still fails.
+  const int64_t attempt = write_attempts_;
+  write_retry_ = true;
   writer_cv_.notify_one();
-  throw StatusError(error);
+  written_cv_.wait(lock, [&] { return write_attempts_ > attempt || write_back_.waiting() == 0 || writer_stopping_; });
+  if (!write_error_.ok()) throw StatusError(write_error_);
 }
 
 void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* rows) {
@@ -658,13 +659,18 @@ void EmbeddingCache::WriterLoop() {
   NameThisThread("mlkv-writer");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    writer_cv_.wait(lock, [&] { return writer_stopping_ || (write_back_.waiting() > 0 && write_error_.ok()); });
-    if (write_back_.waiting() == 0 || !write_error_.ok()) return;  // stopping
+    writer_cv_.wait(lock, [&] {
+      return writer_stopping_ || (write_back_.waiting() > 0 && (write_error_.ok() || write_retry_));
+    });
+    if (write_back_.waiting() == 0 || !(write_error_.ok() || write_retry_)) return;  // stopping
+    write_retry_ = false;
     const WriteBackBuffer::Batch batch = write_back_.Take(kWriteBatchRows);
     lock.unlock();
     const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data());
     lock.lock();
+    ++write_attempts_;
     if (st.ok()) {
+      write_error_ = Status::OK();
       write_back_.Complete(batch);
       // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
       if (reads_in_flight_ > 0) {
@@ -846,15 +852,25 @@ void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& ro
   Drain();
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
+  // No fetch admits or evicts meanwhile: rows found missing stay missing while they are written.
+  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
   std::unique_lock<std::mutex> lock(mu_);
-  WaitForWriteBackRoom(lock);
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   // Ids repeat at most harmlessly: the last row written for an id wins in both places.
   if (!cached_pos.empty()) CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
-  if (!missed_pos.empty()) {
-    torch::Tensor missed = rows.index_select(0, torch::tensor(missed_pos, torch::kInt64));
-    WriteBehind(missed_ids.data(), missed_ids.size(), missed.data_ptr<float>());
+  // The rest through the write-back buffer, a buffer's worth at a time, so an import of many rows
+  // holds no more of them in memory than training does.
+  const float* data = rows.data_ptr<float>();
+  std::vector<float> piece;
+  for (size_t start = 0; start < missed_pos.size(); start += static_cast<size_t>(write_back_limit_)) {
+    WaitForWriteBackRoom(lock);
+    const size_t end = std::min(missed_pos.size(), start + static_cast<size_t>(write_back_limit_));
+    piece.resize((end - start) * static_cast<size_t>(row_words_));
+    for (size_t k = start; k < end; ++k) {
+      std::memcpy(&piece[(k - start) * row_words_], data + missed_pos[k] * row_words_, row_words_ * sizeof(float));
+    }
+    WriteBehind(missed_ids.data() + start, end - start, piece.data());
   }
 }
 
@@ -1039,7 +1055,11 @@ void EmbeddingCache::WriteBack() {
   // Every row reaches its store before this returns.
   writer_cv_.notify_one();
   written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-  ThrowIfWriteFailed();
+  ThrowIfWriteFailed(lock);
+  if (write_back_.size() > 0) {  // the retry succeeded: the rest follows
+    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
+    if (!write_error_.ok()) throw StatusError(write_error_);
+  }
 }
 
 void EmbeddingCache::Close() {

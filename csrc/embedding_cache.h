@@ -204,7 +204,7 @@ class EmbeddingCache {
   // buffer, where reads find them, until the writer thread has put them.
   void WriteBehind(const int64_t* keys, size_t n, const float* rows);
   void WriterLoop();
-  void ThrowIfWriteFailed();  // holds mu_
+  void ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock);
   // Waits (releasing mu_) while the write-back buffer is over its limit.
   void WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock);
   // Batched puts, one per table (no lock needed).
@@ -262,7 +262,9 @@ class EmbeddingCache {
   IdMap written_during_reads_;
   WriteBackBuffer write_back_;
   int64_t write_back_limit_ = 0;
-  Status write_error_;  // the writer's last failure, not yet raised: it waits until it is  // rows the buffer may hold before a fetch waits for the writer
+  Status write_error_;  // the writer's last failure; it writes again when a call asks (write_retry_)
+  bool write_retry_ = false;
+  int64_t write_attempts_ = 0;  // batches the writer tried to put  // rows the buffer may hold before a fetch waits for the writer
   std::condition_variable writer_cv_, written_cv_;  // with mu_
   bool writer_stopping_ = false;
   std::thread writer_;

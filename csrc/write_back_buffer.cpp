@@ -60,6 +60,14 @@ void WriteBackBuffer::Complete(const Batch& batch) {
     keys_[entry] = -1;
     free_.push_back(entry);
   }
+  if (index_.size() == 0 && keys_.size() > keep_rows_) {  // a burst (an import) is over: give its memory back
+    std::vector<float>().swap(rows_);
+    std::vector<int64_t>().swap(keys_);
+    std::vector<uint32_t>().swap(versions_);
+    std::vector<uint8_t>().swap(queued_);
+    std::vector<int32_t>().swap(free_);
+    index_ = IdMap();
+  }
 }
 
 void WriteBackBuffer::Return(const Batch& batch) {

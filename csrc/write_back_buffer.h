@@ -20,7 +20,8 @@ namespace mlkv {
 
 class WriteBackBuffer {
  public:
-  explicit WriteBackBuffer(int64_t row_words) : row_words_(row_words) {}
+  // Emptied, it keeps memory for `keep_rows` rows and frees the rest.
+  WriteBackBuffer(int64_t row_words, size_t keep_rows) : row_words_(row_words), keep_rows_(keep_rows) {}
 
   // Copies `row` in as the newest value of `key` (replacing an older one).
   void Put(int64_t key, const float* row);
@@ -44,6 +45,7 @@ class WriteBackBuffer {
  private:
   int32_t Entry(int64_t key);  // the entry of `key`, made when absent
   const int64_t row_words_;
+  const size_t keep_rows_;
   IdMap index_;                  // key -> entry
   std::vector<float> rows_;      // row_words_ per entry
   std::vector<int64_t> keys_;    // per entry, -1 when free

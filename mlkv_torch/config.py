@@ -101,6 +101,16 @@ class TrainConfig(_Section):
     log_every: int = Field(10, gt=0)
     checkpoint_every: Optional[int] = Field(None, gt=0)
     seed: int = 0
+    # torch's intra-op threads: "auto" leaves one core of torch's default to the disk tables' I/O
+    # threads when they look ahead (on few cores, sharing them costs more than the core gives)
+    torch_threads: Union[Literal["auto"], int] = "auto"
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _positive_threads(cls, value: Union[str, int]) -> Union[str, int]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("torch_threads must be >= 1 or 'auto'")
+        return value
 
 
 class EvalConfig(_Section):

@@ -326,11 +326,25 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
         if os.path.exists(rendezvous):
             os.remove(rendezvous)  # a FileStore left by an earlier run would be read as this one's
         dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads(config))
     try:
         return _run(config, resume, progress)
     finally:
+        torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
+
+
+def torch_threads(config: ExperimentConfig) -> int:
+    """torch's intra-op threads for a run: `train.torch_threads`, or with "auto" torch's default less
+    one when disk tables look ahead, so the prefetch thread has a core (measured on 2 cores:
+    DLRM over populated disk tables at depth 1 trains 1.4x faster with 1 torch thread than with 2)."""
+    if config.train.torch_threads != "auto":
+        return config.train.torch_threads
+    threads = torch.get_num_threads()
+    looks_ahead = config.storage.kind != "memory" and config.pipeline.depth != 0
+    return max(1, threads - 1) if looks_ahead else threads
 
 
 def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, Any]:
@@ -403,7 +417,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
-               "storage": config.storage.kind, "populate_s": populate_s}
+               "storage": config.storage.kind, "populate_s": populate_s,
+               "torch_threads": torch.get_num_threads()}
     if main:
         with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

@@ -175,3 +175,24 @@ def test_rocksdb_storage_trains_exactly_as_the_disk_store(tmp_path):
     assert list(runs["rocksdb"]) == list(range(1, 9))
     assert runs["rocksdb"] == runs["disk"]  # the same cache and op over another store: the same training
     assert (tmp_path / "rocksdb" / "tables" / "t_cat_0" / "CURRENT").exists()  # RocksDB's own files
+
+
+def test_torch_threads_leave_a_core_to_the_lookahead(tmp_path):
+    from mlkv_torch.train import torch_threads
+
+    default = torch.get_num_threads()
+
+    def threads(*overrides):
+        return torch_threads(load_config(QUICKSTART, [f"output_dir={tmp_path}", *overrides]))
+
+    assert threads("pipeline.depth=1") == max(1, default - 1)
+    assert threads("pipeline.depth=auto") == max(1, default - 1)
+    assert threads("pipeline.depth=0") == default  # nothing runs beside the step
+    assert threads("storage.kind=memory") == default
+    assert threads("train.torch_threads=3") == 3
+    with pytest.raises(ConfigError, match="torch_threads"):
+        threads("train.torch_threads=0")
+    summary = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'run'}", "train.steps=2", "pipeline.depth=1",
+                                           *SMALL]), progress=False)
+    assert summary["torch_threads"] == max(1, default - 1)
+    assert torch.get_num_threads() == default  # the run gives the setting back
