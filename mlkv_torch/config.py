@@ -6,7 +6,7 @@ ConfigError with the dotted name of the key at fault.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -82,14 +82,7 @@ class StorageConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    depth: Union[Literal["auto"], int] = "auto"
-
-    @field_validator("depth")
-    @classmethod
-    def _non_negative(cls, value: Union[str, int]) -> Union[str, int]:
-        if isinstance(value, int) and value < 0:
-            raise ValueError("depth must be >= 0 or 'auto'")
-        return value
+    depth: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
 
 
 class TrainConfig(_Section):
@@ -103,14 +96,7 @@ class TrainConfig(_Section):
     seed: int = 0
     # torch's intra-op threads: "auto" leaves one core of torch's default to the disk tables' I/O
     # threads when they look ahead (on few cores, sharing them costs more than the core gives)
-    torch_threads: Union[Literal["auto"], int] = "auto"
-
-    @field_validator("torch_threads")
-    @classmethod
-    def _positive_threads(cls, value: Union[str, int]) -> Union[str, int]:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("torch_threads must be >= 1 or 'auto'")
-        return value
+    torch_threads: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
 
 
 class EvalConfig(_Section):
