@@ -7,9 +7,12 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <map>
+
+#include "thread_name.h"
 
 namespace mlkv {
 namespace {
@@ -251,6 +254,7 @@ class ThreadPoolReader : public BlockReader {
   }
 
   void Work() {
+    NameThisThread("mlkv-pread");
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       wake_.wait(lock, [&] { return stopping_ || HasWork(); });
@@ -282,6 +286,31 @@ class ThreadPoolReader : public BlockReader {
   std::vector<Job*> jobs_;
   bool stopping_ = false;
   std::vector<std::thread> workers_;
+};
+
+// A ThreadPoolReader shared by every store of the process that asks for the same number of
+// workers: the threads per process do not grow with the number of tables. Its ReadAll serves
+// several callers at once (one job each).
+class SharedPoolReader : public BlockReader {
+ public:
+  explicit SharedPoolReader(std::shared_ptr<ThreadPoolReader> pool) : pool_(std::move(pool)) {}
+  Status ReadAll(ReadRequest* reqs, size_t n) override { return pool_->ReadAll(reqs, n); }
+  const char* name() const override { return "threads"; }
+
+  static std::shared_ptr<ThreadPoolReader> PoolOf(uint32_t threads) {
+    static std::mutex mu;
+    static std::map<uint32_t, std::weak_ptr<ThreadPoolReader>> pools;
+    std::lock_guard<std::mutex> lock(mu);
+    std::shared_ptr<ThreadPoolReader> pool = pools[threads].lock();
+    if (!pool) {
+      pool = std::make_shared<ThreadPoolReader>(threads);
+      pools[threads] = pool;
+    }
+    return pool;
+  }
+
+ private:
+  std::shared_ptr<ThreadPoolReader> pool_;
 };
 
 }  // namespace
@@ -316,7 +345,7 @@ Status BlockReader::Create(IoEngine engine, uint32_t depth, uint32_t threads, st
   } else {
     if (threads == 0 || threads > 1024) return Status::InvalidArgument("io_threads must be in [1, 1024], got " + std::to_string(threads));
     try {
-      out->reset(new ThreadPoolReader(threads));
+      out->reset(new SharedPoolReader(SharedPoolReader::PoolOf(threads)));
     } catch (const std::exception& e) {
       return Status::IOError(std::string("starting ") + std::to_string(threads) + " I/O threads: " + e.what());
     }

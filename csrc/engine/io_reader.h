@@ -1,7 +1,7 @@
 // BlockReader: reads many aligned blocks from files at a high queue depth.
 // Two engines: io_uring (one ring per calling thread, raw syscalls) and a pool
-// of pread workers; the store picks one by its options, and the benchmark
-// compares them.
+// of pread workers, one pool per process for all stores; the store picks one by
+// its options, and the benchmark compares them.
 #pragma once
 
 #include <condition_variable>

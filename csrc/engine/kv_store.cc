@@ -16,7 +16,7 @@
 #include <cstring>
 
 #include "crc32c.h"
-#include "thread_name.h"
+#include "serial_executor.h"
 
 namespace mlkv {
 namespace {
@@ -196,9 +196,8 @@ void KVStore::QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>
   size_t queued_promotions = 0;
   for (const CopyJob& j : lookahead_queue_) queued_promotions += !j.slots.empty();
   if (queued_promotions >= kMaxQueuedPromotions || lookahead_stop_) return;
-  if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { BackgroundWorker(); });
   lookahead_queue_.push_back(std::move(job));
-  lookahead_cv_.notify_one();
+  ScheduleCopiesLocked();
 }
 
 Status KVStore::Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out) {
@@ -431,17 +430,16 @@ Status KVStore::WritePage(uint64_t page) {
   return Status::OK();
 }
 
-void KVStore::FlushWorker() {
-  NameThisThread("mlkv-flush");
+void KVStore::ScheduleFlushLocked() {
+  if (flush_scheduled_) return;
+  flush_scheduled_ = true;
+  SerialExecutor::Of("mlkv-flush").Submit([this] { FlushPending(); });
+}
+
+void KVStore::FlushPending() {
   std::unique_lock<std::mutex> lock(flush_mu_);
-  while (true) {
-    flush_cv_.wait(lock, [&] { return flush_stop_ || (flush_error_.ok() && flushed_page_ < flush_target_page_) || flush_retry_; });
-    flush_retry_ = false;
-    if (flushed_page_ >= flush_target_page_) {
-      if (flush_stop_) return;
-      continue;
-    }
-    if (!flush_error_.ok()) continue;  // waits for a caller to collect the error and ask for a retry
+  // Stops at the first error: a caller collects it (WaitFlushed), and the next wait tries again.
+  while (flush_error_.ok() && flushed_page_ < flush_target_page_) {
     const uint64_t page = flushed_page_;
     lock.unlock();
     // The page is read-only, and its frame is not reused before it is written: no lock needed.
@@ -456,24 +454,23 @@ void KVStore::FlushWorker() {
       flushed_page_ = page + 1;
     } else {
       flush_error_ = st;
-      if (flush_stop_) return;
     }
     flushed_cv_.notify_all();
   }
+  flush_scheduled_ = false;
+  flushed_cv_.notify_all();
 }
 
 Status KVStore::WaitFlushed(uint64_t page_end) {
   std::unique_lock<std::mutex> lock(flush_mu_);
   if (flush_target_page_ < page_end) flush_target_page_ = page_end;
   if (flushed_page_ >= page_end) return Status::OK();
-  if (!flush_thread_.joinable()) flush_thread_ = std::thread([this] { FlushWorker(); });
-  flush_cv_.notify_one();
+  ScheduleFlushLocked();
   flushed_cv_.wait(lock, [&] { return flushed_page_ >= page_end || !flush_error_.ok(); });
   if (flushed_page_ >= page_end) return Status::OK();
-  // Hand the error to this caller; the flusher tries the page again on the next wait.
+  // Hand the error to this caller; the next wait writes the page again.
   Status st = flush_error_;
   flush_error_ = Status::OK();
-  flush_retry_ = true;
   return st;
 }
 
@@ -484,8 +481,7 @@ Status KVStore::StartPage(uint64_t page) {
     read_only_page_ = page + 1 - mutable_pages_;
     std::lock_guard<std::mutex> lock(flush_mu_);
     flush_target_page_ = read_only_page_;
-    if (!flush_thread_.joinable()) flush_thread_ = std::thread([this] { FlushWorker(); });
-    flush_cv_.notify_one();
+    if (flush_error_.ok()) ScheduleFlushLocked();
   }
   if (page >= num_frames_ && head_page_ < page - num_frames_ + 1) {
     MLKV_RETURN_IF_ERROR(WaitFlushed(page - num_frames_ + 1));
@@ -724,7 +720,6 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
   if (n == 0) return Status::OK();
   std::lock_guard<std::mutex> lock(lookahead_mu_);
   if (lookahead_stop_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  if (!lookahead_thread_.joinable()) lookahead_thread_ = std::thread([this] { BackgroundWorker(); });
   CopyJob job;
   job.keys.assign(keys, keys + n);
   lookahead_queue_.push_back(std::move(job));
@@ -741,16 +736,19 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
       }
     }
   }
-  lookahead_cv_.notify_one();
+  ScheduleCopiesLocked();
   return Status::OK();
 }
 
-void KVStore::BackgroundWorker() {
-  NameThisThread("mlkv-copy");
+void KVStore::ScheduleCopiesLocked() {
+  if (lookahead_scheduled_) return;
+  lookahead_scheduled_ = true;
+  SerialExecutor::Of("mlkv-copy").Submit([this] { RunCopies(); });
+}
+
+void KVStore::RunCopies() {
   std::unique_lock<std::mutex> lock(lookahead_mu_);
-  while (true) {
-    lookahead_cv_.wait(lock, [&] { return lookahead_stop_ || !lookahead_queue_.empty(); });
-    if (lookahead_queue_.empty() && lookahead_stop_) return;
+  while (!lookahead_queue_.empty()) {
     CopyJob job = std::move(lookahead_queue_.front());
     lookahead_queue_.pop_front();
     lookahead_busy_ = true;
@@ -773,6 +771,8 @@ void KVStore::BackgroundWorker() {
     if (!st.ok() && lookahead_error_.ok()) lookahead_error_ = st;
     lookahead_idle_.notify_all();
   }
+  lookahead_scheduled_ = false;
+  lookahead_idle_.notify_all();
 }
 
 // Reads the on-disk rows among `keys` and appends them at the tail, unless a
@@ -1109,18 +1109,17 @@ Status KVStore::MaybeAutoCompactLocked() {
   if (!CompactionDueLocked(options_.compaction_ratio)) return Status::OK();
   std::lock_guard<std::mutex> lock(compaction_state_mu_);
   if (compaction_stop_ || compaction_requested_) return Status::OK();
-  if (!compaction_thread_.joinable()) compaction_thread_ = std::thread([this] { CompactionWorker(); });
   compaction_requested_ = true;
-  compaction_cv_.notify_one();
+  if (!compaction_scheduled_) {
+    compaction_scheduled_ = true;
+    SerialExecutor::Of("mlkv-compact").Submit([this] { RunCompactions(); });
+  }
   return Status::OK();
 }
 
-void KVStore::CompactionWorker() {
-  NameThisThread("mlkv-compact");
+void KVStore::RunCompactions() {
   std::unique_lock<std::mutex> state(compaction_state_mu_);
-  while (true) {
-    compaction_cv_.wait(state, [&] { return compaction_stop_ || compaction_requested_; });
-    if (compaction_stop_) break;
+  while (compaction_requested_ && !compaction_stop_) {
     compaction_requested_ = false;
     compaction_running_ = true;
     state.unlock();
@@ -1145,6 +1144,7 @@ void KVStore::CompactionWorker() {
     compaction_idle_.notify_all();
   }
   compaction_requested_ = false;
+  compaction_scheduled_ = false;
   compaction_idle_.notify_all();
 }
 
@@ -1272,20 +1272,17 @@ Status KVStore::Close() {
   return flushed;
 }
 
-// Stops the lookahead and compaction workers; the flusher stays for the last checkpoint.
+// Stops the store's copies and compactions (after the ones queued or running); the flushes stay
+// for the last checkpoint.
 void KVStore::StopThreads() {
   {
-    std::lock_guard<std::mutex> lock(lookahead_mu_);
+    std::unique_lock<std::mutex> lock(lookahead_mu_);
     lookahead_stop_ = true;
+    lookahead_idle_.wait(lock, [&] { return !lookahead_scheduled_; });
   }
-  lookahead_cv_.notify_all();
-  if (lookahead_thread_.joinable()) lookahead_thread_.join();
-  {
-    std::lock_guard<std::mutex> lock(compaction_state_mu_);
-    compaction_stop_ = true;
-  }
-  compaction_cv_.notify_all();
-  if (compaction_thread_.joinable()) compaction_thread_.join();
+  std::unique_lock<std::mutex> lock(compaction_state_mu_);
+  compaction_stop_ = true;
+  compaction_idle_.wait(lock, [&] { return !compaction_scheduled_; });
 }
 
 KVStore::~KVStore() {
@@ -1295,11 +1292,10 @@ KVStore::~KVStore() {
   }
   StopThreads();
   {
-    std::lock_guard<std::mutex> lock(flush_mu_);
-    flush_stop_ = true;
+    // The executors' tasks hold `this`: none may run after the store is gone.
+    std::unique_lock<std::mutex> lock(flush_mu_);
+    flushed_cv_.wait(lock, [&] { return !flush_scheduled_; });
   }
-  flush_cv_.notify_all();
-  if (flush_thread_.joinable()) flush_thread_.join();
   if (lock_fd_ >= 0) close(lock_fd_);
   if (frames_mapping_) munmap(frames_mapping_, frames_mapped_bytes_);
 }

@@ -159,11 +159,13 @@ class KVStore : public RowStore {
   Status ReserveSlot(uint64_t* slot, uint8_t** record);  // the next slot at the tail, starting a page if needed
   Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
   Status StartPage(uint64_t page);
-  // Pages that leave the mutable region are written to their segment by a
-  // flusher thread; only evicting a page's frame and a checkpoint wait for it.
-  Status WritePage(uint64_t page);  // run by the flusher, without mu_
+  // Pages that leave the mutable region are written to their segment by the
+  // process's flush executor (SerialExecutor "mlkv-flush", shared by every store);
+  // only evicting a page's frame and a checkpoint wait for it.
+  Status WritePage(uint64_t page);  // run by the flush task, without mu_
   Status WaitFlushed(uint64_t page_end);  // until pages below page_end are written
-  void FlushWorker();
+  void ScheduleFlushLocked();  // holds flush_mu_
+  void FlushPending();         // the flush task: writes pages up to the target, or to an error
   void StopThreads();
   // Segment files are opened on demand and kept in a bounded LRU cache of
   // descriptors; a reader's shared_ptr keeps a file open while it reads.
@@ -181,9 +183,9 @@ class KVStore : public RowStore {
   Status CompactSegments(bool all, bool* compacted);
   bool CompactionDueLocked(double ratio) const;  // on-disk log > ratio x live rows
   void StallForCompaction();
-  // Called with mu_ held after writes: wakes the background compaction when due.
+  // Called with mu_ held after writes: queues a compaction (executor "mlkv-compact") when due.
   Status MaybeAutoCompactLocked();
-  void CompactionWorker();
+  void RunCompactions();  // the compaction task
 
   // Disk reads outside the lock: fills the value bytes of each DiskRecord at
   // out + index * value_bytes, verifying keys and checksums.
@@ -196,7 +198,8 @@ class KVStore : public RowStore {
     std::vector<uint64_t> slots;   // empty for a lookahead
     std::vector<uint8_t> values;   // value bytes per key, for a promotion
   };
-  void BackgroundWorker();
+  void ScheduleCopiesLocked();  // holds lookahead_mu_; executor "mlkv-copy"
+  void RunCopies();             // the copy task: runs the queued jobs
   Status LookaheadBatch(const std::vector<int64_t>& keys);
   // Appends each row at the tail unless a newer version was written since it was read.
   enum class CopyKind { kLookahead, kPromotion, kCompaction };
@@ -249,26 +252,25 @@ class KVStore : public RowStore {
 
   std::mutex close_mu_;  // one Close at a time
   std::mutex lookahead_mu_;
-  std::condition_variable lookahead_cv_, lookahead_idle_;
+  std::condition_variable lookahead_idle_;
   std::deque<CopyJob> lookahead_queue_;
   bool lookahead_busy_ = false, lookahead_stop_ = false;
+  bool lookahead_scheduled_ = false;  // a RunCopies task is queued or running on the copy executor
   Status lookahead_error_;
-  std::thread lookahead_thread_;
 
   std::mutex compaction_mu_;        // one compaction at a time
   std::mutex compaction_state_mu_;  // guards the fields below; never held while taking mu_
-  std::condition_variable compaction_cv_, compaction_idle_;
+  std::condition_variable compaction_idle_;
   bool compaction_requested_ = false, compaction_running_ = false, compaction_stop_ = false;
+  bool compaction_scheduled_ = false;  // a RunCompactions task is queued or running
   Status compaction_error_;
-  std::thread compaction_thread_;
 
   std::mutex flush_mu_;  // never held while taking mu_
-  std::condition_variable flush_cv_, flushed_cv_;
+  std::condition_variable flushed_cv_;
   uint64_t flush_target_page_ = 0;         // pages below are read-only, to be written
   std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
   Status flush_error_;
-  bool flush_retry_ = false, flush_stop_ = false;
-  std::thread flush_thread_;
+  bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
 };
 
 }  // namespace mlkv
