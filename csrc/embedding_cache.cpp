@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 
@@ -130,6 +131,10 @@ EmbeddingCache::~EmbeddingCache() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
+    if (write_back_.size() > 0) {
+      std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
+                   write_back_.size(), tables_[0].store->path().c_str(), write_error_.ToString().c_str());
+    }
   }
   writer_cv_.notify_all();
   writer_.join();
@@ -582,15 +587,19 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
     }
     return;
   }
+  // Counted in flight while mu_ is released; ended (with mu_ held again) however this returns.
+  struct ReadInFlight {
+    EmbeddingCache* cache;
+    std::unique_lock<std::mutex>* lock;
+    ~ReadInFlight() {
+      if (!lock->owns_lock()) lock->lock();
+      cache->EndRead();
+    }
+  };
   ++reads_in_flight_;
+  const ReadInFlight in_flight{this, lock};
   lock->unlock();
-  try {
-    ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
-  } catch (...) {
-    lock->lock();
-    EndRead();
-    throw;
-  }
+  ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
   lock->lock();
   // Any row of the batch may have been written while the lock was released (an update applied,
   // including to a row taken from the staging area above): its newest value is in the write-back
@@ -612,7 +621,6 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
       again_keys.push_back(keys[i]);
     }
   }
-  EndRead();
   if (!again_keys.empty()) {
     std::vector<float> again(again_keys.size() * static_cast<size_t>(row_words_));
     std::unique_ptr<bool[]> again_fresh(new bool[again_keys.size()]);
@@ -643,7 +651,7 @@ void EmbeddingCache::ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock) {
   const int64_t attempt = write_attempts_;
   write_retry_ = true;
   writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_attempts_ > attempt || write_back_.waiting() == 0 || writer_stopping_; });
+  written_cv_.wait(lock, [&] { return write_attempts_ > attempt || writer_stopping_; });
   if (!write_error_.ok()) throw StatusError(write_error_);
 }
 
@@ -920,9 +928,10 @@ void EmbeddingCache::PrefetchLoop() {
       std::lock_guard<std::mutex> lock(mu_);
       ++reads_in_flight_;
     }
-    std::vector<float> rows(ids.size() * static_cast<size_t>(row_words_));
+    std::vector<float> rows;
     bool read_ok = true;
     try {
+      rows.resize(ids.size() * static_cast<size_t>(row_words_));
       std::unique_ptr<bool[]> fresh(new bool[ids.size()]);
       ReadFromStore(ids.data(), ids.size(), rows.data(), fresh.get());
     } catch (const std::exception&) {
@@ -1036,7 +1045,16 @@ void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
 }
 
 void EmbeddingCache::WriteBack() {
-  Drain();
+  try {
+    Drain();
+  } catch (...) {
+    // The applier failed: its update is lost and raised, but rows already on their way to the
+    // stores (evictions) still get there before the caller closes the stores.
+    std::unique_lock<std::mutex> lock(mu_);
+    writer_cv_.notify_one();
+    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
+    throw;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   std::vector<int64_t> ids;
   std::vector<int32_t> slots;

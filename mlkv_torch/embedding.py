@@ -291,7 +291,13 @@ class DiskTableBatch:
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        """The cache keys of rows `ids` (int64 CPU, checked in range) of table `table`."""
+        """The cache keys of rows `ids` (int64 CPU) of table `table`; an id outside the table raises."""
+        if not 0 <= table < len(self.tables):
+            raise ValueError(f"table {table} of {len(self.tables)}")
+        n = self.tables[table].num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"id {bad} is out of range [0, {n}) of table {self.tables[table].name!r}")
         return ids | (table << _C.EmbeddingCache.table_shift) if table else ids
 
     def unique_keys(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]

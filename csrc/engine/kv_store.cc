@@ -432,8 +432,9 @@ Status KVStore::WritePage(uint64_t page) {
 
 void KVStore::ScheduleFlushLocked() {
   if (flush_scheduled_) return;
-  flush_scheduled_ = true;
+  // The task takes flush_mu_ first, so setting the flag after the submit is not late.
   SerialExecutor::Of("mlkv-flush").Submit([this] { FlushPending(); });
+  flush_scheduled_ = true;
 }
 
 void KVStore::FlushPending() {
@@ -742,8 +743,8 @@ Status KVStore::Lookahead(const int64_t* keys, size_t n) {
 
 void KVStore::ScheduleCopiesLocked() {
   if (lookahead_scheduled_) return;
+  SerialExecutor::Of("mlkv-copy").Submit([this] { RunCopies(); });  // the task takes lookahead_mu_ first
   lookahead_scheduled_ = true;
-  SerialExecutor::Of("mlkv-copy").Submit([this] { RunCopies(); });
 }
 
 void KVStore::RunCopies() {
@@ -1111,8 +1112,8 @@ Status KVStore::MaybeAutoCompactLocked() {
   if (compaction_stop_ || compaction_requested_) return Status::OK();
   compaction_requested_ = true;
   if (!compaction_scheduled_) {
+    SerialExecutor::Of("mlkv-compact").Submit([this] { RunCompactions(); });  // takes compaction_state_mu_ first
     compaction_scheduled_ = true;
-    SerialExecutor::Of("mlkv-compact").Submit([this] { RunCompactions(); });
   }
   return Status::OK();
 }
