@@ -1,0 +1,68 @@
+"""DiskTableBatch, the table-batched kernel, against one torch.nn.EmbeddingBag per table: several
+tables in one cache far smaller than their rows, with asynchronous updates (staleness > 0), a
+small staging area and write-back buffer, and look-ahead, loses no update."""
+import pytest
+import torch
+
+from mlkv_torch import optim
+from mlkv_torch.embedding import DiskTable, DiskTableBatch
+
+ROWS = [700, 40, 300]
+DIM = 8
+
+
+def feature_batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    counts = [int(c) for c in torch.randint(20, 120, (len(ROWS),), generator=g)]
+    values = torch.cat([torch.randint(0, n, (c,), generator=g) for n, c in zip(ROWS, counts)])
+    bag_lengths = torch.cat([torch.full((c // 4,), 4) if c % 4 == 0 else
+                             torch.cat([torch.full((c // 4,), 4), torch.tensor([c % 4])]) for c in counts])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), bag_lengths.cumsum(0)])
+    target = torch.randn(bag_lengths.numel(), DIM, generator=g)
+    return values, counts, offsets, target
+
+
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness):
+    # With SGD and a loss linear in the pooled rows the gradient does not depend on the weights
+    # read, so every schedule of asynchronous updates must end at the reference weights.
+    batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
+                           optimizer=optim.SGD(lr=0.2), cache_rows=48, memory_budget_bytes=1 << 20,
+                           staleness=staleness, staging_bytes=0)  # the smallest staging area and write-back buffer
+    references = [torch.nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in ROWS]
+    for t, ref in enumerate(references):
+        ref.weight.data.copy_(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))))
+    opts = [torch.optim.SGD(ref.parameters(), lr=0.2) for ref in references]
+    for step in range(40):
+        values, counts, offsets, target = feature_batch(step)
+        batch.lookahead(*feature_batch(step + 1)[:2], list(range(len(ROWS))))
+        out = batch.pool(values, counts, list(range(len(ROWS))), offsets)
+        (out * target).sum().backward()
+        # the reference: each feature's bags through its own table
+        first_bag, first_value = 0, 0
+        for t, (ref, opt) in enumerate(zip(references, opts)):
+            bags = (counts[t] + 3) // 4
+            ids = values[first_value:first_value + counts[t]]
+            ref_offsets = offsets[first_bag:first_bag + bags] - offsets[first_bag]
+            opt.zero_grad()
+            (ref(ids, ref_offsets) * target[first_bag:first_bag + bags]).sum().backward()
+            opt.step()
+            first_bag, first_value = first_bag + bags, first_value + counts[t]
+        assert batch.cache.stats()["max_staleness"] <= staleness
+    batch.flush()
+    stats = batch.cache.stats()
+    assert stats["evictions"] > 0 and stats["write_back_rows"] == 0
+    for t, ref in enumerate(references):
+        torch.testing.assert_close(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))), ref.weight.detach())
+    batch.close()
+
+
+def test_ids_outside_their_table_are_refused_by_name(tmp_path):
+    batch = DiskTableBatch([DiskTable("wide", 10, str(tmp_path / "a")), DiskTable("narrow", 5, str(tmp_path / "b"))],
+                           DIM)
+    with pytest.raises(ValueError, match=r"id 5 is out of range \[0, 5\) of table 'narrow'"):
+        batch.pool(torch.tensor([9, 5]), [1, 1], [0, 1], torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"id -1 is out of range \[0, 5\) of table 'narrow'"):
+        batch.read_rows(1, torch.tensor([-1]))
+    assert batch.read_rows(1, torch.tensor([4])).shape == (1, DIM)
+    batch.close()
