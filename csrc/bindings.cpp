@@ -541,7 +541,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&MakeCache), py::arg("tables"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
            py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
            py::arg("policy"), py::arg("staleness"), py::arg("device"), py::arg("staging_bytes") = 32 << 20)
-      .def_static("unique", &EmbeddingCache::Unique, nogil)
       .def("unique_keys", &EmbeddingCache::UniqueKeys, nogil)
       .def("fetch", &EmbeddingCache::Fetch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)

@@ -146,26 +146,6 @@ EmbeddingCache::~EmbeddingCache() {
   prefetcher_.join();
 }
 
-std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::Unique(const torch::Tensor& ids, int64_t num_embeddings) {
-  CheckIds(ids);
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  torch::Tensor inverse = torch::empty({n}, torch::kInt64);
-  int64_t* inv = inverse.data_ptr<int64_t>();
-  std::vector<int64_t> distinct;
-  {
-    IdMap index(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < num_embeddings, "id ", id[i], " is out of range [0, ", num_embeddings, ")");
-      const int32_t next = static_cast<int32_t>(distinct.size());
-      const int32_t at = index.Insert(id[i], next);
-      if (at == next) distinct.push_back(id[i]);
-      inv[i] = at;
-    }
-  }
-  return {torch::tensor(distinct, torch::kInt64), inverse};
-}
-
 std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch::Tensor& values,
                                                                     const std::vector<int64_t>& feature_counts,
                                                                     const std::vector<int64_t>& feature_tables) const {
@@ -340,13 +320,13 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admissi
   if (!free_slots_.empty()) {
     s = free_slots_.back();
     free_slots_.pop_back();
-    admissions->push_back({s, -1, 0, 0});
+    admissions->push_back({s, -1, 0});
   } else {
     s = PickVictim();
     if (s < 0) return -1;
     // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
     if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s]) return -1;
-    admissions->push_back({s, slot_id_[s], slot_freq_[s], slot_dirty_[s]});
+    admissions->push_back({s, slot_id_[s], slot_dirty_[s]});
     slot_of_.Erase(slot_id_[s]);
     --table_stats_[static_cast<size_t>(TableOf(slot_id_[s]))].cached_rows;
     if (opt_.policy == CachePolicy::kLru) LruUnlink(s);

@@ -107,10 +107,7 @@ class EmbeddingCache {
   EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device);
   ~EmbeddingCache();
 
-  // Distinct ids in order of first appearance and, per input position, its
-  // index among them. Raises (ValueError) on an id outside [0, num_embeddings).
-  static std::tuple<torch::Tensor, torch::Tensor> Unique(const torch::Tensor& ids, int64_t num_embeddings);
-  // The same over a batch of several features: `values` holds feature_counts[f] ids of
+  // Distinct keys of a batch of features, in order of first appearance: `values` holds feature_counts[f] ids of
   // feature f after those of f - 1, each a row of table feature_tables[f]. Returns the
   // distinct keys (TableKey) and, per value, its index among them; raises (ValueError)
   // naming the table on an id outside the table.
@@ -179,7 +176,7 @@ class EmbeddingCache {
   struct Admission {
     int32_t slot;
     int64_t evicted_id;
-    uint8_t evicted_freq, evicted_dirty;
+    uint8_t evicted_dirty;
   };
   // Slot for a missed id, or -1 when the policy keeps it out. May evict; the
   // caller writes evicted dirty rows back.

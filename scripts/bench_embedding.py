@@ -246,9 +246,9 @@ class DiskTable:
         self.lookahead = lookahead
         self.target = target
         self.timed_cache: Optional[TimedCache] = None
-        if hasattr(self.emb, "_cache"):  # private: without it the phase breakdown is left out
-            self.timed_cache = TimedCache(self.emb._cache)
-            self.emb._cache = self.timed_cache
+        if hasattr(self.emb, "_batch"):  # private: without it the phase breakdown is left out
+            self.timed_cache = TimedCache(self.emb._batch.cache)
+            self.emb._batch.cache = self.timed_cache
 
     def step(self, batch: Batch, next_batch: Optional[Batch], times: Dict[str, float]) -> None:
         if self.timed_cache is not None:
@@ -271,7 +271,7 @@ class DiskTable:
 
     def close(self) -> None:
         if self.timed_cache is not None:
-            self.emb._cache = self.timed_cache.inner
+            self.emb._batch.cache = self.timed_cache.inner
         self.emb.close()
         del self.emb
 
@@ -376,24 +376,23 @@ def populate_store(path: str, rows: int, dim: int, lr: float, budget: int, chunk
 
 
 def time_unique(wl: Workload, rows: int, first: int, count: int) -> Optional[float]:
-    """ms per batch of the module's unique step alone (a private op: None when it is absent or its
-    signature is not one of those known)."""
-    try:
-        from mlkv_torch import _C
-        op = _C.EmbeddingCache.unique
-    except (ImportError, AttributeError):
-        return None
+    """ms per batch of the module's deduplication step alone (the kernel's unique_keys, which also
+    checks each id's range); None when the module has no such step."""
+    from mlkv_torch.embedding import DiskTable as TableSpec, DiskTableBatch
+
     batches = wl.batches[first:first + count]
-    for extra in ((rows,), ()):  # (ids, num_embeddings), the op that also checks the range; then (ids)
-        try:
-            op(batches[0].ids, *extra)
-        except TypeError:
-            continue
+    with tempfile.TemporaryDirectory(prefix="bench-unique-") as work:
+        kernel = DiskTableBatch([TableSpec("t", rows, os.path.join(work, "t"))], 8, memory_budget_bytes=1 << 20)
+        if not hasattr(kernel, "unique_keys"):
+            kernel.close()
+            return None
+        kernel.unique_keys(batches[0].ids, [batches[0].ids.numel()], [0])
         t = time.perf_counter()
         for b in batches:
-            op(b.ids, *extra)
-        return 1e3 * (time.perf_counter() - t) / count
-    return None
+            kernel.unique_keys(b.ids, [b.ids.numel()], [0])
+        seconds = time.perf_counter() - t
+        kernel.close()
+    return 1e3 * seconds / count
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,4 +53,5 @@ print(f"[build_cuda] imports without a GPU (cuda available: {torch.cuda.is_avail
 EOF
 # The core's tests (torch alone: no torchrec in this venv); the CUDA twins skip without a GPU.
 (cd "$work" && "$OLDPWD/$py" -m pytest -q -p no:cacheprovider tests/test_disk_embedding_bag.py \
-  tests/test_embedding_cache.py tests/test_table_snapshot.py tests/test_optim.py tests/test_initial_rows_and_lookup.py)
+  tests/test_embedding_cache.py tests/test_table_snapshot.py tests/test_optim.py tests/test_initial_rows_and_lookup.py \
+  tests/test_table_batch.py tests/test_threads_per_process.py)
