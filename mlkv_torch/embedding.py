@@ -305,7 +305,8 @@ class DiskTableBatch:
         """Distinct keys of a batch of features (`values` feature after feature, feature_counts[f] ids
         of table feature_tables[f]) and each value's index among them; an id out of its table's range
         raises ValueError naming the table."""
-        return self.cache.unique_keys(_as_int64_cpu(values, "ids"), feature_counts, feature_tables)
+        return self.cache.unique_keys(_as_int64_cpu(values, "ids").reshape(-1).contiguous(), feature_counts,
+                                      feature_tables)
 
     # ---- the step ---------------------------------------------------------------------------------
     def pool(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int], offsets: torch.Tensor,
@@ -379,7 +380,7 @@ class DiskTableBatch:
 def _as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{what} must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    return ids.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()  # the cache's index lives on the host
+    return ids.to(device="cpu", dtype=torch.int64)  # the cache's index lives on the host
 
 
 class DiskEmbeddingBag(nn.Module):
@@ -509,13 +510,13 @@ class DiskEmbeddingBag(nn.Module):
         """Current weights [n, dim] (of `dtype`, on the CPU) of these rows, every queued update applied;
         with `include_state`, also their optimizer state [n, state_dim] (float32), from the same read."""
         words = self._batch.weight_words
-        rows = self._batch.read_rows(self._table, self._check_ids(ids).reshape(-1).contiguous())
+        rows = self._batch.read_rows(self._table, _as_int64_cpu(ids, "ids").reshape(-1).contiguous())
         weights = self._batch.weights_of(rows[:, :words].contiguous()).clone()
         return (weights, rows[:, words:].clone()) if include_state else weights
 
     def import_rows(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
         """Sets these rows' weights and optimizer state (default: the state of a row never updated)."""
-        ids = self._check_ids(ids).reshape(-1).contiguous()
+        ids = _as_int64_cpu(ids, "ids").reshape(-1).contiguous()
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must be a tensor of shape [{ids.numel()}, {self.embedding_dim}]")
         if state is not None and (not isinstance(state, torch.Tensor)
@@ -533,7 +534,7 @@ class DiskEmbeddingBag(nn.Module):
 
     def lookahead(self, input: torch.Tensor) -> None:
         """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""
-        ids = _as_int64_cpu(input, "ids")
+        ids = _as_int64_cpu(input, "ids").reshape(-1).contiguous()
         self._batch.lookahead(ids, [ids.numel()], [self._table])
 
     # ---- all rows at once: snapshots and state_dict (the `weight` key of nn.EmbeddingBag) ------------
@@ -640,23 +641,10 @@ class DiskEmbeddingBag(nn.Module):
         self._batch.close()
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-        ids = ids.to(device="cpu", dtype=torch.int64)  # the cache's index lives on the host
-        if ids.numel():
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= self.num_embeddings:
-                bad = low if low < 0 else high
-                raise ValueError(f"id {bad} is out of range [0, {self.num_embeddings})")
-        return ids
-
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pools rows per bag, with torch.nn.EmbeddingBag's conventions; returns [bags, dim]."""
-        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input).__name__)}")
-        ids = input.to(device="cpu", dtype=torch.int64)  # unique_keys checks the range in its pass
+        ids = _as_int64_cpu(input, "ids")  # unique_keys checks the range in its pass
         if ids.dim() == 2:
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D (fixed-length bags)")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from bench_store import proc_status_kib, reset_peak_rss
+from bench_store import proc_status_kib, reset_peak_rss, write_json_report
 
 CRITEO_KAGGLE_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                       5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
@@ -214,9 +213,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         report = {"args": vars(args), "table_bytes": table_bytes, "mixed_ddr_cap_per_rank": mixed_cap,
                   "ranks": everyone}
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json_report(args.out, report)
         print_report(report)
     dist.destroy_process_group()
     if args.dir is None:

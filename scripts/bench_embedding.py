@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shutil
@@ -73,7 +72,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from bench_store import (ReportLog, cpu_seconds, dir_bytes, fmt_rate, meminfo_kib, proc_status_kib,  # noqa: E402
-                         reset_peak_rss, system_busy_seconds, wait_for_quiet_machine)
+                         reset_peak_rss, system_busy_seconds, wait_for_quiet_machine, write_json_report)
 
 MiB = 1 << 20
 MAX_BAG_LENGTH = 39  # lengths uniform in 1..39: mean 20
@@ -685,11 +684,9 @@ def main() -> int:
     log("")
     log(f"# total {time.perf_counter() - t_start:.0f} s")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "machine": machine, "workload": wl_facts, "populate": populate,
-                   "unique_ms_per_batch": unique_ms, "best_in_memory_rows_per_s": best_ref, "results": results,
-                   "cache_policy": policy, "markdown": report, "stdout": lines}, f, indent=1)
+    write_json_report(args.json, {"args": vars(args), "machine": machine, "workload": wl_facts, "populate": populate,
+                                  "unique_ms_per_batch": unique_ms, "best_in_memory_rows_per_s": best_ref,
+                                  "results": results, "cache_policy": policy, "markdown": report, "stdout": lines})
     print(f"# wrote {args.json}")
     return 0 if all("error" not in r for r in results) else 1
 

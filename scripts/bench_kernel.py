@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from bench_dmp import DENSE_FEATURES, make_batches, set_initial_rows, table_rows, train_step
-from bench_store import proc_status_kib, reset_peak_rss
+from bench_store import proc_status_kib, reset_peak_rss, write_json_report
 
 LR = 0.05
 
@@ -269,9 +268,7 @@ def main(argv: List[str]) -> int:
                   f"{allowed:,.0f} samples/s; measured {r['samples_per_s'] / allowed:.2f}x of that, reading "
                   f"{r['disk_reads_per_step'] * r['samples_per_s'] / args.batch:,.0f} rows/s "
                   f"({r['disk_reads_per_step'] * r['samples_per_s'] / args.batch / args.iops:.0%} of the IOPS)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": total_rows, "results": results}, f, indent=1)
+    write_json_report(args.out, {"args": vars(args), "rows": total_rows, "results": results})
     return 0
 
 

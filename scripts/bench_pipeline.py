@@ -91,9 +91,9 @@ def main(argv: List[str]) -> int:
               f"{r['samples_per_s'] / in_memory:.2f}x | {hit} | "
               f"{r['lookahead_depth'] if r['storage'] != 'memory' else '-'} | {r['auc']:.4f} ({r['oracle_auc']:.4f}) | "
               f"{r['peak_rss_bytes'] / 2**20:,.0f} | {r['disk_bytes'] / 2**20:,.0f} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "budget_bytes": budget, "results": results}, f, indent=1)
+    from bench_store import write_json_report
+
+    write_json_report(args.out, {"args": vars(args), "rows": rows, "budget_bytes": budget, "results": results})
     return 0
 
 

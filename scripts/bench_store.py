@@ -109,6 +109,13 @@ def system_busy_seconds() -> float:
     return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def write_json_report(path: str, report: Dict[str, Any]) -> None:
+    """Writes a benchmark's report as JSON to `path`, making its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 class ReportLog:
     """Prints report lines as they come and keeps them for the report file."""
 
@@ -1037,11 +1044,9 @@ def main() -> int:
     log(f"# total {time.perf_counter() - t_start:.0f} s")
 
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "fio": fio, "fio_text": fio_text, "budget_10x": budget_big,
-                       "results": results, "ratios": ratios, "sustained_ratios": sustained_ratios,
-                       "targets": targets, "stdout": lines}, f, indent=1)
+        write_json_report(args.json, {"args": vars(args), "fio": fio, "fio_text": fio_text, "budget_10x": budget_big,
+                                      "results": results, "ratios": ratios, "sustained_ratios": sustained_ratios,
+                                      "targets": targets, "stdout": lines})
     return 0 if not wrong and not errors else 1
 
 
