@@ -550,6 +550,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("write_rows", &EmbeddingCache::WriteRows, nogil)
       .def("lookahead", &EmbeddingCache::Lookahead, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
+#ifdef MLKV_WITH_CUDA
+      .def("lookup_on_device", &EmbeddingCache::LookupOnDevice, nogil)
+      .def("update_on_device", &EmbeddingCache::UpdateOnDevice, nogil)
+#endif
       .def("close", &EmbeddingCache::Close, nogil)
       .def("stats", &CacheStatsDict)
       .def("table_stats", &TableStatsList)

@@ -85,6 +85,14 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
   slot_freq_.assign(cap, 0);
   slot_dirty_.assign(cap, 0);
   slot_epoch_.assign(cap, 0);
+#ifdef MLKV_WITH_CUDA
+  if (!on_host_) {
+    slot_dirty_dev_ = torch::zeros({opt_.capacity}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
+    std::vector<int64_t> table_rows;
+    for (const CacheTable& t : tables_) table_rows.push_back(t.num_embeddings);
+    device_index_ = std::make_unique<DeviceIndex>(&slot_of_, table_rows, kTableShift, device_);
+  }
+#endif
   free_slots_.resize(cap);
   for (size_t i = 0; i < cap; ++i) free_slots_[i] = static_cast<int32_t>(cap - 1 - i);
   if (opt_.policy == CachePolicy::kLru) {
@@ -150,17 +158,8 @@ std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch:
                                                                     const std::vector<int64_t>& feature_counts,
                                                                     const std::vector<int64_t>& feature_tables) const {
   CheckIds(values);
-  TORCH_CHECK_VALUE(feature_counts.size() == feature_tables.size(), "feature_counts has ", feature_counts.size(),
-                    " features, feature_tables ", feature_tables.size());
   const int64_t n = values.numel();
-  int64_t total = 0;
-  for (size_t f = 0; f < feature_counts.size(); ++f) {
-    TORCH_CHECK_VALUE(feature_counts[f] >= 0, "feature ", f, " has a negative count of ids");
-    TORCH_CHECK_VALUE(feature_tables[f] >= 0 && feature_tables[f] < static_cast<int64_t>(tables_.size()), "feature ", f,
-                      " names table ", feature_tables[f], " of ", tables_.size());
-    total += feature_counts[f];
-  }
-  TORCH_CHECK_VALUE(total == n, "the features hold ", total, " ids, values has ", n);
+  CheckFeatures(n, feature_counts, feature_tables);
   const int64_t* id = values.data_ptr<int64_t>();
   torch::Tensor inverse = torch::empty({n}, torch::kInt64);
   int64_t* inv = inverse.data_ptr<int64_t>();
@@ -181,6 +180,20 @@ std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch:
     }
   }
   return {torch::tensor(distinct, torch::kInt64), inverse};
+}
+
+void EmbeddingCache::CheckFeatures(int64_t n, const std::vector<int64_t>& feature_counts,
+                                   const std::vector<int64_t>& feature_tables) const {
+  TORCH_CHECK_VALUE(feature_counts.size() == feature_tables.size(), "feature_counts has ", feature_counts.size(),
+                    " features, feature_tables ", feature_tables.size());
+  int64_t total = 0;
+  for (size_t f = 0; f < feature_counts.size(); ++f) {
+    TORCH_CHECK_VALUE(feature_counts[f] >= 0, "feature ", f, " has a negative count of ids");
+    TORCH_CHECK_VALUE(feature_tables[f] >= 0 && feature_tables[f] < static_cast<int64_t>(tables_.size()), "feature ", f,
+                      " names table ", feature_tables[f], " of ", tables_.size());
+    total += feature_counts[f];
+  }
+  TORCH_CHECK_VALUE(total == n, "the features hold ", total, " ids, values has ", n);
 }
 
 std::vector<EmbeddingCache::TableBatch> EmbeddingCache::SplitByTable(const int64_t* keys, size_t n,
@@ -461,6 +474,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   float* missed = missed_rows.data_ptr<float>();
   ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed, &lock);
 
+  if (m > 0) FoldDeviceDirty();  // admissions evict: they must see every dirty slot
   std::vector<Admission> admissions;
   std::vector<int32_t> admitted_slots;
   std::vector<int64_t> admitted_rows;  // rows of missed_rows
@@ -678,51 +692,157 @@ void EmbeddingCache::Apply(const Update& u) {
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   const int64_t m = static_cast<int64_t>(missed_ids.size());
-  torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
-  // Under the lock throughout: the slots split above stay the rows' slots. These rows are
-  // usually staged by the fetch before, so the stores are rarely read here.
-  ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), nullptr);
+  // Under the lock throughout: the slots split above stay the rows' slots. Rows outside the
+  // cache are usually staged by the fetch before, so the stores are rarely read here.
   if (on_host_) {
+    torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
+    ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), nullptr);
     std::vector<float*> rows(static_cast<size_t>(n));
     for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
     for (int64_t j = 0; j < m; ++j) rows[missed_pos[j]] = missed_rows.data_ptr<float>() + j * row_words_;
     UpdateHostRows(rows.data(), u.grads.data_ptr<float>(), n, u);
+    // Rows outside the cache go back to the stores through the write-back buffer.
+    WriteBehind(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
   } else {
-#ifdef MLKV_WITH_CUDA
     if (!cached_pos.empty()) {
-      // Temporaries die before the kernel runs; the caching allocator orders their reuse on this stream.
-      torch::Tensor pos = torch::tensor(cached_pos, torch::kInt64).to(device_);
-      torch::Tensor slot_index =
-          torch::tensor(std::vector<int64_t>(cached_slots.begin(), cached_slots.end()), torch::kInt64).to(device_);
-      torch::Tensor grads = u.grads.index_select(0, pos).contiguous();
-      const OptimizerSpec spec = SpecOf(u);
-      const SlotUpdate update{spec,
-                              spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f,
-                              opt_.weight_type,
-                              slots_.data_ptr<float>(),
-                              slot_index.data_ptr<int64_t>(),
-                              grads.data_ptr<float>(),
-                              static_cast<int64_t>(cached_pos.size()),
-                              opt_.dim,
-                              weight_words_,
-                              row_words_};
-      const cudaError_t err = LaunchSlotUpdate(update, c10::cuda::getCurrentCUDAStream(device_.index()).stream());
-      TORCH_CHECK(err == cudaSuccess, "the CUDA update kernel failed: ", cudaGetErrorString(err));
+      const torch::Tensor pos = torch::tensor(cached_pos, torch::kInt64).to(device_);
+      const torch::Tensor slot_index =
+          torch::from_blob(const_cast<int32_t*>(cached_slots.data()), {static_cast<int64_t>(cached_slots.size())},
+                           torch::kInt32)
+              .to(device_);
+      UpdateSlotsOnDevice(slot_index, u.grads.index_select(0, pos), u);
     }
-#endif
     if (m > 0) {
-      torch::Tensor grads = u.grads.index_select(0, torch::tensor(missed_pos, torch::kInt64).to(device_)).cpu().contiguous();
-      std::vector<float*> rows(static_cast<size_t>(m));
-      for (int64_t j = 0; j < m; ++j) rows[j] = missed_rows.data_ptr<float>() + j * row_words_;
-      UpdateHostRows(rows.data(), grads.data_ptr<float>(), m, u);
+      const torch::Tensor grads =
+          u.grads.index_select(0, torch::tensor(missed_pos, torch::kInt64).to(device_)).cpu().contiguous();
+      ApplyOutsideCache(missed_ids.data(), m, grads.data_ptr<float>(), u);
     }
   }
-  // Rows outside the cache go back to the stores through the write-back buffer.
-  WriteBehind(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
   if (opt_.staleness > 0) AddPending(id, n, -1);
   ++stats_.updates_applied;
   stats_.rows_updated += n;
 }
+
+void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u) {
+  torch::Tensor rows = torch::empty({m, row_words_}, torch::kFloat32);
+  float* data = rows.data_ptr<float>();
+  ReadOutsideCache(keys, static_cast<size_t>(m), data, nullptr);
+  std::vector<float*> row(static_cast<size_t>(m));
+  for (int64_t j = 0; j < m; ++j) row[j] = data + j * row_words_;
+  UpdateHostRows(row.data(), grads, m, u);
+  WriteBehind(keys, static_cast<size_t>(m), data);
+}
+
+void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads,
+                                         const Update& u) {
+#ifdef MLKV_WITH_CUDA
+  // Temporaries may die before the kernel runs: the caching allocator orders their reuse on this stream.
+  const torch::Tensor g = grads.contiguous();
+  const OptimizerSpec spec = SpecOf(u);
+  const SlotUpdate update{spec,
+                          spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f,
+                          opt_.weight_type,
+                          slots_.data_ptr<float>(),
+                          slot_index.data_ptr<int32_t>(),
+                          g.data_ptr<float>(),
+                          slot_dirty_dev_.data_ptr<uint8_t>(),
+                          slot_index.numel(),
+                          opt_.dim,
+                          weight_words_,
+                          row_words_};
+  const cudaError_t err = LaunchSlotUpdate(update, c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "the CUDA update kernel failed: ", cudaGetErrorString(err));
+#else
+  TORCH_CHECK(false, "this build of mlkv_torch has no CUDA kernels");
+#endif
+}
+
+void EmbeddingCache::FoldDeviceDirty() {
+  if (on_host_ || opt_.capacity == 0) return;
+  const torch::Tensor marks = slot_dirty_dev_.cpu();  // after every update kernel queued before
+  slot_dirty_dev_.zero_();
+  const uint8_t* mark = marks.data_ptr<uint8_t>();
+  for (size_t s = 0; s < slot_dirty_.size(); ++s) slot_dirty_[s] |= mark[s];
+}
+
+#ifdef MLKV_WITH_CUDA
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> EmbeddingCache::LookupOnDevice(
+    const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+    const std::vector<int64_t>& feature_tables) {
+  TORCH_CHECK_VALUE(!on_host_, "the device lookup needs a cache on a CUDA device");
+  TORCH_CHECK_VALUE(values.scalar_type() == torch::kInt64 && values.dim() == 1 && values.device() == device_ &&
+                        values.is_contiguous(),
+                    "values must be a contiguous 1-D int64 tensor on ", device_);
+  CheckFeatures(values.numel(), feature_counts, feature_tables);
+  torch::Tensor counters = device_index_->NewCounters();
+  const torch::Tensor keys = device_index_->BatchKeys(values, feature_counts, feature_tables, counters);
+  auto [unique, inverse, unused_counts] = at::_unique2(keys, /*sorted=*/true, /*return_inverse=*/true);
+  torch::Tensor slots;
+  int64_t version;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ThrowIfFailed();
+    TORCH_CHECK(!closed_, "the table is closed");
+    device_index_->Sync();
+    slots = device_index_->FindSlots(unique, counters);
+    version = device_index_->version();
+  }
+  const torch::Tensor found = counters.cpu();  // the batch's one synchronisation when all rows are cached
+  const int64_t* count = found.data_ptr<int64_t>();
+  if (count[0] > 0) {  // ids outside their tables: the host's check names the first
+    UniqueKeys(values.cpu(), feature_counts, feature_tables);
+    TORCH_CHECK_VALUE(false, count[0], " ids lie outside their tables");
+  }
+  if (count[1] == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.hits += unique.numel();
+    for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += count[2 + t];
+    return {unique, inverse, slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, version, 0};
+  }
+  // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
+  torch::Tensor weights = Fetch(unique.cpu());
+  torch::Tensor again = device_index_->NewCounters();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    device_index_->Sync();
+    slots = device_index_->FindSlots(unique, again);
+    version = device_index_->version();
+  }
+  const int64_t outside = again[1].item<int64_t>();
+  return {unique, inverse, weights, slots, version, outside};
+}
+
+void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tensor& slots, int64_t version,
+                                    int64_t outside, const torch::Tensor& grads, int64_t step, double lr) {
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
+  TORCH_CHECK_VALUE(!on_host_, "the device update needs a cache on a CUDA device");
+  const int64_t n = keys.numel();
+  TORCH_CHECK_VALUE(keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && keys.device() == device_ &&
+                        slots.scalar_type() == torch::kInt32 && slots.dim() == 1 && slots.numel() == n &&
+                        slots.device() == device_,
+                    "keys (int64) and slots (int32) must be 1-D tensors of one length on ", device_);
+  TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.dim() == 2 && grads.size(0) == n &&
+                        grads.size(1) == opt_.dim && grads.device() == device_,
+                    "grads must be a float32 [", n, ", ", opt_.dim, "] tensor on ", device_);
+  std::lock_guard<std::mutex> lock(mu_);
+  ThrowIfFailed();
+  TORCH_CHECK(!closed_, "the table is closed");
+  if (!device_index_->Unchanged(version)) {  // rows moved since the lookup: by key, on the host
+    Apply(Update{keys.cpu(), grads.contiguous(), step, static_cast<float>(lr)});
+    return;
+  }
+  const Update u{keys, grads, step, static_cast<float>(lr)};
+  UpdateSlotsOnDevice(slots, grads, u);
+  if (outside != 0) {  // rows the cache does not hold, by the host
+    const torch::Tensor positions = slots.lt(0).nonzero().squeeze(1);
+    const torch::Tensor missed = keys.index_select(0, positions).cpu();
+    const torch::Tensor missed_grads = grads.index_select(0, positions).cpu().contiguous();
+    ApplyOutsideCache(missed.data_ptr<int64_t>(), missed.numel(), missed_grads.data_ptr<float>(), u);
+  }
+  ++stats_.updates_applied;
+  stats_.rows_updated += n;
+}
+#endif
 
 void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr) {
   TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
@@ -1036,6 +1156,7 @@ void EmbeddingCache::WriteBack() {
     throw;
   }
   std::unique_lock<std::mutex> lock(mu_);
+  FoldDeviceDirty();
   std::vector<int64_t> ids;
   std::vector<int32_t> slots;
   for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {

@@ -24,6 +24,13 @@
 //   issuing it twice. Every store write of the cache drops staged copies of
 //   its rows (and rows of the read in flight), so staged rows are never older
 //   than the store.
+// - On CUDA, a copy of the key -> slot map lives in device memory (DeviceIndex): a batch whose
+//   rows are all cached is keyed, deduplicated, looked up, gathered and updated on the device
+//   (LookupOnDevice, UpdateOnDevice), with one host synchronisation to learn it had no misses.
+//   Only batches with misses go through the host, which decides admissions. Such device-only
+//   batches do not count towards the policy's frequencies (nothing of them reaches the host);
+//   the update kernel marks the slots it writes dirty in device memory, and the host folds
+//   those marks into its own before it evicts or writes back.
 // - Methods run without the GIL (the binding releases it).
 // - Updates (QueueUpdate) are applied in order by the applier thread (CPU) or
 //   at once on the current stream (CUDA). A fetch first waits until at most
@@ -43,6 +50,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_index.h"
 #include "engine/row_store.h"
 #include "id_map.h"
 #include "write_back_buffer.h"
@@ -117,6 +125,21 @@ class EmbeddingCache {
   // Weights [n, weight_words] (float32 words) of distinct keys `ids`, on the device;
   // admits misses per policy. Every method below takes keys (TableKey), not ids.
   torch::Tensor Fetch(const torch::Tensor& ids);
+#ifdef MLKV_WITH_CUDA
+  // The device-resident lookup of a batch of features (CUDA; `values` int64 on the device, as
+  // UniqueKeys takes them): returns the distinct keys (sorted), each value's index among them,
+  // their weights [n, weight_words], their slots (int32, -1: not cached), the version of the
+  // index the slots belong to, and how many keys are not cached. A batch with misses is
+  // fetched by Fetch (the host admits), then looked up again.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> LookupOnDevice(
+      const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+      const std::vector<int64_t>& feature_tables);
+  // One optimizer step for the keys of a LookupOnDevice (CUDA), with gradient rows `grads`
+  // [n, dim] float32 on the device: the cached rows by one kernel over their slots, the
+  // `outside` others on the host; by key, as QueueUpdate, when the index changed since.
+  void UpdateOnDevice(const torch::Tensor& keys, const torch::Tensor& slots, int64_t version, int64_t outside,
+                      const torch::Tensor& grads, int64_t step, double lr);
+#endif
   // Queues one optimizer step for distinct `ids` with gradient rows `grads`
   // [n, dim] float32 (on the device), at learning rate `lr` (the rate when
   // the step was taken, so a schedule applies even to updates still queued).
@@ -158,6 +181,10 @@ class EmbeddingCache {
     std::vector<int64_t> missed_pos, missed_ids;
   };
   CacheSplit SplitByCache(const int64_t* ids, int64_t n, bool will_write);
+  // Raises (ValueError) unless feature_counts (non-negative, `n` in all) and feature_tables
+  // (tables of this cache) describe a batch of n values.
+  void CheckFeatures(int64_t n, const std::vector<int64_t>& feature_counts,
+                     const std::vector<int64_t>& feature_tables) const;
   void ApplierLoop();
   void Apply(const Update& u);        // holds mu_
   void ThrowIfFailed();               // holds mu_: rethrows an error the applier met
@@ -190,6 +217,14 @@ class EmbeddingCache {
   void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows);
   torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
   void UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const;
+  // Rows not cached (holds mu_): read (staged, buffered or from the stores), updated with host
+  // gradient rows `grads` [m, dim], and written back through the write-back buffer.
+  void ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u);
+  // Device slots `slot_index` (int32 on the device; -1 skipped) updated with gradient rows
+  // `grads` [n, dim] on the device by the update kernel (holds mu_).
+  void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u);
+  // Takes the device's dirty marks into slot_dirty_ (holds mu_; no-op on the CPU).
+  void FoldDeviceDirty();
   // The table's optimizer at the update's learning rate.
   OptimizerSpec SpecOf(const Update& u) const {
     OptimizerSpec spec = opt_.optimizer;
@@ -231,6 +266,10 @@ class EmbeddingCache {
   torch::Tensor slots_;  // [capacity, row_words] float32 on device_
   float* host_slots_ = nullptr;  // slots_ data when on the CPU
   IdMap slot_of_;
+#ifdef MLKV_WITH_CUDA
+  std::unique_ptr<DeviceIndex> device_index_;  // slot_of_ in device memory (CUDA)
+#endif
+  torch::Tensor slot_dirty_dev_;  // uint8 [capacity] on the device: slots the update kernel wrote
   std::vector<int64_t> slot_id_;
   std::vector<uint8_t> slot_freq_, slot_dirty_;
   std::vector<uint32_t> slot_epoch_;  // the fetch that last read the slot

@@ -30,8 +30,7 @@ int32_t IdMap::Insert(int64_t id, int32_t value) {
   for (size_t i = Home(id);; i = (i + 1) & mask_) {
     if (ids_[i] == id) return values_[i];
     if (ids_[i] < 0) {
-      ids_[i] = id;
-      values_[i] = value;
+      Set(i, id, value);
       ++size_;
       return value;
     }
@@ -50,18 +49,18 @@ void IdMap::Erase(int64_t id) {
     const size_t home = Home(ids_[j]);
     const bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
     if (movable) {
-      ids_[i] = ids_[j];
-      values_[i] = values_[j];
+      Set(i, ids_[j], values_[j]);
       i = j;
     }
   }
-  ids_[i] = -1;
+  Set(i, -1, 0);
   --size_;
 }
 
 void IdMap::Clear() {
   std::fill(ids_.begin(), ids_.end(), -1);
   size_ = 0;
+  if (regrown_ != nullptr) *regrown_ = true;
 }
 
 void IdMap::Grow() {
@@ -71,6 +70,7 @@ void IdMap::Grow() {
   values_.assign(old_ids.size() * 2, 0);
   mask_ = ids_.size() - 1;
   size_ = 0;
+  if (regrown_ != nullptr) *regrown_ = true;
   for (size_t i = 0; i < old_ids.size(); ++i) {
     if (old_ids[i] >= 0) Insert(old_ids[i], old_values[i]);
   }

@@ -17,6 +17,12 @@ inline size_t PowerOfTwoAtLeast(size_t n) {
   return p;
 }
 
+// The bucket where the probe for `id` starts in a map of mask + 1 buckets. The cache's copy of
+// its key -> slot map in device memory (device_index.h) probes alike.
+MLKV_HOST_DEVICE inline uint64_t IdMapHome(int64_t id, uint64_t mask) {
+  return SplitMix64(static_cast<uint64_t>(id)) & mask;
+}
+
 // Open-addressing map from non-negative int64 ids to int32 values; linear
 // probing with backward-shift deletion (no tombstones).
 class IdMap {
@@ -30,12 +36,31 @@ class IdMap {
   size_t size() const { return size_; }
   void Clear();
 
+  // The buckets, for a copy of the map elsewhere: id (-1: empty) and value per bucket.
+  size_t buckets() const { return ids_.size(); }
+  const int64_t* bucket_ids() const { return ids_.data(); }
+  const int32_t* bucket_values() const { return values_.data(); }
+  // With `changed` set, every bucket written is appended to it (a copy updates those alone), and
+  // `*regrown` is set when the map grows or is cleared (every bucket changes). Writes through
+  // FindMutable are not tracked.
+  void TrackChanges(std::vector<int64_t>* changed, bool* regrown) {
+    changed_ = changed;
+    regrown_ = regrown;
+  }
+
  private:
-  size_t Home(int64_t id) const { return static_cast<size_t>(SplitMix64(static_cast<uint64_t>(id))) & mask_; }
+  size_t Home(int64_t id) const { return static_cast<size_t>(IdMapHome(id, mask_)); }
+  void Set(size_t bucket, int64_t id, int32_t value) {
+    ids_[bucket] = id;
+    values_[bucket] = value;
+    if (changed_ != nullptr) changed_->push_back(static_cast<int64_t>(bucket));
+  }
   void Grow();
   std::vector<int64_t> ids_;  // -1: empty
   std::vector<int32_t> values_;
   size_t mask_ = 0, size_ = 0;
+  std::vector<int64_t>* changed_ = nullptr;
+  bool* regrown_ = nullptr;
 };
 
 }  // namespace mlkv

@@ -57,42 +57,65 @@ inline float AdamStepScale(const OptimizerSpec& s, int64_t step) {
                               (1.0 - std::pow(b1, static_cast<double>(step)))));
 }
 
-// One step of the rule on one row: `weights` [dim] (float, or a 16-bit type
-// with float conversions), `state` its floats, `grad` the coalesced gradient.
-// The operations follow the torch reference of each rule in order, so float32
-// results agree to rounding (see mlkv_torch/optim.py).
+// Element j of one step of rule K: `weights` [dim] (float, or a 16-bit type with float
+// conversions), `state` the row's floats, `grad` the coalesced gradient row; `row_scale` is
+// RowWiseAdagrad's step size for the row (RowWiseAdagradScale). The operations follow the torch
+// reference of each rule in order, so float32 results agree to rounding (see mlkv_torch/optim.py).
+template <OptimizerKind K, typename W>
+MLKV_HOST_DEVICE inline void UpdateElement(const OptimizerSpec& s, float adam_scale, float row_scale, W* weights,
+                                           float* state, const float* grad, int64_t dim, int64_t j) {
+  if constexpr (K == OptimizerKind::kSGD) {
+    weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * grad[j]);
+  } else if constexpr (K == OptimizerKind::kAdagrad) {
+    state[j] += grad[j] * grad[j];
+    weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * (grad[j] / (sqrtf(state[j]) + s.eps)));
+  } else if constexpr (K == OptimizerKind::kRowWiseAdagrad) {
+    weights[j] = static_cast<W>(static_cast<float>(weights[j]) - grad[j] * row_scale);
+  } else {
+    float* exp_avg = state;
+    float* exp_avg_sq = state + dim;
+    exp_avg[j] += (grad[j] - exp_avg[j]) * (1.f - s.beta1);
+    exp_avg_sq[j] += (grad[j] * grad[j] - exp_avg_sq[j]) * (1.f - s.beta2);
+    const float denom = sqrtf(exp_avg_sq[j]) + s.eps;
+    weights[j] = static_cast<W>(static_cast<float>(weights[j]) + adam_scale * (exp_avg[j] / denom));
+  }
+}
+
+// RowWiseAdagrad's row state after a gradient row whose squares sum to `sum_squares`, and the
+// step size it gives.
+MLKV_HOST_DEVICE inline float RowWiseAdagradState(float state, float sum_squares, int64_t dim) {
+  return state + sum_squares / static_cast<float>(dim);
+}
+MLKV_HOST_DEVICE inline float RowWiseAdagradScale(const OptimizerSpec& s, float state) {
+  return s.lr / (sqrtf(state) + s.eps);
+}
+
+template <OptimizerKind K, typename W>
+MLKV_HOST_DEVICE inline void UpdateRowWith(const OptimizerSpec& s, float adam_scale, W* weights, float* state,
+                                           const float* grad, int64_t dim) {
+  float row_scale = 0.f;
+  if constexpr (K == OptimizerKind::kRowWiseAdagrad) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < dim; ++j) sum += grad[j] * grad[j];
+    state[0] = RowWiseAdagradState(state[0], sum, dim);
+    row_scale = RowWiseAdagradScale(s, state[0]);
+  }
+  for (int64_t j = 0; j < dim; ++j) UpdateElement<K, W>(s, adam_scale, row_scale, weights, state, grad, dim, j);
+}
+
+// One step of the rule on one row, element after element.
 template <typename W>
 MLKV_HOST_DEVICE inline void UpdateRow(const OptimizerSpec& s, float adam_scale, W* weights, float* state,
                                        const float* grad, int64_t dim) {
   switch (s.kind) {
-    case OptimizerKind::kSGD:
-      for (int64_t j = 0; j < dim; ++j) weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * grad[j]);
-      break;
+    case OptimizerKind::kSGD: UpdateRowWith<OptimizerKind::kSGD>(s, adam_scale, weights, state, grad, dim); break;
     case OptimizerKind::kAdagrad:
-      for (int64_t j = 0; j < dim; ++j) {
-        state[j] += grad[j] * grad[j];
-        weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * (grad[j] / (sqrtf(state[j]) + s.eps)));
-      }
+      UpdateRowWith<OptimizerKind::kAdagrad>(s, adam_scale, weights, state, grad, dim);
       break;
-    case OptimizerKind::kRowWiseAdagrad: {
-      float sum = 0.f;
-      for (int64_t j = 0; j < dim; ++j) sum += grad[j] * grad[j];
-      state[0] += sum / static_cast<float>(dim);
-      const float scale = s.lr / (sqrtf(state[0]) + s.eps);
-      for (int64_t j = 0; j < dim; ++j) weights[j] = static_cast<W>(static_cast<float>(weights[j]) - grad[j] * scale);
+    case OptimizerKind::kRowWiseAdagrad:
+      UpdateRowWith<OptimizerKind::kRowWiseAdagrad>(s, adam_scale, weights, state, grad, dim);
       break;
-    }
-    case OptimizerKind::kAdam: {
-      float* exp_avg = state;
-      float* exp_avg_sq = state + dim;
-      for (int64_t j = 0; j < dim; ++j) {
-        exp_avg[j] += (grad[j] - exp_avg[j]) * (1.f - s.beta1);
-        exp_avg_sq[j] += (grad[j] * grad[j] - exp_avg_sq[j]) * (1.f - s.beta2);
-        const float denom = sqrtf(exp_avg_sq[j]) + s.eps;
-        weights[j] = static_cast<W>(static_cast<float>(weights[j]) + adam_scale * (exp_avg[j] / denom));
-      }
-      break;
-    }
+    case OptimizerKind::kAdam: UpdateRowWith<OptimizerKind::kAdam>(s, adam_scale, weights, state, grad, dim); break;
   }
 }
 

@@ -49,10 +49,12 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, batch: "DiskTableBatch", unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-                weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor], *anchors: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
+                device_lookup: Optional[Tuple[torch.Tensor, int, int]], *anchors: torch.Tensor) -> torch.Tensor:
         out = F.embedding_bag(inverse, weights, offsets, mode=batch.mode, per_sample_weights=per_sample_weights,
                               include_last_offset=True)
         ctx.batch = batch
+        ctx.device_lookup = device_lookup  # (slots, index version, rows not cached) of a device lookup
         psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[5]
         ctx.save_for_backward(unique, inverse, offsets, weights if psw_needs_grad else None, per_sample_weights)
         return out
@@ -69,14 +71,21 @@ class _PooledLookup(torch.autograd.Function):
                                                   per_sample_weights, weights)
         if grad_psw is not None:
             grad_psw = grad_psw.to(per_sample_weights.dtype)
-        trains = ctx.needs_input_grad[6:]
-        if all(trains):
+        trains = ctx.needs_input_grad[7:]
+        if ctx.device_lookup is not None:
+            slots, version, outside = ctx.device_lookup
+            if all(trains):
+                batch.update_on_device(unique, slots, version, outside, grads)
+            elif any(trains):  # some tables frozen: their rows keep their values
+                keep = torch.tensor(trains, device=unique.device).index_select(0, unique >> _C.EmbeddingCache.table_shift)
+                batch.update_on_device(unique[keep], slots[keep], version, -1, grads[keep])
+        elif all(trains):
             batch.queue_update(unique, grads)
         elif any(trains):  # some tables frozen (requires_grad_(False)): their rows keep their values
             keep = torch.tensor(trains).index_select(0, unique >> _C.EmbeddingCache.table_shift)
             if bool(keep.any()):
                 batch.queue_update(unique[keep].contiguous(), grads[keep.to(grads.device)])
-        return (None, None, None, None, None, grad_psw) + (None,) * len(trains)
+        return (None, None, None, None, None, grad_psw, None) + (None,) * len(trains)
 
 
 _OPEN_BATCHES: "weakref.WeakSet[DiskTableBatch]" = weakref.WeakSet()
@@ -98,7 +107,8 @@ def _bag_backward_torch(grad_out: torch.Tensor, offsets: torch.Tensor, inverse: 
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """_C.bag_backward in torch ops, for devices other than the CPU."""
     lengths = offsets[1:] - offsets[:-1]
-    bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                     output_size=inverse.numel())  # known: no synchronisation
     per_id = grad_out.to(torch.float32).index_select(0, bag_of)  # d out[bag] / d weight row, per input position
     grad_psw = None
     if weights is not None:
@@ -314,17 +324,31 @@ class DiskTableBatch:
         """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
         over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
         anchor (`anchors[t]`) requires a gradient."""
-        unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
-        weights = self.weights_of(self.cache.fetch(unique))
+        device_lookup = None
+        if self.device.type == "cuda":  # keyed, deduplicated and looked up on the device
+            values = _as_int64(values, "ids", self.device).reshape(-1).contiguous()
+            unique, inverse, words, slots, version, outside = self.cache.lookup_on_device(values, feature_counts,
+                                                                                         feature_tables)
+            device_lookup = (slots, version, outside)
+        else:
+            unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
+            words = self.cache.fetch(unique)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
-        return _PooledLookup.apply(self, unique, inverse.to(self.device), offsets.to(self.device), weights,
-                                   per_sample_weights, *self.anchors)
+        return _PooledLookup.apply(self, unique, inverse.to(self.device), offsets.to(self.device, non_blocking=True),
+                                   self.weights_of(words), per_sample_weights, device_lookup, *self.anchors)
 
     def queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
         """Queues one optimizer step (at the current `lr`) for distinct keys `unique`."""
         self.step += 1
         self.cache.queue_update(unique, grads.contiguous(), self.step, self.lr)
+
+    def update_on_device(self, unique: torch.Tensor, slots: torch.Tensor, version: int, outside: int,
+                         grads: torch.Tensor) -> None:
+        """One optimizer step (at the current `lr`) for the distinct keys of a device lookup, on
+        their slots (CUDA): `outside` of them (-1: unknown) are not cached."""
+        self.step += 1
+        self.cache.update_on_device(unique, slots, version, outside, grads.contiguous(), self.step, self.lr)
 
     def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> None:
         """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once."""
@@ -377,10 +401,15 @@ class DiskTableBatch:
                 store.close()
 
 
-def _as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
+def _as_int64(ids: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{what} must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    return ids.to(device="cpu", dtype=torch.int64)  # the cache's index lives on the host
+    # To a GPU without blocking (from pinned memory the copy overlaps); to the host, blocking.
+    return ids.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
+
+
+def _as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
+    return _as_int64(ids, what, torch.device("cpu"))  # the cache's index lives on the host
 
 
 class DiskEmbeddingBag(nn.Module):

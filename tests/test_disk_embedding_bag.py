@@ -74,7 +74,7 @@ class RowWiseAdagradReference(torch.optim.Optimizer):
             for p in group["params"]:
                 grad = p.grad.coalesce()
                 rows, values = grad.indices()[0], grad.values()
-                acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0], device=p.device))
+                acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0], device=p.device, dtype=p.dtype))
                 acc.index_add_(0, rows, values.pow(2).mean(dim=1))
                 p.index_add_(0, rows, -group["lr"] * values / (acc[rows].sqrt() + group["eps"]).unsqueeze(1))
 
@@ -115,6 +115,30 @@ def test_training_reaches_the_reference_weights(tmp_path, mode, weighted, optimi
     if cache == "tiny":
         assert stats["evictions"] > 0 and stats["written_back"] > 0, "dirty rows should leave the cache"
     assert stats["max_staleness"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_float64_rows_of_an_odd_number_of_words(tmp_path, optimizer, device):
+    # Row-wise Adagrad's one state word (or Adagrad's, at an odd dim) leaves float64 weights of
+    # every other cached row 4-byte aligned only: the GPU's update must still read them.
+    ours, reference = OPTIMIZERS[optimizer]
+    dim = 5
+    emb = DiskEmbeddingBag(NUM, dim, path=tmp_path / "t", optimizer=ours, dtype=torch.float64, cache_rows=100,
+                           memory_budget_bytes=1 << 20, device=device)
+    ref = torch.nn.EmbeddingBag(NUM, dim, mode="sum", sparse=True, dtype=torch.float64, device=device,
+                                _weight=emb.export_rows(torch.arange(NUM)).to(device))
+    ref_opt = reference(list(ref.parameters()))
+    for step in range(6):
+        ids, offsets, target = batch(step)
+        target = target[:, :dim].to(device, torch.float64)
+        (emb(ids, offsets) * target).sum().backward()
+        ref_opt.zero_grad()
+        (ref(ids.to(device), offsets.to(device)) * target).sum().backward()
+        ref_opt.step()
+    # The rules compute in float32 (as for 16-bit weights): agreement to float32 rounding.
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    emb.close()
 
 
 def test_gradient_of_per_sample_weights(tmp_path):

@@ -9,6 +9,7 @@ from mlkv_torch.embedding import DiskTable, DiskTableBatch
 
 ROWS = [700, 40, 300]
 DIM = 8
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
 def feature_batch(step: int):
@@ -22,13 +23,14 @@ def feature_batch(step: int):
     return values, counts, offsets, target
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("staleness", [0, 3])
-def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness):
+def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness, device):
     # With SGD and a loss linear in the pooled rows the gradient does not depend on the weights
     # read, so every schedule of asynchronous updates must end at the reference weights.
     batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
                            optimizer=optim.SGD(lr=0.2), cache_rows=48, memory_budget_bytes=1 << 20,
-                           staleness=staleness, staging_bytes=0)  # the smallest staging area and write-back buffer
+                           staleness=staleness, staging_bytes=0, device=device)  # the smallest staging and write-back buffer
     references = [torch.nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in ROWS]
     for t, ref in enumerate(references):
         ref.weight.data.copy_(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))))
@@ -37,7 +39,8 @@ def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness):
         values, counts, offsets, target = feature_batch(step)
         batch.lookahead(*feature_batch(step + 1)[:2], list(range(len(ROWS))))
         out = batch.pool(values, counts, list(range(len(ROWS))), offsets)
-        (out * target).sum().backward()
+        assert out.device.type == device
+        (out * target.to(device)).sum().backward()
         # the reference: each feature's bags through its own table
         first_bag, first_value = 0, 0
         for t, (ref, opt) in enumerate(zip(references, opts)):
