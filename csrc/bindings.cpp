@@ -513,6 +513,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &RocksStore::Call<&mlkv::RocksRowStore::Close>)
       .def("stats", &RocksStore::Stats);
 #endif
+  // Every exception this module throws becomes a Python exception here, in this module's own
+  // C++ runtime: a translator of another module (torch's, for c10::Error) may be built by another
+  // compiler and runtime, and rethrowing this module's exception there crashed (gcc 13, torch 2.11).
   // StatusError from the cache maps to the exceptions of the store's own calls.
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -527,6 +530,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       } catch (const StoreIOException& io) {
         PyErr_SetString(store_io_error, io.what());
       }
+    } catch (const CorruptionException& c) {
+      PyErr_SetString(corruption_error, c.what());
+    } catch (const StoreIOException& io) {
+      PyErr_SetString(store_io_error, io.what());
+    } catch (py::builtin_exception& py_error) {
+      py_error.set_error();
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    } catch (const std::bad_alloc&) {
+      PyErr_SetString(PyExc_MemoryError, "out of memory");
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
   m.def("bag_backward", &BagBackward, py::arg("grad_out"), py::arg("offsets"), py::arg("inverse"), py::arg("distinct"),

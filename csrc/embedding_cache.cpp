@@ -534,7 +534,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     }
   } else {
     // Device: gather every row from the slots, then overwrite the rows left out of the cache.
-    torch::Tensor slot_index = torch::tensor(source, torch::kInt64).clamp_min_(0).to(device_);
+    const torch::Tensor slot_index = torch::from_blob(source.data(), {n}, torch::kInt64).to(device_).clamp_min_(0);
     out = opt_.capacity > 0 ? slots_.narrow(1, 0, weight_words_).index_select(0, slot_index)
                             : torch::empty({n, weight_words_}, slots_.options());
     std::vector<int64_t> outside_pos, outside_rows;
