@@ -513,10 +513,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &RocksStore::Call<&mlkv::RocksRowStore::Close>)
       .def("stats", &RocksStore::Stats);
 #endif
-  // Every exception this module throws becomes a Python exception here, in this module's own
-  // C++ runtime: a translator of another module (torch's, for c10::Error) may be built by another
-  // compiler and runtime, and rethrowing this module's exception there crashed (gcc 13, torch 2.11).
-  // StatusError from the cache maps to the exceptions of the store's own calls.
+  // Every exception this module throws becomes a Python exception here, rethrown by this module's
+  // own C++ runtime, never by another module's translator (torch's, for c10::Error), which may be
+  // built against another runtime. StatusError from the cache maps to the exceptions of the
+  // store's own calls.
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

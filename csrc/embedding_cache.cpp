@@ -91,6 +91,7 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
     std::vector<int64_t> table_rows;
     for (const CacheTable& t : tables_) table_rows.push_back(t.num_embeddings);
     device_index_ = std::make_unique<DeviceIndex>(&slot_of_, table_rows, kTableShift, device_);
+    device_hits_ = device_index_->NewCounters();
   }
 #endif
   free_slots_.resize(cap);
@@ -774,32 +775,42 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
                         values.is_contiguous(),
                     "values must be a contiguous 1-D int64 tensor on ", device_);
   CheckFeatures(values.numel(), feature_counts, feature_tables);
-  torch::Tensor counters = device_index_->NewCounters();
+  // No fetch admits or evicts until the slots are found: every row found cached stays cached.
+  std::unique_lock<std::mutex> fetch_lock(fetch_mu_);
+  const torch::Tensor counters = device_index_->NewCounters();
   const torch::Tensor keys = device_index_->BatchKeys(values, feature_counts, feature_tables, counters);
-  auto [unique, inverse, unused_counts] = at::_unique2(keys, /*sorted=*/true, /*return_inverse=*/true);
-  torch::Tensor slots;
-  int64_t version;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ThrowIfFailed();
     TORCH_CHECK(!closed_, "the table is closed");
     device_index_->Sync();
-    slots = device_index_->FindSlots(unique, counters);
-    version = device_index_->version();
+    device_index_->FindSlots(keys, counters);  // every value: are any missing?
   }
-  const torch::Tensor found = counters.cpu();  // the batch's one synchronisation when all rows are cached
+  // The counts travel to the host while the keys are deduplicated; the deduplication synchronises
+  // the stream (it needs its output's size), so they have arrived when it returns: one
+  // synchronisation for a batch whose rows are all cached.
+  torch::Tensor found =
+      torch::empty({counters.numel()}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
+  found.copy_(counters, /*non_blocking=*/true);
+  auto [unique, inverse, unused_counts] = at::_unique2(keys, /*sorted=*/true, /*return_inverse=*/true);
+  c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();  // already done by _unique2; made explicit
   const int64_t* count = found.data_ptr<int64_t>();
   if (count[0] > 0) {  // ids outside their tables: the host's check names the first
+    fetch_lock.unlock();
     UniqueKeys(values.cpu(), feature_counts, feature_tables);
     TORCH_CHECK_VALUE(false, count[0], " ids lie outside their tables");
   }
+  torch::Tensor slots;
+  int64_t version;
   if (count[1] == 0) {
     std::lock_guard<std::mutex> lock(mu_);
+    slots = device_index_->FindSlots(unique, device_hits_);  // hits per table, counted on the device
+    version = device_index_->version();
     stats_.hits += unique.numel();
-    for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += count[2 + t];
     return {unique, inverse, slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, version, 0};
   }
   // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
+  fetch_lock.unlock();
   torch::Tensor weights = Fetch(unique.cpu());
   torch::Tensor again = device_index_->NewCounters();
   {
@@ -810,6 +821,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
   }
   const int64_t outside = again[1].item<int64_t>();
   return {unique, inverse, weights, slots, version, outside};
+}
+
+void EmbeddingCache::FoldDeviceHits() {
+  if (!device_hits_.defined()) return;
+  const torch::Tensor hits = device_hits_.cpu();
+  device_hits_.zero_();
+  for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += hits.data_ptr<int64_t>()[2 + t];
 }
 
 void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tensor& slots, int64_t version,
@@ -842,6 +860,8 @@ void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tens
   ++stats_.updates_applied;
   stats_.rows_updated += n;
 }
+#else
+void EmbeddingCache::FoldDeviceHits() {}
 #endif
 
 void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr) {
@@ -1215,6 +1235,7 @@ namespace mlkv {
 
 std::vector<TableCounters> EmbeddingCache::TableStats() {
   std::lock_guard<std::mutex> lock(mu_);
+  FoldDeviceHits();
   return table_stats_;
 }
 

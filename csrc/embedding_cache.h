@@ -26,7 +26,8 @@
 //   than the store.
 // - On CUDA, a copy of the key -> slot map lives in device memory (DeviceIndex): a batch whose
 //   rows are all cached is keyed, deduplicated, looked up, gathered and updated on the device
-//   (LookupOnDevice, UpdateOnDevice), with one host synchronisation to learn it had no misses.
+//   (LookupOnDevice, UpdateOnDevice), with one host synchronisation (the deduplication's), which
+//   also brings the count of misses.
 //   Only batches with misses go through the host, which decides admissions. Such device-only
 //   batches do not count towards the policy's frequencies (nothing of them reaches the host);
 //   the update kernel marks the slots it writes dirty in device memory, and the host folds
@@ -225,6 +226,8 @@ class EmbeddingCache {
   void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u);
   // Takes the device's dirty marks into slot_dirty_ (holds mu_; no-op on the CPU).
   void FoldDeviceDirty();
+  // Adds the hits the device counted (device_hits_) to table_stats_ (holds mu_; no-op on the CPU).
+  void FoldDeviceHits();
   // The table's optimizer at the update's learning rate.
   OptimizerSpec SpecOf(const Update& u) const {
     OptimizerSpec spec = opt_.optimizer;
@@ -270,6 +273,7 @@ class EmbeddingCache {
   std::unique_ptr<DeviceIndex> device_index_;  // slot_of_ in device memory (CUDA)
 #endif
   torch::Tensor slot_dirty_dev_;  // uint8 [capacity] on the device: slots the update kernel wrote
+  torch::Tensor device_hits_;  // DeviceIndex counters: [2 + t] hits of table t by device-only lookups
   std::vector<int64_t> slot_id_;
   std::vector<uint8_t> slot_freq_, slot_dirty_;
   std::vector<uint32_t> slot_epoch_;  // the fetch that last read the slot

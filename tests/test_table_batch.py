@@ -55,6 +55,9 @@ def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness, device):
     batch.flush()
     stats = batch.cache.stats()
     assert stats["evictions"] > 0 and stats["write_back_rows"] == 0
+    per_table = batch.cache.table_stats()  # the tables' counters add up to the cache's
+    for counter in ("cache_hits", "cache_misses"):
+        assert sum(t[counter] for t in per_table) == stats[counter]
     for t, ref in enumerate(references):
         torch.testing.assert_close(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))), ref.weight.detach())
     batch.close()
