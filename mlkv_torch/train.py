@@ -34,6 +34,7 @@ _BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbedd
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
+RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
 
 
 def _peak_rss_bytes() -> int:
@@ -440,7 +441,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by torchrun
     if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # gloo even on a CUDA host: the runner keeps the model, the plan and the collectives on the
+        # CPU (NCCL would refuse their CPU tensors).
+        dist.init_process_group(RUNNER_BACKEND)
     try:
         summary = run(config, resume=args.resume, progress=not args.no_progress)
     except ConfigError as e:

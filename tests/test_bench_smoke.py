@@ -8,14 +8,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py"])
+@pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py",
+                                    "bench_gpu.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
-    if script != "bench_embedding.py":
+    if script not in ("bench_embedding.py", "bench_gpu.py"):
         pytest.importorskip("torchrec")
     output = "--json" if script == "bench_embedding.py" else "--out"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--smoke", output, str(tmp_path / "out.json")],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ERROR" not in done.stdout, done.stdout[-4000:]
-    if script == "bench_kernel.py":  # the disk kernel trains DLRM exactly as TorchRec's in-memory kernel
+    if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does
         assert "| False |" not in done.stdout and "| True |" in done.stdout, done.stdout[-4000:]

@@ -64,3 +64,29 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_as_the_uninterrupted
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(runs["resume"]["losses"][rank]),
                                    torch.tensor(uninterrupted[rank][save_at:]), rtol=0, atol=0)
+
+
+def test_disk_table_shards_are_placed_in_host_memory_whatever_the_plan(tmp_path):
+    # A plan for CUDA places shards on "rank:r/cuda:r"; a disk table's rows are read into host (or
+    # file-backed) tensors, which a ShardedTensor refuses at a CUDA placement.
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    from mlkv_torch.torchrec.sharding import on_host
+
+    on_cuda = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[4, 3], placement="rank:0/cuda:0")
+    host = on_host(on_cuda)
+    assert str(host.placement) == "rank:0/cpu"
+    assert (list(host.shard_offsets), list(host.shard_sizes)) == ([0, 0], [4, 3])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "rendezvous"), 1), rank=0, world_size=1)
+    try:
+        def sharded(metadata):
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                [Shard(torch.ones(4, 3), metadata)],
+                ShardedTensorMetadata([metadata], torch.Size([4, 3]), TensorProperties(dtype=torch.float32)))
+        with pytest.raises(Exception, match="device"):
+            sharded(on_cuda)
+        assert sharded(host).local_shards()[0].tensor.device.type == "cpu"
+    finally:
+        dist.destroy_process_group()

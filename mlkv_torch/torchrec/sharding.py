@@ -67,6 +67,15 @@ _DISK_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.
                         ShardingType.TABLE_COLUMN_WISE.value)
 
 
+def on_host(shard: ShardMetadata) -> ShardMetadata:
+    """`shard` placed in its rank's host memory: a disk table's rows reach a state dict as CPU (or
+    file-backed) tensors, whatever device the plan computes on (a ShardedTensor refuses local
+    shards off their placement's device)."""
+    rank = shard.placement.rank() if shard.placement is not None else 0
+    return ShardMetadata(shard_offsets=list(shard.shard_offsets), shard_sizes=list(shard.shard_sizes),
+                         placement=f"rank:{rank}/cpu")
+
+
 @dataclass(frozen=True)
 class DiskTableOptions:
     """How the sharder builds disk tables (see DiskEmbeddingBagCollectionSharder)."""
@@ -264,7 +273,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
 
     def local_weight_shards(self, table: str) -> List[Shard]:
         """This rank's shards of `table`, read from the stores (file-backed beyond their budget)."""
-        return [Shard(bag.snapshot(), shard.local_metadata) for shard, bag in self._bags_by_table[table]]
+        return [Shard(bag.snapshot(), on_host(shard.local_metadata)) for shard, bag in self._bags_by_table[table]]
 
     def load_weights(self, table: str, weight: torch.Tensor) -> None:
         """Writes this rank's shards of `table` from a ShardedTensor of the same plan or a full tensor."""
@@ -303,7 +312,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             starts[col], total = total, total + state_cols[col]
         shards = [ShardMetadata(shard_offsets=[int(m.shard_offsets[0]), starts[int(m.shard_offsets[1])]],
                                 shard_sizes=[int(m.shard_sizes[0]), state_cols[int(m.shard_offsets[1])]],
-                                placement=m.placement) for m in weights]
+                                placement=on_host(m).placement) for m in weights]
         return ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([first.num_embeddings, total]),
                                      tensor_properties=TensorProperties(dtype=torch.float32))
 
@@ -495,8 +504,10 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _global_metadata(self, table: str) -> ShardedTensorMetadata:
         config = self._table_name_to_config[table]
         spec = self.module_sharding_plan[table].sharding_spec
-        return spec.build_metadata(tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
-                                   tensor_properties=TensorProperties(dtype=DATA_TYPES[config.data_type]))
+        metadata = spec.build_metadata(tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
+                                       tensor_properties=TensorProperties(dtype=DATA_TYPES[config.data_type]))
+        metadata.shards_metadata = [on_host(m) for m in metadata.shards_metadata]
+        return metadata
 
     @staticmethod
     def _disk_tables_to_state_dict(module: "ShardedDiskEmbeddingBagCollection", destination: Dict[str, Any],
