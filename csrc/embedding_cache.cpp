@@ -669,18 +669,22 @@ void EmbeddingCache::WriterLoop() {
     write_retry_ = false;
     const WriteBackBuffer::Batch batch = write_back_.Take(kWriteBatchRows);
     lock.unlock();
-    const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data());
+    std::vector<uint8_t> landed;
+    const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
     lock.lock();
     ++write_attempts_;
+    // Rows of the tables whose stores took them leave the buffer; a failing table's stay in
+    // memory until a write succeeds, and hold back no other table's.
+    const WriteBackBuffer::Batch written = st.ok() ? batch : batch.Only(landed, 1);
+    write_back_.Complete(written);
+    // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
+    if (reads_in_flight_ > 0) {
+      for (int64_t key : written.keys) written_during_reads_.Insert(key, 1);
+    }
     if (st.ok()) {
       write_error_ = Status::OK();
-      write_back_.Complete(batch);
-      // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
-      if (reads_in_flight_ > 0) {
-        for (int64_t key : batch.keys) written_during_reads_.Insert(key, 1);
-      }
     } else {
-      write_back_.Return(batch);  // the rows stay in memory until a write succeeds
+      write_back_.Return(batch.Only(landed, 0));
       write_error_ = st;
     }
     written_cv_.notify_all();
@@ -1136,14 +1140,19 @@ bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
   return true;
 }
 
-Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* rows) const {
+Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* rows,
+                                   std::vector<uint8_t>* landed) const {
+  landed->assign(n, 0);
   int64_t only;
   const std::vector<TableBatch> batches = SplitByTable(keys, n, &only);
   if (batches.empty()) {
     std::vector<int64_t> ids(keys, keys + n);
     for (int64_t& id : ids) id &= kIdMask;
-    return tables_[static_cast<size_t>(only)].store->Put(ids.data(), n, rows);
+    const Status st = tables_[static_cast<size_t>(only)].store->Put(ids.data(), n, rows);
+    if (st.ok()) landed->assign(n, 1);
+    return st;
   }
+  Status first_error;
   for (size_t t = 0; t < batches.size(); ++t) {
     const TableBatch& b = batches[t];
     if (b.ids.empty()) continue;
@@ -1151,12 +1160,14 @@ Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* r
     for (size_t k = 0; k < b.ids.size(); ++k) {
       std::memcpy(&table_rows[k * row_words_], rows + b.positions[k] * row_words_, row_words_ * sizeof(float));
     }
-    // A failure leaves the whole batch in the write-back buffer, to be written again: rows of
-    // the tables written before it are then written twice, with the same values.
     const Status st = tables_[t].store->Put(b.ids.data(), b.ids.size(), table_rows.data());
-    if (!st.ok()) return st;
+    if (st.ok()) {
+      for (size_t position : b.positions) (*landed)[position] = 1;
+    } else if (first_error.ok()) {
+      first_error = st;  // the other tables are still written
+    }
   }
-  return Status::OK();
+  return first_error;
 }
 
 void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {

@@ -242,8 +242,9 @@ class EmbeddingCache {
   void ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock);
   // Waits (releasing mu_) while the write-back buffer is over its limit.
   void WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock);
-  // Batched puts, one per table (no lock needed).
-  Status PutToStores(const int64_t* keys, size_t n, const float* rows) const;
+  // Batched puts, one per table (no lock needed); landed[i] says row i reached its store. Every
+  // table is written even when one fails; the first failure is returned.
+  Status PutToStores(const int64_t* keys, size_t n, const float* rows, std::vector<uint8_t>* landed) const;
   void CountWrittenBack(const std::vector<int64_t>& keys);  // holds mu_
   // Full rows of keys not cached (holds mu_): staged copies (taken), rows in the write-back
   // buffer, and store reads; with `lock`, the stores are read with it released.

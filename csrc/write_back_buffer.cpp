@@ -70,6 +70,16 @@ void WriteBackBuffer::Complete(const Batch& batch) {
   }
 }
 
+WriteBackBuffer::Batch WriteBackBuffer::Batch::Only(const std::vector<uint8_t>& mask, uint8_t value) const {
+  Batch part;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (mask[i] != value) continue;
+    part.keys.push_back(keys[i]);
+    part.versions.push_back(versions[i]);
+  }
+  return part;
+}
+
 void WriteBackBuffer::Return(const Batch& batch) {
   for (size_t i = batch.keys.size(); i-- > 0;) {
     const int32_t entry = index_.Find(batch.keys[i]);

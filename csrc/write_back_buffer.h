@@ -32,6 +32,9 @@ class WriteBackBuffer {
     std::vector<int64_t> keys;
     std::vector<uint32_t> versions;
     std::vector<float> rows;
+    // The keys and versions (not the rows) of entries i with mask[i] == value: the part of a
+    // batch to Complete or Return.
+    Batch Only(const std::vector<uint8_t>& mask, uint8_t value) const;
   };
   Batch Take(size_t max_rows);
   // The rows of a taken batch reached the stores: each leaves unless written again since.

@@ -72,3 +72,24 @@ def test_ids_outside_their_table_are_refused_by_name(tmp_path):
         batch.read_rows(1, torch.tensor([-1]))
     assert batch.read_rows(1, torch.tensor([4])).shape == (1, DIM)
     batch.close()
+
+
+def test_a_failing_table_holds_back_no_other_table(tmp_path):
+    # Table a's store stops taking writes (closed, as a failed device would); updated rows of both
+    # tables wait in the write-back buffer (no cache): table b's must still reach its store, and
+    # only table a's stay waiting, raised by name.
+    batch = DiskTableBatch([DiskTable("a", 1000, str(tmp_path / "a")), DiskTable("b", 1000, str(tmp_path / "b"))],
+                           DIM, optimizer=optim.SGD(lr=0.5), cache_rows=0, memory_budget_bytes=1 << 20)
+    ids = torch.arange(100)
+    out = batch.pool(torch.cat([ids, ids]), [100, 100], [0, 1], torch.arange(201))
+    batch.stores[0].close()  # after the rows were read: their updates are what fails to land
+    out.sum().backward()
+    with pytest.raises(Exception, match="closed"):
+        batch.flush()
+    assert batch.cache.stats()["write_back_rows"] == 100  # table a's rows, kept in memory
+    updated_b = batch.read_rows(1, ids)
+    torch.testing.assert_close(batch.stores[1].get(ids), updated_b, rtol=0, atol=0)  # b's reached its store
+    initial_b = DiskTableBatch([DiskTable("b0", 1000, str(tmp_path / "b0"))], DIM).read_rows(0, ids)
+    assert not torch.equal(updated_b, initial_b)  # they are the updated rows, not the initial ones
+    with pytest.raises(Exception):
+        batch.close()
