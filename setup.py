@@ -11,8 +11,13 @@ import glob
 import os
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-import torch
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError as e:  # an isolated build (plain `pip install .`) has no torch to build against
+    raise SystemExit("mlkv-torch builds against the torch installed in this environment: install torch first, "
+                     "then `pip install --no-build-isolation .` (see scripts/setup.sh)") from e
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,6 +70,9 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     # torch is deliberately not listed: an unpinned torch requirement would pull the newest CUDA build.
-    install_requires=[],
+    # The runner's needs are (the core imports torch alone; the TorchRec layer needs torchrec, which
+    # scripts/setup.sh installs with its CPU fbgemm).
+    install_requires=["numpy", "pyyaml", "pydantic>=2,<3", "tqdm"],
+    extras_require={"torchrec": ["torchrec"]},
     zip_safe=False,
 )

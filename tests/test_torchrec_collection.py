@@ -94,10 +94,10 @@ def test_dlrm_trains_to_the_same_losses(tmp_path, ours, reference):
 
 def test_bad_features_are_refused(tmp_path):
     disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)
-    unknown = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES + ["zz"], values=torch.tensor([1, 2, 3, 4, 5]),
-                                                  lengths=torch.tensor([1, 1, 1, 1, 1]))
-    with pytest.raises(ValueError, match="zz"):
-        disk(unknown)
+    lacking = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES[:3], values=torch.tensor([1, 2, 3]),
+                                                  lengths=torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="lacks features of the tables: \\['f3'\\]"):
+        disk(lacking)
     out_of_range = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=torch.tensor([1, 2, 999, 4]),
                                                        lengths=torch.tensor([1, 1, 1, 1]))
     with pytest.raises(ValueError, match="out of range"):
@@ -201,3 +201,30 @@ def test_features_of_different_batch_sizes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="feature 'f3' has 5 bags, the batch has 6"):
         ours(bad)
     ours.close()
+
+
+def test_arguments_and_inputs_as_embedding_bag_collection(tmp_path):
+    # EmbeddingBagCollection(tables, is_weighted, device): the second positional argument is is_weighted.
+    weighted = DiskEmbeddingBagCollection(tables(weighted=True), True, path=tmp_path / "w", memory_budget_bytes=1 << 20)
+    assert weighted.is_weighted() and EmbeddingBagCollection(tables(weighted=True), True).is_weighted()
+    with pytest.raises(TypeError, match="is_weighted must be a bool"):
+        DiskEmbeddingBagCollection(tables(), "cpu", path=tmp_path / "x")
+    # Features no table names are ignored, as EmbeddingBagCollection ignores them (one KJT may feed
+    # several collections).
+    ebc = EmbeddingBagCollection(tables())
+    disk = disk_copy_of(ebc, tmp_path)
+    base = kjt(0)
+    extra = KeyedJaggedTensor.from_lengths_sync(
+        keys=["zz"] + FEATURES, values=torch.cat([torch.arange(6) * 1000, base.values()]),
+        lengths=torch.cat([torch.ones(6, dtype=torch.int64), base.lengths()]))
+    ours, theirs = disk(extra), ebc(extra)
+    assert ours.keys() == theirs.keys()
+    torch.testing.assert_close(ours.values(), theirs.values())
+    torch.testing.assert_close(ours.values(), disk(base).values())
+    # No tables: an empty collection, as EmbeddingBagCollection([]) builds; it pools nothing.
+    empty = DiskEmbeddingBagCollection([], path=tmp_path / "empty")
+    assert len(empty.embedding_bags) == 0 and EmbeddingBagCollection([]).embedding_bag_configs() == []
+    out = empty(base)
+    assert out.keys() == [] and tuple(out.values().shape) == (6, 0)
+    for collection in (weighted, disk, empty):
+        collection.close()

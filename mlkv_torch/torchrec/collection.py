@@ -41,15 +41,20 @@ class DiskEmbeddingBagCollection(nn.Module):
 
     ``forward(KeyedJaggedTensor) -> KeyedTensor`` as EmbeddingBagCollection:
     the same keys (a feature shared by several tables reads ``feature@table``),
-    the same order, float32 output; weighted features with ``is_weighted``; SUM
-    and MEAN pooling. Tables of one row layout (dim, data type, pooling; in DLRM
+    the same order, float32 output; features no table names are ignored (one
+    KeyedJaggedTensor may feed several collections); weighted features with
+    ``is_weighted``; SUM and MEAN pooling. Tables of one row layout (dim, data type, pooling; in DLRM
     all of them) share one DiskTableBatch: one hot cache, one lookup over every
     feature of the batch, one fused optimizer step per backward, as TorchRec's
     fused table-batched kernel. ``embedding_bags[name]`` views each table as a
     DiskEmbeddingBag (rows, snapshots, stats).
 
+    The arguments start as EmbeddingBagCollection's (``tables, is_weighted, device``); the disk's
+    own are keyword-only.
+
     Args:
-        tables: the tables, as for EmbeddingBagCollection.
+        tables: the tables, as for EmbeddingBagCollection (none: an empty collection).
+        is_weighted: features carry per-id weights.
         device: where the caches, pooling and outputs live (default CPU).
         path: a directory; table ``t`` lives in ``path/t``.
         optimizer: the fused sparse optimizer of every table.
@@ -63,20 +68,20 @@ class DiskEmbeddingBagCollection(nn.Module):
             by table name; default: one per feature of the table. Splits the
             budget between row layouts.
         staleness: the per-row staleness bound of every table.
-        is_weighted: features carry per-id weights.
         seed: seed of the initial rows (each table mixes in its name).
         cache_policy: "lfu" or "lru".
         backend: the store under every table: "mlkv" (KVStore) or "rocksdb" (the baseline).
     """
 
-    def __init__(self, tables: List[EmbeddingBagConfig], device: Optional[Union[str, torch.device]] = None, *,
-                 path: Union[str, os.PathLike], optimizer: Optional[optim_lib.SparseOptimizer] = None,
-                 memory_budget_bytes: int = 256 << 20, cache_rows: Optional[int] = None, staleness: int = 0,
-                 is_weighted: bool = False, seed: int = 0, cache_policy: str = "lfu",
+    def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
+                 device: Optional[Union[str, torch.device]] = None, *, path: Union[str, os.PathLike],
+                 optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 256 << 20,
+                 cache_rows: Optional[int] = None, staleness: int = 0, seed: int = 0, cache_policy: str = "lfu",
                  lookups_per_sample: Optional[Dict[str, float]] = None, backend: str = "mlkv") -> None:
         super().__init__()
-        if not tables:
-            raise ValueError("tables must not be empty")
+        if not isinstance(is_weighted, bool):
+            raise TypeError(f"is_weighted must be a bool (EmbeddingBagCollection's second argument), got "
+                            f"{type(is_weighted).__name__}")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be distinct, got {names}")
@@ -149,23 +154,23 @@ class DiskEmbeddingBagCollection(nn.Module):
         """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        keys = set(features.keys())
-        unknown, missing = sorted(keys - self._known_features), sorted(self._known_features - keys)
-        if unknown:
-            raise ValueError(f"the KeyedJaggedTensor has features no table knows: {unknown}")
+        missing = sorted(self._known_features - set(features.keys()))
         if missing:
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError("the collection is weighted, but the KeyedJaggedTensor has no weights")
         batch_size = features.stride()
         for name, count in zip(features.keys(), features.stride_per_key()):
-            if count != batch_size:
+            if name in self._known_features and count != batch_size:
                 raise ValueError(f"feature {name!r} has {count} bags, the batch has {batch_size}")
+        if not self._batches:  # no tables: no embeddings
+            return KeyedTensor(keys=[], values=torch.empty(batch_size, 0, device=self._device), length_per_key=[])
         values = self._routing.pool(self._batches, self._in_table_order(features), self._is_weighted)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
 
     def _in_table_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The features in the tables' order (a permute only when the batch's differs)."""
+        """The tables' features in the tables' order, others left out (a permute only when the
+        batch's differs)."""
         keys = features.keys()
         if keys == self._feature_order:
             return features
