@@ -298,6 +298,11 @@ class DiskTableBatch:
                 store.close()
             raise
         _OPEN_BATCHES.add(self)
+        reopened = [f"{t.name!r} at {store.path} ({len(store)} rows)" for t, store in zip(self.tables, self.stores)
+                    if isinstance(store, KVStore) and len(store) > 0]
+        if reopened:  # a second run of a script would otherwise continue silently from the first's rows
+            warnings.warn(f"opened existing tables, whose rows and optimizer state are kept: {', '.join(reopened)}; "
+                          f"remove their directories to start from initial rows", stacklevel=3)
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:

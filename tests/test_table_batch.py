@@ -93,3 +93,12 @@ def test_a_failing_table_holds_back_no_other_table(tmp_path):
     assert not torch.equal(updated_b, initial_b)  # they are the updated rows, not the initial ones
     with pytest.raises(Exception):
         batch.close()
+
+
+def test_reopening_a_table_with_rows_says_so(tmp_path):
+    spec = [DiskTable("t", 100, str(tmp_path / "t"))]
+    batch = DiskTableBatch(spec, DIM)
+    batch.pool(torch.arange(10), [10], [0], torch.arange(11)).sum().backward()
+    batch.close()
+    with pytest.warns(UserWarning, match=r"opened existing tables.*'t' at .* \(10 rows\)"):
+        DiskTableBatch(spec, DIM).close()
