@@ -31,7 +31,8 @@ from . import _C
 from . import optim as optim_lib
 from .store import KVStore, RocksDBStore
 
-__all__ = ["DiskEmbeddingBag", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows", "split_host_memory"]
+__all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows",
+           "split_host_memory"]
 
 _MODES = ("sum", "mean")
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -406,6 +407,60 @@ class DiskTableBatch:
                 store.close()
 
 
+class DiskRows:
+    """Read access by index to the rows of a DiskEmbeddingBag (its ``weight``): every queued
+    update applied, rows never written at their initial values, nothing materialised but the rows
+    asked for. Indexes as a [num_embeddings, dim] tensor's first dimension: an int, a slice, or
+    a 1-D tensor or list of ids."""
+
+    def __init__(self, table: "DiskEmbeddingBag") -> None:
+        self._table = table
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self._table.num_embeddings, self._table.embedding_dim])
+
+    def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __len__(self) -> int:
+        return self._table.num_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._table.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # rows are read out to host memory
+
+    def __getitem__(self, index: Union[int, slice, Sequence[int], torch.Tensor]) -> torch.Tensor:
+        n = self._table.num_embeddings
+        if isinstance(index, slice):
+            return self._table.export_rows(torch.arange(n)[index])
+        if isinstance(index, int) and not isinstance(index, bool):
+            if not -n <= index < n:
+                raise IndexError(f"index {index} is out of range for a table of {n} rows")
+            return self._table.export_rows(torch.tensor([index % n]))[0]
+        ids = torch.as_tensor(index)
+        if ids.dim() != 1:
+            raise IndexError(f"index rows with an int, a slice or a 1-D list of ids, got shape {tuple(ids.shape)}")
+        return self._table.export_rows(ids)
+
+    def to_dense(self) -> torch.Tensor:
+        """Every row (`DiskEmbeddingBag.snapshot`: file-backed when larger than the table's budget)."""
+        return self._table.snapshot()
+
+    def __repr__(self) -> str:
+        return f"DiskRows(shape={tuple(self.shape)}, dtype={self.dtype}, path={self._table._store.path!r})"
+
+
 def _as_int64(ids: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{what} must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
@@ -570,6 +625,14 @@ class DiskEmbeddingBag(nn.Module):
         """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""
         ids = _as_int64_cpu(input, "ids").reshape(-1).contiguous()
         self._batch.lookahead(ids, [ids.numel()], [self._table])
+
+    @property
+    def weight(self) -> "DiskRows":
+        """The table's rows, read by index without materialising the table (``weight[ids]``,
+        ``weight[a:b]``, ``weight.shape``; ``weight.to_dense()`` reads them all): what
+        ``nn.EmbeddingBag.weight`` gives for inspection and export. Not a parameter: the fused
+        optimizer trains the rows."""
+        return DiskRows(self)
 
     # ---- all rows at once: snapshots and state_dict (the `weight` key of nn.EmbeddingBag) ------------
     _STATE_CHUNK_ROWS = 1 << 18

@@ -228,3 +228,26 @@ def test_arguments_and_inputs_as_embedding_bag_collection(tmp_path):
     assert out.keys() == [] and tuple(out.values().shape) == (6, 0)
     for collection in (weighted, disk, empty):
         collection.close()
+
+
+def test_weight_reads_rows_by_index_as_embedding_bag_collection(tmp_path):
+    ebc = EmbeddingBagCollection(tables())
+    disk = disk_copy_of(ebc, tmp_path)
+    disk(kjt(0))  # cached rows and rows on disk alike
+    for name, bag in ebc.embedding_bags.items():
+        ours, theirs = disk.embedding_bags[name].weight, bag.weight.detach()
+        assert ours.shape == theirs.shape and ours.size(1) == DIM and len(ours) == theirs.shape[0]
+        assert ours.dtype == theirs.dtype and ours.dim() == 2 and ours.numel() == theirs.numel()
+        ids = torch.tensor([0, 7, 3, 7, theirs.shape[0] - 1])
+        torch.testing.assert_close(ours[ids], theirs[ids])
+        torch.testing.assert_close(ours[[1, 2]], theirs[[1, 2]])
+        torch.testing.assert_close(ours[5:40:3], theirs[5:40:3])
+        torch.testing.assert_close(ours[-1], theirs[-1])
+        torch.testing.assert_close(ours.to_dense(), theirs)
+    with pytest.raises(IndexError, match="out of range"):
+        disk.embedding_bags["t1"].weight[80]
+    with pytest.raises(ValueError, match="out of range"):
+        disk.embedding_bags["t1"].weight[torch.tensor([80])]
+    # not a parameter: the fused optimizer trains the rows
+    assert all(p.numel() == 0 for p in disk.parameters())
+    disk.close()
