@@ -76,18 +76,25 @@ def test_dlrm_trains_to_the_same_losses(tmp_path, ours, reference):
     opt_ref = reference(model_ref.parameters())
     dense_params = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
     opt = reference(dense_params)
+    assert_same_losses((model_ref, opt_ref, None), (model, opt, None), steps=50, first_batch=100)
+
+
+def assert_same_losses(reference, ours, steps, first_batch):
+    """Trains both (model, optimizer, LR scheduler or None) on the same batches; the losses must agree."""
     loss_fn = torch.nn.BCEWithLogitsLoss()
     g = torch.Generator().manual_seed(1)
-    for step in range(50):
+    for step in range(steps):
         dense = torch.randn(6, 4, generator=g)
         labels = torch.randint(0, 2, (6,), generator=g).float()
-        features = kjt(100 + step)
+        features = kjt(first_batch + step)
         losses = []
-        for m, o in ((model_ref, opt_ref), (model, opt)):
+        for m, o, schedule in (reference, ours):
             o.zero_grad()
             loss = loss_fn(m(dense, features).squeeze(1), labels)
             loss.backward()
             o.step()
+            if schedule is not None:
+                schedule.step()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}")
 
@@ -251,3 +258,32 @@ def test_weight_reads_rows_by_index_as_embedding_bag_collection(tmp_path):
     # not a parameter: the fused optimizer trains the rows
     assert all(p.numel() == 0 for p in disk.parameters())
     disk.close()
+
+
+def test_a_learning_rate_schedule_reaches_the_tables_through_fused_optimizer(tmp_path):
+    # TorchRec's idiom: the tables' fused optimizer joins the dense one in a CombinedOptimizer and an
+    # LR scheduler drives it; the losses equal EmbeddingBagCollection's with torch.optim.SGD and the
+    # same schedule over all parameters.
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables(shared=False))
+    model_ref = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                     over_arch_layer_sizes=[16, 1])
+    disk = disk_copy_of(ebc, tmp_path, optimizer=optim.SGD(lr=0.2))
+    model = DLRM(embedding_bag_collection=disk, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                 over_arch_layer_sizes=[16, 1])
+    model.load_state_dict({k: v for k, v in model_ref.state_dict().items() if "embedding_bags" not in k}, strict=False)
+    assert disk.fused_optimizer.param_groups[0]["lr"] == 0.2
+    opt_ref = torch.optim.SGD(model_ref.parameters(), lr=0.2)
+    dense = KeyedOptimizerWrapper(dict(model.named_parameters()), lambda params: torch.optim.SGD(params, lr=0.2))
+    opt = CombinedOptimizer([("dense", dense), ("tables", disk.fused_optimizer)])
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3) for o in (opt_ref, opt)]
+    assert_same_losses((model_ref, opt_ref, schedules[0]), (model, opt, schedules[1]), steps=10, first_batch=200)
+    assert disk.embedding_bags["t0"].lr == pytest.approx(0.2 * 0.3 ** 3)
+    disk.close()
+
+
+def test_a_collection_without_an_optimizer_says_which_one_trains_its_tables(tmp_path):
+    with pytest.warns(UserWarning, match=r"SGD\(lr=0.01\).*does not reach the tables"):
+        DiskEmbeddingBagCollection(tables(), path=tmp_path / "t").close()

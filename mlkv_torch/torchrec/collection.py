@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
 from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch, host_memory_for_all_rows
-from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, KernelRouting, row_bytes, table_seed
+from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting, row_bytes,
+                     table_seed)
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 
@@ -36,7 +39,7 @@ def split_budget(budget: int, needs: List[int], traffic: List[float]) -> List[in
     return shares
 
 
-class DiskEmbeddingBagCollection(nn.Module):
+class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """An EmbeddingBagCollection whose tables live on disk, behind one table-batched kernel.
 
     ``forward(KeyedJaggedTensor) -> KeyedTensor`` as EmbeddingBagCollection:
@@ -57,7 +60,9 @@ class DiskEmbeddingBagCollection(nn.Module):
         is_weighted: features carry per-id weights.
         device: where the caches, pooling and outputs live (default CPU).
         path: a directory; table ``t`` lives in ``path/t``.
-        optimizer: the fused sparse optimizer of every table.
+        optimizer: the fused sparse optimizer of every table (an `mlkv_torch.optim` rule; default
+            SGD(lr=0.01), with a warning). The model's torch optimizer does not reach the tables;
+            `fused_optimizer` carries their learning rate for schedules and CombinedOptimizer.
         memory_budget_bytes: host memory for rows, for the whole collection. Within a
             row layout the tables share one cache, whose frequency-aware policy
             gives the hot rows of every table their place (`split_host_memory`);
@@ -101,6 +106,11 @@ class DiskEmbeddingBagCollection(nn.Module):
             raise ValueError(f"lookups_per_sample names tables the collection does not have: {unknown}")
         if any(not v > 0 for v in traffic.values()):
             raise ValueError(f"lookups_per_sample must be positive, got {traffic}")
+        if optimizer is None and tables:
+            warnings.warn("DiskEmbeddingBagCollection trains its tables with its own fused optimizer, and none was "
+                          "given: mlkv_torch.optim.SGD(lr=0.01). The model's torch optimizer does not reach the "
+                          "tables; pass optimizer= (e.g. mlkv_torch.optim.Adam(lr=...)) and drive schedules through "
+                          ".fused_optimizer", stacklevel=2)
         rule = optimizer if optimizer is not None else optim_lib.SGD()
         # Tables that share a row layout share a kernel; each layout's budget covers all its rows at most.
         layouts: Dict[Tuple[int, torch.dtype, str], List[int]] = {}
@@ -130,6 +140,10 @@ class DiskEmbeddingBagCollection(nn.Module):
             for k, i in enumerate(members):
                 bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
+        for bag in bags.values():  # TorchRec's dense optimizers skip what an in-backward optimizer owns
+            bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+        self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
+                                                   rule.lr)
         self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -150,6 +164,13 @@ class DiskEmbeddingBagCollection(nn.Module):
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The tables' optimizer in TorchRec's protocol: ``param_groups[0]["lr"]`` is their learning
+        rate (an LR scheduler over it, or a CombinedOptimizer holding it, reaches the tables);
+        step() does nothing, as the tables update in backward."""
+        return self._fused_optimizer
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
         if not isinstance(features, KeyedJaggedTensor):
@@ -165,6 +186,7 @@ class DiskEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"feature {name!r} has {count} bags, the batch has {batch_size}")
         if not self._batches:  # no tables: no embeddings
             return KeyedTensor(keys=[], values=torch.empty(batch_size, 0, device=self._device), length_per_key=[])
+        self._fused_optimizer.apply_lr(self._batches)
         values = self._routing.pool(self._batches, self._in_table_order(features), self._is_weighted)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
 

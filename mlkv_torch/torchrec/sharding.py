@@ -54,8 +54,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
 from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch
-from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, KernelRouting, fused_params_of,
-                     optimizer_from_fused_params, row_bytes, table_seed)
+from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
+                     fused_params_of, optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
            "ShardedDiskEmbeddingBagCollection", "resolve_optimizer", "shard_memory_budget"]
@@ -129,20 +129,6 @@ class _ShardOptimizerState:
         self._kernel.load_optimizer_state(self._table, state["rows"], int(state["step"]))
 
 
-class _DiskFusedOptimizer(FusedOptimizer):
-    """The fused optimizer of a kernel's disk tables: step() is a no-op (updates happen in
-    backward); ``param_groups[0]["lr"]`` is the tables' learning rate."""
-
-    def __init__(self, params: Dict[str, torch.Tensor], state: Dict[torch.Tensor, Any], lr: float) -> None:
-        super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
-
-    def step(self, closure: Any = None) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
-
-
 class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     """The disk tables of one group of a TorchRec lookup on this rank, behind one table-batched kernel
     per row layout (a DiskTableBatch; in DLRM one for all); each shard viewed as a DiskEmbeddingBag.
@@ -208,7 +194,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         params = {f"{name}.weight": shards[0][1]._anchor for name, shards in self._bags_by_table.items()}
         state = {shards[0][1]._anchor: {f"{name}.optimizer_state": _ShardOptimizerState(self, name)}
                  for name, shards in self._bags_by_table.items() if shards[0][1].state_dim}
-        self._optimizer = _DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
+        self._optimizer = DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
 
     @classmethod
     def _shard_name(cls, table: ShardedEmbeddingTable) -> str:
@@ -232,9 +218,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if features.variable_stride_per_key():
             raise ValueError("disk tables do not support variable batch sizes per feature")
-        lr = float(next(iter(self._optimizer.param_groups))["lr"])
-        for batch in self._batches:
-            batch.lr = lr  # the fused optimizer's param_groups set the learning rate of this step
+        self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
         return self._routing.pool(self._batches, features, self._config.is_weighted)
 
     def lookahead(self, features: KeyedJaggedTensor) -> None:

@@ -12,12 +12,40 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec.optim.fused import FusedOptimizer
+
 from .. import optim as optim_lib
 from ..embedding import DiskTableBatch
 
 POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 MIN_TABLE_BUDGET = 64 << 10  # a table's share never drops below the store's few pages
+
+
+class DiskFusedOptimizer(FusedOptimizer):
+    """The fused optimizer of disk tables, in TorchRec's protocol (a KeyedOptimizer): step() is a
+    no-op (the tables update in backward); ``param_groups[0]["lr"]`` is their learning rate, which
+    the owner hands to its kernels before each forward (`apply_lr`), so learning-rate schedules
+    and CombinedOptimizer reach the tables as they reach TorchRec's fused ones."""
+
+    def __init__(self, params: Dict[str, torch.Tensor], state: Dict[torch.Tensor, Any], lr: float) -> None:
+        super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
+        self._applied_lr = lr
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+    def apply_lr(self, batches: Sequence[DiskTableBatch]) -> None:
+        """Sets the kernels' learning rate when param_groups changed it (a rate set on a table
+        directly stays until then)."""
+        lr = float(self.param_groups[0]["lr"])
+        if lr != self._applied_lr:
+            for batch in batches:
+                batch.lr = lr
+            self._applied_lr = lr
 
 
 def table_seed(seed: int, table_name: str) -> int:
