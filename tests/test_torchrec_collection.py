@@ -287,3 +287,23 @@ def test_a_learning_rate_schedule_reaches_the_tables_through_fused_optimizer(tmp
 def test_a_collection_without_an_optimizer_says_which_one_trains_its_tables(tmp_path):
     with pytest.warns(UserWarning, match=r"SGD\(lr=0.01\).*does not reach the tables"):
         DiskEmbeddingBagCollection(tables(), path=tmp_path / "t").close()
+
+
+def test_built_on_the_meta_device_it_opens_nothing_until_to_empty(tmp_path):
+    # TorchRec users build models on the meta device and materialise them later.
+    path = tmp_path / "tables"
+    ebc = DiskEmbeddingBagCollection(tables(), device=torch.device("meta"), path=path, optimizer=optim.SGD(lr=0.1),
+                                     seed=3)
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                 over_arch_layer_sizes=[16, 1], dense_device=torch.device("meta"))
+    assert not path.exists()  # no store opened, no rows allocated
+    assert model.state_dict()["sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"].is_meta
+    with pytest.raises(RuntimeError, match="meta device: materialise it with to_empty"):
+        ebc(kjt(0))
+    model.to_empty(device="cpu")
+    assert ebc.device == torch.device("cpu") and (path / "t0").is_dir()
+    direct = DiskEmbeddingBagCollection(tables(), path=tmp_path / "direct", optimizer=optim.SGD(lr=0.1), seed=3)
+    torch.testing.assert_close(ebc(kjt(1)).values(), direct(kjt(1)).values())  # the same initial rows
+    assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.1
+    for collection in (ebc, direct):
+        collection.close()

@@ -39,6 +39,18 @@ def split_budget(budget: int, needs: List[int], traffic: List[float]) -> List[in
     return shares
 
 
+class _TableOnMeta(nn.Module):
+    """A table of a collection built on the meta device: its shape, and a meta tensor under the
+    `weight` key of a state dict, as EmbeddingBagCollection's on meta."""
+
+    def __init__(self, config: EmbeddingBagConfig) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = config.num_embeddings, config.embedding_dim
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        destination[prefix + "weight"] = torch.empty(self.num_embeddings, self.embedding_dim, device="meta")
+
+
 class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """An EmbeddingBagCollection whose tables live on disk, behind one table-batched kernel.
 
@@ -124,26 +136,24 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         traffic_of = [sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
                       for _, members in groups]
         budgets = split_budget(memory_budget_bytes, needs, traffic_of)
+        # What opening the kernels takes: now, or on the meta device when the model is materialised.
+        self._kernel_specs = [dict(
+            tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(os.fspath(path), tables[i].name),
+                              table_seed(seed, tables[i].name)) for i in members],
+            embedding_dim=dim, mode=mode, optimizer=rule,
+            cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
+                                                           int(cache_rows * budget / memory_budget_bytes)),
+            memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), budget), staleness=staleness, dtype=dtype,
+            cache_policy=cache_policy, backend=backend)
+            for ((dim, dtype, mode), members), budget in zip(groups, budgets)]
+        self._kernel_members = [members for _, members in groups]
+        self._lr = rule.lr
         self._batches: List[DiskTableBatch] = []
-        bags: Dict[str, DiskEmbeddingBag] = {}
-        for ((dim, dtype, mode), members), budget in zip(groups, budgets):
-            share = budget / memory_budget_bytes
-            batch = DiskTableBatch(
-                [DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(os.fspath(path), tables[i].name),
-                           table_seed(seed, tables[i].name)) for i in members],
-                dim, mode=mode, optimizer=rule,
-                cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
-                                                               int(cache_rows * share)),
-                memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), budget), staleness=staleness, dtype=dtype,
-                device=self._device, cache_policy=cache_policy, backend=backend)
-            self._batches.append(batch)
-            for k, i in enumerate(members):
-                bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
-        self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
-        for bag in bags.values():  # TorchRec's dense optimizers skip what an in-backward optimizer owns
-            bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-        self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
-                                                   rule.lr)
+        if self._device.type == "meta":  # nothing opened, nothing allocated: to_empty(device=...) does it
+            self.embedding_bags = nn.ModuleDict({t.name: _TableOnMeta(t) for t in tables})
+            self._fused_optimizer: Optional[DiskFusedOptimizer] = None
+        else:
+            self._open_kernels()
         self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -152,6 +162,36 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._feature_order = [f for names in self._feature_names for f in names]
         kernel_of = {i: (k, members.index(i)) for k, (_, members) in enumerate(groups) for i in members}
         self._routing = KernelRouting([kernel_of[i] for i, names in enumerate(self._feature_names) for _ in names])
+
+    def _open_kernels(self) -> None:
+        """Opens the tables' stores and kernels on `self._device`, and views each table."""
+        tables = self._embedding_bag_configs
+        bags: Dict[str, DiskEmbeddingBag] = {}
+        for spec, members in zip(self._kernel_specs, self._kernel_members):
+            batch = DiskTableBatch(device=self._device, **spec)
+            self._batches.append(batch)
+            for k, i in enumerate(members):
+                bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
+        self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
+        for bag in bags.values():  # TorchRec's dense optimizers skip what an in-backward optimizer owns
+            bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+        self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
+                                                   self._lr)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # Built on the meta device: `model.to_empty(device=d)` (here or on an enclosing model) opens
+        # the tables on d. (`.to()` of a meta model fails in torch itself, pointing at to_empty.)
+        if self._device.type == "meta":
+            target = fn(torch.empty(0, device="meta")).device
+            if target.type != "meta":
+                self._device = target
+                self._open_kernels()
+        return super()._apply(fn, recurse)
+
+    def _check_materialised(self) -> None:
+        if self._device.type == "meta":
+            raise RuntimeError("this DiskEmbeddingBagCollection is on the meta device: materialise it with "
+                               "to_empty(device=...) (or the model that holds it) first")
 
     # ---- EmbeddingBagCollection's interface -------------------------------------------------------
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -169,12 +209,14 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """The tables' optimizer in TorchRec's protocol: ``param_groups[0]["lr"]`` is their learning
         rate (an LR scheduler over it, or a CombinedOptimizer holding it, reaches the tables);
         step() does nothing, as the tables update in backward."""
+        self._check_materialised()
         return self._fused_optimizer
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        self._check_materialised()
         missing = sorted(self._known_features - set(features.keys()))
         if missing:
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
@@ -214,6 +256,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
 
     def populate(self) -> int:
         """Writes every row of every table to its store (`DiskEmbeddingBag.populate`); returns the rows."""
+        self._check_materialised()
         return sum(bag.populate() for bag in self.embedding_bags.values())
 
     def close(self) -> None:
@@ -223,4 +266,5 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
 
     def stats(self) -> Dict[str, Dict[str, object]]:
         """Each table's DiskEmbeddingBag.stats(), by table name."""
+        self._check_materialised()
         return {name: bag.stats() for name, bag in self.embedding_bags.items()}
