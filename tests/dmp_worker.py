@@ -11,6 +11,8 @@ Phases (rank 0 writes OUT_DIR/<phase>.json):
   (torch.distributed.checkpoint) and is killed (SIGKILL, no cleanup).
 - resume: a new job, with empty storage, loads that checkpoint and trains the remaining steps;
   the equivalence phase's run of the same plan is the uninterrupted job to compare with.
+- pipeline: the mixed plan (SGD) through TorchRec's TrainPipelineSparseDist and through the
+  plain loop, on the same batches.
 """
 import json
 import os
@@ -20,7 +22,9 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -127,6 +131,26 @@ def main() -> None:
                 losses = [train_step(dmp, opt, step) for step in range(STEPS)]
                 result[f"{optimizer}/{'mixed' if mixed else 'memory'}"] = {"losses": gathered(losses),
                                                                           "kernels": kernels}
+    elif phase == "pipeline":
+        # TorchRec's TrainPipelineSparseDist (input distribution of batch t+1 overlapped with step t)
+        # over the mixed plan, against the plain loop on the same batches.
+        for pipelined in (False, True):
+            dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, f"store-pipeline-{pipelined}"), train_model=True)
+            set_initial_rows(dmp, "model.sparse_arch.embedding_bag_collection")
+            batches = [Batch(*batch(step)) for step in range(STEPS)]
+            losses = []
+            if pipelined:
+                pipeline, it = TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), iter(batches)
+                for _ in range(STEPS):
+                    losses.append(float(pipeline.progress(it)[0]))
+            else:
+                for b in batches:
+                    opt.zero_grad()
+                    loss, _ = dmp(b)
+                    loss.backward()
+                    opt.step()
+                    losses.append(float(loss))
+            result["pipelined" if pipelined else "plain"] = gathered(losses)
     elif phase == "save":
         dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-save"))
         set_initial_rows(dmp)

@@ -307,3 +307,24 @@ def test_built_on_the_meta_device_it_opens_nothing_until_to_empty(tmp_path):
     assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.1
     for collection in (ebc, direct):
         collection.close()
+
+
+@pytest.mark.parametrize("trace", ["torch.fx", "torchrec.fx"])
+def test_symbolic_tracing_keeps_the_collection_as_one_call(tmp_path, trace):
+    import torchrec.fx
+
+    ebc = EmbeddingBagCollection(tables(shared=False))
+    disk = disk_copy_of(ebc, tmp_path, optimizer=optim.SGD(lr=0.1))
+    model = DLRM(embedding_bag_collection=disk, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
+                 over_arch_layer_sizes=[16, 1])
+    traced = (torch.fx.symbolic_trace if trace == "torch.fx" else torchrec.fx.symbolic_trace)(model)
+    calls = [n for n in traced.graph.nodes if n.op == "call_module" and n.target.endswith("embedding_bag_collection")]
+    assert len(calls) == 1
+    dense = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(traced(dense, kjt(3)), model(dense, kjt(3)))
+    # and the traced model trains the tables: a step through it changes the rows it looked up
+    before = disk.embedding_bags["t0"].export_rows(torch.arange(500))
+    traced(dense, kjt(4)).sum().backward()
+    assert not torch.equal(disk.embedding_bags["t0"].export_rows(torch.arange(500)), before)
+    disk.close()

@@ -6,7 +6,7 @@ batches, the losses must agree at every step, for SGD (the sharder's optimizer) 
 Adagrad (apply_optimizer_in_backward), across a learning-rate change made through the
 optimizer's param_groups. A job that saves a checkpoint (torch.distributed.checkpoint) is then
 killed; a new job that resumes from it with empty storage must produce the losses of the
-uninterrupted job.
+uninterrupted job. TorchRec's TrainPipelineSparseDist over the mixed plan gives the plain loop's losses.
 """
 import json
 import shutil
@@ -43,6 +43,7 @@ def runs(tmp_path_factory):
     assert (out / "checkpoint" / ".metadata").exists(), "the checkpoint was complete before the kill"
     shutil.rmtree(out / "store-save")  # the resumed job starts from the checkpoint alone
     results["resume"] = _result("resume", out)
+    results["pipeline"] = _result("pipeline", out)
     return results
 
 
@@ -64,6 +65,12 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_as_the_uninterrupted
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(runs["resume"]["losses"][rank]),
                                    torch.tensor(uninterrupted[rank][save_at:]), rtol=0, atol=0)
+
+
+def test_trainpipelinesparsedist_trains_disk_tables_as_the_plain_loop(runs):
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(runs["pipeline"]["pipelined"][rank]),
+                                   torch.tensor(runs["pipeline"]["plain"][rank]), rtol=0, atol=0)
 
 
 def test_disk_table_shards_are_placed_in_host_memory_whatever_the_plan(tmp_path):

@@ -214,6 +214,11 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
+        if isinstance(features, torch.fx.Proxy):
+            # Traced (torch.fx, TorchRec's tracer): the collection is one call in the graph, run as is
+            # (a leaf), as the lookup depends on the ids' values.
+            tracer = features.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), (features,), {})
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         self._check_materialised()
