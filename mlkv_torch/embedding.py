@@ -157,6 +157,8 @@ class DiskTable:
         first_column: the table holds columns [first_column, first_column + dim) of a wider
             table (a column shard); its initial rows are that slice of the wider table's.
         expected_rows: sizes the store's index; default min(num_embeddings, 4M).
+        init_range: (low, high) of the uniform initial values; default TorchRec's
+            (-sqrt(1/num_embeddings), sqrt(1/num_embeddings)).
     """
 
     name: str
@@ -165,6 +167,13 @@ class DiskTable:
     seed: int = 0
     first_column: int = 0
     expected_rows: Optional[int] = None
+    init_range: Optional[Tuple[float, float]] = None
+
+    def initial_range(self) -> Tuple[float, float]:
+        if self.init_range is not None:
+            return float(self.init_range[0]), float(self.init_range[1])
+        bound = (1.0 / self.num_embeddings) ** 0.5
+        return -bound, bound
 
 
 def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
@@ -289,8 +298,8 @@ class DiskTableBatch:
                     self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
                                                expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22)))
             self.cache = _C.EmbeddingCache(
-                [(t.name, store._store, t.num_embeddings, int(t.seed), -(1.0 / t.num_embeddings) ** 0.5,
-                  (1.0 / t.num_embeddings) ** 0.5, t.first_column) for t, store in zip(self.tables, self.stores)],
+                [(t.name, store._store, t.num_embeddings, int(t.seed), *t.initial_range(), t.first_column)
+                 for t, store in zip(self.tables, self.stores)],
                 self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.hyperparameters(),
                 optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
                 staging_bytes if staging_bytes is not None else min(32 << 20, max(256 << 10, memory_budget_bytes // 2)))

@@ -328,3 +328,20 @@ def test_symbolic_tracing_keeps_the_collection_as_one_call(tmp_path, trace):
     traced(dense, kjt(4)).sum().backward()
     assert not torch.equal(disk.embedding_bags["t0"].export_rows(torch.arange(500)), before)
     disk.close()
+
+
+def test_initial_rows_follow_the_tables_init_range_and_another_init_fn_is_reported(tmp_path):
+    from mlkv_torch import initial_rows
+    from mlkv_torch.torchrec.tables import table_seed
+
+    config = EmbeddingBagConfig(name="t", num_embeddings=2000, embedding_dim=DIM, feature_names=["f"],
+                                weight_init_min=-0.5, weight_init_max=0.5)
+    disk = DiskEmbeddingBagCollection([config], path=tmp_path / "a", optimizer=optim.SGD(lr=0.1), seed=2)
+    rows = disk.embedding_bags["t"].weight[:]
+    torch.testing.assert_close(rows, initial_rows(torch.arange(2000), DIM, seed=table_seed(2, "t"), low=-0.5, high=0.5))
+    assert -0.5 <= float(rows.min()) and float(rows.max()) < 0.5 and abs(float(rows.std()) - 0.5 / 3 ** 0.5) < 0.01
+    disk.close()
+    custom = EmbeddingBagConfig(name="n", num_embeddings=100, embedding_dim=DIM, feature_names=["f"],
+                                init_fn=lambda w: torch.nn.init.normal_(w, std=1.5))
+    with pytest.warns(UserWarning, match=r"table 'n': its init_fn is not applied on disk"):
+        DiskEmbeddingBagCollection([custom], path=tmp_path / "b", optimizer=optim.SGD(lr=0.1)).close()

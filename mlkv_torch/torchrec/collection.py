@@ -14,8 +14,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
 from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch, host_memory_for_all_rows
-from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting, row_bytes,
-                     table_seed)
+from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting, init_range_of,
+                     row_bytes, table_seed)
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 
@@ -136,10 +136,11 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         traffic_of = [sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
                       for _, members in groups]
         budgets = split_budget(memory_budget_bytes, needs, traffic_of)
+        init_ranges = [init_range_of(t) for t in tables]
         # What opening the kernels takes: now, or on the meta device when the model is materialised.
         self._kernel_specs = [dict(
             tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(os.fspath(path), tables[i].name),
-                              table_seed(seed, tables[i].name)) for i in members],
+                              table_seed(seed, tables[i].name), init_range=init_ranges[i]) for i in members],
             embedding_dim=dim, mode=mode, optimizer=rule,
             cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
                                                            int(cache_rows * budget / memory_budget_bytes)),

@@ -4,6 +4,8 @@ table-batched kernels (KernelRouting), and how TorchRec's fused optimizer parame
 mlkv_torch.optim."""
 from __future__ import annotations
 
+import functools
+import warnings
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -46,6 +48,23 @@ class DiskFusedOptimizer(FusedOptimizer):
             for batch in batches:
                 batch.lr = lr
             self._applied_lr = lr
+
+
+def init_range_of(config: Any) -> Tuple[float, float]:
+    """The (low, high) of a TorchRec table's uniform initial rows: its weight_init_min/max (those of
+    its default init_fn). A disk table generates each row when first read, from (seed, id); an
+    init_fn other than TorchRec's default uniform cannot run there, and is reported."""
+    init_fn = getattr(config, "init_fn", None)
+    default = (isinstance(init_fn, functools.partial) and init_fn.func is torch.nn.init.uniform_
+               and not init_fn.args)
+    if init_fn is not None and not default:
+        warnings.warn(f"table {config.name!r}: its init_fn is not applied on disk; its rows start uniform in "
+                      f"[weight_init_min, weight_init_max] = [{config.get_weight_init_min():g}, "
+                      f"{config.get_weight_init_max():g}] (set those, or write rows with import_rows)", stacklevel=3)
+    if default:
+        return float(init_fn.keywords.get("a", config.get_weight_init_min())), \
+            float(init_fn.keywords.get("b", config.get_weight_init_max()))
+    return float(config.get_weight_init_min()), float(config.get_weight_init_max())
 
 
 def table_seed(seed: int, table_name: str) -> int:
