@@ -287,7 +287,8 @@ class DiskTableBatch:
         self.step = 0
         self.backend = backend
         # One empty parameter per table: autograd runs backward through it and tells which tables train.
-        self.anchors = [nn.Parameter(torch.empty(0)) for _ in self.tables]
+        # [0, dim]: TorchRec's row-wise optimizers (apply_optimizer_in_backward) build on it without failing.
+        self.anchors = [nn.Parameter(torch.empty(0, embedding_dim)) for _ in self.tables]
         self.stores: List[Union[KVStore, RocksDBStore]] = []
         try:
             for t in self.tables:

@@ -345,3 +345,15 @@ def test_initial_rows_follow_the_tables_init_range_and_another_init_fn_is_report
                                 init_fn=lambda w: torch.nn.init.normal_(w, std=1.5))
     with pytest.warns(UserWarning, match=r"table 'n': its init_fn is not applied on disk"):
         DiskEmbeddingBagCollection([custom], path=tmp_path / "b", optimizer=optim.SGD(lr=0.1)).close()
+
+
+def test_apply_optimizer_in_backward_over_disk_tables_says_what_to_do(tmp_path):
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", optimizer=optim.SGD(lr=0.1))
+    apply_optimizer_in_backward(RowWiseAdagrad, disk.parameters(), {"lr": 0.1})  # TorchRec's idiom: no crash here
+    with pytest.raises(RuntimeError, match=r"apply_optimizer_in_backward\(RowWiseAdagrad, ...\) reached disk table "
+                                           r"'t0'.*optimizer=mlkv_torch.optim"):
+        disk(kjt(0))
+    disk.close()

@@ -176,6 +176,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
         for bag in bags.values():  # TorchRec's dense optimizers skip what an in-backward optimizer owns
             bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            bag._anchor._optimizer_classes, bag._anchor._optimizer_kwargs = [], []  # type: ignore[attr-defined]
         self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
                                                    self._lr)
 
@@ -188,6 +189,19 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 self._device = target
                 self._open_kernels()
         return super()._apply(fn, recurse)
+
+    def _check_no_optimizer_in_backward(self) -> None:
+        """apply_optimizer_in_backward over the tables (TorchRec's idiom for its fused tables) cannot
+        reach disk tables, whose rule (and row layout) is fixed when they open: say what to do."""
+        for name, bag in self.embedding_bags.items():
+            classes = getattr(bag._anchor, "_optimizer_classes", None)
+            if classes:
+                raise RuntimeError(
+                    f"apply_optimizer_in_backward({classes[0].__name__}, ...) reached disk table {name!r}, but a disk "
+                    f"table's optimizer is chosen when it opens: pass DiskEmbeddingBagCollection(..., optimizer="
+                    f"mlkv_torch.optim.<rule>(lr=...)) instead (SGD, Adagrad, RowWiseAdagrad, Adam). Under "
+                    f"DistributedModelParallel keep EmbeddingBagCollection(device='meta') with "
+                    f"DiskEmbeddingBagCollectionSharder, where apply_optimizer_in_backward does reach them.")
 
     def _check_materialised(self) -> None:
         if self._device.type == "meta":
@@ -223,6 +237,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         self._check_materialised()
+        self._check_no_optimizer_in_backward()
         missing = sorted(self._known_features - set(features.keys()))
         if missing:
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
