@@ -73,6 +73,7 @@ setup(
     # The runner's needs are (the core imports torch alone; the TorchRec layer needs torchrec, which
     # scripts/setup.sh installs with its CPU fbgemm).
     install_requires=["numpy", "pyyaml", "pydantic>=2,<3", "tqdm"],
-    extras_require={"torchrec": ["torchrec"]},
+    extras_require={"torchrec": ["torchrec"], "test": ["pytest", "hypothesis"],
+                    "bench": ["matplotlib", "rocksdict", "lmdb"]},
     zip_safe=False,
 )
