@@ -13,6 +13,7 @@ Phases (rank 0 writes OUT_DIR/<phase>.json):
   the equivalence phase's run of the same plan is the uninterrupted job to compare with.
 - pipeline: the mixed plan (SGD) through TorchRec's TrainPipelineSparseDist and through the
   plain loop, on the same batches.
+- unsharded: the one-process DiskEmbeddingBagCollection built in a 2-rank job (refused, naming the sharder).
 """
 import json
 import os
@@ -36,7 +37,8 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from mlkv_torch import initial_rows, optim
-from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+from mlkv_torch.torchrec import (DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollection,
+                                 DiskEmbeddingBagCollectionSharder)
 from mlkv_torch.torchrec.tables import table_seed
 
 DIM, BATCH, STEPS, SAVE_AT, LR, HOT_IDS = 16, 8, 8, 4, 0.1, 40
@@ -151,6 +153,13 @@ def main() -> None:
                     opt.step()
                     losses.append(float(loss))
             result["pipelined" if pipelined else "plain"] = gathered(losses)
+    elif phase == "unsharded":  # the one-process collection swapped in under torchrun: told what to do
+        try:
+            DiskEmbeddingBagCollection(TABLES, path=os.path.join(out_dir, f"unsharded-{dist.get_rank()}"),
+                                       optimizer=optim.SGD(lr=LR))
+            result["error"] = None
+        except RuntimeError as e:
+            result["error"] = str(e)
     elif phase == "save":
         dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-save"))
         set_initial_rows(dmp)

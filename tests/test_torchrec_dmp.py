@@ -44,6 +44,7 @@ def runs(tmp_path_factory):
     shutil.rmtree(out / "store-save")  # the resumed job starts from the checkpoint alone
     results["resume"] = _result("resume", out)
     results["pipeline"] = _result("pipeline", out)
+    results["unsharded"] = _result("unsharded", out)
     return results
 
 
@@ -71,6 +72,11 @@ def test_trainpipelinesparsedist_trains_disk_tables_as_the_plain_loop(runs):
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(runs["pipeline"]["pipelined"][rank]),
                                    torch.tensor(runs["pipeline"]["plain"][rank]), rtol=0, atol=0)
+
+
+def test_the_one_process_collection_in_a_multi_rank_job_names_the_sharder(runs):
+    error = runs["unsharded"]["error"]
+    assert error is not None and "one of 2 ranks" in error and "DiskEmbeddingBagCollectionSharder" in error
 
 
 def test_disk_table_shards_are_placed_in_host_memory_whatever_the_plan(tmp_path):

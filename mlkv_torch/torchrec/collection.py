@@ -99,6 +99,15 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool (EmbeddingBagCollection's second argument), got "
                             f"{type(is_weighted).__name__}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # Each rank would train its own copy of every table: they would drift apart.
+            raise RuntimeError(
+                f"DiskEmbeddingBagCollection holds one process's tables, and this process is one of "
+                f"{torch.distributed.get_world_size()} ranks. Under DistributedModelParallel build the model with "
+                f"EmbeddingBagCollection(tables, device=torch.device('meta')) and pass "
+                f"DiskEmbeddingBagCollectionSharder(storage_dir) (and DiskAwarePlanner) to DistributedModelParallel: "
+                f"it shards the tables and puts on disk those that do not fit (README, 'Many processes').")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be distinct, got {names}")
