@@ -1,0 +1,36 @@
+"""The examples a new user starts from (examples/, shown in the README) run and learn: one process,
+and DistributedModelParallel under torchrun with 2 processes."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchrec")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _losses(output: str):
+    found = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", output)
+    assert found, output[-3000:]
+    return float(found.group(1)), float(found.group(2))
+
+
+def test_one_process_example_trains(tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "one_process.py"), str(tmp_path / "tables")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, last = _losses(done.stdout)
+    assert last < first / 2, done.stdout
+
+
+def test_dmp_example_puts_the_large_tables_on_disk_and_trains(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(EXAMPLES / "dmp.py"), str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "tables on disk: ['t0', 't1']" in done.stdout, done.stdout[-3000:]
+    first, last = _losses(done.stdout)
+    assert last < first / 2, done.stdout
+    assert (tmp_path / "run" / "rank0").is_dir() and (tmp_path / "run" / "rank1").is_dir()
