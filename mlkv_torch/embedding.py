@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _C
 from . import optim as optim_lib
-from .store import KVStore, RocksDBStore
+from .store import KVStore, RocksDBStore, initial_rows
 
 __all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows",
            "split_host_memory"]
@@ -702,6 +702,18 @@ class DiskEmbeddingBag(nn.Module):
                 current_weight, current_state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, current_weight if weight is None else weight[rows],
                              (current_state if self.state_dim else None) if state is None else state[rows])
+
+    def reset_parameters(self) -> None:
+        """Every row back to its initial values and initial optimizer state (what a fresh table reads),
+        as EmbeddingBagCollection's reset_parameters re-initialises its weights. Writes every row,
+        chunk by chunk."""
+        spec = self._batch.tables[self._table]
+        low, high = spec.initial_range()
+        generated = torch.float32 if self.dtype == torch.float64 else self.dtype  # float64 rows start as float32's
+        for ids, _ in self._row_chunks():
+            self.import_rows(ids, initial_rows(ids, self.embedding_dim, seed=spec.seed, low=low, high=high,
+                                               dtype=generated, first_column=spec.first_column))
+        self._batch.flush()
 
     def populate(self) -> int:
         """Writes every row to the store, rows never written with their initial values (rows

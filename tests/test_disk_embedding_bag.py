@@ -229,3 +229,17 @@ def test_populate_writes_every_row_and_changes_none(tmp_path, backend):
     fresh_before = emb.stats()["fresh_rows"]
     emb.export_rows(torch.arange(NUM))
     assert emb.stats()["fresh_rows"] == fresh_before, "after populate no row is generated: all come from the store"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_reset_parameters_returns_every_row_to_a_fresh_tables(tmp_path, dtype):
+    emb = make(tmp_path, "a", optimizer=optim.Adagrad(lr=0.5), cache_rows=20, dtype=dtype, seed=9)
+    fresh = make(tmp_path, "b", optimizer=optim.Adagrad(lr=0.5), dtype=dtype, seed=9)
+    for step in range(3):
+        ids, offsets, target = batch(step)
+        (emb(ids, offsets) * target.to(dtype)).sum().backward()
+    emb.reset_parameters()
+    everything = torch.arange(NUM)
+    for ours, start in zip(emb.export_rows(everything, include_state=True),
+                           fresh.export_rows(everything, include_state=True)):
+        torch.testing.assert_close(ours, start, rtol=0, atol=0)

@@ -357,3 +357,19 @@ def test_apply_optimizer_in_backward_over_disk_tables_says_what_to_do(tmp_path):
                                            r"'t0'.*optimizer=mlkv_torch.optim"):
         disk(kjt(0))
     disk.close()
+
+
+def test_reset_parameters_brings_rows_and_optimizer_state_back_to_their_start(tmp_path):
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "a", optimizer=optim.Adagrad(lr=0.5), seed=4)
+    fresh = DiskEmbeddingBagCollection(tables(), path=tmp_path / "b", optimizer=optim.Adagrad(lr=0.5), seed=4)
+    disk(kjt(0)).values().sum().backward()
+    ids = torch.arange(80)
+    assert not torch.equal(disk.embedding_bags["t1"].weight[ids], fresh.embedding_bags["t1"].weight[ids])
+    disk.reset_parameters()
+    for name, bag in disk.embedding_bags.items():
+        rows = torch.arange(bag.num_embeddings)
+        for ours, start in zip(bag.export_rows(rows, include_state=True),
+                               fresh.embedding_bags[name].export_rows(rows, include_state=True)):
+            torch.testing.assert_close(ours, start, rtol=0, atol=0)
+    for collection in (disk, fresh):
+        collection.close()

@@ -284,6 +284,13 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for batch in self._batches:
             batch.flush()
 
+    def reset_parameters(self) -> None:
+        """Every table's rows back to their initial values and optimizer state
+        (`DiskEmbeddingBag.reset_parameters`), as EmbeddingBagCollection.reset_parameters."""
+        self._check_materialised()
+        for bag in self.embedding_bags.values():
+            bag.reset_parameters()
+
     def populate(self) -> int:
         """Writes every row of every table to its store (`DiskEmbeddingBag.populate`); returns the rows."""
         self._check_materialised()
