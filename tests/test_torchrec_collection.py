@@ -373,3 +373,22 @@ def test_reset_parameters_brings_rows_and_optimizer_state_back_to_their_start(tm
             torch.testing.assert_close(ours, start, rtol=0, atol=0)
     for collection in (disk, fresh):
         collection.close()
+
+
+def test_one_kjt_feeds_a_memory_collection_and_a_disk_collection(tmp_path):
+    # A model that keeps some tables in memory and others on disk, both reading one KJT: each
+    # collection takes its own features (as EmbeddingBagCollection does) and the outputs equal an
+    # all-in-memory model's from the same weights.
+    in_memory, on_disk = tables(shared=False)[:1], tables(shared=False)[1:]
+    reference = EmbeddingBagCollection(tables(shared=False))
+    memory = EmbeddingBagCollection(in_memory)
+    memory.load_state_dict({k: v for k, v in reference.state_dict().items() if ".t0." in k})
+    disk = disk_copy_of(EmbeddingBagCollection(on_disk), tmp_path, optimizer=optim.SGD(lr=0.1))
+    for name in ("t1", "t2"):
+        disk.embedding_bags[name].import_rows(torch.arange(SIZES[{"t1": "f2", "t2": "f3"}[name]]),
+                                              reference.embedding_bags[name].weight.detach())
+    for step in range(3):
+        features = kjt(step)
+        both = torch.cat([memory(features).values(), disk(features).values()], dim=1)
+        torch.testing.assert_close(both, reference(features).values())
+    disk.close()
