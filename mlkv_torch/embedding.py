@@ -452,8 +452,9 @@ class DiskRows:
 
     def __getitem__(self, index: Union[int, slice, Sequence[int], torch.Tensor]) -> torch.Tensor:
         n = self._table.num_embeddings
-        if isinstance(index, slice):
-            return self._table.export_rows(torch.arange(n)[index])
+        if isinstance(index, slice):  # the slice's ids alone, not an arange over the whole table
+            ids = range(n)[index]
+            return self._table.export_rows(torch.arange(ids.start, ids.stop, ids.step))
         if isinstance(index, int) and not isinstance(index, bool):
             if not -n <= index < n:
                 raise IndexError(f"index {index} is out of range for a table of {n} rows")
