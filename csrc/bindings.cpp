@@ -501,7 +501,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("compact", &Store::Call<&mlkv::KVStore::Compact>)
       .def("close", &Store::Call<&mlkv::KVStore::Close>)
       .def("stats", &Store::Stats)
-      .def("size", &Store::Size);
+      .def("size", &Store::Size)
+      .def_static("destroy", [](const std::string& path) { Check(mlkv::KVStore::Destroy(path)); }, py::arg("path"),
+                  py::call_guard<py::gil_scoped_release>());
 
 #ifdef MLKV_WITH_ROCKSDB
   py::class_<RocksStore, RowStoreHandle>(m, "RocksStore")

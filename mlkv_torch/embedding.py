@@ -16,11 +16,12 @@ every update (training equals the in-memory reference).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import tempfile
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -145,6 +146,51 @@ def _empty_rows(shape: Tuple[int, int], dtype: torch.dtype, directory: Optional[
     return mapped.view(shape)
 
 
+# A table's own facts, kept beside its store: the seed its rows never written derive from.
+TABLE_RECORD = "TABLE.json"
+
+
+def draw_seed() -> int:
+    """A seed from torch's default generator (what ``seed=None`` means): after
+    ``torch.manual_seed``, tables start from the same rows, as EmbeddingBagCollection's do."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def _read_record(table_path: str) -> Optional[Dict[str, Any]]:
+    path = os.path.join(table_path, TABLE_RECORD)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable or corrupted ({e}); it records the seed of the table's "
+                         f"initial rows") from e
+    if not isinstance(record, dict) or isinstance(record.get("seed"), bool) or not isinstance(record.get("seed"), int):
+        raise ValueError(f"{path} is corrupted: it records no integer 'seed', got {record!r}")
+    return record
+
+
+def _write_record(table_path: str, record: Dict[str, Any]) -> None:
+    path = os.path.join(table_path, TABLE_RECORD)
+    with open(path + ".tmp", "w") as f:  # whole or absent: a crash never leaves half a record
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def destroy_table(path: str) -> None:
+    """Deletes a closed table's files: its KVStore's and its record (what a table that holds no
+    rows yet needs to reopen with another row layout)."""
+    KVStore.destroy(path)
+    for name in (TABLE_RECORD, TABLE_RECORD + ".tmp"):
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
 @dataclass(frozen=True)
 class DiskTable:
     """One table of a DiskTableBatch.
@@ -159,6 +205,8 @@ class DiskTable:
         expected_rows: sizes the store's index; default min(num_embeddings, 4M).
         init_range: (low, high) of the uniform initial values; default TorchRec's
             (-sqrt(1/num_embeddings), sqrt(1/num_embeddings)).
+        seed_drawn: `seed` was drawn (``seed=None``), not chosen: a reopened table keeps the
+            seed it was created with (a chosen seed must equal it).
     """
 
     name: str
@@ -168,12 +216,41 @@ class DiskTable:
     first_column: int = 0
     expected_rows: Optional[int] = None
     init_range: Optional[Tuple[float, float]] = None
+    seed_drawn: bool = False
 
     def initial_range(self) -> Tuple[float, float]:
         if self.init_range is not None:
             return float(self.init_range[0]), float(self.init_range[1])
         bound = (1.0 / self.num_embeddings) ** 0.5
         return -bound, bound
+
+
+def _settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore, RocksDBStore]], reopen: bool
+                     ) -> List[DiskTable]:
+    """The tables as their directories have them. A directory that holds rows from an earlier run
+    is reopened only when `reopen` says so; a reopened table keeps the seed it was created with (its
+    rows never written must not change), and a fresh one records its seed."""
+    records = [_read_record(t.path) for t in tables]
+    # A KVStore counts its rows; for RocksDB a record says an earlier run opened the table.
+    holds = [len(store) > 0 if isinstance(store, KVStore) else record is not None
+             for store, record in zip(stores, records)]
+    held = [f"{t.name!r} at {t.path}" + (f" ({len(store):,} rows)" if isinstance(store, KVStore) else "")
+            for t, store, h in zip(tables, stores, holds) if h]
+    if held and not reopen:  # a second run of a script would otherwise continue silently from the first's rows
+        raise FileExistsError(f"{'; '.join(held)}: the directory holds rows and optimizer state from an earlier run. "
+                              f"Pass reopen=True to continue from them, or remove the directory to start from "
+                              f"initial rows")
+    settled = []
+    for t, record, h in zip(tables, records, holds):
+        if record is not None and (h or reopen):
+            if not t.seed_drawn and record["seed"] != t.seed:
+                raise ValueError(f"table {t.name!r} at {t.path} was created with seed {record['seed']}, not {t.seed}: "
+                                 f"its rows never written derive from it. Pass that seed, or none")
+            t = replace(t, seed=record["seed"])
+        else:
+            _write_record(t.path, {"seed": t.seed})
+        settled.append(t)
+    return settled
 
 
 def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
@@ -232,13 +309,16 @@ class DiskTableBatch:
         staging_bytes: host memory, beside the budget, for rows read ahead and rows the policy kept
             out until their update; default half the budget, within [256 KiB, 32 MiB].
         backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
+        reopen: continue from the rows and optimizer state that the tables' directories hold
+            from an earlier run; without it, a directory holding rows is refused
+            (FileExistsError), so a second run of a script never continues silently.
     """
 
     def __init__(self, tables: Sequence[DiskTable], embedding_dim: int, *, mode: str = "sum",
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
                  device: Optional[Union[str, torch.device]] = None, cache_policy: str = "lfu",
-                 staging_bytes: Optional[int] = None, backend: str = "mlkv") -> None:
+                 staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False) -> None:
         for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -298,6 +378,7 @@ class DiskTableBatch:
                 else:
                     self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
                                                expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22)))
+            self.tables = _settle_reopened(self.tables, self.stores, reopen)
             self.cache = _C.EmbeddingCache(
                 [(t.name, store._store, t.num_embeddings, int(t.seed), *t.initial_range(), t.first_column)
                  for t, store in zip(self.tables, self.stores)],
@@ -309,11 +390,6 @@ class DiskTableBatch:
                 store.close()
             raise
         _OPEN_BATCHES.add(self)
-        reopened = [f"{t.name!r} at {store.path} ({len(store)} rows)" for t, store in zip(self.tables, self.stores)
-                    if isinstance(store, KVStore) and len(store) > 0]
-        if reopened:  # a second run of a script would otherwise continue silently from the first's rows
-            warnings.warn(f"opened existing tables, whose rows and optimizer state are kept: {', '.join(reopened)}; "
-                          f"remove their directories to start from initial rows", stacklevel=3)
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
@@ -507,7 +583,9 @@ class DiskEmbeddingBag(nn.Module):
         staleness: updates a forward may miss per row (0: exact).
         dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
         device: where the cache, the pooling and the output live (CPU or CUDA).
-        seed: seed of the initial values of rows never written.
+        seed: seed of the initial values of rows never written; default drawn from torch's
+            default generator (``torch.manual_seed`` makes runs reproducible). Recorded in the
+            table's directory: a reopened table keeps its own.
         include_last_offset: as in nn.EmbeddingBag.
         expected_rows: sizes the store's index; default min(num_embeddings, 4M).
         cache_policy: "lfu" (frequency-based admission, the default) or "lru".
@@ -519,6 +597,8 @@ class DiskEmbeddingBag(nn.Module):
             default half the budget, within [256 KiB, 32 MiB] (at least 4096 rows).
         backend: the store under the cache: "mlkv" (the log-structured KVStore) or
             "rocksdb" (RocksDBStore, the offloading baseline; same cache, same op).
+        reopen: continue from the rows and optimizer state `path` holds from an earlier run;
+            without it such a path is refused (FileExistsError).
 
     Attributes:
         lr: the learning rate of the next updates; starts at ``optimizer.lr``,
@@ -536,16 +616,18 @@ class DiskEmbeddingBag(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, path: Union[str, os.PathLike], mode: str = "sum",
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
-                 device: Optional[Union[str, torch.device]] = None, seed: int = 0, include_last_offset: bool = False,
-                 expected_rows: Optional[int] = None, cache_policy: str = "lfu", first_column: int = 0,
-                 staging_bytes: Optional[int] = None, backend: str = "mlkv") -> None:
+                 device: Optional[Union[str, torch.device]] = None, seed: Optional[int] = None,
+                 include_last_offset: bool = False, expected_rows: Optional[int] = None, cache_policy: str = "lfu",
+                 first_column: int = 0, staging_bytes: Optional[int] = None, backend: str = "mlkv",
+                 reopen: bool = False) -> None:
         super().__init__()
         path = os.fspath(path)
         batch = DiskTableBatch(
-            [DiskTable(os.path.basename(os.path.normpath(path)), num_embeddings, path, seed, first_column, expected_rows)],
+            [DiskTable(os.path.basename(os.path.normpath(path)), num_embeddings, path,
+                       draw_seed() if seed is None else seed, first_column, expected_rows, seed_drawn=seed is None)],
             embedding_dim, mode=mode, optimizer=optimizer, cache_rows=cache_rows,
             memory_budget_bytes=memory_budget_bytes, staleness=staleness, dtype=dtype, device=device,
-            cache_policy=cache_policy, staging_bytes=staging_bytes, backend=backend)
+            cache_policy=cache_policy, staging_bytes=staging_bytes, backend=backend, reopen=reopen)
         self._attach(batch, 0, include_last_offset)
 
     @classmethod

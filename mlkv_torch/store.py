@@ -280,6 +280,12 @@ class KVStore(_RowStore):
         self._check_open()
         return self._store.size()
 
+    @staticmethod
+    def destroy(path: Union[str, os.PathLike]) -> None:
+        """Deletes the files of the closed store at `path` (its rows are gone), as LevelDB's
+        DestroyDB; other files there stay. Raises if the store is open."""
+        _C.Store.destroy(os.fspath(path))
+
     def __contains__(self, key: int) -> bool:
         return bool(self.contains([key])[0])
 

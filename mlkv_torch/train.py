@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
+from .ranks import all_gather_objects
 
 __all__ = ["main", "run"]
 
@@ -129,9 +130,9 @@ class _CriteoSource:
 
 
 class _Experiment:
-    """The model, data and optimizers of one run."""
+    """The model, data and optimizers of one run; `resume` reopens the tables an earlier run left."""
 
-    def __init__(self, config: ExperimentConfig) -> None:
+    def __init__(self, config: ExperimentConfig, resume: bool = False) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         self.config = config
@@ -143,6 +144,7 @@ class _Experiment:
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.resume = resume
         if self.distributed:
             self._build_sharded(tables)
         else:
@@ -164,7 +166,7 @@ class _Experiment:
         self.collection = DiskEmbeddingBagCollection(
             tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
             cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
-            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind])
+            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume)
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
@@ -185,7 +187,7 @@ class _Experiment:
         sharder = DiskEmbeddingBagCollectionSharder(
             self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
             staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
-            backend=_BACKENDS.get(storage.kind, "mlkv"))  # memory: nothing on disk
+            backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume)  # memory: nothing on disk
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
@@ -245,8 +247,8 @@ class _Experiment:
                 count += labels.numel()
         self.model.train()
         totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
-        if self.distributed:  # AUROC gathers its inputs across ranks itself
-            dist.all_reduce(totals)
+        if self.distributed:  # AUROC gathers its inputs across ranks itself; this runs just before exit
+            totals = torch.tensor(all_gather_objects([loss_sum, float(count)]), dtype=torch.float64).sum(dim=0)
         if totals[1] == 0:
             return {}
         result = {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1])}
@@ -354,7 +356,11 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     from .pipeline import LookaheadPipeline
 
     os.makedirs(config.output_dir, exist_ok=True)
-    experiment = _Experiment(config)
+    try:
+        experiment = _Experiment(config, resume)
+    except FileExistsError as e:  # an earlier run's tables: say how the runner continues from them
+        raise ConfigError(f"{e}. The runner continues an earlier run with --resume; otherwise choose another "
+                          f"output_dir (or storage.path)") from e
     populate_s = 0.0
     if config.storage.populate:
         began = time.perf_counter()
@@ -412,6 +418,16 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     elapsed = time.perf_counter() - started
     if hasattr(experiment.collection, "flush"):
         experiment.collection.flush()
+    summary_path = os.path.join(config.output_dir, "summary.json")
+    if step == start_step and start_step > 0:
+        # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
+        # train. A finished run's summary stays; otherwise the checkpointed model is evaluated.
+        if os.path.exists(summary_path):
+            experiment.collection.close()
+            with open(summary_path) as f:
+                return json.load(f)
+        if not evaluation:
+            evaluation = experiment.evaluate()
     summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),
@@ -421,7 +437,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "storage": config.storage.kind, "populate_s": populate_s,
                "torch_threads": torch.get_num_threads()}
     if main:
-        with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
+        with open(summary_path, "w") as f:
             json.dump(summary, f, indent=1)
     experiment.collection.close()
     return summary

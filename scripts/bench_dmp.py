@@ -199,6 +199,8 @@ def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> 
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    from mlkv_torch.ranks import all_gather_objects
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = table_rows(args)
@@ -208,8 +210,7 @@ def worker(args: argparse.Namespace) -> None:
     mixed_cap = int((args.budget * table_bytes / world + DENSE_HEADROOM) / (1 - RESERVED_FRACTION))
     results = [run_plan(args, rows, "memory", 64 << 30, os.path.join(storage, "memory"), batches),
                run_plan(args, rows, "mixed", mixed_cap, os.path.join(storage, "mixed"), batches)]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, results)
+    everyone = all_gather_objects(results)  # not a gloo collective: see mlkv_torch.ranks
     if rank == 0:
         report = {"args": vars(args), "table_bytes": table_bytes, "mixed_ddr_cap_per_rank": mixed_cap,
                   "ranks": everyone}

@@ -241,7 +241,8 @@ class DiskTable:
         from mlkv_torch import DiskEmbeddingBag, optim
 
         self.emb = DiskEmbeddingBag(rows, dim, path=path, mode="sum", optimizer=optim.SGD(lr=lr),
-                                    memory_budget_bytes=budget, expected_rows=rows, cache_policy=cache_policy)
+                                    memory_budget_bytes=budget, expected_rows=rows, cache_policy=cache_policy,
+                                    reopen=True)  # the populated table
         self.lookahead = lookahead
         self.target = target
         self.timed_cache: Optional[TimedCache] = None

@@ -111,7 +111,8 @@ def build_disk(args: argparse.Namespace, rows: Dict[str, int], path: str, budget
 
     tables = [EmbeddingBagConfig(name=name, embedding_dim=args.dim, num_embeddings=n, feature_names=[f"f_{name}"])
               for name, n in rows.items()]
-    collection = DiskEmbeddingBagCollection(tables, path=path, optimizer=optim.SGD(lr=LR), memory_budget_bytes=budget)
+    collection = DiskEmbeddingBagCollection(tables, path=path, optimizer=optim.SGD(lr=LR), memory_budget_bytes=budget,
+                                            seed=0)  # the memory plan's rows: table_seed(0, name)
     if populate:
         collection.populate()
     else:

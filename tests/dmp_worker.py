@@ -37,6 +37,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from mlkv_torch import initial_rows, optim
+from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import (DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollection,
                                  DiskEmbeddingBagCollectionSharder)
 from mlkv_torch.torchrec.tables import table_seed
@@ -114,9 +115,7 @@ def train_step(dmp, opt, step: int) -> float:
 
 
 def gathered(losses):
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, losses)
-    return everyone
+    return all_gather_objects(losses)  # not a gloo collective: see mlkv_torch.ranks
 
 
 def main() -> None:

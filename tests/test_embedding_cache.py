@@ -82,7 +82,7 @@ def test_cache_never_exceeds_its_rows_and_dirty_rows_survive_reopen(tmp_path):
     trained = emb.export_rows(torch.arange(NUM))
     assert emb.stats()["evictions"] > 0
     emb.close()  # writes the dirty cached rows back
-    again = make(tmp_path, cache_rows=20, optimizer=optim.Adagrad(lr=0.2))
+    again = make(tmp_path, cache_rows=20, optimizer=optim.Adagrad(lr=0.2), reopen=True)
     torch.testing.assert_close(again.export_rows(torch.arange(NUM)), trained, rtol=0, atol=0)
 
 
@@ -248,7 +248,7 @@ def test_write_failure_in_the_applier_is_raised_and_the_checkpoint_survives(tmp_
     error = next(line for line in lines if line.startswith("ERROR"))
     assert "File too large" in error and "segment-" in error, error
     assert "AGAIN StoreIOError" in lines, lines  # the applier's error stays raised
-    emb = DiskEmbeddingBag(1_000_000, 32, path=path, cache_rows=64, memory_budget_bytes=64 << 10)
+    emb = DiskEmbeddingBag(1_000_000, 32, path=path, cache_rows=64, memory_budget_bytes=64 << 10, reopen=True)
     torch.testing.assert_close(emb.export_rows(torch.arange(500)), torch.load(saved), rtol=0, atol=0)
 
 
@@ -306,7 +306,7 @@ def test_exit_without_close_writes_the_cache_back(tmp_path):
     result = subprocess.run([sys.executable, "-c", EXIT_CHILD, path, saved], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "terminate" not in result.stderr, result.stderr
-    emb = DiskEmbeddingBag(1000, 8, path=path, cache_rows=100, memory_budget_bytes=1 << 20)
+    emb = DiskEmbeddingBag(1000, 8, path=path, cache_rows=100, memory_budget_bytes=1 << 20, reopen=True)
     expected = torch.load(saved)
     expected[0] -= 1.0  # the update queued at exit was applied and written back
     torch.testing.assert_close(emb.export_rows(torch.tensor([3, 4])), expected)

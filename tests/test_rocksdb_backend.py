@@ -97,7 +97,7 @@ def test_disk_embedding_bag_over_rocksdb_trains_like_the_reference(tmp_path, opt
     assert stats["rows_written"] > 0 and stats["rows_found"] > 0, "rows were meant to go through RocksDB"
     emb.close()
     reopened = DiskEmbeddingBag(NUM, 32, path=tmp_path / "t", optimizer=ours, cache_rows=cache_rows,
-                                memory_budget_bytes=1 << 20, backend="rocksdb")
+                                memory_budget_bytes=1 << 20, backend="rocksdb", reopen=True)
     torch.testing.assert_close(reopened.export_rows(torch.arange(NUM)), ref.weight.detach())
     reopened.close()
 

@@ -385,6 +385,24 @@ def test_fresh_store_files_and_close_idempotent(tmp_path):
         assert len(reopened) == 0
 
 
+def test_destroy_removes_a_closed_stores_files_and_nothing_else(tmp_path):
+    path = tmp_path / "store"
+    store = KVStore(str(path), DIM, **SMALL_OPTIONS)
+    store.put(torch.arange(3000), rows_for(torch.arange(3000), 0))  # segment files too
+    store.checkpoint()
+    (path / "notes.txt").write_text("not the store's")
+    with pytest.raises(ValueError, match=r"store at .* is open: close it before destroying it"):
+        KVStore.destroy(path)
+    assert len(store) == 3000  # refused: nothing touched
+    store.close()
+    assert any(name.startswith("segment-") for name in os.listdir(path))
+    KVStore.destroy(path)
+    assert os.listdir(path) == ["notes.txt"]
+    with KVStore(path, DIM * 2, **SMALL_OPTIONS) as fresh:  # another layout: nothing of the old store is left
+        assert len(fresh) == 0
+    KVStore.destroy(tmp_path / "never-created")  # nothing there: nothing to do
+
+
 def test_context_manager_closes(tmp_path):
     path = str(tmp_path / "store")
     with KVStore(path, DIM, **SMALL_OPTIONS) as store:

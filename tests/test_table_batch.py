@@ -95,10 +95,30 @@ def test_a_failing_table_holds_back_no_other_table(tmp_path):
         batch.close()
 
 
-def test_reopening_a_table_with_rows_says_so(tmp_path):
-    spec = [DiskTable("t", 100, str(tmp_path / "t"))]
+def test_a_table_holding_rows_reopens_only_when_asked_and_loses_nothing(tmp_path):
+    spec = [DiskTable("t", 100, str(tmp_path / "t"), seed=5), DiskTable("u", 100, str(tmp_path / "u"), seed=6)]
     batch = DiskTableBatch(spec, DIM)
     batch.pool(torch.arange(10), [10], [0], torch.arange(11)).sum().backward()
+    trained = batch.read_rows(0, torch.arange(100))
     batch.close()
-    with pytest.warns(UserWarning, match=r"opened existing tables.*'t' at .* \(10 rows\)"):
-        DiskTableBatch(spec, DIM).close()
+    with pytest.raises(FileExistsError, match=r"'t' at .*/t \(10 rows\): the directory holds rows .*reopen=True"):
+        DiskTableBatch(spec, DIM)
+    reopened = DiskTableBatch(spec, DIM, reopen=True)  # the refusal touched nothing
+    torch.testing.assert_close(reopened.read_rows(0, torch.arange(100)), trained)
+    reopened.close()
+
+
+def test_a_reopened_table_keeps_the_seed_it_was_created_with(tmp_path):
+    first = DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=11)], DIM)
+    first.pool(torch.arange(3), [3], [0], torch.arange(4)).sum().backward()
+    rows = first.read_rows(0, torch.arange(1000))  # rows never written included
+    first.close()
+    drawn = DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=99, seed_drawn=True)], DIM, reopen=True)
+    assert drawn.tables[0].seed == 11
+    torch.testing.assert_close(drawn.read_rows(0, torch.arange(1000)), rows)
+    drawn.close()
+    with pytest.raises(ValueError, match=r"'t' at .* was created with seed 11, not 99"):
+        DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=99)], DIM, reopen=True)
+    (tmp_path / "t" / "TABLE.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"TABLE.json is unreadable or corrupted"):
+        DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=11)], DIM, reopen=True)

@@ -110,7 +110,7 @@ def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_pa
     expected = torchrec_losses(fused_params)
     cache_rows = {"none": 0, "part": 60, "all": sum(ROWS.values())}[cache]
     collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=ours,
-                                            cache_rows=cache_rows, memory_budget_bytes=1 << 20)
+                                            cache_rows=cache_rows, memory_budget_bytes=1 << 20, seed=0)
     assert collection.embedding_bags["t0"]._batch is collection.embedding_bags["t3"]._batch  # one kernel
     model = dlrm(collection)
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
@@ -126,7 +126,7 @@ def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_pa
     # Reopened, every table holds what training left: cached rows were written back, evicted ones
     # went through the write-back buffer.
     reopened = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=ours,
-                                          cache_rows=cache_rows, memory_budget_bytes=1 << 20)
+                                          cache_rows=cache_rows, memory_budget_bytes=1 << 20, reopen=True)
     for name, bag in reopened.embedding_bags.items():
         torch.testing.assert_close(bag.export_rows(torch.arange(ROWS[name])), trained[name])
     reopened.close()
@@ -178,7 +178,7 @@ def test_dlrm_with_adam_on_the_disk_kernel_equals_sparse_adam(tmp_path, cache):
     expected = train(reference, Both(), batches())
     cache_rows = {"none": 0, "part": 60, "all": sum(ROWS.values())}[cache]
     collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=optim.Adam(lr=LR, eps=1e-8),
-                                            cache_rows=cache_rows, memory_budget_bytes=1 << 20)
+                                            cache_rows=cache_rows, memory_budget_bytes=1 << 20, seed=0)
     model = dlrm(collection)
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
     torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected)

@@ -124,23 +124,31 @@ def test_state_dict_moves_between_the_two_collections(tmp_path):
     torch.testing.assert_close(back(features).values(), disk(features).values())
 
 
-def test_works_unmodified_in_dlrm_dcn_and_deepfm(tmp_path):
-    from torchrec.models.deepfm import SimpleDeepFMNN
-    from torchrec.models.dlrm import DLRM_DCN
+def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_keeps_its_own(tmp_path):
+    def initial(name, **kwargs):
+        disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / name, memory_budget_bytes=1 << 20,
+                                          optimizer=optim.SGD(lr=0.1), **kwargs)
+        rows = {t: disk.embedding_bags[t].weight[:] for t in ("t0", "t1", "t2")}
+        disk.close()
+        return rows
 
-    disk = DiskEmbeddingBagCollection(tables(shared=False), path=tmp_path / "t", memory_budget_bytes=1 << 20,
-                                      optimizer=optim.SGD(lr=0.5))
-    models = [DLRM_DCN(embedding_bag_collection=disk, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
-                       over_arch_layer_sizes=[16, 1], dcn_num_layers=2, dcn_low_rank_dim=4),
-              SimpleDeepFMNN(num_dense_features=4, embedding_bag_collection=disk, hidden_layer_size=16,
-                             deep_fm_dimension=4)]
-    features, dense = kjt(3), torch.randn(6, 4)
-    for model in models:
-        before = disk.embedding_bags["t0"].export_rows(torch.arange(500))
-        out = model(dense, features)
-        assert out.shape == (6, 1)
-        out.sum().backward()
-        assert not torch.equal(disk.embedding_bags["t0"].export_rows(torch.arange(500)), before)
+    torch.manual_seed(3)
+    first = initial("a")
+    torch.manual_seed(3)
+    same = initial("b")
+    moved_on = initial("c")  # the generator has moved on: other rows, as EmbeddingBagCollection's
+    torch.manual_seed(4)
+    reopened = initial("a", reopen=True)  # the seed recorded in its directory, not the generator's
+    for t in first:
+        torch.testing.assert_close(same[t], first[t])
+        torch.testing.assert_close(reopened[t], first[t])
+        assert not torch.equal(moved_on[t], first[t])
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "a", memory_budget_bytes=1 << 20,
+                                      optimizer=optim.SGD(lr=0.1))
+    (disk(kjt(0)).values().sum()).backward()  # rows written: a later open must say it reopens
+    disk.close()
+    with pytest.raises(FileExistsError, match=r"'t0' at .*/a/t0 \(\d+ rows\).*reopen=True"):
+        DiskEmbeddingBagCollection(tables(), path=tmp_path / "a", optimizer=optim.SGD(lr=0.1))
 
 
 def test_split_budget_follows_traffic_and_caps_at_need():
@@ -347,14 +355,29 @@ def test_initial_rows_follow_the_tables_init_range_and_another_init_fn_is_report
         DiskEmbeddingBagCollection([custom], path=tmp_path / "b", optimizer=optim.SGD(lr=0.1)).close()
 
 
-def test_apply_optimizer_in_backward_over_disk_tables_says_what_to_do(tmp_path):
+def test_apply_optimizer_in_backward_chooses_the_tables_optimizer(tmp_path):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", optimizer=optim.SGD(lr=0.1))
-    apply_optimizer_in_backward(RowWiseAdagrad, disk.parameters(), {"lr": 0.1})  # TorchRec's idiom: no crash here
-    with pytest.raises(RuntimeError, match=r"apply_optimizer_in_backward\(RowWiseAdagrad, ...\) reached disk table "
-                                           r"'t0'.*optimizer=mlkv_torch.optim"):
+    ebc = EmbeddingBagCollection(tables())
+    with pytest.warns(UserWarning, match="none was given"):
+        disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20, cache_rows=100)
+    # TorchRec's idiom for fused tables, then the weights: the tables take Adagrad before a row is written
+    apply_optimizer_in_backward(torch.optim.Adagrad, disk.parameters(), {"lr": 0.05, "eps": 1e-8})
+    disk.load_state_dict(ebc.state_dict())
+    assert {type(bag.optimizer) for bag in disk.embedding_bags.values()} == {optim.Adagrad}
+    assert disk.fused_optimizer.param_groups[0]["lr"] == 0.05
+    reference = torch.optim.Adagrad(ebc.parameters(), lr=0.05, eps=1e-8)
+    for step in range(5):
+        features = kjt(step)
+        for module in (ebc, disk):
+            (module(features).values() ** 2).sum().backward()
+        reference.step()
+        reference.zero_grad()
+        torch.testing.assert_close(disk(features).values(), ebc(features).values(), msg=f"step {step}")
+    # Rows written with one rule keep it: another in-backward optimizer is refused, by name.
+    apply_optimizer_in_backward(RowWiseAdagrad, disk.parameters(), {"lr": 0.1})
+    with pytest.raises(RuntimeError, match=r"asks for RowWiseAdagrad.* written with Adagrad.*'t0' \(\d+ rows\)"):
         disk(kjt(0))
     disk.close()
 

@@ -53,6 +53,21 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
     assert [got[s] for s in range(11, 15)] == pytest.approx([expected[s] for s in range(11, 15)], rel=0, abs=0)
 
 
+def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tmp_path):
+    cfg = load_config(QUICKSTART, [f"output_dir={tmp_path / 'r'}", *SMALL, "train.steps=6", "train.checkpoint_every=3",
+                                   "eval.every=1000"])
+    finished = run(cfg, progress=False)
+    assert finished["auc"] is not None
+    again = run(cfg, resume=True, progress=False)  # the finished run's summary stays, untouched
+    assert again == finished == json.loads((tmp_path / "r" / "summary.json").read_text())
+    (tmp_path / "r" / "summary.json").unlink()  # killed after its last checkpoint, before the summary
+    made = run(cfg, resume=True, progress=False)
+    assert made["steps"] == 6 and made["auc"] == pytest.approx(finished["auc"], abs=1e-6)
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["auc"] == made["auc"]
+    with pytest.raises(ConfigError, match=r"holds rows .* --resume"):  # not resumed: the tables are refused
+        run(cfg, progress=False)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.lernrate=0.1"], r"train\.lernrate: unknown key"),
     (["train.lr=fast"], r"train\.lr: Input should be a valid number"),

@@ -440,7 +440,13 @@ void KVStore::ScheduleFlushLocked() {
 void KVStore::FlushPending() {
   std::unique_lock<std::mutex> lock(flush_mu_);
   // Stops at the first error: a caller collects it (WaitFlushed), and the next wait tries again.
-  while (flush_error_.ok() && flushed_page_ < flush_target_page_) {
+  for (uint64_t turn = 0; flush_error_.ok() && flushed_page_ < flush_target_page_; ++turn) {
+    if (turn == kFlushPagesPerTurn) {
+      // The stores of a process share this thread: the rest of the backlog queues behind their
+      // turns, so one store that keeps appending starves none (flush_scheduled_ stays set).
+      SerialExecutor::Of("mlkv-flush").Submit([this] { FlushPending(); });
+      return;
+    }
     const uint64_t page = flushed_page_;
     lock.unlock();
     // The page is read-only, and its frame is not reused before it is written: no lock needed.
@@ -1062,6 +1068,45 @@ void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence) {
   }
   closedir(dir);
   for (const std::string& name : doomed) unlink((path_ + "/" + name).c_str());
+}
+
+Status KVStore::Destroy(const std::string& path) {
+  DIR* dir = opendir(path.c_str());
+  if (!dir) return errno == ENOENT ? Status::OK() : Status::IOError("opening " + path + ": " + ErrnoText(errno));
+  const std::string lock_path = path + "/LOCK";
+  const int lock_fd = open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
+  if (lock_fd >= 0 && flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    close(lock_fd);
+    closedir(dir);
+    return Status::Busy("store at " + path + " is open: close it before destroying it");
+  }
+  std::vector<std::string> doomed;
+  while (dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    unsigned long long number = 0;
+    char tail[8] = {0};
+    if ((std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) ||
+        (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) ||
+        name == "CHECKPOINT" || name == "CHECKPOINT.tmp") {
+      doomed.push_back(name);
+    }
+  }
+  closedir(dir);
+  Status st;
+  // CHECKPOINT goes first: a crash part-way leaves no checkpoint naming files already gone.
+  std::sort(doomed.begin(), doomed.end(), [](const std::string& a, const std::string& b) {
+    return (a == "CHECKPOINT") > (b == "CHECKPOINT");
+  });
+  for (const std::string& name : doomed) {
+    if (unlink((path + "/" + name).c_str()) != 0 && errno != ENOENT && st.ok()) {
+      st = Status::IOError("removing " + path + "/" + name + ": " + ErrnoText(errno));
+    }
+  }
+  if (lock_fd >= 0) {
+    if (st.ok()) unlink(lock_path.c_str());
+    close(lock_fd);
+  }
+  return st;
 }
 
 Status KVStore::Compact() {

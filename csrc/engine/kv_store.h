@@ -95,6 +95,9 @@ class KVStore : public RowStore {
  public:
   // Creates a store at `path` (a directory) or recovers the latest checkpoint there.
   static Status Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out);
+  // Deletes the files of a closed store at `path` (as LevelDB's DestroyDB); other files stay.
+  // Busy if the store is open.
+  static Status Destroy(const std::string& path);
   ~KVStore() override;
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
@@ -271,6 +274,7 @@ class KVStore : public RowStore {
   std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
   Status flush_error_;
   bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
+  static constexpr uint64_t kFlushPagesPerTurn = 64;  // pages one FlushPending writes before yielding
 };
 
 }  // namespace mlkv

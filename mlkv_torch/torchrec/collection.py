@@ -3,19 +3,22 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch, host_memory_for_all_rows
+from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_table, draw_seed,
+                         host_memory_for_all_rows)
+from ..store import KVStore
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting, init_range_of,
-                     row_bytes, table_seed)
+                     optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 
@@ -85,7 +88,11 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             by table name; default: one per feature of the table. Splits the
             budget between row layouts.
         staleness: the per-row staleness bound of every table.
-        seed: seed of the initial rows (each table mixes in its name).
+        seed: seed of the initial rows (each table mixes in its name); default drawn from torch's
+            default generator, so ``torch.manual_seed`` makes runs reproducible. A reopened table
+            keeps the seed recorded in its directory.
+        reopen: continue from the rows and optimizer state that `path` holds from an earlier run;
+            without it, tables holding rows are refused (FileExistsError).
         cache_policy: "lfu" or "lru".
         backend: the store under every table: "mlkv" (KVStore) or "rocksdb" (the baseline).
     """
@@ -93,8 +100,9 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
                  device: Optional[Union[str, torch.device]] = None, *, path: Union[str, os.PathLike],
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 256 << 20,
-                 cache_rows: Optional[int] = None, staleness: int = 0, seed: int = 0, cache_policy: str = "lfu",
-                 lookups_per_sample: Optional[Dict[str, float]] = None, backend: str = "mlkv") -> None:
+                 cache_rows: Optional[int] = None, staleness: int = 0, seed: Optional[int] = None,
+                 cache_policy: str = "lfu", lookups_per_sample: Optional[Dict[str, float]] = None,
+                 backend: str = "mlkv", reopen: bool = False) -> None:
         super().__init__()
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool (EmbeddingBagCollection's second argument), got "
@@ -138,25 +146,17 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for i, t in enumerate(tables):
             layouts.setdefault((t.embedding_dim, DATA_TYPES[t.data_type], POOLING_MODES[t.pooling]), []).append(i)
         groups = list(layouts.items())
-        needs = [max(MIN_TABLE_BUDGET * len(members),
-                     host_memory_for_all_rows(len(members), sum(tables[i].num_embeddings for i in members),
-                                              row_bytes(dim, dtype, rule)))
-                 for (dim, dtype, _), members in groups]
-        traffic_of = [sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
-                      for _, members in groups]
-        budgets = split_budget(memory_budget_bytes, needs, traffic_of)
-        init_ranges = [init_range_of(t) for t in tables]
-        # What opening the kernels takes: now, or on the meta device when the model is materialised.
-        self._kernel_specs = [dict(
-            tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(os.fspath(path), tables[i].name),
-                              table_seed(seed, tables[i].name), init_range=init_ranges[i]) for i in members],
-            embedding_dim=dim, mode=mode, optimizer=rule,
-            cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
-                                                           int(cache_rows * budget / memory_budget_bytes)),
-            memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), budget), staleness=staleness, dtype=dtype,
-            cache_policy=cache_policy, backend=backend)
-            for ((dim, dtype, mode), members), budget in zip(groups, budgets)]
         self._kernel_members = [members for _, members in groups]
+        self._kernel_layouts = [layout for layout, _ in groups]
+        base_seed = draw_seed() if seed is None else seed
+        self._opening = dict(
+            path=os.fspath(path), memory_budget_bytes=memory_budget_bytes, cache_rows=cache_rows,
+            traffic=[sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
+                     for _, members in groups],
+            seeds=[table_seed(base_seed, t.name) for t in tables], seed_drawn=seed is None, staleness=staleness,
+            cache_policy=cache_policy, backend=backend, reopen=reopen)
+        # What opening the kernels takes: now, or on the meta device when the model is materialised.
+        self._kernel_specs = self._plan_kernels(rule)
         self._lr = rule.lr
         self._batches: List[DiskTableBatch] = []
         if self._device.type == "meta":  # nothing opened, nothing allocated: to_empty(device=...) does it
@@ -172,6 +172,28 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._feature_order = [f for names in self._feature_names for f in names]
         kernel_of = {i: (k, members.index(i)) for k, (_, members) in enumerate(groups) for i in members}
         self._routing = KernelRouting([kernel_of[i] for i, names in enumerate(self._feature_names) for _ in names])
+
+    def _plan_kernels(self, rule: optim_lib.SparseOptimizer) -> List[Dict[str, Any]]:
+        """The DiskTableBatch arguments of each row layout under `rule` (its state sizes the rows):
+        each layout's budget covers all its rows at most, the rest split by traffic."""
+        tables, opening = self._embedding_bag_configs, self._opening
+        budget = opening["memory_budget_bytes"]
+        needs = [max(MIN_TABLE_BUDGET * len(members),
+                     host_memory_for_all_rows(len(members), sum(tables[i].num_embeddings for i in members),
+                                              row_bytes(dim, dtype, rule)))
+                 for (dim, dtype, _), members in zip(self._kernel_layouts, self._kernel_members)]
+        budgets = split_budget(budget, needs, opening["traffic"])
+        cache_rows = opening["cache_rows"]
+        return [dict(
+            tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(opening["path"], tables[i].name),
+                              opening["seeds"][i], init_range=init_range_of(tables[i]),
+                              seed_drawn=opening["seed_drawn"]) for i in members],
+            embedding_dim=dim, mode=mode, optimizer=rule,
+            cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
+                                                           int(cache_rows * share / budget)),
+            memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), share), staleness=opening["staleness"],
+            dtype=dtype, cache_policy=opening["cache_policy"], backend=opening["backend"], reopen=opening["reopen"])
+            for ((dim, dtype, mode), members), share in zip(zip(self._kernel_layouts, self._kernel_members), budgets)]
 
     def _open_kernels(self) -> None:
         """Opens the tables' stores and kernels on `self._device`, and views each table."""
@@ -199,18 +221,50 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 self._open_kernels()
         return super()._apply(fn, recurse)
 
-    def _check_no_optimizer_in_backward(self) -> None:
-        """apply_optimizer_in_backward over the tables (TorchRec's idiom for its fused tables) cannot
-        reach disk tables, whose rule (and row layout) is fixed when they open: say what to do."""
+    def _adopt_optimizer_in_backward(self) -> None:
+        """``apply_optimizer_in_backward(cls, tables' parameters, kwargs)``, TorchRec's way of choosing
+        fused tables' optimizer, chooses the disk tables' rule here as under DMP. The rule's state
+        is part of each row, so a change reopens tables that hold no rows yet; tables with rows keep
+        the rule they were written with."""
+        declared: Dict[str, optim_lib.SparseOptimizer] = {}
         for name, bag in self.embedding_bags.items():
             classes = getattr(bag._anchor, "_optimizer_classes", None)
             if classes:
-                raise RuntimeError(
-                    f"apply_optimizer_in_backward({classes[0].__name__}, ...) reached disk table {name!r}, but a disk "
-                    f"table's optimizer is chosen when it opens: pass DiskEmbeddingBagCollection(..., optimizer="
-                    f"mlkv_torch.optim.<rule>(lr=...)) instead (SGD, Adagrad, RowWiseAdagrad, Adam). Under "
-                    f"DistributedModelParallel keep EmbeddingBagCollection(device='meta') with "
-                    f"DiskEmbeddingBagCollectionSharder, where apply_optimizer_in_backward does reach them.")
+                params = {"optimizer": optimizer_type_to_emb_opt_type(classes[-1]), **bag._anchor._optimizer_kwargs[-1]}
+                declared[name] = optimizer_from_fused_params(params, name)
+                bag._anchor._optimizer_classes, bag._anchor._optimizer_kwargs = [], []  # taken
+        if not declared:
+            return
+        rules = set(declared.values())
+        if len(rules) > 1 or len(declared) != len(self.embedding_bags):
+            raise ValueError(f"apply_optimizer_in_backward must give every table of a DiskEmbeddingBagCollection one "
+                             f"optimizer, got {declared} for tables {list(self.embedding_bags)}")
+        rule = rules.pop()
+        if all(batch.optimizer == rule for batch in self._batches):
+            return
+        for batch in self._batches:  # rows trained so far reach the stores, where they are counted
+            batch.flush()
+        written = [f"{name!r} ({len(bag._store):,} rows)" for name, bag in self.embedding_bags.items()
+                   if not isinstance(bag._store, KVStore) or len(bag._store) > 0]
+        if written:
+            raise RuntimeError(
+                f"apply_optimizer_in_backward asks for {rule} on tables whose rows were written with "
+                f"{self._batches[0].optimizer}: {', '.join(written)}. A row holds its optimizer's state, so the rule "
+                f"is chosen before any row is written (or pass the same optimizer= when reopening)")
+        self.close()
+        for batch in self._batches:
+            for table in batch.tables:
+                destroy_table(table.path)
+        self._batches = []
+        self._kernel_specs = self._plan_kernels(rule)
+        self._lr = rule.lr
+        self._open_kernels()
+
+    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # Loading writes rows: an in-backward optimizer declared before must choose the rule first.
+        if self._device.type != "meta":
+            self._adopt_optimizer_in_backward()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _check_materialised(self) -> None:
         if self._device.type == "meta":
@@ -246,7 +300,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         self._check_materialised()
-        self._check_no_optimizer_in_backward()
+        self._adopt_optimizer_in_backward()
         missing = sorted(self._known_features - set(features.keys()))
         if missing:
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")

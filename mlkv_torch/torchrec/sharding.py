@@ -53,7 +53,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
-from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch
+from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      fused_params_of, init_range_of, optimizer_from_fused_params, row_bytes, table_seed)
 
@@ -87,6 +87,8 @@ class DiskTableOptions:
     cache_policy: str = "lfu"
     seed: int = 0
     backend: str = "mlkv"
+    seed_drawn: bool = False
+    reopen: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -176,11 +178,11 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 [DiskTable(self._shards[i].name, self._shards[i].num_embeddings,
                            os.path.join(self._rank_dir, self._shard_name(self._shards[i])),
                            table_seed(options.seed, self._shards[i].name), self._offsets(self._shards[i])[1],
-                           init_range=init_range_of(self._shards[i]))
+                           init_range=init_range_of(self._shards[i]), seed_drawn=options.seed_drawn)
                  for i in members],
                 cols, mode=mode, optimizer=optimizer, memory_budget_bytes=budgets[(cols, dtype, mode, optimizer)],
                 staleness=options.staleness, dtype=dtype, device=self._device, cache_policy=options.cache_policy,
-                backend=options.backend)
+                backend=options.backend, reopen=options.reopen)
             for k, i in enumerate(members):
                 bag_of[i] = DiskEmbeddingBag.of_batch(batch, k)
                 owners[i] = (len(self._batches), k)
@@ -551,16 +553,22 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             bytes on disk (weights and optimizer state).
         staleness: the per-row staleness bound of disk tables (0: exact).
         cache_policy: "lfu" or "lru".
-        seed: seed of the initial rows of disk tables.
+        seed: seed of the initial rows of disk tables; default drawn from torch's default generator
+            when the sharder is built (every rank must build it at the same point after the same
+            ``torch.manual_seed``, or pass one). A reopened table keeps its recorded seed.
         backend: the store under disk tables: "mlkv" (KVStore) or "rocksdb" (the baseline).
+        reopen: continue from the rows and optimizer state `storage_dir` holds from an earlier run;
+            without it, disk tables holding rows are refused (FileExistsError).
         fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
     """
 
     def __init__(self, storage_dir: str, *, optimizer: Optional[optim_lib.SparseOptimizer] = None,
-                 memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu", seed: int = 0,
-                 fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv", **kwargs: Any) -> None:
-        self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness,
-                                        cache_policy, seed, backend)
+                 memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu",
+                 seed: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv",
+                 reopen: bool = False, **kwargs: Any) -> None:
+        self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness, cache_policy,
+                                        draw_seed() if seed is None else seed, backend, seed_drawn=seed is None,
+                                        reopen=reopen)
         if optimizer is not None:
             fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **kwargs)

@@ -1,0 +1,29 @@
+"""Small Python objects exchanged between torchrun ranks through the process group's key-value
+store, not through a gloo collective.
+
+Why: a gloo worker thread lets go of a finished collective (and of the tensors it holds) a moment
+after the waiting rank has resumed. When that rank is already tearing Python down (a collective
+just before exit), letting go of a tensor made in Python needs the GIL, Python ends the worker
+thread with ``pthread_exit``, and the process aborts with "terminate called without an active
+exception" (seen in a core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` ->
+``take_gil`` -> ``PyThread_exit_thread``, during ``Py_FinalizeEx``). The store holds bytes, no
+tensors, so an exchange at the end of a run cannot race the interpreter's exit.
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+from typing import Any, List
+
+import torch.distributed as dist
+
+_exchanges = itertools.count()  # every rank makes the same calls in the same order
+
+
+def all_gather_objects(obj: Any) -> List[Any]:
+    """Every rank's `obj`, in rank order (as ``dist.all_gather_object``); each rank must call it
+    the same number of times."""
+    store = dist.distributed_c10d._get_default_store()
+    exchange = next(_exchanges)
+    store.set(f"mlkv/exchange{exchange}/{dist.get_rank()}", pickle.dumps(obj))
+    return [pickle.loads(store.get(f"mlkv/exchange{exchange}/{rank}")) for rank in range(dist.get_world_size())]
