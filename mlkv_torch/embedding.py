@@ -21,6 +21,7 @@ import os
 import tempfile
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -151,9 +152,11 @@ TABLE_RECORD = "TABLE.json"
 
 
 def draw_seed() -> int:
-    """A seed from torch's default generator (what ``seed=None`` means): after
-    ``torch.manual_seed``, tables start from the same rows, as EmbeddingBagCollection's do."""
-    return int(torch.randint(0, 2**31 - 1, ()).item())
+    """The seed of tables built without one (``seed=None``), read from the state of torch's
+    default generator: after the same ``torch.manual_seed`` (and the same random draws since),
+    tables start from the same rows, as EmbeddingBagCollection's do. It draws nothing: the
+    model's other layers, and TorchRec's own tables, initialise as they would without it."""
+    return zlib.crc32(torch.get_rng_state().numpy().tobytes()) & 0x7FFFFFFF
 
 
 def _read_record(table_path: str) -> Optional[Dict[str, Any]]:
@@ -583,7 +586,7 @@ class DiskEmbeddingBag(nn.Module):
         staleness: updates a forward may miss per row (0: exact).
         dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
         device: where the cache, the pooling and the output live (CPU or CUDA).
-        seed: seed of the initial values of rows never written; default drawn from torch's
+        seed: seed of the initial values of rows never written; default read from the state of torch's
             default generator (``torch.manual_seed`` makes runs reproducible). Recorded in the
             table's directory: a reopened table keeps its own.
         include_last_offset: as in nn.EmbeddingBag.

@@ -136,7 +136,11 @@ def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_
     first = initial("a")
     torch.manual_seed(3)
     same = initial("b")
+    torch.rand(1)
     moved_on = initial("c")  # the generator has moved on: other rows, as EmbeddingBagCollection's
+    state = torch.get_rng_state()
+    initial("d")
+    assert torch.equal(torch.get_rng_state(), state)  # drawing the seed consumed nothing of torch's stream
     torch.manual_seed(4)
     reopened = initial("a", reopen=True)  # the seed recorded in its directory, not the generator's
     for t in first:

@@ -16,7 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 from mlkv_torch import optim  # noqa: E402
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder  # noqa: E402
 from mlkv_torch.torchrec.planner import DISK_SPACE_AMPLIFICATION  # noqa: E402
-from mlkv_torch.torchrec.sharding import shard_memory_budget  # noqa: E402
+from mlkv_torch.torchrec.sharding import planning_with_disk, shard_memory_budget  # noqa: E402
 from mlkv_torch.torchrec.tables import fused_params_of, optimizer_from_fused_params, row_bytes  # noqa: E402
 
 MiB = 1 << 20
@@ -73,6 +73,18 @@ def test_the_plan_prints_with_the_disk_tier(ebc, caplog):
     assert "customized_kernel" in printed and "SSD" in printed
 
 
+def test_a_planner_that_knows_no_disk_kernel_keeps_every_table_in_memory_and_says_how(ebc):
+    # DistributedModelParallel's default planner, handed the disk sharder: no crash in its estimators.
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+
+    sharder = DiskEmbeddingBagCollectionSharder("/nonexistent/not-used-by-planning", optimizer=optim.SGD(lr=0.1))
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=64 << 30)
+    with pytest.warns(UserWarning, match=r"every table stays in memory.*DiskAwarePlanner.*plan=planner.collective_plan"):
+        plan = EmbeddingShardingPlanner(topology=topology, batch_size=128).plan(ebc, [sharder])
+    assert plan.plan[""] and all(ps.compute_kernel != DISK_KERNEL for ps in plan.plan[""].values())
+    assert _on_disk(_plan(ebc, 100 * MiB)) == ["t1", "t3"]  # the disk-aware planner still offers it
+
+
 def test_storage_estimate_of_a_disk_shard(ebc):
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
     from mlkv_torch.torchrec.planner import DiskAwareStorageEstimator
@@ -82,7 +94,8 @@ def test_storage_estimate_of_a_disk_shard(ebc):
     estimator.options = DiskEmbeddingBagCollectionSharder("/x", optimizer=optim.RowWiseAdagrad(lr=0.1),
                                                           memory_fraction=0.05).options
     sharder = DiskEmbeddingBagCollectionSharder("/x", optimizer=optim.RowWiseAdagrad(lr=0.1))
-    options = EmbeddingEnumerator(topology=topology, batch_size=128, estimator=[estimator]).enumerate(ebc, [sharder])
+    with planning_with_disk():  # what DiskAwarePlanner plans inside: the sharder offers its disk kernel
+        options = EmbeddingEnumerator(topology=topology, batch_size=128, estimator=[estimator]).enumerate(ebc, [sharder])
     disk = [o for o in options if o.name == "t3" and o.compute_kernel == DISK_KERNEL and o.sharding_type == "table_wise"]
     assert disk, "the sharder must offer the disk kernel for table-wise sharding"
     storage = disk[0].shards[0].storage

@@ -88,7 +88,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             by table name; default: one per feature of the table. Splits the
             budget between row layouts.
         staleness: the per-row staleness bound of every table.
-        seed: seed of the initial rows (each table mixes in its name); default drawn from torch's
+        seed: seed of the initial rows (each table mixes in its name); default read from torch's
             default generator, so ``torch.manual_seed`` makes runs reproducible. A reopened table
             keeps the seed recorded in its directory.
         reopen: continue from the rows and optimizer state that `path` holds from an earlier run;

@@ -33,8 +33,8 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from .. import optim as optim_lib
-from .sharding import (DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, resolve_optimizer,
-                       shard_memory_budget)
+from .sharding import (DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, planning_with_disk,
+                       resolve_optimizer, shard_memory_budget)
 from .tables import row_bytes
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
@@ -157,10 +157,11 @@ class DiskAwarePlanner(EmbeddingShardingPlanner):
         disk_sharders = [s for s in sharders if isinstance(s, DiskEmbeddingBagCollectionSharder)]
         for estimator in self._disk_estimators:
             estimator.options = disk_sharders[0].options if disk_sharders else DiskTableOptions(storage_dir="")
-        try:
-            return super().plan(module, sharders)
-        except PlannerError as e:
-            raise PlannerError(self._what_does_not_fit(module, sharders) + str(e), e.error_type) from e
+        with planning_with_disk():
+            try:
+                return super().plan(module, sharders)
+            except PlannerError as e:
+                raise PlannerError(self._what_does_not_fit(module, sharders) + str(e), e.error_type) from e
 
     def _what_does_not_fit(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> str:
         """A line per table that fits no rank in memory and none on disk, in its smallest option."""

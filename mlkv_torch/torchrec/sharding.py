@@ -26,7 +26,10 @@ DiskEmbeddingBag in ``storage_dir/rank<r>/<table>_rows<r0>_cols<c0>``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
@@ -74,6 +77,20 @@ def on_host(shard: ShardMetadata) -> ShardMetadata:
     rank = shard.placement.rank() if shard.placement is not None else 0
     return ShardMetadata(shard_offsets=list(shard.shard_offsets), shard_sizes=list(shard.shard_sizes),
                          placement=f"rank:{rank}/cpu")
+
+
+# Set while DiskAwarePlanner plans: only then does the sharder offer its disk kernel.
+_planning_with_disk: contextvars.ContextVar[bool] = contextvars.ContextVar("mlkv_planning_with_disk", default=False)
+
+
+@contextlib.contextmanager
+def planning_with_disk() -> Iterator[None]:
+    """The planner that estimates the disk kernel (DiskAwarePlanner) plans inside this."""
+    token = _planning_with_disk.set(True)
+    try:
+        yield
+    finally:
+        _planning_with_disk.reset(token)
 
 
 @dataclass(frozen=True)
@@ -553,7 +570,7 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             bytes on disk (weights and optimizer state).
         staleness: the per-row staleness bound of disk tables (0: exact).
         cache_policy: "lfu" or "lru".
-        seed: seed of the initial rows of disk tables; default drawn from torch's default generator
+        seed: seed of the initial rows of disk tables; default read from the state of torch's generator
             when the sharder is built (every rank must build it at the same point after the same
             ``torch.manual_seed``, or pass one). A reopened table keeps its recorded seed.
         backend: the store under disk tables: "mlkv" (KVStore) or "rocksdb" (the baseline).
@@ -566,6 +583,7 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                  memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu",
                  seed: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv",
                  reopen: bool = False, **kwargs: Any) -> None:
+        self._told_planner = False
         self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness, cache_policy,
                                         draw_seed() if seed is None else seed, backend, seed_drawn=seed is None,
                                         reopen=reopen)
@@ -575,8 +593,19 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels = super().compute_kernels(sharding_type, compute_device_type)
-        if sharding_type in _DISK_SHARDING_TYPES:
-            kernels = kernels + [DISK_KERNEL]
+        if sharding_type not in _DISK_SHARDING_TYPES:
+            return kernels
+        if _planning_with_disk.get():
+            return kernels + [DISK_KERNEL]
+        # Another planner (DistributedModelParallel's default, say) cannot estimate the disk kernel:
+        # it plans every table in memory, and says how to put tables on disk.
+        if not self._told_planner:
+            self._told_planner = True
+            warnings.warn("DiskEmbeddingBagCollectionSharder: this plan comes from a planner that does not know the "
+                          "disk kernel (DistributedModelParallel's default when no plan= is passed): every table stays "
+                          "in memory. To put tables on disk, plan with mlkv_torch.torchrec.DiskAwarePlanner("
+                          "topology=Topology(world_size, compute_device, ddr_cap=<host memory per rank>), ...) and pass "
+                          "plan=planner.collective_plan(model, [sharder]) to DistributedModelParallel", stacklevel=2)
         return kernels
 
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
