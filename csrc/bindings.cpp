@@ -285,19 +285,23 @@ class RocksStore : public RowStoreHandle {
 };
 #endif  // MLKV_WITH_ROCKSDB
 
-// Rows never written: element j of row `id` is uniform in [low, high), a
-// function of (seed, id, j) alone, so every batch order gives the same rows.
-torch::Tensor InitialRows(const torch::Tensor& ids, int64_t dim, int64_t seed, double low, double high,
-                          torch::ScalarType dtype, int64_t first_column) {
+// Rows never written: element j of row `id` is uniform in [a, b) (normal: mean a, deviation b),
+// a function of (seed, id, j) alone, so every batch order gives the same rows.
+torch::Tensor InitialRows(const torch::Tensor& ids, int64_t dim, int64_t seed, double a, double b,
+                          torch::ScalarType dtype, int64_t first_column, bool normal) {
   CheckKeys(ids);
   TORCH_CHECK_VALUE(dim > 0, "dim must be positive, got ", dim);
-  TORCH_CHECK_VALUE(low <= high, "low must not exceed high, got [", low, ", ", high, ")");
+  if (normal) {
+    TORCH_CHECK_VALUE(b >= 0, "std must be non-negative, got ", b);
+  } else {
+    TORCH_CHECK_VALUE(a <= b, "low must not exceed high, got [", a, ", ", b, ")");
+  }
   torch::Tensor rows = torch::empty({ids.numel(), dim}, torch::kFloat32);
   const int64_t* id = ids.data_ptr<int64_t>();
   float* out = rows.data_ptr<float>();
   TORCH_CHECK_VALUE(first_column >= 0, "first_column must be non-negative, got ", first_column);
-  const mlkv::RowInit init{static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low),
-                           first_column};
+  const mlkv::RowInit init{static_cast<uint64_t>(seed), static_cast<float>(a), static_cast<float>(normal ? b : b - a),
+                           first_column, normal};
   at::parallel_for(0, ids.numel(), 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) mlkv::InitialRow(init, id[i], dim, out + i * dim);
   });
@@ -382,8 +386,9 @@ void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double be
   }
 }
 
-// One table of a cache, as Python describes it: (name, store, num_embeddings, seed, low, high, first_column).
-using TableArgs = std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, double, double, int64_t>;
+// One table of a cache, as Python describes it: (name, store, num_embeddings, seed, normal, a, b, first_column):
+// rows never written start uniform in [a, b), or normal with mean a and deviation b.
+using TableArgs = std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, bool, double, double, int64_t>;
 
 std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& tables, int64_t capacity, int64_t dim,
                                                 int64_t weight_type, int64_t kind, double lr, double eps, double beta1,
@@ -391,12 +396,12 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
                                                 const std::string& policy, int64_t staleness, const std::string& device,
                                                 int64_t staging_bytes) {
   std::vector<mlkv::CacheTable> cache_tables;
-  for (const auto& [name, store, num_embeddings, seed, low, high, first_column] : tables) {
+  for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column] : tables) {
     TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
     TORCH_CHECK_VALUE(first_column >= 0, "table '", name, "': first_column must be non-negative, got ", first_column);
     cache_tables.push_back({name, store->rows(),
-                            {static_cast<uint64_t>(seed), static_cast<float>(low), static_cast<float>(high - low),
-                             first_column},
+                            {static_cast<uint64_t>(seed), static_cast<float>(a), static_cast<float>(normal ? b : b - a),
+                             first_column, normal},
                             num_embeddings});
   }
   mlkv::CacheOptions o;
@@ -480,8 +485,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_rocksdb") = false;
 #endif
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
-  m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("low"), py::arg("high"),
-        py::arg("dtype"), py::arg("first_column") = 0, "Deterministic initial rows: uniform [low, high) from (seed, id, column).");
+  m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("a"), py::arg("b"),
+        py::arg("dtype"), py::arg("first_column") = 0, py::arg("normal") = false,
+        "Deterministic initial rows from (seed, id, column): uniform [a, b), or normal(mean a, std b).");
   py::class_<RowStoreHandle>(m, "RowStore");  // what EmbeddingCache takes
   py::class_<Store, RowStoreHandle>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,

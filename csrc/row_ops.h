@@ -120,7 +120,8 @@ MLKV_HOST_DEVICE inline void UpdateRow(const OptimizerSpec& s, float adam_scale,
 }
 
 // Initial value of rows never written: element j of row `id` is uniform in
-// [low, low + span), a function of (seed, id, j) alone.
+// [low, low + span) (or normal with mean `low` and deviation `span`), a
+// function of (seed, id, j) alone.
 MLKV_HOST_DEVICE inline uint64_t SplitMix64(uint64_t z) {
   z ^= z >> 30;
   z *= 0xbf58476d1ce4e5b9ull;
@@ -136,13 +137,22 @@ struct RowInit {
   // Column j of a row draws the value of column first_column + j of the full
   // row, so a column shard starts as its slice of the unsharded table.
   int64_t first_column = 0;
+  bool normal = false;  // normal(low, span) instead of uniform [low, low + span)
 };
 
 inline void InitialRow(const RowInit& init, int64_t id, int64_t dim, float* out) {
   const uint64_t row_part = (init.seed * 0x9E3779B97F4A7C15ull) ^ SplitMix64(static_cast<uint64_t>(id) + 0xD1B54A32D192ED03ull);
   for (int64_t j = 0; j < dim; ++j) {
     const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j + init.first_column) * 0x8CB92BA72F3D8DD7ull);
-    out[j] = init.low + init.span * (static_cast<float>(z >> 40) * (1.0f / 16777216.0f));  // 24 random bits
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // 24 random bits, in [0, 1)
+    if (!init.normal) {
+      out[j] = init.low + init.span * u;
+      continue;
+    }
+    // Box-Muller over two 24-bit uniforms of the same draw; 1 - u is in (0, 1], so the log is finite.
+    const float v = static_cast<float>((z >> 16) & 0xFFFFFFull) * (1.0f / 16777216.0f);
+    const float radius = std::sqrt(-2.0f * std::log(1.0f - u));
+    out[j] = init.low + init.span * radius * std::cos(6.2831853071795864f * v);
   }
 }
 

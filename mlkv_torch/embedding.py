@@ -60,6 +60,7 @@ class _PooledLookup(torch.autograd.Function):
         ctx.device_lookup = device_lookup  # (slots, index version, rows not cached) of a device lookup
         psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[5]
         ctx.save_for_backward(unique, inverse, offsets, weights if psw_needs_grad else None, per_sample_weights)
+        ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
         return out
 
     @staticmethod
@@ -88,7 +89,11 @@ class _PooledLookup(torch.autograd.Function):
             keep = torch.tensor(trains).index_select(0, unique >> _C.EmbeddingCache.table_shift)
             if bool(keep.any()):
                 batch.queue_update(unique[keep].contiguous(), grads[keep.to(grads.device)])
-        return (None, None, None, None, None, grad_psw, None) + (None,) * len(trains)
+        # A training table's anchor gets its (empty) gradient: data-parallel wrappers (DDP) expect
+        # every parameter that takes part in the forward to receive one.
+        anchor_grads = tuple(torch.zeros(shape, dtype=dtype, device=device) if train else None
+                             for train, (shape, dtype, device) in zip(trains, ctx.anchors))
+        return (None, None, None, None, None, grad_psw, None) + anchor_grads
 
 
 _OPEN_BATCHES: "weakref.WeakSet[DiskTableBatch]" = weakref.WeakSet()
@@ -206,8 +211,8 @@ class DiskTable:
         first_column: the table holds columns [first_column, first_column + dim) of a wider
             table (a column shard); its initial rows are that slice of the wider table's.
         expected_rows: sizes the store's index; default min(num_embeddings, 4M).
-        init_range: (low, high) of the uniform initial values; default TorchRec's
-            (-sqrt(1/num_embeddings), sqrt(1/num_embeddings)).
+        init: how rows never written start: ("uniform", low, high) or ("normal", mean, std);
+            default TorchRec's ("uniform", -sqrt(1/num_embeddings), sqrt(1/num_embeddings)).
         seed_drawn: `seed` was drawn (``seed=None``), not chosen: a reopened table keeps the
             seed it was created with (a chosen seed must equal it).
     """
@@ -218,14 +223,21 @@ class DiskTable:
     seed: int = 0
     first_column: int = 0
     expected_rows: Optional[int] = None
-    init_range: Optional[Tuple[float, float]] = None
+    init: Optional[Tuple[str, float, float]] = None
     seed_drawn: bool = False
 
-    def initial_range(self) -> Tuple[float, float]:
-        if self.init_range is not None:
-            return float(self.init_range[0]), float(self.init_range[1])
+    def initial_distribution(self) -> Tuple[str, float, float]:
+        """("uniform", low, high) or ("normal", mean, std) of the rows never written."""
+        if self.init is not None:
+            return self.init[0], float(self.init[1]), float(self.init[2])
         bound = (1.0 / self.num_embeddings) ** 0.5
-        return -bound, bound
+        return "uniform", -bound, bound
+
+    def initial_rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The rows `ids` hold until written (what the cache generates for them)."""
+        kind, a, b = self.initial_distribution()
+        params = dict(mean=a, std=b) if kind == "normal" else dict(low=a, high=b)
+        return initial_rows(ids, dim, seed=self.seed, dtype=dtype, first_column=self.first_column, **params)
 
 
 def _settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore, RocksDBStore]], reopen: bool
@@ -336,6 +348,9 @@ class DiskTableBatch:
                 raise ValueError(f"num_embeddings must be a positive int, got {t.num_embeddings!r}")
             if isinstance(t.first_column, bool) or not isinstance(t.first_column, int) or t.first_column < 0:
                 raise ValueError(f"first_column must be a non-negative int, got {t.first_column!r}")
+            if t.init is not None and (len(t.init) != 3 or t.init[0] not in ("uniform", "normal")):
+                raise ValueError(f"table {t.name!r}: init must be ('uniform', low, high) or ('normal', mean, std), "
+                                 f"got {t.init!r}")
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if dtype not in _WEIGHT_TYPES:
@@ -383,7 +398,8 @@ class DiskTableBatch:
                                                expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22)))
             self.tables = _settle_reopened(self.tables, self.stores, reopen)
             self.cache = _C.EmbeddingCache(
-                [(t.name, store._store, t.num_embeddings, int(t.seed), *t.initial_range(), t.first_column)
+                [(t.name, store._store, t.num_embeddings, int(t.seed), t.initial_distribution()[0] == "normal",
+                  *t.initial_distribution()[1:], t.first_column)
                  for t, store in zip(self.tables, self.stores)],
                 self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.hyperparameters(),
                 optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
@@ -794,11 +810,9 @@ class DiskEmbeddingBag(nn.Module):
         as EmbeddingBagCollection's reset_parameters re-initialises its weights. Writes every row,
         chunk by chunk."""
         spec = self._batch.tables[self._table]
-        low, high = spec.initial_range()
         generated = torch.float32 if self.dtype == torch.float64 else self.dtype  # float64 rows start as float32's
         for ids, _ in self._row_chunks():
-            self.import_rows(ids, initial_rows(ids, self.embedding_dim, seed=spec.seed, low=low, high=high,
-                                               dtype=generated, first_column=spec.first_column))
+            self.import_rows(ids, spec.initial_rows(ids, self.embedding_dim, generated))
         self._batch.flush()
 
     def populate(self) -> int:

@@ -16,19 +16,20 @@ _ELEMENT_TYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = None, high: Optional[float] = None,
                  dtype: torch.dtype = torch.float32, num_embeddings: Optional[int] = None,
-                 first_column: int = 0) -> torch.Tensor:
+                 first_column: int = 0, *, mean: Optional[float] = None, std: Optional[float] = None) -> torch.Tensor:
     """Deterministic initial values of embedding rows never written.
 
-    Element j of row `id` is uniform in [low, high) and a function of
-    (seed, id, j) alone: any batch order, any process, gives the same rows. By
-    default the range is TorchRec's uniform(-sqrt(1/n), sqrt(1/n)) for a table
-    of `num_embeddings` rows.
+    Element j of row `id` is uniform in [low, high) (or normal with `mean` and
+    `std`, when those are given) and a function of (seed, id, j) alone: any
+    batch order, any process, gives the same rows. By default the range is
+    TorchRec's uniform(-sqrt(1/n), sqrt(1/n)) for a table of `num_embeddings` rows.
 
     Args:
         ids: int64 ids [N], non-negative.
         dim: elements per row.
         seed: the table's seed.
         low, high: the range; both or neither.
+        mean, std: a normal distribution instead of the range; both or neither.
         dtype: float32, float16 or bfloat16.
         num_embeddings: the table's row count, for the default range.
         first_column: the rows are columns [first_column, first_column + dim)
@@ -39,7 +40,14 @@ def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = 
     """
     if (low is None) != (high is None):
         raise ValueError("give both low and high, or neither")
-    if low is None:
+    if (mean is None) != (std is None):
+        raise ValueError("give both mean and std, or neither")
+    normal = mean is not None
+    if normal and low is not None:
+        raise ValueError("give low and high (uniform) or mean and std (normal), not both")
+    if normal:
+        low, high = mean, std
+    elif low is None:
         if not num_embeddings or num_embeddings <= 0:
             raise ValueError("num_embeddings (positive) is needed for the default range uniform(-sqrt(1/n), sqrt(1/n))")
         high = (1.0 / num_embeddings) ** 0.5
@@ -57,7 +65,7 @@ def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = 
     if ids.numel() and int(ids.min()) < 0:
         raise ValueError(f"ids must be non-negative, got {int(ids.min())}")
     return _C.initial_rows(ids.detach().to("cpu").contiguous(), dim, int(seed), float(low), float(high), dtype,
-                           int(first_column))
+                           int(first_column), normal)
 
 
 _IO_ENGINES = ("auto", "uring", "threads")

@@ -28,6 +28,25 @@ def test_initial_rows_follow_torchrec_default_range_uniformly():
     assert (counts / u.numel() - 0.1).abs().max() < 0.01
 
 
+def test_initial_rows_drawn_normal_are_normal_and_deterministic():
+    rows = initial_rows(torch.arange(20_000), 16, seed=4, mean=-1.0, std=0.5)
+    z = (rows.flatten() - (-1.0)) / 0.5  # standard normal if all is well
+    assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
+    assert abs(((z.abs() < 1).float().mean() - 0.6827).item()) < 0.005  # one sigma
+    assert abs(((z.abs() < 2).float().mean() - 0.9545).item()) < 0.003  # two sigma
+    assert bool(torch.isfinite(rows).all())
+    again = initial_rows(torch.tensor([19_999, 3]), 16, seed=4, mean=-1.0, std=0.5)
+    torch.testing.assert_close(again, rows[[19_999, 3]], rtol=0, atol=0)
+    shard = initial_rows(torch.tensor([3]), 4, seed=4, mean=-1.0, std=0.5, first_column=8)
+    torch.testing.assert_close(shard, rows[[3], 8:12], rtol=0, atol=0)  # a column shard: its slice of the row
+    with pytest.raises(ValueError, match="both mean and std"):
+        initial_rows([1], 4, mean=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        initial_rows([1], 4, low=0.0, high=1.0, mean=0.0, std=1.0)
+    with pytest.raises(ValueError, match="std must be non-negative"):
+        initial_rows([1], 4, mean=0.0, std=-1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_initial_rows_explicit_range_and_dtype(dtype):
     rows = initial_rows([1, 2, 3], 8, seed=5, low=2.0, high=3.0, dtype=dtype)

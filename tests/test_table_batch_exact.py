@@ -183,3 +183,17 @@ def test_dlrm_with_adam_on_the_disk_kernel_equals_sparse_adam(tmp_path, cache):
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
     torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected)
     collection.close()
+
+
+def test_one_rank_dmp_without_the_disk_sharder_trains_the_collection_as_it_is(process_group, tmp_path):
+    # DistributedModelParallel with its default sharders leaves the collection unsharded (one rank:
+    # it is the whole model); it trains as in one process, and DMP's fused_optimizer carries its tables.
+    expected = torchrec_losses(OPTIMIZERS["sgd"][1])
+    collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=optim.SGD(lr=LR),
+                                            memory_budget_bytes=1 << 20, seed=0)
+    dmp = DistributedModelParallel(dlrm(collection), device=torch.device("cpu"))
+    assert dmp.module.sparse_arch.embedding_bag_collection is collection
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    torch.testing.assert_close(train(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), batches()), expected)
+    collection.close()

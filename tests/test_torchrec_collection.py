@@ -1,4 +1,6 @@
 """DiskEmbeddingBagCollection against torchrec's EmbeddingBagCollection, alone and inside DLRM."""
+import functools
+
 import pytest
 import torch
 
@@ -342,7 +344,7 @@ def test_symbolic_tracing_keeps_the_collection_as_one_call(tmp_path, trace):
     disk.close()
 
 
-def test_initial_rows_follow_the_tables_init_range_and_another_init_fn_is_reported(tmp_path):
+def test_initial_rows_follow_the_tables_init_fn_range_or_normal_and_another_init_fn_is_reported(tmp_path):
     from mlkv_torch import initial_rows
     from mlkv_torch.torchrec.tables import table_seed
 
@@ -353,10 +355,29 @@ def test_initial_rows_follow_the_tables_init_range_and_another_init_fn_is_report
     torch.testing.assert_close(rows, initial_rows(torch.arange(2000), DIM, seed=table_seed(2, "t"), low=-0.5, high=0.5))
     assert -0.5 <= float(rows.min()) and float(rows.max()) < 0.5 and abs(float(rows.std()) - 0.5 / 3 ** 0.5) < 0.01
     disk.close()
-    custom = EmbeddingBagConfig(name="n", num_embeddings=100, embedding_dim=DIM, feature_names=["f"],
+    # TorchRec users write init_fn=partial(torch.nn.init.normal_, ...): honoured, row by row from (seed, id)
+    normal = EmbeddingBagConfig(name="n", num_embeddings=20_000, embedding_dim=DIM, feature_names=["f"],
+                                init_fn=functools.partial(torch.nn.init.normal_, mean=0.25, std=1.5))
+    disk = DiskEmbeddingBagCollection([normal], path=tmp_path / "n", optimizer=optim.SGD(lr=0.1), seed=3)
+    rows = disk.embedding_bags["n"].weight[:]
+    torch.testing.assert_close(rows, initial_rows(torch.arange(20_000), DIM, seed=table_seed(3, "n"), mean=0.25,
+                                                  std=1.5))
+    assert abs(float(rows.mean()) - 0.25) < 0.02 and abs(float(rows.std()) - 1.5) < 0.02
+    ebc = EmbeddingBagCollection([normal])  # the same distribution as TorchRec's table
+    assert abs(float(ebc.embedding_bags["n"].weight.std()) - float(rows.std())) < 0.03
+    disk.reset_parameters()  # back to the same normal rows
+    torch.testing.assert_close(disk.embedding_bags["n"].weight[:], rows)
+    disk.close()
+    uniform = EmbeddingBagConfig(name="u", num_embeddings=100, embedding_dim=DIM, feature_names=["f"],
+                                 init_fn=functools.partial(torch.nn.init.uniform_, a=-2.0, b=-1.0))
+    disk = DiskEmbeddingBagCollection([uniform], path=tmp_path / "u", optimizer=optim.SGD(lr=0.1))
+    rows = disk.embedding_bags["u"].weight[:]
+    assert -2.0 <= float(rows.min()) and float(rows.max()) < -1.0
+    disk.close()
+    custom = EmbeddingBagConfig(name="c", num_embeddings=100, embedding_dim=DIM, feature_names=["f"],
                                 init_fn=lambda w: torch.nn.init.normal_(w, std=1.5))
-    with pytest.warns(UserWarning, match=r"table 'n': its init_fn is not applied on disk"):
-        DiskEmbeddingBagCollection([custom], path=tmp_path / "b", optimizer=optim.SGD(lr=0.1)).close()
+    with pytest.warns(UserWarning, match=r"table 'c': its init_fn is not applied on disk \(only functools.partial"):
+        DiskEmbeddingBagCollection([custom], path=tmp_path / "c", optimizer=optim.SGD(lr=0.1)).close()
 
 
 def test_apply_optimizer_in_backward_chooses_the_tables_optimizer(tmp_path):

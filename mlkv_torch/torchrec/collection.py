@@ -10,15 +10,15 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
 from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_table, draw_seed,
                          host_memory_for_all_rows)
 from ..store import KVStore
-from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting, init_range_of,
-                     optimizer_from_fused_params, row_bytes, table_seed)
+from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
+                     initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 
@@ -186,7 +186,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         cache_rows = opening["cache_rows"]
         return [dict(
             tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(opening["path"], tables[i].name),
-                              opening["seeds"][i], init_range=init_range_of(tables[i]),
+                              opening["seeds"][i], init=initial_distribution_of(tables[i]),
                               seed_drawn=opening["seed_drawn"]) for i in members],
             embedding_dim=dim, mode=mode, optimizer=rule,
             cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
@@ -205,9 +205,6 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             for k, i in enumerate(members):
                 bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
-        for bag in bags.values():  # TorchRec's dense optimizers skip what an in-backward optimizer owns
-            bag._anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-            bag._anchor._optimizer_classes, bag._anchor._optimizer_kwargs = [], []  # type: ignore[attr-defined]
         self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
                                                    self._lr)
 

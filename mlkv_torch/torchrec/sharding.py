@@ -58,7 +58,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .. import optim as optim_lib
 from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
-                     fused_params_of, init_range_of, optimizer_from_fused_params, row_bytes, table_seed)
+                     fused_params_of, initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
            "ShardedDiskEmbeddingBagCollection", "resolve_optimizer", "shard_memory_budget"]
@@ -195,7 +195,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 [DiskTable(self._shards[i].name, self._shards[i].num_embeddings,
                            os.path.join(self._rank_dir, self._shard_name(self._shards[i])),
                            table_seed(options.seed, self._shards[i].name), self._offsets(self._shards[i])[1],
-                           init_range=init_range_of(self._shards[i]), seed_drawn=options.seed_drawn)
+                           init=initial_distribution_of(self._shards[i]), seed_drawn=options.seed_drawn)
                  for i in members],
                 cols, mode=mode, optimizer=optimizer, memory_budget_bytes=budgets[(cols, dtype, mode, optimizer)],
                 staleness=options.staleness, dtype=dtype, device=self._device, cache_policy=options.cache_policy,

@@ -5,6 +5,7 @@ mlkv_torch.optim."""
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -50,21 +51,31 @@ class DiskFusedOptimizer(FusedOptimizer):
             self._applied_lr = lr
 
 
-def init_range_of(config: Any) -> Tuple[float, float]:
-    """The (low, high) of a TorchRec table's uniform initial rows: its weight_init_min/max (those of
-    its default init_fn). A disk table generates each row when first read, from (seed, id); an
-    init_fn other than TorchRec's default uniform cannot run there, and is reported."""
+_INIT_FNS = {torch.nn.init.uniform_: ("uniform", "a", "b"), torch.nn.init.normal_: ("normal", "mean", "std")}
+
+
+def initial_distribution_of(config: Any) -> Tuple[str, float, float]:
+    """How a TorchRec table's rows start on disk: ("uniform", low, high) or ("normal", mean, std).
+    A disk table generates each row when first read, from (seed, id), so its init_fn is read, not
+    run: ``functools.partial(torch.nn.init.uniform_ or normal_, ...)`` (TorchRec's default is the
+    uniform one over weight_init_min/max) is honoured; any other init_fn cannot run there, and is
+    reported."""
     init_fn = getattr(config, "init_fn", None)
-    default = (isinstance(init_fn, functools.partial) and init_fn.func is torch.nn.init.uniform_
-               and not init_fn.args)
-    if init_fn is not None and not default:
-        warnings.warn(f"table {config.name!r}: its init_fn is not applied on disk; its rows start uniform in "
+    if isinstance(init_fn, functools.partial) and init_fn.func in _INIT_FNS:
+        kind, first, second = _INIT_FNS[init_fn.func]
+        try:
+            bound = inspect.signature(init_fn.func).bind(torch.empty(0), *init_fn.args, **init_fn.keywords)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            bound.apply_defaults()
+            return kind, float(bound.arguments[first]), float(bound.arguments[second])
+    if init_fn is not None:
+        warnings.warn(f"table {config.name!r}: its init_fn is not applied on disk (only functools.partial of "
+                      f"torch.nn.init.uniform_ or normal_ can be); its rows start uniform in "
                       f"[weight_init_min, weight_init_max] = [{config.get_weight_init_min():g}, "
                       f"{config.get_weight_init_max():g}] (set those, or write rows with import_rows)", stacklevel=3)
-    if default:
-        return float(init_fn.keywords.get("a", config.get_weight_init_min())), \
-            float(init_fn.keywords.get("b", config.get_weight_init_max()))
-    return float(config.get_weight_init_min()), float(config.get_weight_init_max())
+    return "uniform", float(config.get_weight_init_min()), float(config.get_weight_init_max())
 
 
 def table_seed(seed: int, table_name: str) -> int:
