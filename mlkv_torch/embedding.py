@@ -268,6 +268,12 @@ def _settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore
     return settled
 
 
+def _cache_init(table: DiskTable) -> Tuple[bool, float, float]:
+    """The (normal, a, b) a cache table's initial rows take (see EmbeddingCache's table tuple)."""
+    kind, a, b = table.initial_distribution()
+    return kind == "normal", a, b
+
+
 def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
                       cache_rows: Optional[int] = None) -> Tuple[int, int]:
     """The budget rule of a table batch: ``(cache_rows, store_log_bytes per table)``.
@@ -398,8 +404,7 @@ class DiskTableBatch:
                                                expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22)))
             self.tables = _settle_reopened(self.tables, self.stores, reopen)
             self.cache = _C.EmbeddingCache(
-                [(t.name, store._store, t.num_embeddings, int(t.seed), t.initial_distribution()[0] == "normal",
-                  *t.initial_distribution()[1:], t.first_column)
+                [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
                  for t, store in zip(self.tables, self.stores)],
                 self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.hyperparameters(),
                 optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
