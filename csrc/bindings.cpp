@@ -116,7 +116,8 @@ class Store : public RowStoreHandle {
  public:
   Store(const std::string& path, int64_t dim, int64_t element_type, int64_t memory_budget_bytes, int64_t expected_keys,
         int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth, const std::string& io_engine,
-        int64_t io_threads, bool direct_io, double compaction_ratio, bool promote_hot_reads) {
+        int64_t io_threads, bool direct_io, double compaction_ratio, bool promote_hot_reads, bool cut_checkpoints,
+        int64_t checkpoint_sequence) {
     TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 && page_bytes >= 0 &&
                           io_depth > 0 && io_threads > 0,
                       "store sizes must be positive");
@@ -142,6 +143,9 @@ class Store : public RowStoreHandle {
     o.direct_io = direct_io;
     o.compaction_ratio = compaction_ratio;
     o.promote_hot_reads = promote_hot_reads;
+    o.cut_checkpoints = cut_checkpoints;
+    TORCH_CHECK_VALUE(checkpoint_sequence >= 0, "checkpoint_sequence must be non-negative");
+    o.checkpoint_sequence = static_cast<uint64_t>(checkpoint_sequence);
     Status st;
     std::unique_ptr<mlkv::KVStore> store;
     {
@@ -204,6 +208,29 @@ class Store : public RowStoreHandle {
     Check(Unlocked([&] { return (store_.get()->*Method)(); }));
   }
 
+  // (keys int64 [n], values uint8 [n, value bytes], next cursor or -1 at the end): one step of a scan.
+  py::tuple ScanRows(int64_t cursor, int64_t max_rows) {
+    TORCH_CHECK_VALUE(cursor >= 0 && max_rows > 0, "cursor must be non-negative and max_rows positive");
+    uint64_t at = static_cast<uint64_t>(cursor);
+    std::vector<int64_t> keys;
+    std::vector<uint8_t> values;
+    Check(Unlocked([&] { return store_->ScanRows(&at, static_cast<size_t>(max_rows), &keys, &values); }));
+    const int64_t n = static_cast<int64_t>(keys.size());
+    torch::Tensor key_tensor = torch::empty({n}, torch::kInt64);
+    torch::Tensor value_tensor = torch::empty({n, static_cast<int64_t>(store_->value_bytes())}, torch::kUInt8);
+    if (n) {
+      std::memcpy(key_tensor.data_ptr<int64_t>(), keys.data(), keys.size() * sizeof(int64_t));
+      std::memcpy(value_tensor.data_ptr<uint8_t>(), values.data(), values.size());
+    }
+    return py::make_tuple(key_tensor, value_tensor, at == mlkv::KVStore::kScanDone ? int64_t{-1} : static_cast<int64_t>(at));
+  }
+
+  int64_t Checkpoint() {
+    uint64_t sequence = 0;
+    Check(Unlocked([&] { return store_->Checkpoint(&sequence); }));
+    return static_cast<int64_t>(sequence);
+  }
+
   py::dict Stats() {
     const mlkv::StoreStats s = Unlocked([&] { return store_->Stats(); });
     py::dict d;
@@ -224,6 +251,7 @@ class Store : public RowStoreHandle {
     d["compactions"] = s.compactions;
     d["compacted_rows"] = s.compacted_rows;
     d["checkpoints"] = s.checkpoints;
+    d["recovered_from_index_image"] = s.recovered_from_index_image;
     d["begin_address"] = s.begin_address;
     d["head_address"] = s.head_address;
     d["read_only_address"] = s.read_only_address;
@@ -491,11 +519,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<RowStoreHandle>(m, "RowStore");  // what EmbeddingCache takes
   py::class_<Store, RowStoreHandle>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                    const std::string&, int64_t, bool, double, bool>(),
+                    const std::string&, int64_t, bool, double, bool, bool, int64_t>(),
            py::arg("path"), py::arg("dim"), py::arg("element_type"), py::arg("memory_budget_bytes"),
            py::arg("expected_keys"), py::arg("segment_bytes"), py::arg("page_bytes"), py::arg("mutable_fraction"),
            py::arg("io_depth"), py::arg("io_engine"), py::arg("io_threads"), py::arg("direct_io"),
-           py::arg("compaction_ratio"), py::arg("promote_hot_reads"))
+           py::arg("compaction_ratio"), py::arg("promote_hot_reads"), py::arg("cut_checkpoints") = false,
+           py::arg("checkpoint_sequence") = 0)
       .def("put", &Store::Put)
       .def("get", &Store::Get)
       .def("lookup", &Store::Lookup)
@@ -503,7 +532,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("delete", &Store::Delete)
       .def("lookahead", &Store::Lookahead)
       .def("flush", &Store::Call<&mlkv::KVStore::Flush>)
-      .def("checkpoint", &Store::Call<&mlkv::KVStore::Checkpoint>)
+      .def("scan_rows", &Store::ScanRows, py::arg("cursor"), py::arg("max_rows"))
+      .def("checkpoint", &Store::Checkpoint, "Checkpoints; returns the checkpoint's sequence number.")
       .def("compact", &Store::Call<&mlkv::KVStore::Compact>)
       .def("close", &Store::Call<&mlkv::KVStore::Close>)
       .def("stats", &Store::Stats)

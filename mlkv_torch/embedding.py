@@ -16,7 +16,6 @@ every update (training equals the in-memory reference).
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import tempfile
 import warnings
@@ -31,6 +30,7 @@ from torch import nn
 
 from . import _C
 from . import optim as optim_lib
+from .cut import check_cut, read_cut, read_json_record, write_cut, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
 __all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows",
@@ -166,26 +166,16 @@ def draw_seed() -> int:
 
 def _read_record(table_path: str) -> Optional[Dict[str, Any]]:
     path = os.path.join(table_path, TABLE_RECORD)
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except FileNotFoundError:
+    record = read_json_record(path, "the seed of the table's initial rows")
+    if record is None:
         return None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is unreadable or corrupted ({e}); it records the seed of the table's "
-                         f"initial rows") from e
     if not isinstance(record, dict) or isinstance(record.get("seed"), bool) or not isinstance(record.get("seed"), int):
         raise ValueError(f"{path} is corrupted: it records no integer 'seed', got {record!r}")
     return record
 
 
 def _write_record(table_path: str, record: Dict[str, Any]) -> None:
-    path = os.path.join(table_path, TABLE_RECORD)
-    with open(path + ".tmp", "w") as f:  # whole or absent: a crash never leaves half a record
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    write_json_record(os.path.join(table_path, TABLE_RECORD), record)
 
 
 def destroy_table(path: str) -> None:
@@ -333,13 +323,17 @@ class DiskTableBatch:
         reopen: continue from the rows and optimizer state that the tables' directories hold
             from an earlier run; without it, a directory holding rows is refused
             (FileExistsError), so a second run of a script never continues silently.
+        cut: reopen every table at this cut (a record `checkpoint` returned, `mlkv_torch.cut`):
+            each store at the checkpoint it names, the optimizer at its step. ValueError names a
+            table whose store has moved past it or is missing from it.
     """
 
     def __init__(self, tables: Sequence[DiskTable], embedding_dim: int, *, mode: str = "sum",
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
                  device: Optional[Union[str, torch.device]] = None, cache_policy: str = "lfu",
-                 staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False) -> None:
+                 staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False,
+                 cut: Optional[Dict[str, Any]] = None) -> None:
         for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -393,16 +387,28 @@ class DiskTableBatch:
         # One empty parameter per table: autograd runs backward through it and tells which tables train.
         # [0, dim]: TorchRec's row-wise optimizers (apply_optimizer_in_backward) build on it without failing.
         self.anchors = [nn.Parameter(torch.empty(0, embedding_dim)) for _ in self.tables]
+        at_cut = self._entries_at(cut) if cut is not None else None
         self.stores: List[Union[KVStore, RocksDBStore]] = []
         try:
-            for t in self.tables:
+            for i, t in enumerate(self.tables):
                 if backend == "rocksdb":
                     self.stores.append(RocksDBStore(t.path, self.weight_words + self.state_dim, torch.float32,
                                                     log_bytes))
-                else:
+                    continue
+                checkpoint = at_cut[i]["checkpoint"] if at_cut else None
+                try:
+                    # Cut checkpoints: the store moves only when its tables' owner takes a cut.
                     self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
-                                               expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22)))
-            self.tables = _settle_reopened(self.tables, self.stores, reopen)
+                                               expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22),
+                                               cut_checkpoints=True, checkpoint=checkpoint))
+                except ValueError as e:
+                    if checkpoint is None:
+                        raise
+                    raise ValueError(f"table {t.name!r} cannot reopen at the cut {cut.get('label')!r} (its store's "
+                                     f"checkpoint {checkpoint}): {e}") from e
+            self.tables = _settle_reopened(self.tables, self.stores, reopen or cut is not None)
+            if at_cut:
+                self.step = max(entry["step"] for entry in at_cut)
             self.cache = _C.EmbeddingCache(
                 [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
                  for t, store in zip(self.tables, self.stores)],
@@ -414,6 +420,22 @@ class DiskTableBatch:
                 store.close()
             raise
         _OPEN_BATCHES.add(self)
+
+    def _entries_at(self, cut: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Each table's entry in a cut record, in table order; ValueError names the tables it lacks."""
+        check_cut(cut, "cut")
+        missing = [t.name for t in self.tables if t.name not in cut["tables"]]
+        if missing:
+            raise ValueError(f"the cut {cut.get('label')!r} records tables {sorted(cut['tables'])}, not {missing}")
+        return [cut["tables"][t.name] for t in self.tables]
+
+    def checkpoint(self) -> Dict[str, Dict[str, Optional[int]]]:
+        """This batch's part of a cut: writes the cache back, checkpoints every store, and returns each
+        table's {"checkpoint": store checkpoint, "step": optimizer step}, by table name. Whoever owns the
+        tables records them (`mlkv_torch.cut.write_cut`); until then each store can go back to its
+        checkpoint before."""
+        self.flush()
+        return {t.name: {"checkpoint": store.checkpoint(), "step": self.step} for t, store in zip(self.tables, self.stores)}
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
@@ -622,7 +644,8 @@ class DiskEmbeddingBag(nn.Module):
         backend: the store under the cache: "mlkv" (the log-structured KVStore) or
             "rocksdb" (RocksDBStore, the offloading baseline; same cache, same op).
         reopen: continue from the rows and optimizer state `path` holds from an earlier run;
-            without it such a path is refused (FileExistsError).
+            without it such a path is refused (FileExistsError). The table reopens at its last
+            `checkpoint()` (`close()` takes one), never at a state between two.
 
     Attributes:
         lr: the learning rate of the next updates; starts at ``optimizer.lr``,
@@ -646,13 +669,19 @@ class DiskEmbeddingBag(nn.Module):
                  reopen: bool = False) -> None:
         super().__init__()
         path = os.fspath(path)
+        name = os.path.basename(os.path.normpath(path))
+        cut = read_cut(path) if reopen else None
+        if cut is not None and len(cut["tables"]) == 1:  # its one table, whatever the directory is called now
+            cut = dict(cut, tables={name: next(iter(cut["tables"].values()))})
         batch = DiskTableBatch(
-            [DiskTable(os.path.basename(os.path.normpath(path)), num_embeddings, path,
+            [DiskTable(name, num_embeddings, path,
                        draw_seed() if seed is None else seed, first_column, expected_rows, seed_drawn=seed is None)],
             embedding_dim, mode=mode, optimizer=optimizer, cache_rows=cache_rows,
             memory_budget_bytes=memory_budget_bytes, staleness=staleness, dtype=dtype, device=device,
-            cache_policy=cache_policy, staging_bytes=staging_bytes, backend=backend, reopen=reopen)
+            cache_policy=cache_policy, staging_bytes=staging_bytes, backend=backend, reopen=reopen,
+            cut=cut)
         self._attach(batch, 0, include_last_offset)
+        self._cut_directory: Optional[str] = path  # a table of its own records its cuts beside its store
 
     @classmethod
     def of_batch(cls, batch: DiskTableBatch, table: int, include_last_offset: bool = True) -> "DiskEmbeddingBag":
@@ -662,6 +691,7 @@ class DiskEmbeddingBag(nn.Module):
         bag = cls.__new__(cls)
         nn.Module.__init__(bag)
         bag._attach(batch, table, include_last_offset)
+        bag._cut_directory = None  # its owner records the batch's cuts
         return bag
 
     def _attach(self, batch: DiskTableBatch, table: int, include_last_offset: bool) -> None:
@@ -783,6 +813,9 @@ class DiskEmbeddingBag(nn.Module):
         where = self._store.path if nbytes > self.memory_budget_bytes else None
         weight_out = _empty_rows((n, self.embedding_dim), self.dtype, where) if weights else None
         state_out = _empty_rows((n, self.state_dim), torch.float32, where) if state else None
+        if isinstance(self._store, KVStore):
+            self._scan_into(weight_out, state_out)
+            return weight_out, state_out
         for ids, rows in self._row_chunks():
             if state_out is None:
                 weight_out[rows] = self.export_rows(ids)
@@ -791,6 +824,23 @@ class DiskEmbeddingBag(nn.Module):
             if weight_out is not None:
                 weight_out[rows] = chunk_weight
         return weight_out, state_out
+
+    def _scan_into(self, weight_out: Optional[torch.Tensor], state_out: Optional[torch.Tensor]) -> None:
+        """Every row into the outputs: the rows never written generated, then the store's rows in one
+        sequential pass over its log (`KVStore.scan`), rather than a 4 KiB read per row."""
+        self._batch.flush()  # every queued update applied, every changed row in the store
+        spec, dim, words = self._batch.tables[self._table], self.embedding_dim, self._batch.weight_words
+        generated = torch.float32 if self.dtype == torch.float64 else self.dtype  # float64 rows start as float32's
+        for ids, rows in self._row_chunks():
+            if weight_out is not None:
+                weight_out[rows] = spec.initial_rows(ids, dim, generated)
+            if state_out is not None:
+                state_out[rows] = self.optimizer.initial_state(ids.numel(), dim)
+        for ids, stored in self._store.scan(self._STATE_CHUNK_ROWS):
+            if weight_out is not None:
+                weight_out[ids] = self._batch.weights_of(stored[:, :words].contiguous())
+            if state_out is not None:
+                state_out[ids] = stored[:, words:]
 
     def restore(self, weight: Optional[torch.Tensor] = None, state: Optional[torch.Tensor] = None) -> None:
         """Sets every row's weights from `weight` [num_embeddings, dim] and/or its optimizer state
@@ -859,9 +909,27 @@ class DiskEmbeddingBag(nn.Module):
         served, prefetch timing) and the optimizer step count."""
         return self._batch.stats(self._table)
 
+    def checkpoint(self) -> Dict[str, Any]:
+        """Takes a cut (`mlkv_torch.cut`): queued updates applied, the cache written back, the store
+        checkpointed and the optimizer's step recorded beside it; ``reopen=True`` comes back to the
+        last one, even after a crash. Returns the cut's record. A table of a collection is
+        checkpointed by its collection."""
+        if self._cut_directory is None:
+            raise RuntimeError(f"table {self._batch.tables[self._table].name!r} shares its kernel with other "
+                               f"tables: checkpoint the DiskEmbeddingBagCollection (or module) that holds it")
+        record = {"label": None, "tables": self._batch.checkpoint()}
+        write_cut(self._cut_directory, record)
+        return record
+
     def close(self) -> None:
         """Applies queued updates, writes the cache back, checkpoints the store(s) and releases their
-        directories; closes every table of the batch."""
+        directories; closes every table of the batch. A table of its own takes a last cut first."""
+        if self._cut_directory is not None and not self._batch.closed:
+            try:
+                self.checkpoint()
+            finally:
+                self._batch.close()
+            return
         self._batch.close()
 
     # ---- forward ----------------------------------------------------------------------------------

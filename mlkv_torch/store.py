@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -196,10 +196,18 @@ class KVStore(_RowStore):
         direct_io: bypass the page cache (O_DIRECT) where the file system allows.
         compaction_ratio: compact automatically once the on-disk log exceeds
             this multiple of the live rows; 0 turns automatic compaction off.
-            A compaction ends with a checkpoint.
+            A compaction ends with a checkpoint (unless cut_checkpoints).
         promote_hot_reads: copy a row that gets read from disk twice within a
             short window into memory (in the background), so skewed reads
             are served from memory; uniform scans are not promoted.
+        cut_checkpoints: checkpoints are cuts that the store's owner commits
+            across several stores (an embedding table's, at a training
+            checkpoint): automatic compaction takes none, and the checkpoint
+            before the latest stays recoverable until the next one, so a cut
+            that a crash left half-way across the stores can be undone.
+        checkpoint: recover this checkpoint (a number `checkpoint()`
+            returned): the latest or, with cut_checkpoints, the one before
+            it; ValueError names the ones the store has. Default: the latest.
 
     Example::
 
@@ -225,8 +233,12 @@ class KVStore(_RowStore):
         direct_io: bool = True,
         compaction_ratio: float = 2.0,
         promote_hot_reads: bool = True,
+        cut_checkpoints: bool = False,
+        checkpoint: Optional[int] = None,
     ) -> None:
         self._open(path, dim, dtype, memory_budget_bytes)
+        if checkpoint is not None and (isinstance(checkpoint, bool) or not isinstance(checkpoint, int) or checkpoint <= 0):
+            raise ValueError(f"checkpoint must be a positive int (a number checkpoint() returned), got {checkpoint!r}")
         for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes), ("page_bytes", page_bytes),
                             ("io_depth", io_depth), ("io_threads", io_threads)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -235,7 +247,8 @@ class KVStore(_RowStore):
             raise ValueError(f"io_engine must be one of {_IO_ENGINES}, got {io_engine!r}")
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
-                               bool(direct_io), float(compaction_ratio), bool(promote_hot_reads))
+                               bool(direct_io), float(compaction_ratio), bool(promote_hot_reads),
+                               bool(cut_checkpoints), int(checkpoint or 0))
         self._closed = False
 
     def get(self, keys: KeysLike, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -275,6 +288,26 @@ class KVStore(_RowStore):
     def flush(self) -> None:
         """Waits until queued lookaheads are applied; raises an error one of them met."""
         self._store.flush()
+
+    def scan(self, chunk_rows: int = 1 << 16) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """Every row, as (keys [n], rows [n, dim]) chunks of about `chunk_rows`, in the log's order:
+        the log is read sequentially, a few MiB at a time, where `get` reads a 4 KiB block per
+        row (for a table larger than memory, ~15x less I/O than reading it key by key). A row
+        written during the scan may come twice (the newer last); at rest each comes once."""
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        cursor = 0
+        while cursor >= 0:
+            self._check_open()
+            keys, raw, cursor = self._store.scan_rows(cursor, chunk_rows)
+            if keys.numel():
+                yield keys, raw.view(self._dtype).view(keys.numel(), self._dim)
+
+    def checkpoint(self) -> int:
+        """Makes the current contents durable; returns the checkpoint's number, which reopening
+        recovers (the latest by default). With nothing changed since the last checkpoint, that
+        one stands and its number is returned."""
+        return self._store.checkpoint()
 
     def compact(self) -> None:
         """Copies live rows out of the on-disk log, checkpoints, and deletes the old segments."""

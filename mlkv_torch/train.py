@@ -145,6 +145,13 @@ class _Experiment:
         self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.resume = resume
+        # One process resumes from a cut: the checkpoint names the one its tables reopen at.
+        self._resumed: Optional[Dict[str, Any]] = None
+        if resume and not self.distributed and os.path.exists(self.checkpoint_path()):
+            self._resumed = torch.load(self.checkpoint_path(), weights_only=False)
+            if "cut" not in self._resumed:
+                raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
+                                  f"row, not a cut of the tables); resume it with that version")
         if self.distributed:
             self._build_sharded(tables)
         else:
@@ -166,7 +173,8 @@ class _Experiment:
         self.collection = DiskEmbeddingBagCollection(
             tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
             cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
-            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume)
+            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume,
+            cut=self._resumed["cut"] if self._resumed else None)
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
@@ -264,13 +272,32 @@ class _Experiment:
         if self.distributed:
             self._save_sharded(step)
             return
-        state = {"step": step, "model": self.model.state_dict(), "dense_optimizer": self.optimizer.state_dict()}
-        bags = self.collection.embedding_bags.items()  # one process: a DiskEmbeddingBagCollection
-        state["table_optimizer_state"] = {name: bag.state_snapshot() for name, bag in bags}
-        state["table_steps"] = {name: bag.steps for name, bag in bags}
+        # One cut: the tables' (their stores keep the previous one until this file names the new),
+        # the dense model's and its optimizer's, and the data position (the step), committed at once.
+        cut = self.collection.checkpoint(label=step)
+        state = {"step": step, "dense": self._dense_state(), "dense_optimizer": self.optimizer.state_dict(), "cut": cut}
         partial = self.checkpoint_path() + ".partial"
         torch.save(state, partial)
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
+        _sync_directory(self.config.output_dir)
+
+    def _dense_state(self) -> Dict[str, torch.Tensor]:
+        """The model's parameters and buffers outside the disk tables (theirs are in the cut)."""
+        tables, state = self._tables_prefix(), {}
+        for module_name, module in self.model.named_modules():
+            prefix = module_name + "." if module_name else ""
+            if prefix.startswith(tables):
+                continue
+            for name, tensor in itertools.chain(module.named_parameters(recurse=False), (
+                    (n, b) for n, b in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set)):
+                state[prefix + name] = tensor.detach().clone()
+        return state
+
+    def _tables_prefix(self) -> str:
+        return next(name for name, module in self.model.named_modules() if module is self.collection) + "."
 
     def _save_sharded(self, step: int) -> None:
         """torch.distributed.checkpoint into checkpoint-<step>/; the pointer moves once it is whole."""
@@ -306,14 +333,23 @@ class _Experiment:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
             return int(state["step"])
-        state = torch.load(self.checkpoint_path(), weights_only=False)
-        self.model.load_state_dict(state["model"])
+        state = self._resumed  # the tables were opened at its cut
+        missing, unexpected = self.model.load_state_dict(state["dense"], strict=False)
+        missing = [k for k in missing if not k.startswith(self._tables_prefix())]
+        if missing or unexpected:
+            raise ConfigError(f"{self.checkpoint_path()} does not fit this model: missing {missing}, "
+                              f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
-        for name, table_state in state["table_optimizer_state"].items():
-            bag = self.collection.embedding_bags[name]
-            bag.restore(state=table_state)
-            bag.steps = state["table_steps"][name]
         return int(state["step"])
+
+
+def _sync_directory(path: str) -> None:
+    """Makes a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:

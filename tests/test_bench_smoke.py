@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py",
-                                    "bench_gpu.py"])
+                                    "bench_gpu.py", "bench_checkpoint.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
     if script not in ("bench_embedding.py", "bench_gpu.py"):
         pytest.importorskip("torchrec")

@@ -217,6 +217,33 @@ uint64_t HashIndex::Erase(int64_t key) {
   return old;
 }
 
+HashIndex::ImageCounts HashIndex::Counts() const {
+  return ImageCounts{size_, buckets_.size(), overflow_.size(), free_overflow_.size()};
+}
+
+std::vector<HashIndex::Region> HashIndex::Regions() const {
+  auto region = [](const void* p, uint64_t bytes) { return Region{const_cast<void*>(p), bytes}; };
+  return {region(&buckets_[0], buckets_.bytes()), region(overflow_.data(), overflow_.size() * sizeof(Bucket)),
+          region(free_overflow_.data(), free_overflow_.size() * sizeof(uint32_t))};
+}
+
+bool HashIndex::Reset(const ImageCounts& counts, std::vector<Region>* regions) {
+  // A bucket count is a power of two times nothing in particular: any count >= the minimum is
+  // valid; the overflow list holds its unused bucket 0, and every free link points into it.
+  if (counts.buckets < kMinBuckets || counts.buckets > (1ull << 40) || counts.overflow < 1 ||
+      counts.overflow > (1ull << 32) || counts.free >= counts.overflow ||
+      counts.size > (counts.buckets + counts.overflow) * kSlotsPerBucket) {
+    return false;
+  }
+  BucketArray buckets(counts.buckets);
+  buckets_.swap(buckets);
+  overflow_.assign(counts.overflow, Bucket{});
+  free_overflow_.assign(counts.free, 0);
+  size_ = counts.size;
+  *regions = Regions();
+  return true;
+}
+
 void HashIndex::Resize(uint64_t bucket_count) {
   BucketArray old_buckets(bucket_count);
   std::vector<Bucket> old_overflow(1, Bucket{});

@@ -53,7 +53,34 @@ class HashIndex {
   HashIndex& operator=(const HashIndex&) = delete;
   uint64_t MemoryBytes() const;
 
+  // The index as an image (a store's index checkpoint): the counts, then three regions written
+  // and read back byte for byte: the bucket array, the overflow buckets, the free overflow list.
+  struct ImageCounts {
+    uint64_t size, buckets, overflow, free;
+  };
+  struct Region {
+    void* data;
+    uint64_t bytes;
+  };
+  ImageCounts Counts() const;
+  std::vector<Region> Regions() const;  // to write, in order
+  // Resizes to an image's counts and returns the regions to read it into (in order); false when
+  // the counts cannot be an image of an index (nothing changed then).
+  bool Reset(const ImageCounts& counts, std::vector<Region>* regions);
+  // Calls fn(address) for every key's address.
+  template <typename F>
+  void ForEachAddress(F&& fn) const {
+    auto visit = [&](const Bucket& b) {
+      for (int i = 0; i < kSlotsPerBucket; ++i) {
+        if (b.lo[i] & kAddressBits) fn((b.lo[i] & kAddressBits) - 1);
+      }
+    };
+    for (uint64_t i = 0; i < buckets_.size(); ++i) visit(buckets_[i]);
+    for (size_t i = 1; i < overflow_.size(); ++i) visit(overflow_[i]);  // free ones are empty
+  }
+
  private:
+  static constexpr uint64_t kAddressBits = (1ull << 44) - 1;  // of lo: address + 1, 0 when empty
   struct alignas(64) Bucket {
     uint64_t lo[kSlotsPerBucket];  // address + 1 (44 bits) | fingerprint low 20 bits
     uint32_t hi[kSlotsPerBucket];  // fingerprint high bits (31) | in-alternate-bucket bit

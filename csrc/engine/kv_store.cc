@@ -58,6 +58,24 @@ struct CheckpointMeta {
 static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
 constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
 
+// The index-<seq>.dat file's header; the index's regions follow, from byte 64.
+struct IndexImageHeader {
+  char magic[8];
+  uint32_t format_version;
+  uint32_t crc;       // CRC-32C of the counts, then of every region's bytes
+  uint64_t sequence;  // the checkpoint it belongs to
+  uint64_t size, buckets, overflow, free;  // HashIndex::ImageCounts
+  uint64_t reserved;
+};
+static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
+constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
+
+uint64_t CheckpointSequenceOf(const std::string& record) {
+  CheckpointMeta meta;
+  std::memcpy(&meta, record.data(), sizeof(meta));
+  return meta.sequence;
+}
+
 uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
 
 std::string ErrnoText(int err) { return std::strerror(err); }
@@ -310,6 +328,75 @@ std::string KVStore::SegmentPath(uint64_t segment) const {
   return path_ + name;
 }
 
+std::string KVStore::IndexImagePath(uint64_t sequence) const {
+  char name[64];
+  std::snprintf(name, sizeof(name), "/index-%010" PRIu64 ".dat", sequence);
+  return path_ + name;
+}
+
+Status KVStore::WriteIndexImage(uint64_t sequence) {
+  const HashIndex::ImageCounts counts = index_.Counts();
+  const std::vector<HashIndex::Region> regions = index_.Regions();
+  IndexImageHeader header;
+  std::memset(&header, 0, sizeof(header));
+  std::memcpy(header.magic, kIndexImageMagic, 8);
+  header.format_version = kFormatVersion;
+  header.sequence = sequence;
+  header.size = counts.size;
+  header.buckets = counts.buckets;
+  header.overflow = counts.overflow;
+  header.free = counts.free;
+  uint32_t crc = Crc32c(0, &header.size, 4 * sizeof(uint64_t));
+  for (const auto& r : regions) crc = Crc32c(crc, r.data, r.bytes);
+  header.crc = crc;
+  const std::string file = IndexImagePath(sequence);
+  int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError("creating " + file + ": " + ErrnoText(errno));
+  Status st = WriteFully(fd, &header, sizeof(header), 0, file);
+  uint64_t offset = sizeof(header);
+  for (const auto& r : regions) {
+    if (st.ok()) st = WriteFully(fd, r.data, r.bytes, offset, file);
+    offset += r.bytes;
+  }
+  if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + file + ": " + ErrnoText(errno));
+  close(fd);
+  if (!st.ok()) unlink(file.c_str());
+  return st;
+}
+
+// Any failure leaves the index empty, for the caller to rebuild from the log.
+Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows) {
+  const std::string file = IndexImagePath(sequence);
+  int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::NotFound(file);
+  const HashIndex::ImageCounts empty{0, index_.Counts().buckets, 1, 0};
+  IndexImageHeader header;
+  Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
+  std::vector<HashIndex::Region> regions;
+  if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
+                  header.sequence != sequence || header.size != rows ||
+                  !index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions))) {
+    st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
+  }
+  uint32_t crc = st.ok() ? Crc32c(0, &header.size, 4 * sizeof(uint64_t)) : 0;
+  uint64_t offset = sizeof(header);
+  for (const auto& r : regions) {
+    if (!st.ok()) break;
+    st = ReadExactly(fd, r.data, r.bytes, offset, file);
+    crc = Crc32c(crc, r.data, r.bytes);
+    offset += r.bytes;
+  }
+  close(fd);
+  if (st.ok() && crc != header.crc) st = Status::Corruption(file + " fails its checksum");
+  if (!st.ok()) {
+    std::vector<HashIndex::Region> unused;
+    index_.Reset(empty, &unused);
+    return st;
+  }
+  index_.ForEachAddress([&](uint64_t slot) { MoveLive(kNone, slot); });
+  return Status::OK();
+}
+
 std::string KVStore::SnapshotPath(uint64_t sequence) const {
   char name[64];
   std::snprintf(name, sizeof(name), "/snapshot-%010" PRIu64 ".dat", sequence);
@@ -504,6 +591,7 @@ Status KVStore::ReserveSlot(uint64_t* slot, uint8_t** record) {
   *record = RecordInMemory(tail_);
   ++tail_;
   ++appends_;
+  ++changes_;
   return Status::OK();
 }
 
@@ -538,6 +626,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
     if (slot != kNone && slot >= ReadOnlySlot()) {
       WriteRecord(RecordInMemory(slot), keys[i], 0, value);
       ++in_place_updates_;
+      ++changes_;
       continue;
     }
     uint64_t fresh;
@@ -560,6 +649,7 @@ Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
       // The record is not on disk yet: turn it into a tombstone where it lies.
       uint8_t* rec = RecordInMemory(slot);
       WriteRecord(rec, keys[i], kFlagTombstone, rec + sizeof(RecordHeader));
+      ++changes_;
     } else {
       uint64_t tomb;
       MLKV_RETURN_IF_ERROR(Append(keys[i], kFlagTombstone, nullptr, &tomb));
@@ -858,19 +948,125 @@ Status KVStore::Flush() {
   return st;
 }
 
-Status KVStore::Checkpoint() {
+Status KVStore::Checkpoint(uint64_t* sequence) {
   // A failed lookahead or compaction is reported, but does not cost the checkpoint.
   Status background = Flush();
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   MLKV_RETURN_IF_ERROR(CheckpointLocked());
+  if (sequence) *sequence = checkpoint_sequence_;
   return background;
+}
+
+Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>* keys, std::vector<uint8_t>* values) {
+  constexpr uint64_t kReadBytes = 4ull << 20;  // one sequential read
+  if (*cursor == kScanDone) return Status::OK();
+  const size_t first_row = keys->size();
+  // Takes the live rows of `pages` consecutive pages from `data` (page `first_page` first); mu_ held.
+  auto take_live = [&](const uint8_t* data, uint64_t first_page, uint64_t pages, uint64_t tail,
+                       const std::string& file, uint64_t file_offset) -> Status {
+    for (uint64_t p = 0; p < pages; ++p) {
+      const uint8_t* page = data + p * page_bytes_;
+      const uint64_t first_slot = (first_page + p) * records_per_page_;
+      const uint64_t end_slot = std::min(tail, first_slot + records_per_page_);
+      for (uint64_t slot = std::max(first_slot, *cursor); slot < end_slot; ++slot) {
+        const uint8_t* rec = page + OffsetInPage(slot);
+        MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file, file_offset + p * page_bytes_ + OffsetInPage(slot)));
+        RecordHeader h;
+        std::memcpy(&h, rec, sizeof(h));
+        if ((h.flags & kFlagTombstone) || index_.Find(h.key) != slot) continue;  // superseded or deleted
+        keys->push_back(h.key);
+        values->insert(values->end(), rec + sizeof(RecordHeader), rec + sizeof(RecordHeader) + value_bytes_);
+      }
+    }
+    return Status::OK();
+  };
+  const uint64_t buffer_pages = std::max<uint64_t>(1, kReadBytes / page_bytes_);
+  AlignedBuffer buffer(buffer_pages * page_bytes_);
+  while (keys->size() - first_row < max_rows) {
+    uint64_t page, pages, segment;
+    {
+      std::shared_lock<std::shared_mutex> lock(mu_);
+      if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+      *cursor = std::max(*cursor, begin_);  // compacted past: its rows are further on
+      if (*cursor >= tail_) {
+        *cursor = kScanDone;
+        return Status::OK();
+      }
+      page = PageOf(*cursor);
+      if (page >= head_page_) {  // in memory: the rest of the log, under the lock
+        const uint64_t end_page = (tail_ + records_per_page_ - 1) / records_per_page_;
+        for (; page < end_page && keys->size() - first_row < max_rows; ++page) {
+          MLKV_RETURN_IF_ERROR(take_live(FrameOf(page), page, 1, tail_, path_ + " (memory)", 0));
+          *cursor = (page + 1) * records_per_page_;
+        }
+        if (*cursor >= tail_) *cursor = kScanDone;
+        return Status::OK();
+      }
+      // On disk: whole pages of one segment, up to the head, read below without the lock.
+      segment = SegmentOfPage(page);
+      pages = std::min({head_page_ - page, (segment + 1) * pages_per_segment_ - page, buffer_pages});
+    }
+    std::shared_ptr<SegmentFile> file;
+    Status st = SegmentFor(segment, OpenMode::kMayVanish, &file);
+    if (st.code() == Status::Code::kBusy) continue;  // compacted away since: begin_ has moved past it
+    MLKV_RETURN_IF_ERROR(st);
+    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, buffer.data, pages * page_bytes_, offset, file->path));
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    MLKV_RETURN_IF_ERROR(take_live(buffer.data, page, pages, tail_, file->path, offset));
+    *cursor = (page + pages) * records_per_page_;
+  }
+  return Status::OK();
+}
+
+Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* record) const {
+  CheckpointMeta meta;
+  int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IOError("opening " + file + ": " + ErrnoText(errno));
+  const uint64_t size = FileSize(fd);
+  Status st = size == sizeof(meta) ? ReadExactly(fd, &meta, sizeof(meta), 0, file)
+                                   : Status::Corruption(file + " has " + std::to_string(size) + " bytes, expected " +
+                                                        std::to_string(sizeof(meta)));
+  close(fd);
+  MLKV_RETURN_IF_ERROR(st);
+  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
+    return Status::Corruption(file + " fails its checksum");
+  }
+  if (meta.format_version != kFormatVersion) {
+    return Status::Corruption(file + " has format version " + std::to_string(meta.format_version) +
+                              ", this build reads version " + std::to_string(kFormatVersion));
+  }
+  record->assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
+  return Status::OK();
+}
+
+// tmp file, fsync, rename over `file`, fsync the directory: a crash leaves the old record or the new.
+Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string& record) const {
+  const std::string tmp = path_ + "/CHECKPOINT.tmp";
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError("creating " + tmp + ": " + ErrnoText(errno));
+  Status st = WriteFully(fd, record.data(), record.size(), 0, tmp);
+  if (st.ok() && fsync(fd) != 0) st = Status::IOError("syncing " + tmp + ": " + ErrnoText(errno));
+  close(fd);
+  // New segment and snapshot entries are durable before a record names them.
+  if (st.ok()) st = SyncDirectory(path_);
+  if (st.ok() && rename(tmp.c_str(), file.c_str()) != 0) {
+    st = Status::IOError("renaming " + tmp + " to " + file + ": " + ErrnoText(errno));
+  }
+  if (!st.ok()) {
+    unlink(tmp.c_str());
+    return st;
+  }
+  return SyncDirectory(path_);
 }
 
 // A checkpoint = segment files synced + the mutable pages copied to a snapshot
 // file + a new CHECKPOINT file renamed into place. Nothing becomes read-only,
 // so in-place updates go on after it.
 Status KVStore::CheckpointLocked() {
+  if (!ChangedSinceCheckpointLocked()) return Status::OK();  // the latest checkpoint still holds
   MLKV_RETURN_IF_ERROR(WaitFlushed(read_only_page_));
   std::vector<uint64_t> dirty;
   {
@@ -905,6 +1101,14 @@ Status KVStore::CheckpointLocked() {
       return st;
     }
   }
+  // The index image pays when recovery would otherwise read more log than the image holds.
+  if ((ReadOnlySlot() - begin_) * record_bytes_ > index_.MemoryBytes()) {
+    Status st = WriteIndexImage(sequence);
+    if (!st.ok()) {
+      unlink(snapshot.c_str());
+      return st;
+    }
+  }
   CheckpointMeta meta;
   std::memset(&meta, 0, sizeof(meta));
   std::memcpy(meta.magic, kCheckpointMagic, 8);
@@ -920,36 +1124,43 @@ Status KVStore::CheckpointLocked() {
   meta.tail = tail_;
   meta.rows = index_.size();
   meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
-  const std::string tmp = path_ + "/CHECKPOINT.tmp";
-  const std::string final_path = path_ + "/CHECKPOINT";
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    unlink(snapshot.c_str());
-    return Status::IOError("creating " + tmp + ": " + ErrnoText(errno));
-  }
-  Status st = WriteFully(fd, &meta, sizeof(meta), 0, tmp);
-  if (st.ok() && fsync(fd) != 0) st = Status::IOError("syncing " + tmp + ": " + ErrnoText(errno));
-  close(fd);
-  // New segment and snapshot entries are durable before CHECKPOINT names them.
-  if (st.ok()) st = SyncDirectory(path_);
-  if (st.ok() && rename(tmp.c_str(), final_path.c_str()) != 0) {
-    st = Status::IOError("renaming " + tmp + ": " + ErrnoText(errno));
-  }
+  const std::string record(reinterpret_cast<const char*>(&meta), sizeof(meta));
+  // The current checkpoint becomes the previous one first: a crash at any point leaves
+  // CHECKPOINT whole, and the checkpoint an owner last committed to recoverable.
+  const bool keep_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
+  Status st;
+  if (keep_previous) st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
+  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", record);
   if (!st.ok()) {
-    unlink(tmp.c_str());
     unlink(snapshot.c_str());
+    unlink(IndexImagePath(sequence).c_str());
     return st;
   }
-  const uint64_t previous = checkpoint_sequence_;
+  if (!keep_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
+  // What neither kept checkpoint needs goes: the snapshot two back (one back without cuts).
+  const uint64_t dropped = keep_previous ? previous_sequence_ : checkpoint_sequence_;
+  previous_sequence_ = keep_previous ? checkpoint_sequence_ : sequence;
+  previous_begin_ = keep_previous ? checkpointed_begin_ : begin_;
   checkpoint_sequence_ = sequence;  // never reused, even if what follows fails
-  MLKV_RETURN_IF_ERROR(SyncDirectory(path_));
-  // The new checkpoint is durable: what only the old one needed can go.
-  if (previous > 0) unlink(SnapshotPath(previous).c_str());
+  checkpoint_record_ = record;
+  checkpointed_changes_ = changes_;
+  checkpointed_begin_ = begin_;
+  if (dropped > 0 && dropped != previous_sequence_) {
+    unlink(SnapshotPath(dropped).c_str());
+    unlink(IndexImagePath(dropped).c_str());
+  }
+  // Compacted segments go once neither kept checkpoint starts at or before them.
+  const uint64_t keep_from = SegmentOfSlot(std::min(previous_begin_, begin_));
+  std::vector<uint64_t> kept;
   for (uint64_t s : compacted_segments_) {
+    if (s >= keep_from) {
+      kept.push_back(s);
+      continue;
+    }
     unlink(SegmentPath(s).c_str());
     ForgetSegment(s);  // the checkpoint's own sync may have reopened it
   }
-  compacted_segments_.clear();
+  compacted_segments_.swap(kept);
   ++checkpoints_;
   return Status::OK();
 }
@@ -971,24 +1182,26 @@ Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end
 }
 
 Status KVStore::Recover() {
-  const std::string meta_path = path_ + "/CHECKPOINT";
-  CheckpointMeta meta;
-  {
-    int fd = open(meta_path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return Status::IOError("opening " + meta_path + ": " + ErrnoText(errno));
-    uint64_t size = FileSize(fd);
-    Status st = size == sizeof(meta) ? ReadExactly(fd, &meta, sizeof(meta), 0, meta_path)
-                                     : Status::Corruption(meta_path + " has " + std::to_string(size) + " bytes, expected " +
-                                                          std::to_string(sizeof(meta)));
-    close(fd);
-    MLKV_RETURN_IF_ERROR(st);
-  }
-  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
-    return Status::Corruption(meta_path + " fails its checksum");
-  }
-  if (meta.format_version != kFormatVersion) {
-    return Status::Corruption(meta_path + " has format version " + std::to_string(meta.format_version) +
-                              ", this build reads version " + std::to_string(kFormatVersion));
+  const std::string latest_path = path_ + "/CHECKPOINT", previous_path = path_ + "/CHECKPOINT.previous";
+  std::string latest, previous;
+  MLKV_RETURN_IF_ERROR(ReadCheckpointRecord(latest_path, &latest));
+  // A store written before CHECKPOINT.previous existed, or one checkpoint old, has none.
+  if (!FileExists(previous_path) || !ReadCheckpointRecord(previous_path, &previous).ok()) previous = latest;
+  const bool drop_previous = !options_.cut_checkpoints && options_.checkpoint_sequence == 0 && previous != latest;
+  if (drop_previous) previous = latest;  // a store opened without cuts keeps only its latest
+  CheckpointMeta meta, older;
+  std::memcpy(&meta, latest.data(), sizeof(meta));
+  std::memcpy(&older, previous.data(), sizeof(older));
+  const std::string& meta_path = latest_path;
+  const uint64_t wanted = options_.checkpoint_sequence;
+  if (wanted != 0 && wanted != meta.sequence) {
+    if (wanted != older.sequence) {
+      return Status::InvalidArgument(
+          "store at " + path_ + " has checkpoints " + std::to_string(older.sequence) + " and " +
+          std::to_string(meta.sequence) + ", not checkpoint " + std::to_string(wanted) +
+          " that was asked for: it has moved past that cut, or never reached it");
+    }
+    meta = older;
   }
   if (meta.dim != options_.dim) {
     return Status::InvalidArgument("store at " + path_ + " holds rows of dim " + std::to_string(meta.dim) +
@@ -1001,15 +1214,34 @@ Status KVStore::Recover() {
   }
   MLKV_RETURN_IF_ERROR(ComputeLayout(meta.page_bytes, meta.pages_per_segment));
   if (meta.record_bytes != record_bytes_) return Status::Corruption(meta_path + " has an inconsistent record size");
+  if (drop_previous && unlink(previous_path.c_str()) != 0 && errno != ENOENT) {
+    return Status::IOError("removing " + previous_path + ": " + ErrnoText(errno));
+  }
+  if (meta.sequence != CheckpointSequenceOf(latest)) {
+    // Back to the previous checkpoint: it becomes the latest before anything is written, so a
+    // crash from here on recovers it, never the newer one being discarded.
+    MLKV_RETURN_IF_ERROR(WriteCheckpointRecord(latest_path, previous));
+    latest = previous;
+  }
   std::unique_lock<std::shared_mutex> lock(mu_);
   begin_ = meta.begin;
   checkpoint_sequence_ = meta.sequence;
+  checkpoint_record_ = latest;
+  if (older.sequence < meta.sequence) {
+    previous_sequence_ = older.sequence;
+    previous_begin_ = std::min(older.begin, meta.begin);
+  } else {
+    previous_sequence_ = meta.sequence;
+    previous_begin_ = meta.begin;
+  }
   const uint64_t flushed_page = meta.flushed / records_per_page_;
   const uint64_t begin_page = begin_ / records_per_page_;
   const uint64_t end_page = (meta.tail + records_per_page_ - 1) / records_per_page_;
 
+  // The index checkpoint, when there is a sound one, replaces the scan of the log.
+  recovered_from_index_image_ = LoadIndexImage(meta.sequence, meta.rows).ok();
   AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t page = begin_page; page < flushed_page; ++page) {
+  for (uint64_t page = begin_page; page < flushed_page && !recovered_from_index_image_; ++page) {
     std::shared_ptr<SegmentFile> file;
     MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
@@ -1029,8 +1261,10 @@ Status KVStore::Recover() {
       st = StartPage(page);
       const uint64_t offset = (page - flushed_page) * page_bytes_;
       if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
-      if (st.ok()) {
-        st = ScanSlots(FrameOf(page), page * records_per_page_, std::min(meta.tail, (page + 1) * records_per_page_), snapshot, offset);
+      const uint64_t first_slot = page * records_per_page_, end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
+      if (st.ok() && !recovered_from_index_image_) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
+      for (uint64_t slot = first_slot; slot < end_slot && st.ok() && recovered_from_index_image_; ++slot) {
+        st = VerifyRecord(FrameOf(page) + OffsetInPage(slot), snapshot, offset + OffsetInPage(slot));
       }
     }
     close(fd);
@@ -1041,7 +1275,14 @@ Status KVStore::Recover() {
     return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ + ", its CHECKPOINT says " +
                               std::to_string(meta.rows));
   }
-  RemoveLeftovers(SegmentOfPage(begin_page), meta.sequence);
+  // Segments below begin that the previous checkpoint still needs go at the next checkpoint.
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  for (uint64_t seg = previous_begin_ / slots_per_segment; seg < begin_ / slots_per_segment; ++seg) {
+    compacted_segments_.push_back(seg);
+  }
+  checkpointed_changes_ = changes_;
+  checkpointed_begin_ = begin_;
+  RemoveLeftovers(previous_begin_ / slots_per_segment, meta.sequence, previous_sequence_);
   return Status::OK();
 }
 
@@ -1049,7 +1290,7 @@ Status KVStore::Recover() {
 // write and the next checkpoint: compacted segments below `first_segment`,
 // segments past the one the log writes next (the flusher may be writing pages
 // replayed from the snapshot up to there), other snapshots, CHECKPOINT.tmp.
-void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence) {
+void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence) {
   DIR* dir = opendir(path_.c_str());
   if (!dir) return;
   const uint64_t last_segment = SegmentOfPage(read_only_page_);
@@ -1061,7 +1302,9 @@ void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence) {
     if (std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) {
       if (number < first_segment || number > last_segment) doomed.push_back(name);
     } else if (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
-      if (number != sequence) doomed.push_back(name);
+      if (number != sequence && number != previous_sequence) doomed.push_back(name);
+    } else if (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
+      if (number != sequence && number != previous_sequence) doomed.push_back(name);
     } else if (name == "CHECKPOINT.tmp") {
       doomed.push_back(name);
     }
@@ -1087,7 +1330,8 @@ Status KVStore::Destroy(const std::string& path) {
     char tail[8] = {0};
     if ((std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) ||
         (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) ||
-        name == "CHECKPOINT" || name == "CHECKPOINT.tmp") {
+        (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) ||
+        name == "CHECKPOINT" || name == "CHECKPOINT.tmp" || name == "CHECKPOINT.previous") {
       doomed.push_back(name);
     }
   }
@@ -1281,7 +1525,8 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
   }
   ++compactions_;
   *compacted = true;
-  return CheckpointLocked();  // on failure the segments go at the next successful checkpoint
+  // On failure, or when the store's owner takes the checkpoints, the segments go at the next one.
+  return all || !options_.cut_checkpoints ? CheckpointLocked() : Status::OK();
 }
 
 Status KVStore::Close() {
@@ -1361,11 +1606,14 @@ StoreStats KVStore::Stats() const {
   struct stat st;
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
   if (slots_per_segment) {
-    for (uint64_t seg = begin_ / slots_per_segment; seg <= SegmentOfPage(read_only_page_); ++seg) {
+    for (uint64_t seg = std::min(begin_, previous_begin_) / slots_per_segment; seg <= SegmentOfPage(read_only_page_); ++seg) {
       if (stat(SegmentPath(seg).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
     }
   }
   if (stat(SnapshotPath(checkpoint_sequence_).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
+  if (previous_sequence_ != checkpoint_sequence_ && stat(SnapshotPath(previous_sequence_).c_str(), &st) == 0) {
+    s.disk_bytes += static_cast<uint64_t>(st.st_size);
+  }
   s.memory_hits = memory_hits_;
   s.disk_reads = disk_reads_;
   s.disk_rows = disk_rows_;
@@ -1378,6 +1626,7 @@ StoreStats KVStore::Stats() const {
   s.compactions = compactions_;
   s.compacted_rows = compacted_rows_;
   s.checkpoints = checkpoints_;
+  s.recovered_from_index_image = recovered_from_index_image_;
   s.begin_address = begin_;
   s.head_address = HeadSlot();
   s.read_only_address = ReadOnlySlot();

@@ -65,6 +65,13 @@ struct StoreOptions {
   bool direct_io = true;                         // O_DIRECT on segment files where supported
   double compaction_ratio = 2.0;                 // compact when on-disk log > ratio x live rows; 0 = never
   bool promote_hot_reads = true;                 // copy rows a get reads from disk twice within a window to memory
+  // Checkpoints are cuts an owner commits across several stores (an embedding table's, at a
+  // training checkpoint): automatic compaction takes none (its segments go at the next one), and
+  // the checkpoint before the latest stays recoverable until the next one, so a cut that crashed
+  // half-way across the stores can be undone. Off: compaction checkpoints, only the latest stays.
+  bool cut_checkpoints = false;
+  // Recover this checkpoint (the latest or the one before it: a store keeps both); 0 = the latest.
+  uint64_t checkpoint_sequence = 0;
 };
 
 struct StoreStats {
@@ -85,6 +92,7 @@ struct StoreStats {
   uint64_t compactions = 0;
   uint64_t compacted_rows = 0;   // live rows copied by compaction
   uint64_t checkpoints = 0;
+  bool recovered_from_index_image = false;  // the last open loaded an index checkpoint, not the log
   uint64_t begin_address = 0, head_address = 0, read_only_address = 0, tail_address = 0;
   uint64_t page_bytes = 0, record_bytes = 0;
   bool direct_io = false;
@@ -114,7 +122,17 @@ class KVStore : public RowStore {
   Status Lookahead(const int64_t* keys, size_t n);
   // Waits for queued lookaheads; reports an error one of them met.
   Status Flush();
-  Status Checkpoint();
+  // Makes the contents durable as checkpoint `*sequence` (when given); with nothing changed
+  // since the last one, that one stands and no file is written. The checkpoint before it stays
+  // recoverable until the next one (Open with options.checkpoint_sequence).
+  Status Checkpoint(uint64_t* sequence = nullptr);
+  // One step of a scan of every live row in log address order: the log read sequentially, a few
+  // MiB per read, where Get reads a 4 KiB block per row. Appends the rows of whole pages from slot
+  // *cursor on, stopping once `max_rows` or more are in, to `keys` and `values`, and advances
+  // *cursor (kScanDone at the tail). A row written while a scan runs may be visited twice (the
+  // newer last: it moved to the tail) and one deleted may be missed; at rest, each once.
+  static constexpr uint64_t kScanDone = ~0ull;
+  Status ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>* keys, std::vector<uint8_t>* values);
   Status Compact();
   Status Close();
   StoreStats Stats() const;
@@ -134,7 +152,7 @@ class KVStore : public RowStore {
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
   Status CreateFresh();
   Status Recover();
-  void RemoveLeftovers(uint64_t first_segment, uint64_t sequence);
+  void RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence);
   Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
                    uint64_t file_base_offset);
   Status CheckKeys(const int64_t* keys, size_t n) const;
@@ -179,6 +197,12 @@ class KVStore : public RowStore {
   void ForgetSegment(uint64_t segment);
   void MoveLive(uint64_t old_slot, uint64_t new_slot);
   Status CheckpointLocked();
+  // CHECKPOINT and CHECKPOINT.previous: the 88-byte record, read and checked / written atomically.
+  Status ReadCheckpointRecord(const std::string& file, std::string* record) const;
+  Status WriteCheckpointRecord(const std::string& file, const std::string& record) const;
+  bool ChangedSinceCheckpointLocked() const {
+    return changes_ != checkpointed_changes_ || begin_ != checkpointed_begin_ || checkpoint_sequence_ == 0;
+  }
   // Compaction runs outside mu_: it reads old segments unlocked and copies
   // live rows in chunks, each under a short exclusive lock. The caller holds
   // compaction_mu_. `all`: every segment below the mutable region; otherwise
@@ -217,6 +241,11 @@ class KVStore : public RowStore {
 
   std::string SegmentPath(uint64_t segment) const;
   std::string SnapshotPath(uint64_t sequence) const;
+  std::string IndexImagePath(uint64_t sequence) const;
+  // The index checkpoint (index-<seq>.dat): written with a checkpoint when it is smaller than the
+  // on-disk log a recovery would otherwise scan; recovery loads it instead. mu_ held.
+  Status WriteIndexImage(uint64_t sequence);
+  Status LoadIndexImage(uint64_t sequence, uint64_t rows);
 
   const std::string path_;
   StoreOptions options_;
@@ -237,6 +266,11 @@ class KVStore : public RowStore {
   uint64_t read_only_page_ = 0;  // first mutable page; pages below it are in segment files
   uint64_t tail_ = 0;            // next slot to append
   uint64_t checkpoint_sequence_ = 0;
+  std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
+  uint64_t previous_sequence_ = 0;    // the checkpoint before it, still recoverable
+  uint64_t previous_begin_ = 0;       // its first slot: segments from here on stay
+  uint64_t changes_ = 0;              // appends and in-place writes, ever
+  uint64_t checkpointed_changes_ = 0, checkpointed_begin_ = 0;  // at the latest checkpoint
   mutable std::mutex files_mu_;
   mutable std::list<uint64_t> open_order_;  // most recently used first
   mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>> open_files_;
@@ -252,6 +286,7 @@ class KVStore : public RowStore {
   std::vector<std::atomic<uint64_t>> doorkeeper_;
   std::atomic<uint64_t> doorkeeper_marks_{0};
   uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
+  bool recovered_from_index_image_ = false;
 
   std::mutex close_mu_;  // one Close at a time
   std::mutex lookahead_mu_;

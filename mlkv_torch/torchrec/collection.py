@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from .. import optim as optim_lib
 from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_table, draw_seed,
                          host_memory_for_all_rows)
+from ..cut import check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
@@ -91,8 +92,11 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         seed: seed of the initial rows (each table mixes in its name); default read from torch's
             default generator, so ``torch.manual_seed`` makes runs reproducible. A reopened table
             keeps the seed recorded in its directory.
-        reopen: continue from the rows and optimizer state that `path` holds from an earlier run;
-            without it, tables holding rows are refused (FileExistsError).
+        reopen: continue from the rows and optimizer state that `path` holds from an earlier run,
+            at its last cut (`checkpoint()`; `close()` takes one), every table at the same one, even
+            after a crash; without it, tables holding rows are refused (FileExistsError).
+        cut: reopen at this cut (a record `checkpoint()` returned) rather than the last one
+            recorded in `path`: what a training checkpoint that holds the record resumes from.
         cache_policy: "lfu" or "lru".
         backend: the store under every table: "mlkv" (KVStore) or "rocksdb" (the baseline).
     """
@@ -102,7 +106,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 256 << 20,
                  cache_rows: Optional[int] = None, staleness: int = 0, seed: Optional[int] = None,
                  cache_policy: str = "lfu", lookups_per_sample: Optional[Dict[str, float]] = None,
-                 backend: str = "mlkv", reopen: bool = False) -> None:
+                 backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool (EmbeddingBagCollection's second argument), got "
@@ -149,12 +153,16 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._kernel_members = [members for _, members in groups]
         self._kernel_layouts = [layout for layout, _ in groups]
         base_seed = draw_seed() if seed is None else seed
+        if cut is not None:
+            check_cut(cut, "cut")
+        elif reopen:
+            cut = read_cut(os.fspath(path))
         self._opening = dict(
             path=os.fspath(path), memory_budget_bytes=memory_budget_bytes, cache_rows=cache_rows,
             traffic=[sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
                      for _, members in groups],
             seeds=[table_seed(base_seed, t.name) for t in tables], seed_drawn=seed is None, staleness=staleness,
-            cache_policy=cache_policy, backend=backend, reopen=reopen)
+            cache_policy=cache_policy, backend=backend, reopen=reopen or cut is not None, cut=cut)
         # What opening the kernels takes: now, or on the meta device when the model is materialised.
         self._kernel_specs = self._plan_kernels(rule)
         self._lr = rule.lr
@@ -192,7 +200,8 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
                                                            int(cache_rows * share / budget)),
             memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), share), staleness=opening["staleness"],
-            dtype=dtype, cache_policy=opening["cache_policy"], backend=opening["backend"], reopen=opening["reopen"])
+            dtype=dtype, cache_policy=opening["cache_policy"], backend=opening["backend"], reopen=opening["reopen"],
+            cut=opening["cut"])
             for ((dim, dtype, mode), members), share in zip(zip(self._kernel_layouts, self._kernel_members), budgets)]
 
     def _open_kernels(self) -> None:
@@ -202,6 +211,8 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for spec, members in zip(self._kernel_specs, self._kernel_members):
             batch = DiskTableBatch(device=self._device, **spec)
             self._batches.append(batch)
+            if spec["cut"] is not None and spec["cut"] != read_cut(self._opening["path"]):
+                write_cut(self._opening["path"], spec["cut"])  # the newer cut the stores went back from is gone
             for k, i in enumerate(members):
                 bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
@@ -252,6 +263,8 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for batch in self._batches:
             for table in batch.tables:
                 destroy_table(table.path)
+        remove_cut(self._opening["path"])
+        self._opening["cut"] = None
         self._batches = []
         self._kernel_specs = self._plan_kernels(rule)
         self._lr = rule.lr
@@ -347,10 +360,36 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._check_materialised()
         return sum(bag.populate() for bag in self.embedding_bags.values())
 
-    def close(self) -> None:
-        """Closes every table (checkpointing its store)."""
+    def checkpoint(self, label: Optional[int] = None) -> Dict[str, Any]:
+        """Takes a cut of every table (`mlkv_torch.cut`): queued updates applied, caches written back,
+        every store checkpointed, the optimizers' steps recorded, and the record committed in
+        ``path/CUT.json``. After a crash at any moment, ``reopen=True`` brings every table back to
+        the last committed cut, never to a mix. `label` (say, the training step) is kept in the
+        record and named in errors. Returns the record; a training checkpoint that stores it
+        resumes from it with ``cut=``."""
+        self._check_materialised()
+        tables: Dict[str, Any] = {}
         for batch in self._batches:
-            batch.close()
+            tables.update(batch.checkpoint())
+        recorded = read_cut(self._opening["path"])
+        if label is None and recorded is not None and recorded["tables"] == tables:
+            return recorded  # nothing changed since that cut (closing after one): it stands, label and all
+        record = {"label": label, "tables": tables}
+        os.makedirs(self._opening["path"], exist_ok=True)
+        write_cut(self._opening["path"], record)
+        return record
+
+    def close(self) -> None:
+        """Takes a last cut (`checkpoint`), then closes every table."""
+        open_batches = [batch for batch in self._batches if not batch.closed]
+        if not open_batches:
+            return
+        try:
+            if len(open_batches) == len(self._batches):
+                self.checkpoint()
+        finally:
+            for batch in open_batches:
+                batch.close()
 
     def stats(self) -> Dict[str, Dict[str, object]]:
         """Each table's DiskEmbeddingBag.stats(), by table name."""

@@ -1,0 +1,86 @@
+"""Cuts: one consistent state of a set of disk tables, recorded where their owner keeps it.
+
+A cut is taken at a step boundary: every table's cache is written back, every table's store
+checkpoints (its rows and optimizer state), and one record names each table's store checkpoint
+and optimizer step. Writing that record (atomically, ``CUT.json``) commits the cut. A store keeps
+the checkpoint before its latest until its next one, so a crash half-way through a cut (some
+stores at the new checkpoint, the record still naming the old) reopens every table at the
+committed cut; and a table store moves only at cuts (automatic compaction takes no checkpoint),
+so it can never reopen past one. The runner's checkpoint holds the record of its cut beside the
+dense model and optimizer, and commits both at once.
+
+The record, as JSON: ``{"label": <int or null>, "tables": {<table>: {"checkpoint": <int or null>,
+"step": <int>}}}``; ``checkpoint`` is the KVStore's checkpoint number (null for RocksDB, which
+keeps only its latest state).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+CUT_RECORD = "CUT.json"
+
+__all__ = ["CUT_RECORD", "read_cut", "write_cut", "remove_cut", "check_cut"]
+
+
+def check_cut(record: Any, where: str) -> Dict[str, Any]:
+    """`record` if it is a well-formed cut record; ValueError naming `where` otherwise."""
+    ok = isinstance(record, dict) and isinstance(record.get("tables"), dict) and (
+        record.get("label") is None or isinstance(record.get("label"), int))
+    if ok:
+        for entry in record["tables"].values():
+            checkpoint, step = (entry.get("checkpoint", -1), entry.get("step")) if isinstance(entry, dict) else (-1, None)
+            if not (checkpoint is None or (isinstance(checkpoint, int) and checkpoint > 0)) \
+                    or not isinstance(step, int) or step < 0:
+                ok = False
+    if not ok:
+        raise ValueError(f"{where} is not a cut record of mlkv_torch tables: got {record!r}")
+    return record
+
+
+def read_json_record(path: str, what: str) -> Any:
+    """The JSON a table's directory records at `path`, or None when there is none; ValueError names
+    a record that is unreadable or corrupted and says `what` it records."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable or corrupted ({e}); it records {what}") from e
+
+
+def write_json_record(path: str, record: Any) -> None:
+    """Writes `record` to `path` whole or not at all (a crash never leaves half of it), durably."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+
+
+def read_cut(directory: str) -> Optional[Dict[str, Any]]:
+    """The cut recorded in `directory`, or None when none is; ValueError names a corrupted record."""
+    path = os.path.join(directory, CUT_RECORD)
+    record = read_json_record(path, "the checkpoint each table reopens at")
+    return None if record is None else check_cut(record, path)
+
+
+def write_cut(directory: str, record: Dict[str, Any]) -> None:
+    """Commits `record` in `directory`: whole or not at all, durable when this returns."""
+    write_json_record(os.path.join(directory, CUT_RECORD), check_cut(record, "the cut to record"))
+
+
+def remove_cut(directory: str) -> None:
+    """Forgets the cut recorded in `directory` (its tables were destroyed)."""
+    for name in (CUT_RECORD, CUT_RECORD + ".tmp"):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Checkpoint and restart costs of one-process training, against a training step of the same run.
+
+DLRM on the quickstart's tables (synthetic Criteo Kaggle / --scale, row-wise Adagrad, disk tables
+behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
+
+- step: the mean training step;
+- cut: the runner's checkpoint (`DiskEmbeddingBagCollection.checkpoint` plus the dense model and
+  optimizers): the step that takes one lasts step + cut;
+- full copy: what the runner wrote before cuts, every row and optimizer state of every table in one
+  file (`snapshot(include_state=True)`, which reads each store in one sequential scan);
+- per-row reads: the same rows read key by key (`export_rows`, a 4 KiB read per row off the
+  cache), how snapshots read before the scan;
+- reopen: the tables reopened at the cut (every store recovers its checkpoint).
+
+    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=int, default=10, help="divide Criteo Kaggle's cardinalities by this")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", default="bench-out/bench_checkpoint.json")
+    ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.scale, args.steps = 1000, 4
+    sys.path.insert(0, REPO)
+    import torch
+
+    from mlkv_torch.config import load_config
+    from mlkv_torch.train import _Experiment
+
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")
+                                     if os.path.isdir(os.path.join(REPO, "bench-out")) else None) as work:
+        config = load_config(os.path.join(REPO, "configs", "quickstart.yaml"), [
+            f"output_dir={work}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
+            "storage.populate=true"] + (["train.batch_size=256"] if args.smoke else []))
+        experiment = _Experiment(config)
+        rows = experiment.populate()
+        batches = list(experiment.loader(0, args.steps))
+
+        def step(batch: Any) -> None:
+            loss, _ = experiment.model(batch)
+            experiment.optimizer.zero_grad()
+            loss.backward()
+            experiment.optimizer.step()
+
+        for batch in batches[: max(1, args.steps // 5)]:  # warm-up: the cache fills
+            step(batch)
+        began = time.perf_counter()
+        for batch in batches[max(1, args.steps // 5):]:
+            step(batch)
+        step_s = (time.perf_counter() - began) / max(1, len(batches) - max(1, args.steps // 5))
+
+        began = time.perf_counter()
+        experiment.save(args.steps)
+        cut_s = time.perf_counter() - began
+
+        bags = experiment.collection.embedding_bags
+        began = time.perf_counter()
+        torch.save({name: bag.snapshot(include_state=True) for name, bag in bags.items()}, os.path.join(work, "full.pt"))
+        full_copy_s = time.perf_counter() - began
+        os.unlink(os.path.join(work, "full.pt"))
+
+        began = time.perf_counter()
+        for bag in bags.values():
+            for ids, _ in bag._row_chunks():
+                bag.export_rows(ids, include_state=True)
+        per_row_s = time.perf_counter() - began
+
+        experiment.collection.close()
+        cut = torch.load(experiment.checkpoint_path(), weights_only=False)["cut"]
+        began = time.perf_counter()
+        reopened = _Experiment(config, resume=True)
+        reopen_s = time.perf_counter() - began
+        assert reopened.collection.checkpoint(label=args.steps)["tables"] == cut["tables"]
+        reopened.collection.close()
+
+    result: Dict[str, Any] = dict(rows=rows, steps=args.steps, step_s=step_s, cut_s=cut_s, full_copy_s=full_copy_s,
+                                  per_row_reads_s=per_row_s, reopen_s=reopen_s,
+                                  step_with_cut_over_step=(step_s + cut_s) / step_s,
+                                  step_with_full_copy_over_step=(step_s + full_copy_s) / step_s,
+                                  per_row_over_scan=per_row_s / full_copy_s)
+    print(f"{rows:,} rows; a step {step_s * 1e3:.1f} ms")
+    print(f"| checkpoint | seconds | the step that takes it, x a step |")
+    print(f"|---|---:|---:|")
+    print(f"| cut (now) | {cut_s:.3f} | {result['step_with_cut_over_step']:.2f} |")
+    print(f"| full copy (before), rows read by scan | {full_copy_s:.3f} | {result['step_with_full_copy_over_step']:.2f} |")
+    print(f"| every row read key by key (before the scan) | {per_row_s:.3f} | {(step_s + per_row_s) / step_s:.2f} |")
+    print(f"reopen at the cut: {reopen_s:.2f} s; key-by-key reads / scan: {result['per_row_over_scan']:.1f}x")
+    os.makedirs(os.path.dirname(os.path.join(REPO, args.out)), exist_ok=True)
+    with open(os.path.join(REPO, args.out), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

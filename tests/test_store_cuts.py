@@ -1,0 +1,207 @@
+"""A store's checkpoints as cuts (cut_checkpoints=True): numbered, the one before the latest kept
+recoverable until the next, and never moved by automatic compaction; checked against dicts after
+SIGKILLs of real child processes."""
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+import torch
+
+from mlkv_torch import KVStore
+
+from conftest import DIM, SMALL_OPTIONS, assert_store_equals, rows_for
+from test_store_crash import CHILD_PRELUDE, Child
+
+CUTS = dict(SMALL_OPTIONS, cut_checkpoints=True)
+
+
+def test_checkpoint_numbers_and_going_back_one(tmp_path):
+    path = str(tmp_path / "store")
+    with KVStore(path, DIM, **CUTS) as store:
+        first = store.checkpoint()
+        store.put(torch.arange(500), rows_for(torch.arange(500), 1))
+        one = store.checkpoint()
+        assert one == first + 1
+        assert store.checkpoint() == one  # nothing changed: the same checkpoint stands
+        store.put(torch.arange(250, 800), rows_for(torch.arange(250, 800), 2))
+        store.delete(torch.arange(0, 10))
+        two = store.checkpoint()
+        assert two == one + 1
+    at_one = {k: v for k, v in zip(range(500), rows_for(torch.arange(500), 1))}
+    at_two = dict(at_one)
+    at_two.update(zip(range(250, 800), rows_for(torch.arange(250, 800), 2)))
+    for k in range(10):
+        del at_two[k]
+    with KVStore(path, DIM, **CUTS, checkpoint=two) as store:  # close changed nothing: two is the latest
+        assert_store_equals(store, at_two)
+    with KVStore(path, DIM, **CUTS, checkpoint=one) as store:  # back one: two is discarded
+        assert_store_equals(store, at_one)
+        store.put(torch.tensor([900]), rows_for(torch.tensor([900]), 3))
+        at_one[900] = rows_for(torch.tensor([900]), 3)[0]
+    with KVStore(path, DIM, **CUTS) as store:
+        assert_store_equals(store, at_one)
+    with pytest.raises(ValueError, match=rf"has checkpoints .*not checkpoint {first}"):
+        KVStore(path, DIM, **CUTS, checkpoint=first)
+
+
+def test_a_plain_store_keeps_only_its_latest_checkpoint(tmp_path):
+    path = str(tmp_path / "store")
+    with KVStore(path, DIM, **SMALL_OPTIONS) as store:
+        store.put(torch.arange(100), rows_for(torch.arange(100), 1))
+        one = store.checkpoint()
+        store.put(torch.arange(100), rows_for(torch.arange(100), 2))
+        store.checkpoint()
+    assert "CHECKPOINT.previous" not in os.listdir(path)
+    with pytest.raises(ValueError, match=f"not checkpoint {one}"):
+        KVStore(path, DIM, **SMALL_OPTIONS, checkpoint=one)
+    with pytest.raises(ValueError, match="checkpoint must be a positive int"):
+        KVStore(path, DIM, **SMALL_OPTIONS, checkpoint=0)
+
+
+# Checkpoints A, then overwrites until automatic compaction has run several times, then waits.
+CHILD_COMPACTS_AFTER_CUT = CHILD_PRELUDE + textwrap.dedent(
+    """
+    store = KVStore(path, DIM, **dict(SMALL_OPTIONS, cut_checkpoints=True, compaction_ratio=1.5))
+    store.put(torch.arange(1200), rows_for(torch.arange(1200), 1))
+    print("CUT", store.checkpoint(), flush=True)
+    i = 0
+    while store.stats()["compactions"] < 3:
+        i += 1
+        keys = torch.arange(i % 3 * 400, i % 3 * 400 + 400)
+        store.put(keys, rows_for(keys, 100 + i))
+    store.flush()
+    print("COMPACTED", store.stats()["compactions"], store.stats()["checkpoints"], flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_automatic_compaction_never_moves_a_cut_store_past_its_checkpoint(tmp_path):
+    path = str(tmp_path / "store")
+    child = Child(CHILD_COMPACTS_AFTER_CUT, path)
+    try:
+        cut = int(child.read_line().split()[1])
+        compacted = child.read_line().split()
+        assert compacted[0] == "COMPACTED" and int(compacted[1]) >= 3
+        assert int(compacted[2]) == 2  # the one at creation and the cut: compaction took none
+    finally:
+        child.kill()
+    with KVStore(path, DIM, **CUTS, checkpoint=cut) as store:
+        assert_store_equals(store, {k: v for k, v in zip(range(1200), rows_for(torch.arange(1200), 1))})
+
+
+# Two stores of one model: both at cut 1, then only the first reaches cut 2 before the kill.
+CHILD_HALF_A_CUT = CHILD_PRELUDE + textwrap.dedent(
+    """
+    first = KVStore(path + "/a", DIM, **dict(SMALL_OPTIONS, cut_checkpoints=True))
+    second = KVStore(path + "/b", DIM, **dict(SMALL_OPTIONS, cut_checkpoints=True))
+    for store, tag in ((first, 1), (second, 2)):
+        store.put(torch.arange(700), rows_for(torch.arange(700), tag))
+    print(first.checkpoint(), second.checkpoint(), flush=True)
+    for store, tag in ((first, 3), (second, 4)):
+        store.put(torch.arange(300, 1000), rows_for(torch.arange(300, 1000), tag))
+    print(first.checkpoint(), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_cut_half_taken_when_killed_goes_back_whole(tmp_path):
+    path = str(tmp_path)
+    child = Child(CHILD_HALF_A_CUT, path)
+    try:
+        a1, b1 = (int(x) for x in child.read_line().split())
+        a2 = int(child.read_line())
+    finally:
+        child.kill()
+    assert a2 == a1 + 1
+    with KVStore(path + "/a", DIM, **CUTS, checkpoint=a1) as a, KVStore(path + "/b", DIM, **CUTS, checkpoint=b1) as b:
+        assert_store_equals(a, {k: v for k, v in zip(range(700), rows_for(torch.arange(700), 1))})
+        assert_store_equals(b, {k: v for k, v in zip(range(700), rows_for(torch.arange(700), 2))})
+    with pytest.raises(ValueError, match=f"not checkpoint {a2}"):  # discarded when the store went back
+        KVStore(path + "/a", DIM, **CUTS, checkpoint=a2)
+
+
+def _scanned(store: KVStore):
+    rows = {}
+    for keys, values in store.scan(chunk_rows=97):
+        for k, v in zip(keys.tolist(), values):
+            assert k not in rows, f"key {k} scanned twice at rest"
+            rows[k] = v.clone()
+    return rows
+
+
+def test_scan_gives_every_live_row_once_in_log_order(tmp_path):
+    """Against a dict: rows on disk and in memory, overwritten in place and by appends, deleted,
+    compacted, and after a reopen."""
+    path = str(tmp_path / "store")
+    model = {}
+    with KVStore(path, DIM, **dict(SMALL_OPTIONS, compaction_ratio=1.5)) as store:
+        assert _scanned(store) == {}
+        g = torch.Generator().manual_seed(0)
+        for tag in range(12):
+            keys = torch.randint(0, 3000, (700,), generator=g).unique()
+            store.put(keys, rows_for(keys, tag))
+            model.update(zip(keys.tolist(), rows_for(keys, tag)))
+            gone = torch.randint(0, 3000, (40,), generator=g).unique()
+            store.delete(gone)
+            for k in gone.tolist():
+                model.pop(k, None)
+        store.flush()
+        assert store.stats()["compactions"] > 0 and store.stats()["head_address"] > 0
+        got = _scanned(store)
+        assert sorted(got) == sorted(model)
+        for k, v in model.items():
+            assert torch.equal(got[k], v), k
+    with KVStore(path, DIM, **SMALL_OPTIONS) as store:
+        got = _scanned(store)
+        assert sorted(got) == sorted(model) and all(torch.equal(got[k], v) for k, v in model.items())
+    with pytest.raises(ValueError, match="chunk_rows"):
+        next(KVStore(str(tmp_path / "other"), DIM, **SMALL_OPTIONS).scan(0))
+
+
+def _index_images(path):
+    return sorted(name for name in os.listdir(path) if name.startswith("index-"))
+
+
+def test_reopen_loads_the_index_checkpoint_and_falls_back_to_the_log(tmp_path):
+    """A store whose on-disk log outweighs its index checkpoints the index; reopening loads it instead
+    of scanning the log. A damaged or missing image costs only time: the log is scanned."""
+    path = str(tmp_path / "store")
+    options = dict(memory_budget_bytes=256 << 10, expected_rows=1 << 14, segment_bytes=1 << 20, cut_checkpoints=True)
+    model = {}
+    with KVStore(path, DIM, **options) as store:
+        g = torch.Generator().manual_seed(1)
+        for tag in range(6):
+            keys = torch.randint(0, 40000, (12000,), generator=g).unique()
+            store.put(keys, rows_for(keys, tag))
+            model.update(zip(keys.tolist(), rows_for(keys, tag)))
+        gone = torch.arange(0, 40000, 7)
+        store.delete(gone)
+        for k in gone.tolist():
+            model.pop(k, None)
+        cut = store.checkpoint()
+    (image,) = _index_images(path)
+    assert image == f"index-{cut:010d}.dat"
+    with KVStore(path, DIM, **options) as store:
+        assert store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, model)
+        store.put(torch.tensor([50000]), rows_for(torch.tensor([50000]), 9))  # and trains on
+        model[50000] = rows_for(torch.tensor([50000]), 9)[0]
+        newer = store.checkpoint()
+    assert _index_images(path) == [f"index-{cut:010d}.dat", f"index-{newer:010d}.dat"]  # both kept checkpoints'
+    image = os.path.join(path, f"index-{newer:010d}.dat")
+    with open(image, "r+b") as f:
+        f.seek(os.path.getsize(image) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with KVStore(path, DIM, **options) as store:
+        assert not store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, model)
+    os.unlink(image)
+    with KVStore(path, DIM, **options) as store:
+        assert not store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, model)

@@ -1,0 +1,118 @@
+"""The runner killed (SIGKILL) at random moments, during training and during its checkpoints, and
+resumed each time, ends exactly where the uninterrupted run ends: the same losses, the same tables
+and the same evaluation. Real processes, real stores. MLKV_CRASH_KILLS sets how many kills (6)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+from mlkv_torch.cut import read_cut  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+STEPS = 36
+OVERRIDES = ["data.synthetic.scale=1000", "train.batch_size=256", "eval.batches=2", "eval.every=1000",
+             "storage.memory_budget_bytes=1048576", f"train.steps={STEPS}", "train.log_every=1",
+             "train.checkpoint_every=3", "pipeline.depth=2"]
+
+
+def _command(out: Path, resume: bool):
+    return [sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={out}", *OVERRIDES,
+            "--no-progress", *(["--resume"] if resume else [])]
+
+
+def _logged_lines(out: Path) -> int:
+    try:
+        return (out / "metrics.jsonl").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _losses(out: Path):
+    """The loss logged for each step; a resumed run logs again the steps after its checkpoint (the
+    last logging counts), and a line a kill cut short is skipped."""
+    losses = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def _tables(out: Path):
+    """Every row and optimizer state of the run's tables, at their recorded cut."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from mlkv_torch import optim
+    from mlkv_torch.config import load_config
+    from mlkv_torch.torchrec import DiskEmbeddingBagCollection
+    from mlkv_torch.train import _SyntheticSource
+
+    config = load_config(QUICKSTART, [f"output_dir={out}", *OVERRIDES])
+    source = _SyntheticSource(config)
+    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
+                                 feature_names=[name]) for name, n in zip(source.feature_names, source.cardinalities)]
+    ebc = DiskEmbeddingBagCollection(tables, path=out / "tables", optimizer=optim.RowWiseAdagrad(lr=config.train.lr),
+                                     memory_budget_bytes=1 << 20, reopen=True)
+    try:
+        return {name: bag.snapshot(include_state=True) for name, bag in ebc.embedding_bags.items()}
+    finally:
+        ebc.close()
+
+
+def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_path):
+    whole = tmp_path / "whole"
+    done = subprocess.run(_command(whole, resume=False), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    crashed = tmp_path / "crashed"
+    rng = random.Random(int(os.environ.get("MLKV_CRASH_SEED", "0")))
+    kills = int(os.environ.get("MLKV_CRASH_KILLS", "6"))
+    killed_at = []
+    for _ in range(kills):
+        resume = (crashed / "checkpoint.pt").exists()
+        child = subprocess.Popen(_command(crashed, resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+        start = _logged_lines(crashed)
+        wait_for = rng.randrange(0, 8)  # steps logged by this start before the kill, then a random instant
+        deadline = time.monotonic() + 300
+        while child.poll() is None and _logged_lines(crashed) < start + wait_for and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.random() * 0.15)
+        if child.poll() is not None:  # it finished first: it must have finished cleanly
+            assert child.returncode == 0, child.stderr.read().decode()[-3000:]
+            break
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        killed_at.append(_logged_lines(crashed))
+    assert killed_at, "no run was killed: the test exercised nothing"
+    done = subprocess.run(_command(crashed, resume=(crashed / "checkpoint.pt").exists()), capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    expected, got = _losses(whole), _losses(crashed)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert {s: got[s] for s in got} == {s: expected[s] for s in got}, f"killed at logged lines {killed_at}"
+    assert max(got) == STEPS
+    summary_whole = json.loads((whole / "summary.json").read_text())
+    summary_crashed = json.loads((crashed / "summary.json").read_text())
+    for key in ("steps", "auc", "logloss"):
+        assert summary_crashed[key] == summary_whole[key], key
+    assert read_cut(str(crashed / "tables"))["label"] == STEPS
+    tables_whole, tables_crashed = _tables(whole), _tables(crashed)
+    for name, (weight, state) in tables_whole.items():
+        torch.testing.assert_close(tables_crashed[name][0], weight, rtol=0, atol=0, msg=f"{name} weights")
+        torch.testing.assert_close(tables_crashed[name][1], state, rtol=0, atol=0, msg=f"{name} state")
