@@ -58,9 +58,14 @@ def write_json_record(path: str, record: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    sync_directory(os.path.dirname(path) or ".")  # the rename itself
+
+
+def sync_directory(path: str) -> None:
+    """Makes a rename in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the rename itself
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
+from .cut import sync_directory
 from .ranks import all_gather_objects
 
 __all__ = ["main", "run"]
@@ -281,7 +282,7 @@ class _Experiment:
         with open(partial, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
-        _sync_directory(self.config.output_dir)
+        sync_directory(self.config.output_dir)
 
     def _dense_state(self) -> Dict[str, torch.Tensor]:
         """The model's parameters and buffers outside the disk tables (theirs are in the cut)."""
@@ -341,15 +342,6 @@ class _Experiment:
                               f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         return int(state["step"])
-
-
-def _sync_directory(path: str) -> None:
-    """Makes a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:

@@ -211,10 +211,11 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for spec, members in zip(self._kernel_specs, self._kernel_members):
             batch = DiskTableBatch(device=self._device, **spec)
             self._batches.append(batch)
-            if spec["cut"] is not None and spec["cut"] != read_cut(self._opening["path"]):
-                write_cut(self._opening["path"], spec["cut"])  # the newer cut the stores went back from is gone
             for k, i in enumerate(members):
                 bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
+        cut = self._opening["cut"]
+        if cut is not None and cut != read_cut(self._opening["path"]):
+            write_cut(self._opening["path"], cut)  # the newer cut the stores went back from is gone
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
         self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
                                                    self._lr)
