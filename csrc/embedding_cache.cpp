@@ -43,7 +43,6 @@ void DispatchWeightType(WeightType t, F&& f) {
 constexpr int kVictimSamples = 8;
 constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
 constexpr int kVictimRounds = 4;
-constexpr size_t kWriteBatchRows = 4096;  // rows the writer puts per round
 
 }  // namespace
 
@@ -57,7 +56,8 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
       weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
       row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
       slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))),
-      write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(4096, opt_.staging_bytes / (row_words_ * 4)))) {
+      write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(4096, opt_.staging_bytes / (row_words_ * 4)))),
+      cut_write_back_(row_words_, 0) {
   TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
                     opt_.capacity);
   TORCH_CHECK_VALUE(opt_.dim > 0, "dim must be positive");
@@ -85,6 +85,7 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
   slot_freq_.assign(cap, 0);
   slot_dirty_.assign(cap, 0);
   slot_epoch_.assign(cap, 0);
+  if (on_host_) cut_slot_.assign(cap, 0);
 #ifdef MLKV_WITH_CUDA
   if (!on_host_) {
     slot_dirty_dev_ = torch::zeros({opt_.capacity}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
@@ -140,9 +141,9 @@ EmbeddingCache::~EmbeddingCache() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
-    if (write_back_.size() > 0) {
+    if (write_back_.size() + cut_write_back_.size() > 0) {
       std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
-                   write_back_.size(), tables_[0].store->path().c_str(), write_error_.ToString().c_str());
+                   write_back_.size() + cut_write_back_.size(), tables_[0].store->path().c_str(), write_error_.ToString().c_str());
     }
   }
   writer_cv_.notify_all();
@@ -340,6 +341,7 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admissi
     if (s < 0) return -1;
     // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
     if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s]) return -1;
+    PreserveCutRow(s);
     admissions->push_back({s, slot_id_[s], slot_dirty_[s]});
     slot_of_.Erase(slot_id_[s]);
     --table_stats_[static_cast<size_t>(TableOf(slot_id_[s]))].cached_rows;
@@ -418,7 +420,10 @@ EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int6
     if (s >= 0) {
       split.cached_pos.push_back(i);
       split.cached_slots.push_back(s);
-      if (will_write) slot_dirty_[s] = 1;
+      if (will_write) {
+        PreserveCutRow(s);
+        slot_dirty_[s] = 1;
+      }
     } else {
       split.missed_pos.push_back(i);
       split.missed_ids.push_back(ids[i]);
@@ -561,7 +566,7 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
   for (size_t i = 0; i < n; ++i) {
     float* row = out + i * row_words_;
     if (TakeStaged(keys[i], row)) continue;
-    if (const float* waiting = write_back_.Find(keys[i])) {
+    if (const float* waiting = BufferedRow(keys[i])) {
       std::memcpy(row, waiting, row_words_ * sizeof(float));
       continue;
     }
@@ -609,7 +614,7 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
   }
   std::vector<int64_t> again_pos, again_keys;
   for (size_t i = 0; i < n; ++i) {
-    if (const float* waiting = write_back_.Find(keys[i])) {
+    if (const float* waiting = BufferedRow(keys[i])) {
       std::memcpy(out + i * row_words_, waiting, row_words_ * sizeof(float));
     } else if (written_during_reads_.Find(keys[i]) >= 0) {
       again_pos.push_back(static_cast<int64_t>(i));
@@ -632,6 +637,7 @@ void EmbeddingCache::EndRead() {
 
 void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
   if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
+  CheckWriterNotPaused();
   writer_cv_.notify_one();
   written_cv_.wait(lock, [&] {
     return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok();
@@ -662,21 +668,38 @@ void EmbeddingCache::WriterLoop() {
   NameThisThread("mlkv-writer");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
+    // During a cut only its rows are written: a row written after the boundary must not reach a
+    // store before the cut's value of it, nor before the stores' checkpoints.
     writer_cv_.wait(lock, [&] {
-      return writer_stopping_ || (write_back_.waiting() > 0 && (write_error_.ok() || write_retry_));
+      const bool can_write = write_error_.ok() || write_retry_;
+      if (writer_stopping_) return true;
+      if (writer_paused_) return false;
+      return cut_state_ == CutState::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
     });
-    if (write_back_.waiting() == 0 || !(write_error_.ok() || write_retry_)) return;  // stopping
+    if (!(write_error_.ok() || write_retry_)) return;  // stopping, with rows a failed write left
+    WriteBackBuffer* source = &write_back_;
+    if (cut_state_ == CutState::kWriting) {
+      if (cut_write_back_.waiting() == 0) {
+        WriteCut(lock);  // more cut rows to take, or the stores' checkpoints
+        continue;
+      }
+      source = &cut_write_back_;
+    } else if (write_back_.waiting() == 0) {
+      return;  // stopping
+    }
     write_retry_ = false;
-    const WriteBackBuffer::Batch batch = write_back_.Take(kWriteBatchRows);
+    const WriteBackBuffer::Batch batch = source->Take(kWriteBatchRows);
+    writer_busy_ = true;
     lock.unlock();
     std::vector<uint8_t> landed;
     const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
     lock.lock();
+    writer_busy_ = false;
     ++write_attempts_;
     // Rows of the tables whose stores took them leave the buffer; a failing table's stay in
     // memory until a write succeeds, and hold back no other table's.
     const WriteBackBuffer::Batch written = st.ok() ? batch : batch.Only(landed, 1);
-    write_back_.Complete(written);
+    source->Complete(written);
     // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
     if (reads_in_flight_ > 0) {
       for (int64_t key : written.keys) written_during_reads_.Insert(key, 1);
@@ -684,7 +707,7 @@ void EmbeddingCache::WriterLoop() {
     if (st.ok()) {
       write_error_ = Status::OK();
     } else {
-      write_back_.Return(batch.Only(landed, 0));
+      source->Return(batch.Only(landed, 0));
       write_error_ = st;
     }
     written_cv_.notify_all();
@@ -929,6 +952,14 @@ void EmbeddingCache::ApplierLoop() {
   }
 }
 
+void EmbeddingCache::PauseWriter(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer_paused_ = paused;
+  }
+  writer_cv_.notify_all();
+}
+
 void EmbeddingCache::PauseApplier(bool paused) {
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
@@ -960,7 +991,7 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   // Not from the staging area: reading rows out must not take staged copies away from a fetch.
   std::vector<int64_t> store_pos, store_ids;
   for (size_t k = 0; k < missed_pos.size(); ++k) {
-    if (const float* waiting = write_back_.Find(missed_ids[k])) {
+    if (const float* waiting = BufferedRow(missed_ids[k])) {
       std::memcpy(dst + missed_pos[k] * row_words_, waiting, row_words_ * sizeof(float));
     } else {
       store_pos.push_back(missed_pos[k]);
@@ -1021,7 +1052,7 @@ void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
     }
     for (int64_t i = 0; i < n; ++i) {
       if (slot_of_.Find(id[i]) >= 0 || staged_.Find(id[i]) >= 0 || prefetching_.Find(id[i]) >= 0 ||
-          write_back_.Find(id[i]) != nullptr) {
+          BufferedRow(id[i]) != nullptr) {
         continue;
       }
       prefetching_.Insert(id[i], sequence);
@@ -1066,7 +1097,7 @@ void EmbeddingCache::PrefetchLoop() {
       for (size_t i = 0; i < ids.size(); ++i) {
         if (prefetching_.Find(ids[i]) == request.sequence) prefetching_.Erase(ids[i]);
         // A row written since the read began (now waiting to be written, or written) is newer than the read.
-        if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || write_back_.Find(ids[i]) != nullptr ||
+        if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || BufferedRow(ids[i]) != nullptr ||
             slot_of_.Find(ids[i]) >= 0 || staged_.Find(ids[i]) >= 0) {
           continue;
         }
@@ -1170,6 +1201,19 @@ Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* r
   return first_error;
 }
 
+std::vector<int32_t> EmbeddingCache::TakeDirtySlots(std::vector<int64_t>* ids) {
+  FoldDeviceDirty();
+  std::vector<int32_t> slots;
+  for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {
+    if (slot_id_[s] >= 0 && slot_dirty_[s]) {
+      ids->push_back(slot_id_[s]);
+      slots.push_back(s);
+      slot_dirty_[s] = 0;
+    }
+  }
+  return slots;
+}
+
 void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
   stats_.written_back += static_cast<int64_t>(keys.size());
   for (int64_t key : keys) ++table_stats_[static_cast<size_t>(TableOf(key))].written_back;
@@ -1187,22 +1231,22 @@ void EmbeddingCache::WriteBack() {
     throw;
   }
   std::unique_lock<std::mutex> lock(mu_);
-  FoldDeviceDirty();
-  std::vector<int64_t> ids;
-  std::vector<int32_t> slots;
-  for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {
-    if (slot_id_[s] >= 0 && slot_dirty_[s]) {
-      ids.push_back(slot_id_[s]);
-      slots.push_back(s);
-    }
+  // A cut being written goes first: rows written back now are past its boundary.
+  if (cut_state_ == CutState::kWriting || write_back_.size() > 0) CheckWriterNotPaused();
+  written_cv_.wait(lock, [&] { return cut_state_ != CutState::kWriting || !write_error_.ok(); });
+  while (cut_state_ == CutState::kWriting) {
+    ThrowIfWriteFailed(lock);
+    written_cv_.wait(lock, [&] { return cut_state_ != CutState::kWriting || !write_error_.ok(); });
   }
+  std::vector<int64_t> ids;
+  const std::vector<int32_t> slots = TakeDirtySlots(&ids);
   if (!ids.empty()) {
     torch::Tensor rows = SlotRowsToHost(slots);
     WriteBehind(ids.data(), ids.size(), rows.data_ptr<float>());
-    for (int32_t s : slots) slot_dirty_[s] = 0;
     CountWrittenBack(ids);
   }
   // Every row reaches its store before this returns.
+  if (write_back_.size() > 0) CheckWriterNotPaused();
   writer_cv_.notify_one();
   written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
   ThrowIfWriteFailed(lock);
@@ -1227,7 +1271,8 @@ CacheStats EmbeddingCache::Stats() {
     s.pending_rows = static_cast<int64_t>(pending_.size());
     s.lookahead_hits = 0;
     for (const TableCounters& t : table_stats_) s.lookahead_hits += t.lookahead_hits;
-    s.write_back_rows = static_cast<int64_t>(write_back_.size());
+    s.write_back_rows = static_cast<int64_t>(write_back_.size() + cut_write_back_.size() +
+                                             (cut_slots_.size() - std::min(cut_next_, cut_slots_.size())));
   }
   {
     std::lock_guard<std::mutex> lock(prefetch_mu_);

@@ -150,6 +150,8 @@ class EmbeddingCache {
   // Holds queued updates back (tests and benchmarks of staleness); a call
   // that would wait for a held update raises instead.
   void PauseApplier(bool paused);
+  // Holds the writer back (tests of cuts): a call that would wait for it raises instead.
+  void PauseWriter(bool paused);
   // Current full rows [n, row_words] float32 on the CPU; no admission.
   torch::Tensor ReadRows(const torch::Tensor& ids);
   // Replaces full rows (CPU float32 [n, row_words]) in the cache or the store.
@@ -158,7 +160,25 @@ class EmbeddingCache {
   // once. The prefetch thread stages them in host memory, where the next
   // fetch takes them instead of reading the store.
   void Lookahead(const torch::Tensor& ids);
-  // Writes every dirty cached row to the store.
+  // Cuts (cache_cut.cpp): one consistent state of every table, written while training goes on
+  // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
+  // updates and takes every dirty row and every row on its way to the stores as the cut's; it
+  // returns at once. The writer thread then puts the cut's rows, before any row written after
+  // the boundary, and checkpoints every table's store. A host slot of the cut that is about to
+  // change (an update, an eviction) first copies its cut value aside (copy on write), so the cut
+  // costs memory only for the rows training changes while it is written; on CUDA the cut's rows
+  // are copied to the host at the boundary. One cut at a time.
+  void BeginCut();
+  // Waits for the cut begun last and returns each table's store checkpoint (0: the store keeps
+  // no numbered checkpoints); raises what failed (a full disk: the stores keep their previous
+  // checkpoint, and the rows stay in memory until a write succeeds).
+  std::vector<int64_t> FinishCut();
+  // A cut was begun and not yet finished.
+  bool CutPending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cut_state_ != CutState::kNone;
+  }
+  // Writes every dirty cached row to the store (after a cut being written, if any).
   void WriteBack();
   // Drains and writes back, then stops the applier.
   void Close();
@@ -238,7 +258,22 @@ class EmbeddingCache {
   // Every store write of the cache goes here (holds mu_): the rows wait in the write-back
   // buffer, where reads find them, until the writer thread has put them.
   void WriteBehind(const int64_t* keys, size_t n, const float* rows);
+  static constexpr size_t kWriteBatchRows = 4096;  // rows the writer puts per round
   void WriterLoop();
+  // The writer's part of a cut (holds mu_): moves the next batch of cut slots into cut_write_back_,
+  // or, once every cut row is in its store, checkpoints the stores (releasing mu_) and ends the cut.
+  void WriteCut(std::unique_lock<std::mutex>& lock);
+  // A cut slot about to change hands its cut value to cut_write_back_ (holds mu_).
+  void PreserveCutRow(int32_t slot) {
+    if (cut_slot_.empty() || !cut_slot_[slot]) return;
+    cut_write_back_.Put(slot_id_[slot], host_slots_ + static_cast<int64_t>(slot) * row_words_);
+    cut_slot_[slot] = 0;
+  }
+  // The newest value of `key` on its way to the stores, or nullptr (holds mu_).
+  const float* BufferedRow(int64_t key) const {
+    const float* row = write_back_.Find(key);
+    return row ? row : cut_write_back_.Find(key);
+  }
   void ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock);
   // Waits (releasing mu_) while the write-back buffer is over its limit.
   void WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock);
@@ -246,6 +281,9 @@ class EmbeddingCache {
   // table is written even when one fails; the first failure is returned.
   Status PutToStores(const int64_t* keys, size_t n, const float* rows, std::vector<uint8_t>* landed) const;
   void CountWrittenBack(const std::vector<int64_t>& keys);  // holds mu_
+  // The dirty slots (device marks folded in) and their keys (appended to *ids), marked clean:
+  // the caller takes their rows to the stores (holds mu_).
+  std::vector<int32_t> TakeDirtySlots(std::vector<int64_t>* ids);
   // Full rows of keys not cached (holds mu_): staged copies (taken), rows in the write-back
   // buffer, and store reads; with `lock`, the stores are read with it released.
   void ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock);
@@ -303,6 +341,22 @@ class EmbeddingCache {
   IdMap written_during_reads_;
   WriteBackBuffer write_back_;
   int64_t write_back_limit_ = 0;
+  bool writer_busy_ = false;  // the writer is putting a batch it took (without mu_)
+  bool writer_paused_ = false;
+  void CheckWriterNotPaused() const {  // holds mu_: before waiting for the writer
+    TORCH_CHECK(!writer_paused_, "the writer is paused with rows to write; this call would wait for it forever");
+  }
+  // The cut being written: rows of the cut on their way to the stores (written before any of
+  // write_back_), host slots still holding a cut value (cut_slot_, listed in cut_slots_ from
+  // cut_next_), and the outcome, kept until FinishCut takes it.
+  enum class CutState { kNone, kWriting, kDone };
+  CutState cut_state_ = CutState::kNone;
+  WriteBackBuffer cut_write_back_;
+  std::vector<uint8_t> cut_slot_;
+  std::vector<int32_t> cut_slots_;
+  size_t cut_next_ = 0;
+  std::vector<int64_t> cut_sequences_;
+  Status cut_error_;
   Status write_error_;  // the writer's last failure; it writes again when a call asks (write_retry_)
   bool write_retry_ = false;
   int64_t write_attempts_ = 0;  // batches the writer tried to put  // rows the buffer may hold before a fetch waits for the writer

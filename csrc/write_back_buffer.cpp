@@ -1,6 +1,7 @@
 #include "write_back_buffer.h"
 
 #include <cstring>
+#include <utility>
 
 namespace mlkv {
 
@@ -87,6 +88,16 @@ void WriteBackBuffer::Return(const Batch& batch) {
     queued_[entry] = 1;
     order_.push_front(entry);
   }
+}
+
+void WriteBackBuffer::Swap(WriteBackBuffer& other) {
+  std::swap(index_, other.index_);
+  rows_.swap(other.rows_);
+  keys_.swap(other.keys_);
+  versions_.swap(other.versions_);
+  queued_.swap(other.queued_);
+  free_.swap(other.free_);
+  order_.swap(other.order_);
 }
 
 }  // namespace mlkv

@@ -42,6 +42,10 @@ class WriteBackBuffer {
   // A taken batch failed: its rows stay, to be taken again.
   void Return(const Batch& batch);
 
+  // Exchanges contents with `other` (rows of the same width); neither may have a batch taken and
+  // not yet completed or returned.
+  void Swap(WriteBackBuffer& other);
+
   size_t size() const { return index_.size(); }   // rows waiting, taken or not
   size_t waiting() const { return order_.size(); }  // rows not taken
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 CUT_RECORD = "CUT.json"
 
-__all__ = ["CUT_RECORD", "read_cut", "write_cut", "remove_cut", "check_cut"]
+__all__ = ["CUT_RECORD", "PendingCut", "read_cut", "write_cut", "remove_cut", "check_cut"]
 
 
 def check_cut(record: Any, where: str) -> Dict[str, Any]:
@@ -89,3 +89,44 @@ def remove_cut(directory: str) -> None:
             os.unlink(os.path.join(directory, name))
         except FileNotFoundError:
             pass
+
+
+class PendingCut:
+    """A cut begun at a step boundary and being written while training goes on: `wait` waits for
+    every part (each a call returning its tables' entries, as `DiskTableBatch.begin_checkpoint`
+    gives), commits the record in `directory`, and returns it. Until it returns, the committed cut
+    is the one before. If writing fails (a full disk), `wait` raises, and raises the same again:
+    this cut is not committed and the one before stays; a later cut writes what this one could
+    not first."""
+
+    def __init__(self, directory: str, label: Optional[int], parts: List[Callable[[], Dict[str, Any]]]) -> None:
+        self.directory, self.label = directory, label
+        self._parts = parts
+        self._record: Optional[Dict[str, Any]] = None
+        self._error: Optional[BaseException] = None
+
+    @property
+    def done(self) -> bool:
+        """`wait` would return (or raise) at once."""
+        return self._record is not None or self._error is not None
+
+    def wait(self) -> Dict[str, Any]:
+        if self._error is not None:
+            raise self._error
+        if self._record is not None:
+            return self._record
+        tables: Dict[str, Any] = {}
+        try:
+            for part in self._parts:
+                tables.update(part())
+            recorded = read_cut(self.directory)
+            if self.label is None and recorded is not None and recorded["tables"] == tables:
+                self._record = recorded  # nothing changed since that cut (closing after one): it stands, label and all
+            else:
+                os.makedirs(self.directory, exist_ok=True)
+                write_cut(self.directory, {"label": self.label, "tables": tables})
+                self._record = {"label": self.label, "tables": tables}
+        except BaseException as e:
+            self._error = e
+            raise
+        return self._record

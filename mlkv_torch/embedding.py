@@ -22,7 +22,7 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -429,13 +429,28 @@ class DiskTableBatch:
             raise ValueError(f"the cut {cut.get('label')!r} records tables {sorted(cut['tables'])}, not {missing}")
         return [cut["tables"][t.name] for t in self.tables]
 
-    def checkpoint(self) -> Dict[str, Dict[str, Optional[int]]]:
-        """This batch's part of a cut: writes the cache back, checkpoints every store, and returns each
-        table's {"checkpoint": store checkpoint, "step": optimizer step}, by table name. Whoever owns the
-        tables records them (`mlkv_torch.cut.write_cut`); until then each store can go back to its
+    def begin_checkpoint(self) -> Callable[[], Dict[str, Dict[str, Optional[int]]]]:
+        """Begins this batch's part of a cut at the current step boundary and returns at once: queued
+        updates are applied and the cut's rows set aside; the cache's writer thread then writes them
+        and checkpoints every store while training goes on (rows changed meanwhile reach the stores
+        after the checkpoints). The returned call waits for that and returns each table's
+        {"checkpoint": store checkpoint, "step": optimizer step}, by table name; it raises what
+        failed (a full disk), and can be called again after a failed write. Whoever owns the tables
+        records the result (`mlkv_torch.cut.write_cut`); until then each store can go back to its
         checkpoint before."""
-        self.flush()
-        return {t.name: {"checkpoint": store.checkpoint(), "step": self.step} for t, store in zip(self.tables, self.stores)}
+        if self.cache.cut_pending:  # one begun earlier and never finished (its wait raised): it goes first
+            self.cache.finish_cut()
+        self.cache.begin_cut()
+        step = self.step
+
+        def finish() -> Dict[str, Dict[str, Optional[int]]]:
+            sequences = self.cache.finish_cut()
+            return {t.name: {"checkpoint": sequence or None, "step": step} for t, sequence in zip(self.tables, sequences)}
+        return finish
+
+    def checkpoint(self) -> Dict[str, Dict[str, Optional[int]]]:
+        """This batch's part of a cut, taken and written before this returns (`begin_checkpoint`)."""
+        return self.begin_checkpoint()()
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,13 @@ tables' hit rate.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -146,6 +148,8 @@ class _Experiment:
         self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.resume = resume
+        self._saving: Optional[threading.Thread] = None  # the checkpoint being written (one process)
+        self._save_error: Optional[BaseException] = None
         # One process resumes from a cut: the checkpoint names the one its tables reopen at.
         self._resumed: Optional[Dict[str, Any]] = None
         if resume and not self.distributed and os.path.exists(self.checkpoint_path()):
@@ -270,19 +274,42 @@ class _Experiment:
         return os.path.join(self.config.output_dir, "checkpoint.pt" if not self.distributed else "checkpoint.latest")
 
     def save(self, step: int) -> None:
+        """Checkpoints at this step boundary. Under torchrun, a DCP copy of every shard. In one
+        process, one cut: the tables' (their stores keep the previous one until this checkpoint
+        names the new), the dense model's and its optimizer's, and the data position (the step),
+        committed at once by one rename. It is written in the background while training goes on
+        (`finish_save` waits for it); a checkpoint begun while one is being written waits for it."""
         if self.distributed:
             self._save_sharded(step)
             return
-        # One cut: the tables' (their stores keep the previous one until this file names the new),
-        # the dense model's and its optimizer's, and the data position (the step), committed at once.
-        cut = self.collection.checkpoint(label=step)
-        state = {"step": step, "dense": self._dense_state(), "dense_optimizer": self.optimizer.state_dict(), "cut": cut}
-        partial = self.checkpoint_path() + ".partial"
-        torch.save(state, partial)
-        with open(partial, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
-        sync_directory(self.config.output_dir)
+        self.finish_save()
+        self.collection.begin_checkpoint(label=step)
+        state = {"step": step, "dense": self._dense_state(),
+                 "dense_optimizer": copy.deepcopy(self.optimizer.state_dict())}  # later steps change it in place
+
+        def commit() -> None:
+            try:
+                state["cut"] = self.collection.wait_checkpoint()
+                partial = self.checkpoint_path() + ".partial"
+                torch.save(state, partial)
+                with open(partial, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
+                sync_directory(self.config.output_dir)
+            except BaseException as e:  # raised on the training thread by finish_save
+                self._save_error = e
+        self._saving = threading.Thread(target=commit, name="mlkv-checkpoint", daemon=True)
+        self._saving.start()
+
+    def finish_save(self) -> None:
+        """Waits for the checkpoint being written (`save`); raises what failed writing it."""
+        saving, self._saving = self._saving, None
+        if saving is None:
+            return
+        saving.join()
+        error, self._save_error = self._save_error, None
+        if error is not None:
+            raise error
 
     def _dense_state(self) -> Dict[str, torch.Tensor]:
         """The model's parameters and buffers outside the disk tables (theirs are in the cut)."""
@@ -443,6 +470,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 experiment.save(step)
             bar.update(1)
     bar.close()
+    experiment.finish_save()
     elapsed = time.perf_counter() - started
     if hasattr(experiment.collection, "flush"):
         experiment.collection.flush()

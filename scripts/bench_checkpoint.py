@@ -5,8 +5,12 @@ DLRM on the quickstart's tables (synthetic Criteo Kaggle / --scale, row-wise Ada
 behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
 
 - step: the mean training step;
-- cut: the runner's checkpoint (`DiskEmbeddingBagCollection.checkpoint` plus the dense model and
-  optimizers): the step that takes one lasts step + cut;
+- background cut: the runner's checkpoint (`_Experiment.save`: a cut of every table begun at the
+  step boundary and written by the kernels' writer threads while training goes on, then the dense
+  model, its optimizer and the cut's record committed in checkpoint.pt): the stall at the boundary,
+  and every step trained while it is written, each against the mean step;
+- synchronous cut: the same checkpoint, waited for at once (how the runner took one before):
+  the step that takes one lasts step + cut;
 - full copy: what the runner wrote before cuts, every row and optimizer state of every table in one
   file (`snapshot(include_state=True)`, which reads each store in one sequential scan);
 - per-row reads: the same rows read key by key (`export_rows`, a 4 KiB read per row off the
@@ -41,33 +45,45 @@ def main(argv: List[str]) -> int:
     import torch
 
     from mlkv_torch.config import load_config
-    from mlkv_torch.train import _Experiment
+    from mlkv_torch.train import _Experiment, torch_threads
 
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")
                                      if os.path.isdir(os.path.join(REPO, "bench-out")) else None) as work:
         config = load_config(os.path.join(REPO, "configs", "quickstart.yaml"), [
             f"output_dir={work}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
             "storage.populate=true"] + (["train.batch_size=256"] if args.smoke else []))
+        torch.set_num_threads(torch_threads(config))  # as the runner trains this config
         experiment = _Experiment(config)
         rows = experiment.populate()
-        batches = list(experiment.loader(0, args.steps))
+        most_steps_while_writing = 60
+        batches = iter(list(experiment.loader(0, args.steps + most_steps_while_writing + 1)))
 
-        def step(batch: Any) -> None:
-            loss, _ = experiment.model(batch)
+        def step() -> float:
+            began = time.perf_counter()
+            loss, _ = experiment.model(next(batches))
             experiment.optimizer.zero_grad()
             loss.backward()
             experiment.optimizer.step()
+            return time.perf_counter() - began
 
-        for batch in batches[: max(1, args.steps // 5)]:  # warm-up: the cache fills
-            step(batch)
-        began = time.perf_counter()
-        for batch in batches[max(1, args.steps // 5):]:
-            step(batch)
-        step_s = (time.perf_counter() - began) / max(1, len(batches) - max(1, args.steps // 5))
+        warm_up = max(1, args.steps // 5)
+        for _ in range(warm_up):  # the cache fills
+            step()
+        step_s = sum(step() for _ in range(args.steps - warm_up)) / max(1, args.steps - warm_up)
 
         began = time.perf_counter()
-        experiment.save(args.steps)
-        cut_s = time.perf_counter() - began
+        experiment.save(args.steps)  # begins the cut, returns; checkpoint.pt follows in the background
+        boundary_s = time.perf_counter() - began
+        during: List[float] = []
+        while experiment._saving is not None and experiment._saving.is_alive() and len(during) < most_steps_while_writing:
+            during.append(step())
+        experiment.finish_save()
+        background_write_s = time.perf_counter() - began
+
+        began = time.perf_counter()
+        experiment.save(args.steps + len(during))
+        experiment.finish_save()  # waited for at once: the synchronous cut, as the runner took it before
+        sync_cut_s = time.perf_counter() - began
 
         bags = experiment.collection.embedding_bags
         began = time.perf_counter()
@@ -86,20 +102,31 @@ def main(argv: List[str]) -> int:
         began = time.perf_counter()
         reopened = _Experiment(config, resume=True)
         reopen_s = time.perf_counter() - began
-        assert reopened.collection.checkpoint(label=args.steps)["tables"] == cut["tables"]
+        assert reopened.collection.checkpoint(label=cut["label"])["tables"] == cut["tables"]
         reopened.collection.close()
 
-    result: Dict[str, Any] = dict(rows=rows, steps=args.steps, step_s=step_s, cut_s=cut_s, full_copy_s=full_copy_s,
+    first = boundary_s + (during[0] if during else step_s)  # the step the checkpoint falls in
+    result: Dict[str, Any] = dict(rows=rows, torch_threads=torch.get_num_threads(), steps=args.steps, step_s=step_s, boundary_stall_s=boundary_s,
+                                  background_write_s=background_write_s, steps_while_writing=len(during),
+                                  step_times_while_writing_s=during,
+                                  first_step_with_background_cut_over_step=first / step_s,
+                                  worst_step_while_writing_over_step=max([first] + during) / step_s,
+                                  mean_step_while_writing_over_step=(sum(during) / len(during) / step_s) if during else None,
+                                  sync_cut_s=sync_cut_s, full_copy_s=full_copy_s,
                                   per_row_reads_s=per_row_s, reopen_s=reopen_s,
-                                  step_with_cut_over_step=(step_s + cut_s) / step_s,
+                                  step_with_sync_cut_over_step=(step_s + sync_cut_s) / step_s,
                                   step_with_full_copy_over_step=(step_s + full_copy_s) / step_s,
                                   per_row_over_scan=per_row_s / full_copy_s)
-    print(f"{rows:,} rows; a step {step_s * 1e3:.1f} ms")
-    print(f"| checkpoint | seconds | the step that takes it, x a step |")
+    print(f"{rows:,} rows; a step {step_s * 1e3:.1f} ms ({torch.get_num_threads()} torch threads, as the runner)")
+    print(f"| checkpoint | seconds | the worst step while it is taken, x a step |")
     print(f"|---|---:|---:|")
-    print(f"| cut (now) | {cut_s:.3f} | {result['step_with_cut_over_step']:.2f} |")
-    print(f"| full copy (before), rows read by scan | {full_copy_s:.3f} | {result['step_with_full_copy_over_step']:.2f} |")
+    print(f"| background cut (now): {boundary_s * 1e3:.1f} ms at the boundary, written over {len(during)} steps "
+          f"({background_write_s:.3f} s) | {background_write_s:.3f} | {result['worst_step_while_writing_over_step']:.2f} |")
+    print(f"| synchronous cut | {sync_cut_s:.3f} | {result['step_with_sync_cut_over_step']:.2f} |")
+    print(f"| full copy (before cuts), rows read by scan | {full_copy_s:.3f} | {result['step_with_full_copy_over_step']:.2f} |")
     print(f"| every row read key by key (before the scan) | {per_row_s:.3f} | {(step_s + per_row_s) / step_s:.2f} |")
+    if during:
+        print(f"steps while the cut is written, x a step: " + " ".join(f"{t / step_s:.2f}" for t in during))
     print(f"reopen at the cut: {reopen_s:.2f} s; key-by-key reads / scan: {result['per_row_over_scan']:.1f}x")
     os.makedirs(os.path.dirname(os.path.join(REPO, args.out)), exist_ok=True)
     with open(os.path.join(REPO, args.out), "w") as f:

@@ -156,3 +156,104 @@ def test_an_explicit_cut_older_than_the_recorded_one_wins(tmp_path):
         assert read_cut(path) == older
     finally:
         ebc.close()
+
+
+# A cut written in the background (the writer held back while training goes on, so training
+# changes rows of the cut before they are written: copy on write), against a twin trained the same
+# way without cuts. Scenarios: "written" (the cut commits, training goes on, then SIGKILL),
+# "killed" (SIGKILL while the cut is still being written), "full" (the disk refuses every write
+# while the cut is written: it raises, and the cut before stays).
+BACKGROUND_CHILD = SETUP + textwrap.dedent(
+    """
+    import os, resource, signal
+    path, expected, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
+    twin = collection(path + "-twin")
+    states = {}
+    for first, last in ((0, 6), (6, 12), (12, 30)):
+        train(twin, first, last)
+        states[last] = state_of(twin)
+    ebc = collection(path)
+    train(ebc, 0, 6)
+    ebc.checkpoint(label=6)
+    train(ebc, 6, 12)
+    for kernel in ebc._batches:
+        kernel.cache.pause_writer(True)
+    pending = ebc.begin_checkpoint(label=12)
+    train(ebc, 12, 16)
+    if scenario == "full":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))  # no file may grow: a full disk
+    for kernel in ebc._batches:
+        kernel.cache.pause_writer(scenario == "killed")
+    if scenario == "written":
+        assert not pending.done or pending.wait()["label"] == 12
+        assert ebc.wait_checkpoint()["label"] == 12
+        train(ebc, 16, 30)
+        states["got"] = state_of(ebc)
+    if scenario == "full":
+        try:
+            ebc.wait_checkpoint()
+            print("NO ERROR", flush=True)
+        except OSError as e:
+            print("ERROR", str(e).replace(chr(10), " "), flush=True)
+        try:  # training goes on while the disk is full, until the rows waiting for it fill their buffer
+            train(ebc, 16, 18)
+        except OSError:
+            pass
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    torch.save(states, expected)
+    print("READY", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.parametrize("scenario", ["written", "killed", "full"])
+def test_a_cut_written_in_the_background_holds_the_boundary_state(tmp_path, scenario):
+    path, expected = str(tmp_path / "tables"), str(tmp_path / "expected.pt")
+    child = Child(f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n" + BACKGROUND_CHILD, path, expected, scenario)
+    try:
+        line = child.read_line(timeout=300)
+        if scenario == "full":
+            # The error names the file that could not be written and why.
+            assert line.startswith("ERROR") and "File too large" in line and path in line, line
+            line = child.read_line(timeout=300)
+        assert line == "READY"
+    finally:
+        child.kill()
+    states = torch.load(expected)
+    if scenario == "written":
+        # Writing the cut changed nothing of training: the tables equal the twin's, trained without one.
+        for name, (weight, state, steps) in states["got"].items():
+            torch.testing.assert_close(weight, states[30][name][0], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(state, states[30][name][1], rtol=0, atol=0, msg=name)
+            assert steps == states[30][name][2] == 30
+    at = 12 if scenario == "written" else 6
+    assert read_cut(path)["label"] == at
+    got, ebc = reopened_state(path)
+    try:
+        assert sorted(got) == sorted(states[at])
+        for name, (weight, state, steps) in got.items():
+            torch.testing.assert_close(weight, states[at][name][0], rtol=0, atol=0, msg=f"table {name} weights")
+            torch.testing.assert_close(state, states[at][name][1], rtol=0, atol=0, msg=f"table {name} state")
+            assert steps == states[at][name][2] == at, name
+    finally:
+        ebc.close()
+
+
+def test_one_cut_at_a_time_and_close_commits_the_pending_one(tmp_path):
+    namespace = {}
+    exec(SETUP, namespace)
+    ebc = namespace["collection"](str(tmp_path / "tables"))
+    namespace["train"](ebc, 0, 3)
+    first = ebc.begin_checkpoint(label=3)
+    namespace["train"](ebc, 3, 5)
+    second = ebc.begin_checkpoint(label=5)  # commits the first before it begins
+    assert first.done and first.wait()["label"] == 3
+    assert read_cut(str(tmp_path / "tables"))["label"] == 3
+    namespace["train"](ebc, 5, 6)
+    ebc.close()
+    assert second.done and second.wait()["label"] == 5
+    assert read_cut(str(tmp_path / "tables"))["label"] is None  # close's own cut, at step 6
+    assert read_cut(str(tmp_path / "tables"))["tables"]["a"]["step"] == 6

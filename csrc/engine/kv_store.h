@@ -125,7 +125,7 @@ class KVStore : public RowStore {
   // Makes the contents durable as checkpoint `*sequence` (when given); with nothing changed
   // since the last one, that one stands and no file is written. The checkpoint before it stays
   // recoverable until the next one (Open with options.checkpoint_sequence).
-  Status Checkpoint(uint64_t* sequence = nullptr);
+  Status Checkpoint(uint64_t* sequence = nullptr) override;
   // One step of a scan of every live row in log address order: the log read sequentially, a few
   // MiB per read, where Get reads a 4 KiB block per row. Appends the rows of whole pages from slot
   // *cursor on, stopping once `max_rows` or more are in, to `keys` and `values`, and advances

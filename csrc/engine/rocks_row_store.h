@@ -53,6 +53,10 @@ class RocksRowStore : public RowStore {
   const std::string& path() const override { return path_; }
   // Writes the memtables to SST files: the rows written so far survive a reopen.
   Status Checkpoint();
+  Status Checkpoint(uint64_t* sequence) override {
+    if (sequence) *sequence = 0;
+    return Checkpoint();
+  }
   Status Close();
   RocksStats Stats() const;
 

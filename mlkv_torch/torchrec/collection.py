@@ -16,7 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from .. import optim as optim_lib
 from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_table, draw_seed,
                          host_memory_for_all_rows)
-from ..cut import check_cut, read_cut, remove_cut, write_cut
+from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
@@ -167,6 +167,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._kernel_specs = self._plan_kernels(rule)
         self._lr = rule.lr
         self._batches: List[DiskTableBatch] = []
+        self._pending_cut: Optional[PendingCut] = None
         if self._device.type == "meta":  # nothing opened, nothing allocated: to_empty(device=...) does it
             self.embedding_bags = nn.ModuleDict({t.name: _TableOnMeta(t) for t in tables})
             self._fused_optimizer: Optional[DiskFusedOptimizer] = None
@@ -361,27 +362,37 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._check_materialised()
         return sum(bag.populate() for bag in self.embedding_bags.values())
 
-    def checkpoint(self, label: Optional[int] = None) -> Dict[str, Any]:
-        """Takes a cut of every table (`mlkv_torch.cut`): queued updates applied, caches written back,
-        every store checkpointed, the optimizers' steps recorded, and the record committed in
-        ``path/CUT.json``. After a crash at any moment, ``reopen=True`` brings every table back to
-        the last committed cut, never to a mix. `label` (say, the training step) is kept in the
-        record and named in errors. Returns the record; a training checkpoint that stores it
-        resumes from it with ``cut=``."""
+    def begin_checkpoint(self, label: Optional[int] = None) -> PendingCut:
+        """Begins a cut of every table (`mlkv_torch.cut`) at this step boundary and returns at once,
+        while each kernel's writer thread writes it in the background: queued updates applied, the
+        cut's rows set aside (copied on write when training changes them meanwhile), written,
+        every store checkpointed. ``wait()`` on the result waits for that, commits the record in
+        ``path/CUT.json`` and returns it; until then the committed cut is the one before. One cut
+        at a time: a cut begun while another is pending waits for and commits that one first.
+        `label` (say, the training step) is kept in the record and named in errors. A cut whose
+        writing failed (``wait()`` raised: a full disk) is not committed, and the one before it
+        stays; the next cut first writes what it could not, and raises while that still fails."""
         self._check_materialised()
-        tables: Dict[str, Any] = {}
-        for batch in self._batches:
-            tables.update(batch.checkpoint())
-        recorded = read_cut(self._opening["path"])
-        if label is None and recorded is not None and recorded["tables"] == tables:
-            return recorded  # nothing changed since that cut (closing after one): it stands, label and all
-        record = {"label": label, "tables": tables}
-        os.makedirs(self._opening["path"], exist_ok=True)
-        write_cut(self._opening["path"], record)
-        return record
+        self.wait_checkpoint()
+        self._pending_cut = PendingCut(self._opening["path"], label,
+                                       [batch.begin_checkpoint() for batch in self._batches])
+        return self._pending_cut
+
+    def wait_checkpoint(self) -> Optional[Dict[str, Any]]:
+        """Waits for the cut begun last (`begin_checkpoint`) and commits it; returns its record
+        (None when none is pending)."""
+        pending, self._pending_cut = self._pending_cut, None
+        return None if pending is None else pending.wait()
+
+    def checkpoint(self, label: Optional[int] = None) -> Dict[str, Any]:
+        """Takes a cut of every table (`begin_checkpoint`) and commits it before returning. After a
+        crash at any moment, ``reopen=True`` brings every table back to the last committed cut,
+        never to a mix. Returns the record; a training checkpoint that stores it resumes from it
+        with ``cut=``."""
+        return self.begin_checkpoint(label).wait()
 
     def close(self) -> None:
-        """Takes a last cut (`checkpoint`), then closes every table."""
+        """Commits a pending cut, takes a last one (`checkpoint`), then closes every table."""
         open_batches = [batch for batch in self._batches if not batch.closed]
         if not open_batches:
             return

@@ -1,0 +1,82 @@
+// EmbeddingCache's cuts: a consistent state of every table of the cache, taken at a step boundary
+// and written by the writer thread while training goes on (see embedding_cache.h).
+//
+// At the boundary the cut is every dirty cached row plus every row on its way to the stores.
+// Those on their way move to cut_write_back_ as they are; dirty host slots are only marked
+// (cut_slot_), and the writer copies them out a batch at a time. Training may change a marked
+// slot before that: PreserveCutRow copies the cut value aside first. So the cut holds a second
+// copy only of the rows training touches while it is written. Rows written after the boundary
+// wait in write_back_ until the stores have checkpointed: a store checkpoint holds exactly the cut.
+#include "embedding_cache.h"
+
+#include <algorithm>
+
+namespace mlkv {
+
+void EmbeddingCache::BeginCut() {
+  Drain();  // updates queued before the boundary belong to the cut
+  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  ThrowIfFailed();
+  TORCH_CHECK(cut_state_ == CutState::kNone, "a cut of ", tables_[0].store->path(),
+              " (and the tables beside it) is still being written: finish it before beginning another");
+  // What waits for the stores is the cut's: it moves over whole (no batch of it in flight).
+  written_cv_.wait(lock, [&] { return !writer_busy_; });
+  write_back_.Swap(cut_write_back_);
+  std::vector<int64_t> ids;
+  std::vector<int32_t> slots = TakeDirtySlots(&ids);
+  if (on_host_) {
+    for (int32_t s : slots) cut_slot_[s] = 1;
+    cut_slots_ = std::move(slots);
+    cut_next_ = 0;
+  } else if (!slots.empty()) {  // device slots: the cut's rows come to the host now
+    const torch::Tensor rows = SlotRowsToHost(slots);
+    const float* data = rows.data_ptr<float>();
+    for (size_t i = 0; i < ids.size(); ++i) cut_write_back_.Put(ids[i], data + i * row_words_);
+  }
+  CountWrittenBack(ids);
+  cut_sequences_.clear();
+  cut_error_ = Status::OK();
+  cut_state_ = CutState::kWriting;
+  writer_cv_.notify_one();
+}
+
+void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
+  if (cut_next_ < cut_slots_.size()) {
+    const size_t end = std::min(cut_slots_.size(), cut_next_ + kWriteBatchRows);
+    for (; cut_next_ < end; ++cut_next_) PreserveCutRow(cut_slots_[cut_next_]);
+    return;
+  }
+  std::vector<int32_t>().swap(cut_slots_);
+  cut_next_ = 0;
+  // Every row of the cut is in its store, and no later row is: each store checkpoints it.
+  lock.unlock();
+  std::vector<int64_t> sequences(tables_.size(), 0);
+  Status st;
+  for (size_t t = 0; t < tables_.size() && st.ok(); ++t) {
+    uint64_t sequence = 0;
+    st = tables_[t].store->Checkpoint(&sequence);
+    sequences[t] = static_cast<int64_t>(sequence);
+  }
+  lock.lock();
+  cut_sequences_ = std::move(sequences);
+  cut_error_ = st;
+  cut_state_ = CutState::kDone;
+  written_cv_.notify_all();
+}
+
+std::vector<int64_t> EmbeddingCache::FinishCut() {
+  std::unique_lock<std::mutex> lock(mu_);
+  TORCH_CHECK(cut_state_ != CutState::kNone, "no cut of ", tables_[0].store->path(), " was begun");
+  for (;;) {
+    if (cut_state_ == CutState::kWriting) CheckWriterNotPaused();
+    written_cv_.wait(lock, [&] { return cut_state_ == CutState::kDone || !write_error_.ok(); });
+    if (cut_state_ == CutState::kDone) break;
+    ThrowIfWriteFailed(lock);  // raises while the stores refuse the cut's rows; they stay in memory
+  }
+  cut_state_ = CutState::kNone;
+  if (!cut_error_.ok()) throw StatusError(cut_error_);
+  return cut_sequences_;
+}
+
+}  // namespace mlkv
