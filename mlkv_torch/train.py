@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
-from .cut import sync_directory
+from .cut import sync_directory, write_json_record
 from .ranks import all_gather_objects
 
 __all__ = ["main", "run"]
@@ -200,7 +200,8 @@ class _Experiment:
         sharder = DiskEmbeddingBagCollectionSharder(
             self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
             staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
-            backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume)  # memory: nothing on disk
+            backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume,  # memory: nothing on disk
+            cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None)
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
@@ -328,38 +329,68 @@ class _Experiment:
         return next(name for name, module in self.model.named_modules() if module is self.collection) + "."
 
     def _save_sharded(self, step: int) -> None:
-        """torch.distributed.checkpoint into checkpoint-<step>/; the pointer moves once it is whole."""
+        """Under torchrun: every rank takes a cut of its disk tables (no row copied), the rest (dense
+        model, in-memory tables, optimizers, step) goes to checkpoint-<step>/ by
+        torch.distributed.checkpoint, and rank 0 commits both by renaming the pointer, which names
+        the directory and every rank's cut."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
 
+        from .torchrec import disk_tables_left_out
+
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
-        dcp.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                  "step": torch.tensor(step)}, checkpoint_id=directory)
-        dist.barrier()
+        # Storage kind memory has no disk tables: every row goes to the directory.
+        cut = self.collection.checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
+        with disk_tables_left_out():
+            dcp.save({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
+                      "step": torch.tensor(step)}, checkpoint_id=directory)
+        cuts = all_gather_objects(cut)  # every rank's cut is committed (and its shard of the directory written)
         if self.is_main:
-            previous = self._latest_sharded()
-            with open(self.checkpoint_path() + ".partial", "w") as f:
-                f.write(os.path.basename(directory))
-            os.replace(self.checkpoint_path() + ".partial", self.checkpoint_path())
+            previous = self._latest_sharded()[0] if os.path.exists(self.checkpoint_path()) else None
+            write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory),
+                                                       "cuts": {str(rank): c for rank, c in enumerate(cuts)}})
             if previous and previous != directory:
                 shutil.rmtree(previous, ignore_errors=True)
         dist.barrier()
 
-    def _latest_sharded(self) -> Optional[str]:
-        if not os.path.exists(self.checkpoint_path()):
-            return None
-        with open(self.checkpoint_path()) as f:
-            return os.path.join(self.config.output_dir, f.read().strip())
+    def _optimizer_state_without_disk_tables(self) -> Dict[str, Any]:
+        """The optimizers' state_dict without the disk tables' entries (their state is in the cuts;
+        what would stand for them differs from rank to rank, which torch.distributed.checkpoint
+        cannot match up on load)."""
+        state = self.optimizer.state_dict()
+        on_disk = tuple(f"embedding_bags.{t}.weight" for t in getattr(self.collection, "_disk_table_names", []))
+        state["state"] = {k: v for k, v in state["state"].items() if not (on_disk and k.endswith(on_disk))}
+        return state
+
+    def _latest_sharded(self) -> Tuple[str, Dict[int, Any]]:
+        """The directory the latest checkpoint under torchrun wrote, and each rank's cut of its tables."""
+        try:
+            with open(self.checkpoint_path()) as f:
+                pointer = json.load(f)
+            directory, cuts = pointer["directory"], pointer["cuts"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it points at a copy "
+                              f"of every row, not at cuts of the tables); resume it with that version") from e
+        return (os.path.join(self.config.output_dir, directory),
+                {int(rank): cut for rank, cut in cuts.items() if cut is not None})
 
     def load(self) -> int:
         if self.distributed:
             import torch.distributed.checkpoint as dcp
 
-            state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": torch.tensor(0)}
-            dcp.load(state, checkpoint_id=self._latest_sharded())
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
+            from .torchrec import disk_tables_left_out
+
+            with disk_tables_left_out():  # the disk tables reopened at the checkpoint's cuts
+                state = {"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
+                         "step": torch.tensor(0)}
+                dcp.load(state, checkpoint_id=self._latest_sharded()[0])
+                self.model.load_state_dict(state["model"])
+                optimizer = self.optimizer.state_dict()  # the disk tables' entries: their steps, as reopened
+                optimizer["state"].update(state["optim"]["state"])
+                if "param_groups" in state["optim"]:
+                    optimizer["param_groups"] = state["optim"]["param_groups"]
+                self.optimizer.load_state_dict(optimizer)
             return int(state["step"])
         state = self._resumed  # the tables were opened at its cut
         missing, unexpected = self.model.load_state_dict(state["dense"], strict=False)

@@ -109,7 +109,11 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     assert summary["populate_s"] > 0
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["samples"] == 12 * 2 * 256
     assert summary["hit_rate"] is not None and summary["disk_bytes"] > 100 << 10, "the planner must put tables on disk"
-    _torchrun(tmp_path / "split", 8)
+    # The first run ends at step 10, two steps past its last checkpoint (8), and its close takes a cut
+    # of every rank's tables at 10: the resumed run reopens them at the checkpoint's cuts, not those.
+    _torchrun(tmp_path / "split", 10)
+    pointer = json.loads((tmp_path / "split" / "checkpoint.latest").read_text())
+    assert pointer["directory"] == "checkpoint-8" and {c["label"] for c in pointer["cuts"].values() if c} == {8}
     _torchrun(tmp_path / "split", 12, "--resume", "data.num_workers=2")  # DataLoader workers: the same batches
     expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)

@@ -31,8 +31,8 @@ import contextvars
 import os
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -56,12 +56,13 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
+from ..cut import PendingCut, read_cut, write_cut
 from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      fused_params_of, initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
-           "ShardedDiskEmbeddingBagCollection", "resolve_optimizer", "shard_memory_budget"]
+           "ShardedDiskEmbeddingBagCollection", "disk_tables_left_out", "resolve_optimizer", "shard_memory_budget"]
 
 DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 """The compute kernel of disk tables in a sharding plan."""
@@ -93,6 +94,24 @@ def planning_with_disk() -> Iterator[None]:
         _planning_with_disk.reset(token)
 
 
+_disk_tables_in_state_dict: contextvars.ContextVar[bool] = contextvars.ContextVar("disk_tables_in_state_dict",
+                                                                                 default=True)
+
+
+@contextlib.contextmanager
+def disk_tables_left_out() -> Iterator[None]:
+    """Within it, ``state_dict()`` of a sharded model and of its optimizer leaves the disk tables'
+    rows and optimizer state out (only their step counts stay), and ``load_state_dict()`` does
+    not miss them: a training checkpoint that holds them in cuts of their own
+    (`ShardedDiskEmbeddingBagCollection.checkpoint`) saves the rest with
+    torch.distributed.checkpoint, and copies no row."""
+    token = _disk_tables_in_state_dict.set(False)
+    try:
+        yield
+    finally:
+        _disk_tables_in_state_dict.reset(token)
+
+
 @dataclass(frozen=True)
 class DiskTableOptions:
     """How the sharder builds disk tables (see DiskEmbeddingBagCollectionSharder)."""
@@ -106,6 +125,9 @@ class DiskTableOptions:
     backend: str = "mlkv"
     seed_drawn: bool = False
     reopen: bool = False
+    # The cut each rank's tables reopen at ({rank: record}, a training checkpoint's); without it a
+    # reopen goes to the cut the rank's directory records.
+    cuts: Optional[Dict[int, Any]] = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -142,9 +164,13 @@ class _ShardOptimizerState:
         self._kernel, self._table = kernel, table
 
     def state_dict(self) -> Dict[str, Any]:
+        if not _disk_tables_in_state_dict.get():  # the rows are in a cut (disk_tables_left_out)
+            return {"step": self._kernel.step_of(self._table)}
         return {"rows": self._kernel.optimizer_state(self._table), "step": self._kernel.step_of(self._table)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "rows" not in state:  # saved with disk_tables_left_out: the tables reopened at their cut
+            return
         self._kernel.load_optimizer_state(self._table, state["rows"], int(state["step"]))
 
 
@@ -188,6 +214,10 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
         self._batches: List[DiskTableBatch] = []
+        # Reopened at a cut: the one a training checkpoint names for this rank, else the one recorded here.
+        cut = (options.cuts or {}).get(rank)
+        if cut is None and options.reopen:
+            cut = read_cut(self._rank_dir)
         bag_of: Dict[int, DiskEmbeddingBag] = {}
         owners: Dict[int, Tuple[int, int]] = {}
         for (cols, dtype, mode, optimizer), members in layouts.items():
@@ -199,7 +229,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                  for i in members],
                 cols, mode=mode, optimizer=optimizer, memory_budget_bytes=budgets[(cols, dtype, mode, optimizer)],
                 staleness=options.staleness, dtype=dtype, device=self._device, cache_policy=options.cache_policy,
-                backend=options.backend, reopen=options.reopen)
+                backend=options.backend, reopen=options.reopen or cut is not None, cut=cut)
             for k, i in enumerate(members):
                 bag_of[i] = DiskEmbeddingBag.of_batch(batch, k)
                 owners[i] = (len(self._batches), k)
@@ -207,6 +237,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             for anchor in batch.anchors:
                 anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
             self._batches.append(batch)
+        if cut is not None and cut != read_cut(self._rank_dir):
+            write_cut(self._rank_dir, cut)  # the newer cut the stores went back from is gone
         self.bags = nn.ModuleList([bag_of[i] for i in range(len(self._shards))])
         self._routing = KernelRouting([owners[i] for i, table in enumerate(self._shards) for _ in table.feature_names])
         self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
@@ -332,6 +364,19 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """DiskEmbeddingBag.stats() of each shard, by ``<table>_rows<r0>_cols<c0>``."""
         return {self._shard_name(table): bag.stats() for table, bag in zip(self._shards, self.bags)}
+
+    @property
+    def rank_dir(self) -> str:
+        """Where this rank's tables live (one store per shard) and its cuts are recorded."""
+        return self._rank_dir
+
+    @property
+    def closed(self) -> bool:
+        return all(batch.closed for batch in self._batches)
+
+    def begin_checkpoint(self) -> List[Callable[[], Dict[str, Any]]]:
+        """This kernel's part of a cut, begun (`DiskTableBatch.begin_checkpoint`): one wait per batch."""
+        return [batch.begin_checkpoint() for batch in self._batches]
 
     def populate(self) -> int:
         """Writes every row of this kernel's shards to their stores; returns the rows."""
@@ -517,6 +562,10 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     @staticmethod
     def _disk_tables_to_state_dict(module: "ShardedDiskEmbeddingBagCollection", destination: Dict[str, Any],
                                    prefix: str, local_metadata: Dict[str, Any]) -> None:
+        if not _disk_tables_in_state_dict.get():  # nor what the base module put under their names
+            for table in module._disk_table_names:
+                destination.pop(f"{prefix}embedding_bags.{table}.weight", None)
+            return
         local: Dict[str, List[Shard]] = defaultdict(list)
         for kernel in module.disk_kernels():
             for table in kernel.table_names:
@@ -532,6 +581,9 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         kernels = {table: kernel for kernel in module.disk_kernels() for table in kernel.table_names}
         for table in module._disk_table_names:
             key = f"{prefix}embedding_bags.{table}.weight"
+            if not _disk_tables_in_state_dict.get():  # the tables reopened at their cut
+                module._skip_missing_weight_key.append(key)
+                continue
             if key not in state_dict:
                 continue  # load_state_dict reports it missing
             weight = state_dict.pop(key)
@@ -548,10 +600,31 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         so reads come from disk as in tables trained for a while; returns the rows."""
         return sum(kernel.populate() for kernel in self.disk_kernels())
 
+    def begin_checkpoint(self, label: Optional[int] = None) -> Optional[PendingCut]:
+        """Begins a cut of this rank's disk tables at this step boundary (as
+        `DiskEmbeddingBagCollection.begin_checkpoint`); ``wait()`` commits it in the rank's directory
+        (``<storage_dir>/rank<r>/CUT.json``) and returns its record. None on a rank without disk
+        tables. Every rank takes its own; a training checkpoint records them together."""
+        kernels = list(self.disk_kernels())
+        if not kernels:
+            return None
+        return PendingCut(kernels[0].rank_dir, label, [part for kernel in kernels for part in kernel.begin_checkpoint()])
+
+    def checkpoint(self, label: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        """A cut of this rank's disk tables (`begin_checkpoint`), committed before this returns; its
+        record (None without disk tables). After a crash, the sharder's ``reopen=True`` reopens each
+        rank's tables at the cut its directory records, or at ``cuts={rank: record}``."""
+        pending = self.begin_checkpoint(label)
+        return None if pending is None else pending.wait()
+
     def close(self) -> None:
-        """Closes this rank's disk tables (their stores checkpoint)."""
-        for kernel in self.disk_kernels():
-            kernel.close()
+        """Takes a last cut of this rank's disk tables (`checkpoint`), then closes them."""
+        try:
+            if not any(kernel.closed for kernel in self.disk_kernels()):
+                self.checkpoint()
+        finally:
+            for kernel in self.disk_kernels():
+                kernel.close()
 
 
 class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -574,19 +647,22 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             when the sharder is built (every rank must build it at the same point after the same
             ``torch.manual_seed``, or pass one). A reopened table keeps its recorded seed.
         backend: the store under disk tables: "mlkv" (KVStore) or "rocksdb" (the baseline).
-        reopen: continue from the rows and optimizer state `storage_dir` holds from an earlier run;
-            without it, disk tables holding rows are refused (FileExistsError).
+        reopen: continue from the rows and optimizer state `storage_dir` holds from an earlier run,
+            each rank's tables at the last cut its directory records (`checkpoint`); without it,
+            disk tables holding rows are refused (FileExistsError).
+        cuts: reopen each rank's tables at the cut given for it ({rank: record}, the records a
+            training checkpoint holds) instead.
         fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
     """
 
     def __init__(self, storage_dir: str, *, optimizer: Optional[optim_lib.SparseOptimizer] = None,
                  memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu",
                  seed: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv",
-                 reopen: bool = False, **kwargs: Any) -> None:
+                 reopen: bool = False, cuts: Optional[Dict[int, Any]] = None, **kwargs: Any) -> None:
         self._told_planner = False
         self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness, cache_policy,
                                         draw_seed() if seed is None else seed, backend, seed_drawn=seed is None,
-                                        reopen=reopen)
+                                        reopen=reopen, cuts=cuts)
         if optimizer is not None:
             fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **kwargs)
