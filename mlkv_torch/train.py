@@ -20,14 +20,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
-from .cut import sync_directory, write_json_record
+from .cut import read_json_record, sync_directory, write_json_record
 from .ranks import all_gather_objects
 
 __all__ = ["main", "run"]
@@ -275,32 +275,38 @@ class _Experiment:
         return os.path.join(self.config.output_dir, "checkpoint.pt" if not self.distributed else "checkpoint.latest")
 
     def save(self, step: int) -> None:
-        """Checkpoints at this step boundary. Under torchrun, a DCP copy of every shard. In one
-        process, one cut: the tables' (their stores keep the previous one until this checkpoint
-        names the new), the dense model's and its optimizer's, and the data position (the step),
-        committed at once by one rename. It is written in the background while training goes on
-        (`finish_save` waits for it); a checkpoint begun while one is being written waits for it."""
-        if self.distributed:
-            self._save_sharded(step)
-            return
+        """Checkpoints at this step boundary: one cut of the tables (their stores keep the previous
+        one until the checkpoint names the new), the dense model's and its optimizer's, and the
+        data position (the step), committed at once by one rename. The tables' cut is written in
+        the background while training goes on (`finish_save` waits for it); a checkpoint begun
+        while one is being written waits for it first. Under torchrun, every rank cuts its own
+        tables and the rest goes to torch.distributed.checkpoint (`_save_sharded`)."""
         self.finish_save()
+        commit = self._save_sharded(step) if self.distributed else self._save_local(step)
+
+        def commit_or_keep_error() -> None:
+            try:
+                commit()
+            except BaseException as e:  # raised on the training thread by finish_save
+                self._save_error = e
+        self._saving = threading.Thread(target=commit_or_keep_error, name="mlkv-checkpoint", daemon=True)
+        self._saving.start()
+
+    def _save_local(self, step: int) -> Callable[[], None]:
+        """One process: begins the cut, takes the dense state; returns what commits both."""
         self.collection.begin_checkpoint(label=step)
         state = {"step": step, "dense": self._dense_state(),
                  "dense_optimizer": copy.deepcopy(self.optimizer.state_dict())}  # later steps change it in place
 
         def commit() -> None:
-            try:
-                state["cut"] = self.collection.wait_checkpoint()
-                partial = self.checkpoint_path() + ".partial"
-                torch.save(state, partial)
-                with open(partial, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
-                sync_directory(self.config.output_dir)
-            except BaseException as e:  # raised on the training thread by finish_save
-                self._save_error = e
-        self._saving = threading.Thread(target=commit, name="mlkv-checkpoint", daemon=True)
-        self._saving.start()
+            state["cut"] = self.collection.wait_checkpoint()
+            partial = self.checkpoint_path() + ".partial"
+            torch.save(state, partial)
+            with open(partial, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
+            sync_directory(self.config.output_dir)
+        return commit
 
     def finish_save(self) -> None:
         """Waits for the checkpoint being written (`save`); raises what failed writing it."""
@@ -328,31 +334,49 @@ class _Experiment:
     def _tables_prefix(self) -> str:
         return next(name for name, module in self.model.named_modules() if module is self.collection) + "."
 
-    def _save_sharded(self, step: int) -> None:
-        """Under torchrun: every rank takes a cut of its disk tables (no row copied), the rest (dense
-        model, in-memory tables, optimizers, step) goes to checkpoint-<step>/ by
-        torch.distributed.checkpoint, and rank 0 commits both by renaming the pointer, which names
-        the directory and every rank's cut."""
-        import shutil
-
+    def _save_sharded(self, step: int) -> Callable[[], None]:
+        """Under torchrun: every rank begins a cut of its disk tables (no row copied) and saves the
+        rest (dense model, in-memory tables, optimizers, step) to checkpoint-<step>/ with
+        torch.distributed.checkpoint (collective, now). Returns what commits them: each rank, once
+        its cut is written, records it in the directory (cut-rank<r>.json); rank 0, once every rank
+        has, renames the pointer, which names the directory and every rank's cut."""
         import torch.distributed.checkpoint as dcp
 
         from .torchrec import disk_tables_left_out
 
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
         # Storage kind memory has no disk tables: every row goes to the directory.
-        cut = self.collection.checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
+        pending = self.collection.begin_checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
         with disk_tables_left_out():
             dcp.save({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
                       "step": torch.tensor(step)}, checkpoint_id=directory)
-        cuts = all_gather_objects(cut)  # every rank's cut is committed (and its shard of the directory written)
-        if self.is_main:
+        rank, world, main = self.rank, self.world_size, self.is_main
+
+        def commit() -> None:
+            import shutil
+
+            # Files, not collectives: this runs beside training, which uses the process group.
+            record = os.path.join(directory, f"cut-rank{rank}.json")
+            try:
+                write_json_record(record, {"cut": pending.wait() if pending is not None else None})
+            except BaseException as e:  # rank 0 must not wait for it
+                write_json_record(record, {"error": f"{type(e).__name__}: {e}"})
+                raise
+            if not main:
+                return
+            records = [os.path.join(directory, f"cut-rank{r}.json") for r in range(world)]
+            while not all(os.path.exists(r) for r in records):
+                time.sleep(0.01)
+            written = [read_json_record(path, f"rank {r}'s cut") for r, path in enumerate(records)]
+            failed = [f"rank {r}: {w['error']}" for r, w in enumerate(written) if "error" in w]
+            if failed:
+                raise OSError(f"checkpoint {directory} is not committed: {'; '.join(failed)}")
+            cuts = {str(r): w["cut"] for r, w in enumerate(written)}
             previous = self._latest_sharded()[0] if os.path.exists(self.checkpoint_path()) else None
-            write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory),
-                                                       "cuts": {str(rank): c for rank, c in enumerate(cuts)}})
+            write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory), "cuts": cuts})
             if previous and previous != directory:
                 shutil.rmtree(previous, ignore_errors=True)
-        dist.barrier()
+        return commit
 
     def _optimizer_state_without_disk_tables(self) -> Dict[str, Any]:
         """The optimizers' state_dict without the disk tables' entries (their state is in the cuts;

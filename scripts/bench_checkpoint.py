@@ -9,8 +9,8 @@ behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
   step boundary and written by the kernels' writer threads while training goes on, then the dense
   model, its optimizer and the cut's record committed in checkpoint.pt): the stall at the boundary,
   and every step trained while it is written, each against the mean step;
-- synchronous cut: the same checkpoint, waited for at once (how the runner took one before):
-  the step that takes one lasts step + cut;
+- synchronous cut: the next checkpoint, as many steps later, waited for at once (how the runner
+  took one before): the step that takes one lasts step + cut;
 - full copy: what the runner wrote before cuts, every row and optimizer state of every table in one
   file (`snapshot(include_state=True)`, which reads each store in one sequential scan);
 - per-row reads: the same rows read key by key (`export_rows`, a 4 KiB read per row off the
@@ -56,7 +56,7 @@ def main(argv: List[str]) -> int:
         experiment = _Experiment(config)
         rows = experiment.populate()
         most_steps_while_writing = 60
-        batches = iter(list(experiment.loader(0, args.steps + most_steps_while_writing + 1)))
+        batches = iter(list(experiment.loader(0, 2 * args.steps + most_steps_while_writing + 1)))
 
         def step() -> float:
             began = time.perf_counter()
@@ -80,8 +80,10 @@ def main(argv: List[str]) -> int:
         experiment.finish_save()
         background_write_s = time.perf_counter() - began
 
+        for _ in range(args.steps - len(during)):  # as many steps since the last cut as the background one had
+            step()
         began = time.perf_counter()
-        experiment.save(args.steps + len(during))
+        experiment.save(2 * args.steps)
         experiment.finish_save()  # waited for at once: the synchronous cut, as the runner took it before
         sync_cut_s = time.perf_counter() - began
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -74,10 +75,16 @@ def _tables(out: Path):
         ebc.close()
 
 
-def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_path):
-    whole = tmp_path / "whole"
-    done = subprocess.run(_command(whole, resume=False), capture_output=True, text=True, timeout=600, cwd=REPO)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("whole")
+    done = subprocess.run(_command(out, resume=False), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_path, whole):
 
     crashed = tmp_path / "crashed"
     rng = random.Random(int(os.environ.get("MLKV_CRASH_SEED", "0")))
@@ -116,3 +123,41 @@ def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_
     for name, (weight, state) in tables_whole.items():
         torch.testing.assert_close(tables_crashed[name][0], weight, rtol=0, atol=0, msg=f"{name} weights")
         torch.testing.assert_close(tables_crashed[name][1], state, rtol=0, atol=0, msg=f"{name} state")
+
+
+# The runner with its disk full from step 6 on (every file is capped at 2 KiB, RLIMIT_FSIZE, as a full
+# disk refuses writes), right after its checkpoint at step 6 was committed.
+FULL_DISK_RUN = """
+import resource, signal, sys
+from mlkv_torch import train
+save = train._Experiment.save
+
+def save_then_fill_the_disk(self, step):
+    save(self, step)
+    if step == 6:
+        self.finish_save()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+train._Experiment.save = save_then_fill_the_disk
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_stops_the_run_and_resume_goes_back_to_its_last_checkpoint(tmp_path, whole):
+    out = tmp_path / "full"
+    command = _command(out, resume=False)
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_RUN, *command[3:]], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert done.returncode != 0, "the run went on with its disk full"
+    # The store's OSError (mlkv_torch._C.StoreIOError), raised where training met it.
+    raised = [line for line in done.stderr.splitlines() if re.match(r"[\w.]*(OSError|StoreIOError): ", line)]
+    # A clear error: what failed, on which file of which table, and why.
+    assert raised and "File too large" in raised[0] and str(out / "tables") in raised[0], done.stderr[-3000:]
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 6
+    done = subprocess.run(_command(out, resume=True), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected, got = _losses(whole), _losses(out)
+    assert {s: got[s] for s in got} == {s: expected[s] for s in got} and max(got) == STEPS
+    for key in ("steps", "auc", "logloss"):
+        assert json.loads((out / "summary.json").read_text())[key] == json.loads((whole / "summary.json").read_text())[key]
