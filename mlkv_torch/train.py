@@ -148,7 +148,8 @@ class _Experiment:
         self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.resume = resume
-        self._saving: Optional[threading.Thread] = None  # the checkpoint being written (one process)
+        self._saving: Optional[threading.Thread] = None  # the checkpoint being written
+        self._checkpoint_group: Optional[dist.ProcessGroup] = None  # under torchrun, for the saves
         self._save_error: Optional[BaseException] = None
         # One process resumes from a cut: the checkpoint names the one its tables reopen at.
         self._resumed: Optional[Dict[str, Any]] = None
@@ -347,13 +348,17 @@ class _Experiment:
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
         # Storage kind memory has no disk tables: every row goes to the directory.
         pending = self.collection.begin_checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
-        with disk_tables_left_out():
-            dcp.save({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
-                      "step": torch.tensor(step)}, checkpoint_id=directory)
-        rank, world, main = self.rank, self.world_size, self.is_main
+        if self._checkpoint_group is None:  # its own group: the save's collectives run beside training's
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        with disk_tables_left_out():  # copied now, written in the background
+            state = _copied({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
+                             "step": torch.tensor(step)})
+        rank, world, main, group = self.rank, self.world_size, self.is_main, self._checkpoint_group
 
         def commit() -> None:
             import shutil
+
+            dcp.save(state, checkpoint_id=directory, process_group=group)
 
             # Files, not collectives: this runs beside training, which uses the process group.
             record = os.path.join(directory, f"cut-rank{rank}.json")
@@ -424,6 +429,23 @@ class _Experiment:
                               f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         return int(state["step"])
+
+
+def _copied(state: Any) -> Any:
+    """A copy of a state_dict whose tensors (ShardedTensor shards too) later steps cannot change."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(state, ShardedTensor):
+        shards = [Shard(shard.tensor.detach().clone(), shard.metadata) for shard in state.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata(),
+                                                                         process_group=state._process_group)
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copied(v) for v in state)
+    return copy.deepcopy(state)
 
 
 def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:

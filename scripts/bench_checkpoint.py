@@ -17,7 +17,13 @@ behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
   cache), how snapshots read before the scan;
 - reopen: the tables reopened at the cut (every store recovers its checkpoint).
 
-    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--smoke]
+With --nproc N (N > 1) the runner trains under torchrun instead (DistributedModelParallel, the
+planner's disk tables, every rank cutting its own), --steps steps with a checkpoint every
+--steps / 4, once with checkpoints and once without; each step's time comes from rank 0's
+metrics (log_every 1). Reported: the steps after each checkpoint against the mean step of the run
+without checkpoints.
+
+    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--smoke]
 """
 from __future__ import annotations
 
@@ -32,15 +38,58 @@ from typing import Any, Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def under_torchrun(args: argparse.Namespace) -> int:
+    """The runner under torchrun with checkpoints every steps / 4 and without: each step's time."""
+    import subprocess
+
+    every = max(2, args.steps // 4)
+    batch = 256 if args.smoke else 2048
+    steps_of: Dict[int, List[float]] = {}
+    os.makedirs(os.path.join(REPO, "bench-out"), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")) as work:
+        for checkpoint_every in (every, 0):
+            out = os.path.join(work, f"every-{checkpoint_every}")
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                            str(args.nproc), "-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
+                            f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
+                            f"train.batch_size={batch}", "train.log_every=1", f"eval.every={10 * args.steps}",
+                            f"train.checkpoint_every={checkpoint_every or 'null'}", "storage.populate=true",
+                            "--no-progress"],
+                           cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f if '"samples_per_s"' in line]
+            steps_of[checkpoint_every] = [batch * args.nproc / r["samples_per_s"] for r in records]
+    warm_up = max(1, args.steps // 5)
+    plain = steps_of[0][warm_up:]
+    step_s = sum(plain) / len(plain)
+    checkpointed = steps_of[every]
+    # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary.
+    after = {c: [t / step_s for t in checkpointed[c:c + min(every, 10)]] for c in range(every, args.steps, every)}
+    result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
+                  steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
+                  worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
+                  mean_checkpointed_run_over_plain=(sum(checkpointed[warm_up:]) / len(checkpointed[warm_up:])) / step_s)
+    print(f"torchrun, {args.nproc} processes; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
+    for c, ratios in after.items():
+        print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
+    print(f"the run with checkpoints every {every} steps, its mean step: {result['mean_checkpointed_run_over_plain']:.2f}x")
+    with open(os.path.join(REPO, args.out), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
 def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=int, default=10, help="divide Criteo Kaggle's cardinalities by this")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", default="bench-out/bench_checkpoint.json")
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
+    ap.add_argument("--nproc", type=int, default=1, help="processes under torchrun (1: one process, in this one)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.scale, args.steps = 1000, 4
+        args.scale, args.steps = 1000, (8 if args.nproc > 1 else 4)
+    if args.nproc > 1:
+        return under_torchrun(args)
     sys.path.insert(0, REPO)
     import torch
 

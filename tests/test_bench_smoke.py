@@ -9,12 +9,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py",
-                                    "bench_gpu.py", "bench_checkpoint.py", "bench_billion_rows.py", "bench_reopen.py"])
+                                    "bench_gpu.py", "bench_checkpoint.py", "bench_checkpoint.py --nproc 2",
+                                    "bench_billion_rows.py", "bench_reopen.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
+    script, *extra = script.split()
     if script not in ("bench_embedding.py", "bench_gpu.py", "bench_reopen.py"):
         pytest.importorskip("torchrec")
     output = "--json" if script == "bench_embedding.py" else "--out"
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--smoke", output, str(tmp_path / "out.json")],
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--smoke", *extra, output,
+                           str(tmp_path / "out.json")],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ERROR" not in done.stdout, done.stdout[-4000:]

@@ -297,6 +297,10 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         return destination if destination is not None else {}
 
     def flush(self) -> None:
+        # TorchRec flushes every lookup before a state_dict; one that leaves the disk tables out
+        # must not write them back (nor wait for a cut being written).
+        if not _disk_tables_in_state_dict.get():
+            return
         for batch in self._batches:
             batch.flush()
 
