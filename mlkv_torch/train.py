@@ -149,7 +149,6 @@ class _Experiment:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.resume = resume
         self._saving: Optional[threading.Thread] = None  # the checkpoint being written
-        self._checkpoint_group: Optional[dist.ProcessGroup] = None  # under torchrun, for the saves
         self._save_error: Optional[BaseException] = None
         # One process resumes from a cut: the checkpoint names the one its tables reopen at.
         self._resumed: Optional[Dict[str, Any]] = None
@@ -336,31 +335,33 @@ class _Experiment:
         return next(name for name, module in self.model.named_modules() if module is self.collection) + "."
 
     def _save_sharded(self, step: int) -> Callable[[], None]:
-        """Under torchrun: every rank begins a cut of its disk tables (no row copied) and saves the
-        rest (dense model, in-memory tables, optimizers, step) to checkpoint-<step>/ with
-        torch.distributed.checkpoint (collective, now). Returns what commits them: each rank, once
-        its cut is written, records it in the directory (cut-rank<r>.json); rank 0, once every rank
-        has, renames the pointer, which names the directory and every rank's cut."""
-        import torch.distributed.checkpoint as dcp
-
+        """Under torchrun: every rank begins a cut of its disk tables (no row copied) and copies the
+        rest of its state (dense model, its shards of in-memory tables, optimizers). Returns what
+        commits them, in the background: each rank writes its state to checkpoint-<step>/rank<r>.pt
+        and, once its cut is written, records it there (cut-rank<r>.json); rank 0, once every rank
+        has, renames the pointer, which names the directory and every rank's cut. Like the cuts of
+        the disk tables, a rank's file belongs to its place in the plan: resume with the same
+        number of processes and plan."""
         from .torchrec import disk_tables_left_out
 
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
         # Storage kind memory has no disk tables: every row goes to the directory.
         pending = self.collection.begin_checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
-        if self._checkpoint_group is None:  # its own group: the save's collectives run beside training's
-            self._checkpoint_group = dist.new_group(backend="gloo")
         with disk_tables_left_out():  # copied now, written in the background
-            state = _copied({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
-                             "step": torch.tensor(step)})
-        rank, world, main, group = self.rank, self.world_size, self.is_main, self._checkpoint_group
+            state = _local_copy({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
+                                 "step": step, "world_size": self.world_size})
+        rank, world, main = self.rank, self.world_size, self.is_main
 
         def commit() -> None:
             import shutil
 
-            dcp.save(state, checkpoint_id=directory, process_group=group)
-
             # Files, not collectives: this runs beside training, which uses the process group.
+            os.makedirs(directory, exist_ok=True)
+            partial = os.path.join(directory, f"rank{rank}.pt.partial")
+            torch.save(state, partial)
+            with open(partial, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(partial, os.path.join(directory, f"rank{rank}.pt"))
             record = os.path.join(directory, f"cut-rank{rank}.json")
             try:
                 write_json_record(record, {"cut": pending.wait() if pending is not None else None})
@@ -406,14 +407,16 @@ class _Experiment:
 
     def load(self) -> int:
         if self.distributed:
-            import torch.distributed.checkpoint as dcp
-
             from .torchrec import disk_tables_left_out
 
+            saved = torch.load(os.path.join(self._latest_sharded()[0], f"rank{self.rank}.pt"), weights_only=False)
+            if saved["world_size"] != self.world_size:
+                raise ConfigError(f"{self.checkpoint_path()} was written by {saved['world_size']} processes: resume "
+                                  f"it with as many (each one's tables and state belong to its place in the plan)")
             with disk_tables_left_out():  # the disk tables reopened at the checkpoint's cuts
-                state = {"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
-                         "step": torch.tensor(0)}
-                dcp.load(state, checkpoint_id=self._latest_sharded()[0])
+                state = _restored({"model": self.model.state_dict(),
+                                   "optim": self._optimizer_state_without_disk_tables(), "step": 0,
+                                   "world_size": self.world_size}, saved)
                 self.model.load_state_dict(state["model"])
                 optimizer = self.optimizer.state_dict()  # the disk tables' entries: their steps, as reopened
                 optimizer["state"].update(state["optim"]["state"])
@@ -431,21 +434,48 @@ class _Experiment:
         return int(state["step"])
 
 
-def _copied(state: Any) -> Any:
-    """A copy of a state_dict whose tensors (ShardedTensor shards too) later steps cannot change."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+def _local_copy(state: Any) -> Any:
+    """This rank's part of a state_dict, copied (later steps cannot change it), as plain objects: a
+    ShardedTensor becomes {"local_shards": [(offsets, tensor)]}."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     if isinstance(state, ShardedTensor):
-        shards = [Shard(shard.tensor.detach().clone(), shard.metadata) for shard in state.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata(),
-                                                                         process_group=state._process_group)
+        return {"local_shards": [(list(shard.metadata.shard_offsets), shard.tensor.detach().clone())
+                                 for shard in state.local_shards()]}
     if isinstance(state, torch.Tensor):
         return state.detach().clone()
     if isinstance(state, dict):
-        return {k: _copied(v) for k, v in state.items()}
+        return {k: _local_copy(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_copied(v) for v in state)
+        return type(state)(_local_copy(v) for v in state)
     return copy.deepcopy(state)
+
+
+def _restored(target: Any, saved: Any, where: str = "") -> Any:
+    """`target` (a state_dict of this rank) with the values of `saved` (`_local_copy` of one): each
+    ShardedTensor's local shards are filled in place, tensors and other values replaced.
+    ConfigError names a part of the state that does not match."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    def mismatch(what: str) -> ConfigError:
+        return ConfigError(f"the checkpoint does not fit this model at {where or 'the top'}: {what}")
+
+    if isinstance(target, ShardedTensor):
+        shards = {tuple(s.metadata.shard_offsets): s.tensor for s in target.local_shards()}
+        saved_shards = {tuple(offsets): tensor for offsets, tensor in saved.get("local_shards", [])} \
+            if isinstance(saved, dict) else {}
+        if set(shards) != set(saved_shards):
+            raise mismatch(f"local shards at {sorted(shards)}, saved at {sorted(saved_shards)}")
+        for offsets, tensor in shards.items():
+            tensor.copy_(saved_shards[offsets])
+        return target
+    if isinstance(target, dict):
+        if not isinstance(saved, dict) or set(target) != set(saved):
+            raise mismatch(f"keys {sorted(map(str, target))}, saved {sorted(map(str, saved)) if isinstance(saved, dict) else saved!r}")
+        return {k: _restored(v, saved[k], f"{where}.{k}" if where else str(k)) for k, v in target.items()}
+    if isinstance(target, (list, tuple)) and isinstance(saved, (list, tuple)) and len(target) == len(saved):
+        return type(target)(_restored(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(target, saved)))
+    return saved
 
 
 def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:
