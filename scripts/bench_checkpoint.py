@@ -49,13 +49,15 @@ def under_torchrun(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")) as work:
         for checkpoint_every in (every, 0):
             out = os.path.join(work, f"every-{checkpoint_every}")
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                             str(args.nproc), "-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
                             f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
                             f"train.batch_size={batch}", "train.log_every=1", f"eval.every={10 * args.steps}",
                             f"train.checkpoint_every={checkpoint_every or 'null'}", "storage.populate=true",
                             "--no-progress"],
-                           cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"the run with checkpoint_every={checkpoint_every} failed: {done.stderr[-6000:]}")
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 records = [json.loads(line) for line in f if '"samples_per_s"' in line]
             steps_of[checkpoint_every] = [batch * args.nproc / r["samples_per_s"] for r in records]
