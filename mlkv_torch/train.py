@@ -15,12 +15,11 @@ import argparse
 import copy
 import itertools
 import json
-import math
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -280,7 +279,7 @@ class _Experiment:
         data position (the step), committed at once by one rename. The tables' cut is written in
         the background while training goes on (`finish_save` waits for it); a checkpoint begun
         while one is being written waits for it first. Under torchrun, every rank cuts its own
-        tables and the rest goes to torch.distributed.checkpoint (`_save_sharded`)."""
+        tables and writes the rest of its state (`_save_sharded`)."""
         self.finish_save()
         commit = self._save_sharded(step) if self.distributed else self._save_local(step)
 
@@ -296,16 +295,11 @@ class _Experiment:
         """One process: begins the cut, takes the dense state; returns what commits both."""
         self.collection.begin_checkpoint(label=step)
         state = {"step": step, "dense": self._dense_state(),
-                 "dense_optimizer": copy.deepcopy(self.optimizer.state_dict())}  # later steps change it in place
+                 "dense_optimizer": _local_copy(self.optimizer.state_dict())}  # later steps change it in place
 
         def commit() -> None:
             state["cut"] = self.collection.wait_checkpoint()
-            partial = self.checkpoint_path() + ".partial"
-            torch.save(state, partial)
-            with open(partial, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(partial, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
-            sync_directory(self.config.output_dir)
+            _save_whole(state, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
         return commit
 
     def finish_save(self) -> None:
@@ -357,11 +351,7 @@ class _Experiment:
 
             # Files, not collectives: this runs beside training, which uses the process group.
             os.makedirs(directory, exist_ok=True)
-            partial = os.path.join(directory, f"rank{rank}.pt.partial")
-            torch.save(state, partial)
-            with open(partial, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(partial, os.path.join(directory, f"rank{rank}.pt"))
+            _save_whole(state, os.path.join(directory, f"rank{rank}.pt"))
             record = os.path.join(directory, f"cut-rank{rank}.json")
             try:
                 write_json_record(record, {"cut": pending.wait() if pending is not None else None})
@@ -432,6 +422,16 @@ class _Experiment:
                               f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         return int(state["step"])
+
+
+def _save_whole(state: Any, path: str) -> None:
+    """torch.save of `state` to `path`, whole or not at all (a crash leaves what was there), durably."""
+    partial = path + ".partial"
+    torch.save(state, partial)
+    with open(partial, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    sync_directory(os.path.dirname(path) or ".")
 
 
 def _local_copy(state: Any) -> Any:
