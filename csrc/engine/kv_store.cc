@@ -16,149 +16,16 @@
 #include <cstring>
 
 #include "crc32c.h"
+#include "file_io.h"
+#include "log_format.h"
 #include "serial_executor.h"
 
 namespace mlkv {
 namespace {
 
-constexpr uint64_t kBlockBytes = 4096;  // O_DIRECT alignment and the disk read unit
 constexpr uint64_t kHugePageBytes = 2ull << 20;
-constexpr uint16_t kRecordMagic = 0x4B56;  // "VK" little-endian
-constexpr uint16_t kFlagTombstone = 1;
-constexpr uint32_t kFormatVersion = 1;
 constexpr size_t kMaxUnitsPerRound = 4096;  // bounds the read buffer of one get
 constexpr uint64_t kNone = HashIndex::kNoAddress;
-
-// Every record starts with this header; the value bytes follow.
-struct RecordHeader {
-  int64_t key;
-  uint32_t checksum;  // CRC-32C over key, magic, flags and the value
-  uint16_t magic;
-  uint16_t flags;
-};
-static_assert(sizeof(RecordHeader) == 16, "record header is 16 bytes");
-
-// The CHECKPOINT file: the whole of it, little-endian.
-struct CheckpointMeta {
-  char magic[8];
-  uint32_t format_version;
-  uint32_t dim;
-  uint32_t element_type;
-  uint32_t record_bytes;
-  uint64_t page_bytes;
-  uint64_t pages_per_segment;
-  uint64_t sequence;
-  uint64_t begin;    // first slot in the log
-  uint64_t flushed;  // slots below are in segment files
-  uint64_t tail;     // slots below are the log at the checkpoint
-  uint64_t rows;     // live keys, a cross-check for recovery
-  uint32_t reserved;
-  uint32_t crc;      // CRC-32C of every byte before this field
-};
-static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
-constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
-
-// The index-<seq>.dat file's header; the index's regions follow, from byte 64.
-struct IndexImageHeader {
-  char magic[8];
-  uint32_t format_version;
-  uint32_t crc;       // CRC-32C of the counts, then of every region's bytes
-  uint64_t sequence;  // the checkpoint it belongs to
-  uint64_t size, buckets, overflow, free;  // HashIndex::ImageCounts
-  uint64_t reserved;
-};
-static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
-constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
-
-uint64_t CheckpointSequenceOf(const std::string& record) {
-  CheckpointMeta meta;
-  std::memcpy(&meta, record.data(), sizeof(meta));
-  return meta.sequence;
-}
-
-uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
-
-std::string ErrnoText(int err) { return std::strerror(err); }
-
-struct AlignedBuffer {
-  uint8_t* data = nullptr;
-  explicit AlignedBuffer(size_t bytes) {
-    if (bytes) data = static_cast<uint8_t*>(std::aligned_alloc(kBlockBytes, RoundUp(bytes, kBlockBytes)));
-  }
-  ~AlignedBuffer() { std::free(data); }
-  AlignedBuffer(const AlignedBuffer&) = delete;
-  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-};
-
-Status WriteFully(int fd, const void* data, size_t n, uint64_t offset, const std::string& file) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t k = pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
-    if (k < 0) {
-      if (errno == EINTR) continue;
-      return Status::IOError("writing " + file + ": " + ErrnoText(errno));
-    }
-    done += static_cast<size_t>(k);
-  }
-  return Status::OK();
-}
-
-Status ReadExactly(int fd, void* data, size_t n, uint64_t offset, const std::string& file) {
-  auto* p = static_cast<uint8_t*>(data);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t k = pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
-    if (k < 0) {
-      if (errno == EINTR) continue;
-      return Status::IOError("reading " + file + ": " + ErrnoText(errno));
-    }
-    if (k == 0) {
-      return Status::Corruption(file + " is truncated: expected " + std::to_string(offset + n) + " bytes, found " +
-                                std::to_string(offset + done));
-    }
-    done += static_cast<size_t>(k);
-  }
-  return Status::OK();
-}
-
-Status SyncDirectory(const std::string& dir) {
-  int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Status::IOError("opening directory " + dir + ": " + ErrnoText(errno));
-  int rc = fsync(fd);
-  int err = errno;
-  close(fd);
-  if (rc != 0) return Status::IOError("syncing directory " + dir + ": " + ErrnoText(err));
-  return Status::OK();
-}
-
-bool FileExists(const std::string& p) {
-  struct stat st;
-  return stat(p.c_str(), &st) == 0;
-}
-
-uint64_t FileSize(int fd) {
-  struct stat st;
-  return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
-}
-
-Status MakeDirectories(const std::string& path) {
-  std::string partial;
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = path.find('/', pos + 1);
-    partial = path.substr(0, pos);
-    if (partial.empty()) continue;
-    if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      return Status::InvalidArgument("cannot create store directory " + path + ": " + ErrnoText(errno));
-    }
-  }
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return Status::InvalidArgument("path " + path + " exists and is not a directory");
-  }
-  return Status::OK();
-}
 
 }  // namespace
 
@@ -171,13 +38,9 @@ uint32_t ElementSize(ElementType t) {
   return 0;
 }
 
-struct KVStore::SegmentFile {
-  std::string path;
-  int fd = -1;
-  ~SegmentFile() {
-    if (fd >= 0) close(fd);
-  }
-};
+KVStore::SegmentFile::~SegmentFile() {
+  if (fd >= 0) close(fd);
+}
 
 constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
 constexpr size_t kMaxQueuedPromotions = 8;    // beyond this, promotions are dropped rather than queued
@@ -318,8 +181,9 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
 Status KVStore::CreateFresh() {
   MLKV_RETURN_IF_ERROR(ComputeLayout(options_.page_bytes, 0));
   // The first checkpoint fixes dim and dtype on disk, so a reopen can check them.
+  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
   std::unique_lock<std::shared_mutex> lock(mu_);
-  return CheckpointLocked();
+  return CheckpointExclusively();
 }
 
 std::string KVStore::SegmentPath(uint64_t segment) const {
@@ -328,80 +192,9 @@ std::string KVStore::SegmentPath(uint64_t segment) const {
   return path_ + name;
 }
 
-std::string KVStore::IndexImagePath(uint64_t sequence) const {
-  char name[64];
-  std::snprintf(name, sizeof(name), "/index-%010" PRIu64 ".dat", sequence);
-  return path_ + name;
-}
 
-Status KVStore::WriteIndexImage(uint64_t sequence) {
-  const HashIndex::ImageCounts counts = index_.Counts();
-  const std::vector<HashIndex::Region> regions = index_.Regions();
-  IndexImageHeader header;
-  std::memset(&header, 0, sizeof(header));
-  std::memcpy(header.magic, kIndexImageMagic, 8);
-  header.format_version = kFormatVersion;
-  header.sequence = sequence;
-  header.size = counts.size;
-  header.buckets = counts.buckets;
-  header.overflow = counts.overflow;
-  header.free = counts.free;
-  uint32_t crc = Crc32c(0, &header.size, 4 * sizeof(uint64_t));
-  for (const auto& r : regions) crc = Crc32c(crc, r.data, r.bytes);
-  header.crc = crc;
-  const std::string file = IndexImagePath(sequence);
-  int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::IOError("creating " + file + ": " + ErrnoText(errno));
-  Status st = WriteFully(fd, &header, sizeof(header), 0, file);
-  uint64_t offset = sizeof(header);
-  for (const auto& r : regions) {
-    if (st.ok()) st = WriteFully(fd, r.data, r.bytes, offset, file);
-    offset += r.bytes;
-  }
-  if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + file + ": " + ErrnoText(errno));
-  close(fd);
-  if (!st.ok()) unlink(file.c_str());
-  return st;
-}
 
-// Any failure leaves the index empty, for the caller to rebuild from the log.
-Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows) {
-  const std::string file = IndexImagePath(sequence);
-  int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::NotFound(file);
-  const HashIndex::ImageCounts empty{0, index_.Counts().buckets, 1, 0};
-  IndexImageHeader header;
-  Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
-  std::vector<HashIndex::Region> regions;
-  if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
-                  header.sequence != sequence || header.size != rows ||
-                  !index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions))) {
-    st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
-  }
-  uint32_t crc = st.ok() ? Crc32c(0, &header.size, 4 * sizeof(uint64_t)) : 0;
-  uint64_t offset = sizeof(header);
-  for (const auto& r : regions) {
-    if (!st.ok()) break;
-    st = ReadExactly(fd, r.data, r.bytes, offset, file);
-    crc = Crc32c(crc, r.data, r.bytes);
-    offset += r.bytes;
-  }
-  close(fd);
-  if (st.ok() && crc != header.crc) st = Status::Corruption(file + " fails its checksum");
-  if (!st.ok()) {
-    std::vector<HashIndex::Region> unused;
-    index_.Reset(empty, &unused);
-    return st;
-  }
-  index_.ForEachAddress([&](uint64_t slot) { MoveLive(kNone, slot); });
-  return Status::OK();
-}
 
-std::string KVStore::SnapshotPath(uint64_t sequence) const {
-  char name[64];
-  std::snprintf(name, sizeof(name), "/snapshot-%010" PRIu64 ".dat", sequence);
-  return path_ + name;
-}
 
 uint64_t KVStore::OffsetInPage(uint64_t slot) const {
   const uint64_t i = div_records_per_page_.Mod(slot);
@@ -948,15 +741,6 @@ Status KVStore::Flush() {
   return st;
 }
 
-Status KVStore::Checkpoint(uint64_t* sequence) {
-  // A failed lookahead or compaction is reported, but does not cost the checkpoint.
-  Status background = Flush();
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  MLKV_RETURN_IF_ERROR(CheckpointLocked());
-  if (sequence) *sequence = checkpoint_sequence_;
-  return background;
-}
 
 Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>* keys, std::vector<uint8_t>* values) {
   constexpr uint64_t kReadBytes = 4ull << 20;  // one sequential read
@@ -1021,297 +805,11 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
   return Status::OK();
 }
 
-Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* record) const {
-  CheckpointMeta meta;
-  int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IOError("opening " + file + ": " + ErrnoText(errno));
-  const uint64_t size = FileSize(fd);
-  Status st = size == sizeof(meta) ? ReadExactly(fd, &meta, sizeof(meta), 0, file)
-                                   : Status::Corruption(file + " has " + std::to_string(size) + " bytes, expected " +
-                                                        std::to_string(sizeof(meta)));
-  close(fd);
-  MLKV_RETURN_IF_ERROR(st);
-  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
-    return Status::Corruption(file + " fails its checksum");
-  }
-  if (meta.format_version != kFormatVersion) {
-    return Status::Corruption(file + " has format version " + std::to_string(meta.format_version) +
-                              ", this build reads version " + std::to_string(kFormatVersion));
-  }
-  record->assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
-  return Status::OK();
-}
 
-// tmp file, fsync, rename over `file`, fsync the directory: a crash leaves the old record or the new.
-Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string& record) const {
-  const std::string tmp = path_ + "/CHECKPOINT.tmp";
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::IOError("creating " + tmp + ": " + ErrnoText(errno));
-  Status st = WriteFully(fd, record.data(), record.size(), 0, tmp);
-  if (st.ok() && fsync(fd) != 0) st = Status::IOError("syncing " + tmp + ": " + ErrnoText(errno));
-  close(fd);
-  // New segment and snapshot entries are durable before a record names them.
-  if (st.ok()) st = SyncDirectory(path_);
-  if (st.ok() && rename(tmp.c_str(), file.c_str()) != 0) {
-    st = Status::IOError("renaming " + tmp + " to " + file + ": " + ErrnoText(errno));
-  }
-  if (!st.ok()) {
-    unlink(tmp.c_str());
-    return st;
-  }
-  return SyncDirectory(path_);
-}
 
-// A checkpoint = segment files synced + the mutable pages copied to a snapshot
-// file + a new CHECKPOINT file renamed into place. Nothing becomes read-only,
-// so in-place updates go on after it.
-Status KVStore::CheckpointLocked() {
-  if (!ChangedSinceCheckpointLocked()) return Status::OK();  // the latest checkpoint still holds
-  MLKV_RETURN_IF_ERROR(WaitFlushed(read_only_page_));
-  std::vector<uint64_t> dirty;
-  {
-    std::lock_guard<std::mutex> lock(flush_mu_);
-    dirty.swap(dirty_segments_);
-  }
-  for (size_t i = 0; i < dirty.size(); ++i) {
-    std::shared_ptr<SegmentFile> file;
-    Status st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
-    if (st.ok() && fdatasync(file->fd) != 0) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
-    if (!st.ok()) {  // still dirty for the next try
-      std::lock_guard<std::mutex> lock(flush_mu_);
-      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
-      return st;
-    }
-  }
-  const uint64_t sequence = checkpoint_sequence_ + 1;
-  const std::string snapshot = SnapshotPath(sequence);
-  const uint64_t first_page = read_only_page_;
-  const uint64_t end_page = (tail_ + records_per_page_ - 1) / records_per_page_;
-  {
-    int fd = open(snapshot.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return Status::IOError("creating " + snapshot + ": " + ErrnoText(errno));
-    Status st;
-    for (uint64_t p = first_page; p < end_page && st.ok(); ++p) {
-      st = WriteFully(fd, FrameOf(p), page_bytes_, (p - first_page) * page_bytes_, snapshot);
-    }
-    if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + snapshot + ": " + ErrnoText(errno));
-    close(fd);
-    if (!st.ok()) {
-      unlink(snapshot.c_str());
-      return st;
-    }
-  }
-  // The index image pays when recovery would otherwise read more log than the image holds.
-  if ((ReadOnlySlot() - begin_) * record_bytes_ > index_.MemoryBytes()) {
-    Status st = WriteIndexImage(sequence);
-    if (!st.ok()) {
-      unlink(snapshot.c_str());
-      return st;
-    }
-  }
-  CheckpointMeta meta;
-  std::memset(&meta, 0, sizeof(meta));
-  std::memcpy(meta.magic, kCheckpointMagic, 8);
-  meta.format_version = kFormatVersion;
-  meta.dim = options_.dim;
-  meta.element_type = static_cast<uint32_t>(options_.element_type);
-  meta.record_bytes = record_bytes_;
-  meta.page_bytes = page_bytes_;
-  meta.pages_per_segment = pages_per_segment_;
-  meta.sequence = sequence;
-  meta.begin = begin_;
-  meta.flushed = ReadOnlySlot();
-  meta.tail = tail_;
-  meta.rows = index_.size();
-  meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
-  const std::string record(reinterpret_cast<const char*>(&meta), sizeof(meta));
-  // The current checkpoint becomes the previous one first: a crash at any point leaves
-  // CHECKPOINT whole, and the checkpoint an owner last committed to recoverable.
-  const bool keep_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
-  Status st;
-  if (keep_previous) st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
-  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", record);
-  if (!st.ok()) {
-    unlink(snapshot.c_str());
-    unlink(IndexImagePath(sequence).c_str());
-    return st;
-  }
-  if (!keep_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
-  // What neither kept checkpoint needs goes: the snapshot two back (one back without cuts).
-  const uint64_t dropped = keep_previous ? previous_sequence_ : checkpoint_sequence_;
-  previous_sequence_ = keep_previous ? checkpoint_sequence_ : sequence;
-  previous_begin_ = keep_previous ? checkpointed_begin_ : begin_;
-  checkpoint_sequence_ = sequence;  // never reused, even if what follows fails
-  checkpoint_record_ = record;
-  checkpointed_changes_ = changes_;
-  checkpointed_begin_ = begin_;
-  if (dropped > 0 && dropped != previous_sequence_) {
-    unlink(SnapshotPath(dropped).c_str());
-    unlink(IndexImagePath(dropped).c_str());
-  }
-  // Compacted segments go once neither kept checkpoint starts at or before them.
-  const uint64_t keep_from = SegmentOfSlot(std::min(previous_begin_, begin_));
-  std::vector<uint64_t> kept;
-  for (uint64_t s : compacted_segments_) {
-    if (s >= keep_from) {
-      kept.push_back(s);
-      continue;
-    }
-    unlink(SegmentPath(s).c_str());
-    ForgetSegment(s);  // the checkpoint's own sync may have reopened it
-  }
-  compacted_segments_.swap(kept);
-  ++checkpoints_;
-  return Status::OK();
-}
 
-Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
-                          uint64_t file_base_offset) {
-  for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
-    const uint8_t* rec = page + OffsetInPage(slot);
-    MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file_name, file_base_offset + OffsetInPage(slot)));
-    RecordHeader h;
-    std::memcpy(&h, rec, sizeof(h));
-    if (h.flags & kFlagTombstone) {
-      MoveLive(index_.Erase(h.key), kNone);
-    } else {
-      MoveLive(index_.Upsert(h.key, slot), slot);
-    }
-  }
-  return Status::OK();
-}
 
-Status KVStore::Recover() {
-  const std::string latest_path = path_ + "/CHECKPOINT", previous_path = path_ + "/CHECKPOINT.previous";
-  std::string latest, previous;
-  MLKV_RETURN_IF_ERROR(ReadCheckpointRecord(latest_path, &latest));
-  // A store written before CHECKPOINT.previous existed, or one checkpoint old, has none.
-  if (!FileExists(previous_path) || !ReadCheckpointRecord(previous_path, &previous).ok()) previous = latest;
-  const bool drop_previous = !options_.cut_checkpoints && options_.checkpoint_sequence == 0 && previous != latest;
-  if (drop_previous) previous = latest;  // a store opened without cuts keeps only its latest
-  CheckpointMeta meta, older;
-  std::memcpy(&meta, latest.data(), sizeof(meta));
-  std::memcpy(&older, previous.data(), sizeof(older));
-  const std::string& meta_path = latest_path;
-  const uint64_t wanted = options_.checkpoint_sequence;
-  if (wanted != 0 && wanted != meta.sequence) {
-    if (wanted != older.sequence) {
-      return Status::InvalidArgument(
-          "store at " + path_ + " has checkpoints " + std::to_string(older.sequence) + " and " +
-          std::to_string(meta.sequence) + ", not checkpoint " + std::to_string(wanted) +
-          " that was asked for: it has moved past that cut, or never reached it");
-    }
-    meta = older;
-  }
-  if (meta.dim != options_.dim) {
-    return Status::InvalidArgument("store at " + path_ + " holds rows of dim " + std::to_string(meta.dim) +
-                                   ", opened with dim " + std::to_string(options_.dim));
-  }
-  if (meta.element_type != static_cast<uint32_t>(options_.element_type)) {
-    static const char* names[] = {"?", "float32", "float16", "bfloat16"};
-    return Status::InvalidArgument("store at " + path_ + " holds " + names[meta.element_type & 3] + " rows, opened with " +
-                                   names[static_cast<uint32_t>(options_.element_type) & 3]);
-  }
-  MLKV_RETURN_IF_ERROR(ComputeLayout(meta.page_bytes, meta.pages_per_segment));
-  if (meta.record_bytes != record_bytes_) return Status::Corruption(meta_path + " has an inconsistent record size");
-  if (drop_previous && unlink(previous_path.c_str()) != 0 && errno != ENOENT) {
-    return Status::IOError("removing " + previous_path + ": " + ErrnoText(errno));
-  }
-  if (meta.sequence != CheckpointSequenceOf(latest)) {
-    // Back to the previous checkpoint: it becomes the latest before anything is written, so a
-    // crash from here on recovers it, never the newer one being discarded.
-    MLKV_RETURN_IF_ERROR(WriteCheckpointRecord(latest_path, previous));
-    latest = previous;
-  }
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  begin_ = meta.begin;
-  checkpoint_sequence_ = meta.sequence;
-  checkpoint_record_ = latest;
-  if (older.sequence < meta.sequence) {
-    previous_sequence_ = older.sequence;
-    previous_begin_ = std::min(older.begin, meta.begin);
-  } else {
-    previous_sequence_ = meta.sequence;
-    previous_begin_ = meta.begin;
-  }
-  const uint64_t flushed_page = meta.flushed / records_per_page_;
-  const uint64_t begin_page = begin_ / records_per_page_;
-  const uint64_t end_page = (meta.tail + records_per_page_ - 1) / records_per_page_;
 
-  // The index checkpoint, when there is a sound one, replaces the scan of the log.
-  recovered_from_index_image_ = LoadIndexImage(meta.sequence, meta.rows).ok();
-  AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t page = begin_page; page < flushed_page && !recovered_from_index_image_; ++page) {
-    std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
-    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
-    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
-    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, page * records_per_page_, (page + 1) * records_per_page_, file->path, offset));
-  }
-  head_page_ = read_only_page_ = flushed_page;
-  flushed_page_ = flush_target_page_ = flushed_page;
-  tail_ = flushed_page * records_per_page_;
-  if (end_page > flushed_page) {
-    const std::string snapshot = SnapshotPath(meta.sequence);
-    int fd = open(snapshot.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return Status::Corruption("snapshot file " + snapshot + " is missing: " + ErrnoText(errno));
-    Status st;
-    // Replays the pages as if appended, so a smaller budget spills the oldest to disk.
-    for (uint64_t page = flushed_page; page < end_page && st.ok(); ++page) {
-      st = StartPage(page);
-      const uint64_t offset = (page - flushed_page) * page_bytes_;
-      if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
-      const uint64_t first_slot = page * records_per_page_, end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
-      if (st.ok() && !recovered_from_index_image_) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
-      for (uint64_t slot = first_slot; slot < end_slot && st.ok() && recovered_from_index_image_; ++slot) {
-        st = VerifyRecord(FrameOf(page) + OffsetInPage(slot), snapshot, offset + OffsetInPage(slot));
-      }
-    }
-    close(fd);
-    MLKV_RETURN_IF_ERROR(st);
-  }
-  tail_ = meta.tail;
-  if (index_.size() != meta.rows) {
-    return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ + ", its CHECKPOINT says " +
-                              std::to_string(meta.rows));
-  }
-  // Segments below begin that the previous checkpoint still needs go at the next checkpoint.
-  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
-  for (uint64_t seg = previous_begin_ / slots_per_segment; seg < begin_ / slots_per_segment; ++seg) {
-    compacted_segments_.push_back(seg);
-  }
-  checkpointed_changes_ = changes_;
-  checkpointed_begin_ = begin_;
-  RemoveLeftovers(previous_begin_ / slots_per_segment, meta.sequence, previous_sequence_);
-  return Status::OK();
-}
-
-// Files the recovered checkpoint does not name, left by a crash between a
-// write and the next checkpoint: compacted segments below `first_segment`,
-// segments past the one the log writes next (the flusher may be writing pages
-// replayed from the snapshot up to there), other snapshots, CHECKPOINT.tmp.
-void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence) {
-  DIR* dir = opendir(path_.c_str());
-  if (!dir) return;
-  const uint64_t last_segment = SegmentOfPage(read_only_page_);
-  std::vector<std::string> doomed;
-  while (dirent* entry = readdir(dir)) {
-    const std::string name = entry->d_name;
-    unsigned long long number = 0;
-    char tail[8] = {0};
-    if (std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) {
-      if (number < first_segment || number > last_segment) doomed.push_back(name);
-    } else if (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
-      if (number != sequence && number != previous_sequence) doomed.push_back(name);
-    } else if (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
-      if (number != sequence && number != previous_sequence) doomed.push_back(name);
-    } else if (name == "CHECKPOINT.tmp") {
-      doomed.push_back(name);
-    }
-  }
-  closedir(dir);
-  for (const std::string& name : doomed) unlink((path_ + "/" + name).c_str());
-}
 
 Status KVStore::Destroy(const std::string& path) {
   DIR* dir = opendir(path.c_str());
@@ -1359,11 +857,7 @@ Status KVStore::Compact() {
   std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
   bool compacted = false;
   MLKV_RETURN_IF_ERROR(CompactSegments(/*all=*/true, &compacted));
-  if (!compacted) {  // nothing to copy: it still ends with a checkpoint
-    std::unique_lock<std::shared_mutex> lock(mu_);
-    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-    MLKV_RETURN_IF_ERROR(CheckpointLocked());
-  }
+  if (!compacted) MLKV_RETURN_IF_ERROR(CheckpointConcurrently());  // nothing to copy: it still ends with one
   return background;
 }
 
@@ -1516,17 +1010,19 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
     }
   }
   MLKV_RETURN_IF_ERROR(copy_chunk());
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  begin_ = end * slots_per_segment;
-  for (uint64_t s = first; s < end; ++s) {
-    ForgetSegment(s);  // readers holding the file keep its descriptor
-    compacted_segments_.push_back(s);
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    begin_ = end * slots_per_segment;
+    for (uint64_t s = first; s < end; ++s) {
+      ForgetSegment(s);  // readers holding the file keep its descriptor
+      compacted_segments_.push_back(s);
+    }
+    ++compactions_;
+    *compacted = true;
   }
-  ++compactions_;
-  *compacted = true;
   // On failure, or when the store's owner takes the checkpoints, the segments go at the next one.
-  return all || !options_.cut_checkpoints ? CheckpointLocked() : Status::OK();
+  return all || !options_.cut_checkpoints ? CheckpointConcurrently() : Status::OK();
 }
 
 Status KVStore::Close() {
@@ -1537,8 +1033,9 @@ Status KVStore::Close() {
   }
   Status flushed = Flush();
   StopThreads();
+  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
   std::unique_lock<std::shared_mutex> lock(mu_);
-  Status st = CheckpointLocked();
+  Status st = CheckpointExclusively();
   if (!st.ok()) {
     // The store stays open: let the background workers start again on demand.
     {

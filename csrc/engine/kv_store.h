@@ -141,7 +141,11 @@ class KVStore : public RowStore {
   const std::string& path() const override { return path_; }
 
  private:
-  struct SegmentFile;
+  struct SegmentFile {  // an open segment file, closed with the last reference
+    std::string path;
+    int fd = -1;
+    ~SegmentFile();
+  };
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
@@ -196,7 +200,24 @@ class KVStore : public RowStore {
   Status SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const;
   void ForgetSegment(uint64_t segment);
   void MoveLive(uint64_t old_slot, uint64_t new_slot);
-  Status CheckpointLocked();
+  // Checkpoints, in kv_store_checkpoint.cc. Concurrently: takes checkpoint_mu_, writes the files
+  // with mu_ held shared, commits with it held exclusively; mu_ must not be held. Exclusively:
+  // the caller holds checkpoint_mu_ and mu_ exclusively throughout (open, close).
+  Status CheckpointConcurrently(uint64_t* sequence = nullptr);
+  Status CheckpointExclusively();
+  struct WrittenCheckpoint {  // files on disk, not yet the store's checkpoint in memory
+    bool wrote = false;       // false: nothing changed since the latest, which still holds
+    bool kept_previous = false;
+    uint64_t sequence = 0, begin = 0, changes = 0;
+    std::string record;
+  };
+  struct ObsoleteFiles {  // removed after the commit, outside mu_
+    std::vector<std::string> files;
+    std::vector<uint64_t> segments;
+  };
+  Status WriteCheckpointFiles(WrittenCheckpoint* out);  // checkpoint_mu_ and mu_ (shared or not) held
+  void CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete);  // mu_ exclusive
+  void RemoveObsoleteFiles(const ObsoleteFiles& obsolete);
   // CHECKPOINT and CHECKPOINT.previous: the 88-byte record, read and checked / written atomically.
   Status ReadCheckpointRecord(const std::string& file, std::string* record) const;
   Status WriteCheckpointRecord(const std::string& file, const std::string& record) const;
@@ -243,7 +264,7 @@ class KVStore : public RowStore {
   std::string SnapshotPath(uint64_t sequence) const;
   std::string IndexImagePath(uint64_t sequence) const;
   // The index checkpoint (index-<seq>.dat): written with a checkpoint when it is smaller than the
-  // on-disk log a recovery would otherwise scan; recovery loads it instead. mu_ held.
+  // on-disk log a recovery would otherwise scan; recovery loads it instead. mu_ held (shared will do).
   Status WriteIndexImage(uint64_t sequence);
   Status LoadIndexImage(uint64_t sequence, uint64_t rows);
 
@@ -289,6 +310,7 @@ class KVStore : public RowStore {
   bool recovered_from_index_image_ = false;
 
   std::mutex close_mu_;  // one Close at a time
+  std::mutex checkpoint_mu_;  // one checkpoint at a time; taken before mu_, after compaction_mu_
   std::mutex lookahead_mu_;
   std::condition_variable lookahead_idle_;
   std::deque<CopyJob> lookahead_queue_;

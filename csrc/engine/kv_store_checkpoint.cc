@@ -1,0 +1,242 @@
+// KVStore's checkpoints. A checkpoint = the segment files synced + the mutable
+// pages copied to a snapshot file + the index image (when it pays) + a new
+// CHECKPOINT record renamed into place. Nothing becomes read-only, so in-place
+// updates go on after it.
+//
+// The files are written while the store's lock is held shared: gets go on,
+// and only writes wait, for the state being written must not change under it.
+// The in-memory bookkeeping then moves to the new checkpoint under a short
+// exclusive hold, and the files no kept checkpoint needs are removed after it.
+// checkpoint_mu_ keeps checkpoints one at a time (lock order: compaction_mu_,
+// checkpoint_mu_, mu_).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+
+#include "crc32c.h"
+#include "file_io.h"
+#include "kv_store.h"
+#include "log_format.h"
+
+namespace mlkv {
+
+std::string KVStore::IndexImagePath(uint64_t sequence) const {
+  char name[64];
+  std::snprintf(name, sizeof(name), "/index-%010" PRIu64 ".dat", sequence);
+  return path_ + name;
+}
+
+std::string KVStore::SnapshotPath(uint64_t sequence) const {
+  char name[64];
+  std::snprintf(name, sizeof(name), "/snapshot-%010" PRIu64 ".dat", sequence);
+  return path_ + name;
+}
+
+Status KVStore::WriteIndexImage(uint64_t sequence) {
+  const HashIndex::ImageCounts counts = index_.Counts();
+  const std::vector<HashIndex::Region> regions = index_.Regions();
+  IndexImageHeader header;
+  std::memset(&header, 0, sizeof(header));
+  std::memcpy(header.magic, kIndexImageMagic, 8);
+  header.format_version = kFormatVersion;
+  header.sequence = sequence;
+  header.size = counts.size;
+  header.buckets = counts.buckets;
+  header.overflow = counts.overflow;
+  header.free = counts.free;
+  uint32_t crc = Crc32c(0, &header.size, 4 * sizeof(uint64_t));
+  for (const auto& r : regions) crc = Crc32c(crc, r.data, r.bytes);
+  header.crc = crc;
+  const std::string file = IndexImagePath(sequence);
+  int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError("creating " + file + ": " + ErrnoText(errno));
+  Status st = WriteFully(fd, &header, sizeof(header), 0, file);
+  uint64_t offset = sizeof(header);
+  for (const auto& r : regions) {
+    if (st.ok()) st = WriteFully(fd, r.data, r.bytes, offset, file);
+    offset += r.bytes;
+  }
+  if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + file + ": " + ErrnoText(errno));
+  close(fd);
+  if (!st.ok()) unlink(file.c_str());
+  return st;
+}
+
+// tmp file, fsync, rename over `file`, fsync the directory: a crash leaves the old record or the new.
+Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string& record) const {
+  const std::string tmp = path_ + "/CHECKPOINT.tmp";
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError("creating " + tmp + ": " + ErrnoText(errno));
+  Status st = WriteFully(fd, record.data(), record.size(), 0, tmp);
+  if (st.ok() && fsync(fd) != 0) st = Status::IOError("syncing " + tmp + ": " + ErrnoText(errno));
+  close(fd);
+  // New segment and snapshot entries are durable before a record names them.
+  if (st.ok()) st = SyncDirectory(path_);
+  if (st.ok() && rename(tmp.c_str(), file.c_str()) != 0) {
+    st = Status::IOError("renaming " + tmp + " to " + file + ": " + ErrnoText(errno));
+  }
+  if (!st.ok()) {
+    unlink(tmp.c_str());
+    return st;
+  }
+  return SyncDirectory(path_);
+}
+
+Status KVStore::Checkpoint(uint64_t* sequence) {
+  // A failed lookahead or compaction is reported, but does not cost the checkpoint.
+  Status background = Flush();
+  MLKV_RETURN_IF_ERROR(CheckpointConcurrently(sequence));
+  return background;
+}
+
+Status KVStore::CheckpointConcurrently(uint64_t* sequence) {
+  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+  WrittenCheckpoint written;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    MLKV_RETURN_IF_ERROR(WriteCheckpointFiles(&written));
+    if (!written.wrote && sequence) *sequence = checkpoint_sequence_;
+  }
+  if (!written.wrote) return Status::OK();
+  ObsoleteFiles obsolete;
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    CommitCheckpointLocked(written, &obsolete);
+  }
+  RemoveObsoleteFiles(obsolete);
+  if (sequence) *sequence = written.sequence;
+  return Status::OK();
+}
+
+Status KVStore::CheckpointExclusively() {
+  WrittenCheckpoint written;
+  MLKV_RETURN_IF_ERROR(WriteCheckpointFiles(&written));
+  if (!written.wrote) return Status::OK();
+  ObsoleteFiles obsolete;
+  CommitCheckpointLocked(written, &obsolete);
+  RemoveObsoleteFiles(obsolete);
+  return Status::OK();
+}
+
+Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
+  out->wrote = false;
+  if (!ChangedSinceCheckpointLocked()) return Status::OK();  // the latest checkpoint still holds
+  MLKV_RETURN_IF_ERROR(WaitFlushed(read_only_page_));
+  std::vector<uint64_t> dirty;
+  {
+    std::lock_guard<std::mutex> lock(flush_mu_);
+    dirty.swap(dirty_segments_);
+  }
+  for (size_t i = 0; i < dirty.size(); ++i) {
+    std::shared_ptr<SegmentFile> file;
+    Status st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
+    if (st.ok() && fdatasync(file->fd) != 0) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
+    if (!st.ok()) {  // still dirty for the next try
+      std::lock_guard<std::mutex> lock(flush_mu_);
+      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
+      return st;
+    }
+  }
+  const uint64_t sequence = checkpoint_sequence_ + 1;
+  const std::string snapshot = SnapshotPath(sequence);
+  const uint64_t first_page = read_only_page_;
+  const uint64_t end_page = (tail_ + records_per_page_ - 1) / records_per_page_;
+  {
+    int fd = open(snapshot.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return Status::IOError("creating " + snapshot + ": " + ErrnoText(errno));
+    Status st;
+    for (uint64_t p = first_page; p < end_page && st.ok(); ++p) {
+      st = WriteFully(fd, FrameOf(p), page_bytes_, (p - first_page) * page_bytes_, snapshot);
+    }
+    if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + snapshot + ": " + ErrnoText(errno));
+    close(fd);
+    if (!st.ok()) {
+      unlink(snapshot.c_str());
+      return st;
+    }
+  }
+  // The index image pays when recovery would otherwise read more log than the image holds.
+  if ((ReadOnlySlot() - begin_) * record_bytes_ > index_.MemoryBytes()) {
+    Status st = WriteIndexImage(sequence);
+    if (!st.ok()) {
+      unlink(snapshot.c_str());
+      return st;
+    }
+  }
+  CheckpointMeta meta;
+  std::memset(&meta, 0, sizeof(meta));
+  std::memcpy(meta.magic, kCheckpointMagic, 8);
+  meta.format_version = kFormatVersion;
+  meta.dim = options_.dim;
+  meta.element_type = static_cast<uint32_t>(options_.element_type);
+  meta.record_bytes = record_bytes_;
+  meta.page_bytes = page_bytes_;
+  meta.pages_per_segment = pages_per_segment_;
+  meta.sequence = sequence;
+  meta.begin = begin_;
+  meta.flushed = ReadOnlySlot();
+  meta.tail = tail_;
+  meta.rows = index_.size();
+  meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
+  const std::string record(reinterpret_cast<const char*>(&meta), sizeof(meta));
+  // The current checkpoint becomes the previous one first: a crash at any point leaves
+  // CHECKPOINT whole, and the checkpoint an owner last committed to recoverable.
+  const bool keep_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
+  Status st;
+  if (keep_previous) st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
+  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", record);
+  if (!st.ok()) {
+    unlink(snapshot.c_str());
+    unlink(IndexImagePath(sequence).c_str());
+    return st;
+  }
+  if (!keep_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
+  out->wrote = true;
+  out->kept_previous = keep_previous;
+  out->sequence = sequence;
+  out->begin = begin_;
+  out->changes = changes_;
+  out->record = record;
+  return Status::OK();
+}
+
+void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete) {
+  // What neither kept checkpoint needs goes: the snapshot two back (one back without cuts).
+  const uint64_t dropped = written.kept_previous ? previous_sequence_ : checkpoint_sequence_;
+  previous_sequence_ = written.kept_previous ? checkpoint_sequence_ : written.sequence;
+  previous_begin_ = written.kept_previous ? checkpointed_begin_ : written.begin;
+  checkpoint_sequence_ = written.sequence;  // never reused, even if what follows fails
+  checkpoint_record_ = written.record;
+  checkpointed_changes_ = written.changes;
+  checkpointed_begin_ = written.begin;
+  if (dropped > 0 && dropped != previous_sequence_) {
+    obsolete->files.push_back(SnapshotPath(dropped));
+    obsolete->files.push_back(IndexImagePath(dropped));
+  }
+  // Compacted segments go once neither kept checkpoint starts at or before them. A compaction
+  // that finished while the files were written moved begin_ past written.begin: its segments
+  // stay for the next checkpoint.
+  const uint64_t keep_from = SegmentOfSlot(std::min(previous_begin_, written.begin));
+  std::vector<uint64_t> kept;
+  for (uint64_t s : compacted_segments_) {
+    (s >= keep_from ? kept : obsolete->segments).push_back(s);
+  }
+  compacted_segments_.swap(kept);
+  ++checkpoints_;
+}
+
+void KVStore::RemoveObsoleteFiles(const ObsoleteFiles& obsolete) {
+  for (const std::string& file : obsolete.files) unlink(file.c_str());
+  for (uint64_t s : obsolete.segments) {
+    unlink(SegmentPath(s).c_str());
+    ForgetSegment(s);  // the checkpoint's own sync may have reopened it
+  }
+}
+
+}  // namespace mlkv

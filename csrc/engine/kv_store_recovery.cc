@@ -1,0 +1,223 @@
+// KVStore's recovery: reopening a store at one of its two kept checkpoints.
+// The CHECKPOINT record names the log's extent; the index comes from the
+// checkpoint's index image when there is a sound one, else from a scan of the
+// log; the mutable pages come back from the checkpoint's snapshot.
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "crc32c.h"
+#include "file_io.h"
+#include "kv_store.h"
+#include "log_format.h"
+
+namespace mlkv {
+
+// Any failure leaves the index empty, for the caller to rebuild from the log.
+Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows) {
+  const std::string file = IndexImagePath(sequence);
+  int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::NotFound(file);
+  const HashIndex::ImageCounts empty{0, index_.Counts().buckets, 1, 0};
+  IndexImageHeader header;
+  Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
+  std::vector<HashIndex::Region> regions;
+  if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
+                  header.sequence != sequence || header.size != rows ||
+                  !index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions))) {
+    st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
+  }
+  uint32_t crc = st.ok() ? Crc32c(0, &header.size, 4 * sizeof(uint64_t)) : 0;
+  uint64_t offset = sizeof(header);
+  for (const auto& r : regions) {
+    if (!st.ok()) break;
+    st = ReadExactly(fd, r.data, r.bytes, offset, file);
+    crc = Crc32c(crc, r.data, r.bytes);
+    offset += r.bytes;
+  }
+  close(fd);
+  if (st.ok() && crc != header.crc) st = Status::Corruption(file + " fails its checksum");
+  if (!st.ok()) {
+    std::vector<HashIndex::Region> unused;
+    index_.Reset(empty, &unused);
+    return st;
+  }
+  index_.ForEachAddress([&](uint64_t slot) { MoveLive(HashIndex::kNoAddress, slot); });
+  return Status::OK();
+}
+
+Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* record) const {
+  CheckpointMeta meta;
+  int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IOError("opening " + file + ": " + ErrnoText(errno));
+  const uint64_t size = FileSize(fd);
+  Status st = size == sizeof(meta) ? ReadExactly(fd, &meta, sizeof(meta), 0, file)
+                                   : Status::Corruption(file + " has " + std::to_string(size) + " bytes, expected " +
+                                                        std::to_string(sizeof(meta)));
+  close(fd);
+  MLKV_RETURN_IF_ERROR(st);
+  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
+    return Status::Corruption(file + " fails its checksum");
+  }
+  if (meta.format_version != kFormatVersion) {
+    return Status::Corruption(file + " has format version " + std::to_string(meta.format_version) +
+                              ", this build reads version " + std::to_string(kFormatVersion));
+  }
+  record->assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
+  return Status::OK();
+}
+
+Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
+                          uint64_t file_base_offset) {
+  for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
+    const uint8_t* rec = page + OffsetInPage(slot);
+    MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file_name, file_base_offset + OffsetInPage(slot)));
+    RecordHeader h;
+    std::memcpy(&h, rec, sizeof(h));
+    if (h.flags & kFlagTombstone) {
+      MoveLive(index_.Erase(h.key), HashIndex::kNoAddress);
+    } else {
+      MoveLive(index_.Upsert(h.key, slot), slot);
+    }
+  }
+  return Status::OK();
+}
+
+Status KVStore::Recover() {
+  const std::string latest_path = path_ + "/CHECKPOINT", previous_path = path_ + "/CHECKPOINT.previous";
+  std::string latest, previous;
+  MLKV_RETURN_IF_ERROR(ReadCheckpointRecord(latest_path, &latest));
+  // A store written before CHECKPOINT.previous existed, or one checkpoint old, has none.
+  if (!FileExists(previous_path) || !ReadCheckpointRecord(previous_path, &previous).ok()) previous = latest;
+  const bool drop_previous = !options_.cut_checkpoints && options_.checkpoint_sequence == 0 && previous != latest;
+  if (drop_previous) previous = latest;  // a store opened without cuts keeps only its latest
+  CheckpointMeta meta, older;
+  std::memcpy(&meta, latest.data(), sizeof(meta));
+  std::memcpy(&older, previous.data(), sizeof(older));
+  const std::string& meta_path = latest_path;
+  const uint64_t wanted = options_.checkpoint_sequence;
+  if (wanted != 0 && wanted != meta.sequence) {
+    if (wanted != older.sequence) {
+      return Status::InvalidArgument(
+          "store at " + path_ + " has checkpoints " + std::to_string(older.sequence) + " and " +
+          std::to_string(meta.sequence) + ", not checkpoint " + std::to_string(wanted) +
+          " that was asked for: it has moved past that cut, or never reached it");
+    }
+    meta = older;
+  }
+  if (meta.dim != options_.dim) {
+    return Status::InvalidArgument("store at " + path_ + " holds rows of dim " + std::to_string(meta.dim) +
+                                   ", opened with dim " + std::to_string(options_.dim));
+  }
+  if (meta.element_type != static_cast<uint32_t>(options_.element_type)) {
+    static const char* names[] = {"?", "float32", "float16", "bfloat16"};
+    return Status::InvalidArgument("store at " + path_ + " holds " + names[meta.element_type & 3] + " rows, opened with " +
+                                   names[static_cast<uint32_t>(options_.element_type) & 3]);
+  }
+  MLKV_RETURN_IF_ERROR(ComputeLayout(meta.page_bytes, meta.pages_per_segment));
+  if (meta.record_bytes != record_bytes_) return Status::Corruption(meta_path + " has an inconsistent record size");
+  if (drop_previous && unlink(previous_path.c_str()) != 0 && errno != ENOENT) {
+    return Status::IOError("removing " + previous_path + ": " + ErrnoText(errno));
+  }
+  if (meta.sequence != CheckpointSequenceOf(latest)) {
+    // Back to the previous checkpoint: it becomes the latest before anything is written, so a
+    // crash from here on recovers it, never the newer one being discarded.
+    MLKV_RETURN_IF_ERROR(WriteCheckpointRecord(latest_path, previous));
+    latest = previous;
+  }
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  begin_ = meta.begin;
+  checkpoint_sequence_ = meta.sequence;
+  checkpoint_record_ = latest;
+  if (older.sequence < meta.sequence) {
+    previous_sequence_ = older.sequence;
+    previous_begin_ = std::min(older.begin, meta.begin);
+  } else {
+    previous_sequence_ = meta.sequence;
+    previous_begin_ = meta.begin;
+  }
+  const uint64_t flushed_page = meta.flushed / records_per_page_;
+  const uint64_t begin_page = begin_ / records_per_page_;
+  const uint64_t end_page = (meta.tail + records_per_page_ - 1) / records_per_page_;
+
+  // The index checkpoint, when there is a sound one, replaces the scan of the log.
+  recovered_from_index_image_ = LoadIndexImage(meta.sequence, meta.rows).ok();
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t page = begin_page; page < flushed_page && !recovered_from_index_image_; ++page) {
+    std::shared_ptr<SegmentFile> file;
+    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
+    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, page * records_per_page_, (page + 1) * records_per_page_, file->path, offset));
+  }
+  head_page_ = read_only_page_ = flushed_page;
+  flushed_page_ = flush_target_page_ = flushed_page;
+  tail_ = flushed_page * records_per_page_;
+  if (end_page > flushed_page) {
+    const std::string snapshot = SnapshotPath(meta.sequence);
+    int fd = open(snapshot.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Status::Corruption("snapshot file " + snapshot + " is missing: " + ErrnoText(errno));
+    Status st;
+    // Replays the pages as if appended, so a smaller budget spills the oldest to disk.
+    for (uint64_t page = flushed_page; page < end_page && st.ok(); ++page) {
+      st = StartPage(page);
+      const uint64_t offset = (page - flushed_page) * page_bytes_;
+      if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
+      const uint64_t first_slot = page * records_per_page_, end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
+      if (st.ok() && !recovered_from_index_image_) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
+      for (uint64_t slot = first_slot; slot < end_slot && st.ok() && recovered_from_index_image_; ++slot) {
+        st = VerifyRecord(FrameOf(page) + OffsetInPage(slot), snapshot, offset + OffsetInPage(slot));
+      }
+    }
+    close(fd);
+    MLKV_RETURN_IF_ERROR(st);
+  }
+  tail_ = meta.tail;
+  if (index_.size() != meta.rows) {
+    return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ + ", its CHECKPOINT says " +
+                              std::to_string(meta.rows));
+  }
+  // Segments below begin that the previous checkpoint still needs go at the next checkpoint.
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  for (uint64_t seg = previous_begin_ / slots_per_segment; seg < begin_ / slots_per_segment; ++seg) {
+    compacted_segments_.push_back(seg);
+  }
+  checkpointed_changes_ = changes_;
+  checkpointed_begin_ = begin_;
+  RemoveLeftovers(previous_begin_ / slots_per_segment, meta.sequence, previous_sequence_);
+  return Status::OK();
+}
+
+// Files the recovered checkpoint does not name, left by a crash between a
+// write and the next checkpoint: compacted segments below `first_segment`,
+// segments past the one the log writes next (the flusher may be writing pages
+// replayed from the snapshot up to there), other snapshots, CHECKPOINT.tmp.
+void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence) {
+  DIR* dir = opendir(path_.c_str());
+  if (!dir) return;
+  const uint64_t last_segment = SegmentOfPage(read_only_page_);
+  std::vector<std::string> doomed;
+  while (dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    unsigned long long number = 0;
+    char tail[8] = {0};
+    if (std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) {
+      if (number < first_segment || number > last_segment) doomed.push_back(name);
+    } else if (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
+      if (number != sequence && number != previous_sequence) doomed.push_back(name);
+    } else if (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
+      if (number != sequence && number != previous_sequence) doomed.push_back(name);
+    } else if (name == "CHECKPOINT.tmp") {
+      doomed.push_back(name);
+    }
+  }
+  closedir(dir);
+  for (const std::string& name : doomed) unlink((path_ + "/" + name).c_str());
+}
+
+}  // namespace mlkv

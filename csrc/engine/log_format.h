@@ -1,0 +1,63 @@
+// The byte layout of a KVStore's files, in one place: the records of the log
+// (segment files and snapshots), CHECKPOINT and the index image. docs/format.md
+// describes the same bytes for a reader of the files.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace mlkv {
+
+constexpr uint16_t kRecordMagic = 0x4B56;  // "VK" little-endian
+constexpr uint16_t kFlagTombstone = 1;
+constexpr uint32_t kFormatVersion = 1;
+
+// Every record starts with this header; the value bytes follow.
+struct RecordHeader {
+  int64_t key;
+  uint32_t checksum;  // CRC-32C over key, magic, flags and the value
+  uint16_t magic;
+  uint16_t flags;
+};
+static_assert(sizeof(RecordHeader) == 16, "record header is 16 bytes");
+
+// The CHECKPOINT file: the whole of it, little-endian.
+struct CheckpointMeta {
+  char magic[8];
+  uint32_t format_version;
+  uint32_t dim;
+  uint32_t element_type;
+  uint32_t record_bytes;
+  uint64_t page_bytes;
+  uint64_t pages_per_segment;
+  uint64_t sequence;
+  uint64_t begin;    // first slot in the log
+  uint64_t flushed;  // slots below are in segment files
+  uint64_t tail;     // slots below are the log at the checkpoint
+  uint64_t rows;     // live keys, a cross-check for recovery
+  uint32_t reserved;
+  uint32_t crc;      // CRC-32C of every byte before this field
+};
+static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
+constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
+
+inline uint64_t CheckpointSequenceOf(const std::string& record) {
+  CheckpointMeta meta;
+  std::memcpy(&meta, record.data(), sizeof(meta));
+  return meta.sequence;
+}
+
+// The index-<seq>.dat file's header; the index's regions follow, from byte 64.
+struct IndexImageHeader {
+  char magic[8];
+  uint32_t format_version;
+  uint32_t crc;       // CRC-32C of the counts, then of every region's bytes
+  uint64_t sequence;  // the checkpoint it belongs to
+  uint64_t size, buckets, overflow, free;  // HashIndex::ImageCounts
+  uint64_t reserved;
+};
+static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
+constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
+
+}  // namespace mlkv
