@@ -351,13 +351,16 @@ class _Experiment:
 
             # Files, not collectives: this runs beside training, which uses the process group.
             os.makedirs(directory, exist_ok=True)
-            _save_whole(state, os.path.join(directory, f"rank{rank}.pt"))
             record = os.path.join(directory, f"cut-rank{rank}.json")
             try:
-                write_json_record(record, {"cut": pending.wait() if pending is not None else None})
+                # The cut first, then the rest: their costs fall on different steps, and a failure of
+                # either is recorded for rank 0.
+                cut = pending.wait() if pending is not None else None
+                _save_whole(state, os.path.join(directory, f"rank{rank}.pt"))
             except BaseException as e:  # rank 0 must not wait for it
                 write_json_record(record, {"error": f"{type(e).__name__}: {e}"})
                 raise
+            write_json_record(record, {"cut": cut})
             if not main:
                 return
             records = [os.path.join(directory, f"cut-rank{r}.json") for r in range(world)]

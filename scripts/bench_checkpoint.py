@@ -70,11 +70,14 @@ def under_torchrun(args: argparse.Namespace) -> int:
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
                   steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
                   worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
-                  mean_checkpointed_run_over_plain=(sum(checkpointed[warm_up:]) / len(checkpointed[warm_up:])) / step_s)
+                  mean_checkpointed_run_over_plain=(sum(checkpointed[warm_up:]) / len(checkpointed[warm_up:])) / step_s,
+                  # The noise floor: the same ratio for the run without checkpoints (a shared machine).
+                  worst_plain_step_over_step=max(plain) / step_s)
     print(f"torchrun, {args.nproc} processes; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
     for c, ratios in after.items():
         print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
     print(f"the run with checkpoints every {every} steps, its mean step: {result['mean_checkpointed_run_over_plain']:.2f}x")
+    print(f"the run without checkpoints, its worst step after warm-up: {result['worst_plain_step_over_step']:.2f}x")
     with open(os.path.join(REPO, args.out), "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -188,11 +188,7 @@ def test_reopen_loads_the_index_checkpoint_and_falls_back_to_the_log(tmp_path):
     with KVStore(path, DIM, **options) as store:
         assert store.stats()["recovered_from_index_image"]
         assert_store_equals(store, model)
-        store.put(torch.tensor([50000]), rows_for(torch.tensor([50000]), 9))  # and trains on
-        model[50000] = rows_for(torch.tensor([50000]), 9)[0]
-        newer = store.checkpoint()
-    assert _index_images(path) == [f"index-{cut:010d}.dat", f"index-{newer:010d}.dat"]  # both kept checkpoints'
-    image = os.path.join(path, f"index-{newer:010d}.dat")
+    image = os.path.join(path, f"index-{cut:010d}.dat")
     with open(image, "r+b") as f:
         f.seek(os.path.getsize(image) // 2)
         byte = f.read(1)
@@ -205,3 +201,68 @@ def test_reopen_loads_the_index_checkpoint_and_falls_back_to_the_log(tmp_path):
     with KVStore(path, DIM, **options) as store:
         assert not store.stats()["recovered_from_index_image"]
         assert_store_equals(store, model)
+
+
+def _put(store, model, keys, tag):
+    store.put(keys, rows_for(keys, tag))
+    model.update(zip(keys.tolist(), rows_for(keys, tag)))
+
+
+def test_checkpoints_name_the_latest_index_image_and_recovery_replays_the_log_after_it(tmp_path):
+    """A checkpoint writes a new index image only once the log written since the last one outgrows an
+    image; until then it names the last, and recovery replays the log after it over it. Checked
+    against a dict through the cases that replay must see: rows updated and deleted in place in the
+    pages that were mutable when the image was taken, rows appended, a compaction that moved rows
+    out of segments the image names, going back to the previous checkpoint, a damaged image."""
+    path = str(tmp_path / "store")
+    options = dict(memory_budget_bytes=256 << 10, expected_rows=1 << 14, segment_bytes=1 << 20, cut_checkpoints=True,
+                   compaction_ratio=0)
+    model = {}
+    g = torch.Generator().manual_seed(2)
+    with KVStore(path, DIM, **options) as store:
+        for tag in range(10):  # a log of mostly dead rows (a compaction copies few): 2000 live, 8000 per round
+            _put(store, model, torch.arange(2000), tag)
+            filler = torch.arange(100000, 106000)
+            store.put(filler, rows_for(filler, tag))
+            store.delete(filler)
+        _put(store, model, torch.arange(3000, 3010), 10)
+        first = store.checkpoint()
+        assert _index_images(path) == [f"index-{first:010d}.dat"]
+        # Rows of the pages still mutable when the image was taken: updated and deleted in place.
+        assert store.stats()["read_only_address"] < store.stats()["tail_address"] - 10
+        _put(store, model, torch.arange(3000, 3005), 40)
+        store.delete(torch.arange(3005, 3010))
+        for k in range(3005, 3010):
+            del model[k]
+        _put(store, model, torch.arange(50000, 50100), 41)  # appended
+        second = store.checkpoint()
+        assert _index_images(path) == [f"index-{first:010d}.dat"]  # a small log since the image: it stands
+    with KVStore(path, DIM, **options) as store:
+        assert store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, model)
+        store.compact()  # every live row the image names in a segment moves to the tail
+        third = store.checkpoint()
+        assert third > second and store.stats()["begin_address"] > 0
+        assert _index_images(path) == [f"index-{first:010d}.dat"]  # the copies weigh less than an image
+    at_third = dict(model)
+    with KVStore(path, DIM, **options) as store:
+        assert store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, model)
+        for tag in range(60, 64):  # the log outgrows the image: the next checkpoint writes one
+            _put(store, model, torch.randint(0, 40000, (12000,), generator=g).unique(), tag)
+        fourth = store.checkpoint()
+    assert _index_images(path) == [f"index-{first:010d}.dat", f"index-{fourth:010d}.dat"]  # both kept checkpoints'
+    with KVStore(path, DIM, **options) as store:
+        assert store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, model)
+    with KVStore(path, DIM, **options, checkpoint=third) as store:  # back one, through its older image
+        assert store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, at_third)
+    assert _index_images(path) == [f"index-{first:010d}.dat"]  # the discarded checkpoint's image went
+    image = os.path.join(path, f"index-{first:010d}.dat")
+    with open(image, "r+b") as f:
+        f.seek(64)
+        f.write(b"\xff" * 16)
+    with KVStore(path, DIM, **options) as store:
+        assert not store.stats()["recovered_from_index_image"]
+        assert_store_equals(store, at_third)

@@ -187,7 +187,7 @@ class KVStore : public RowStore {
   // Pages that leave the mutable region are written to their segment by the
   // process's flush executor (SerialExecutor "mlkv-flush", shared by every store);
   // only evicting a page's frame and a checkpoint wait for it.
-  Status WritePage(uint64_t page);  // run by the flush task, without mu_
+  Status WritePages(uint64_t first_page, uint64_t count);  // run by the flush task, without mu_
   Status WaitFlushed(uint64_t page_end);  // until pages below page_end are written
   void ScheduleFlushLocked();  // holds flush_mu_
   void FlushPending();         // the flush task: writes pages up to the target, or to an error
@@ -209,6 +209,7 @@ class KVStore : public RowStore {
     bool wrote = false;       // false: nothing changed since the latest, which still holds
     bool kept_previous = false;
     uint64_t sequence = 0, begin = 0, changes = 0;
+    uint64_t image = 0, image_flushed = 0;  // the index image it names (0: none)
     std::string record;
   };
   struct ObsoleteFiles {  // removed after the commit, outside mu_
@@ -263,10 +264,16 @@ class KVStore : public RowStore {
   std::string SegmentPath(uint64_t segment) const;
   std::string SnapshotPath(uint64_t sequence) const;
   std::string IndexImagePath(uint64_t sequence) const;
-  // The index checkpoint (index-<seq>.dat): written with a checkpoint when it is smaller than the
-  // on-disk log a recovery would otherwise scan; recovery loads it instead. mu_ held (shared will do).
-  Status WriteIndexImage(uint64_t sequence);
-  Status LoadIndexImage(uint64_t sequence, uint64_t rows);
+  // The index checkpoint (index-<seq>.dat): recovery loads it and replays the log written after it
+  // (from its `flushed` slot) instead of scanning the whole log. A checkpoint names the latest
+  // image and writes a new one only when the log to replay after that one has outgrown the image,
+  // so recovery reads at most about twice the index's bytes, and a checkpoint between rewrites
+  // none. mu_ held (shared will do).
+  Status WriteIndexImage(uint64_t sequence, uint64_t flushed);
+  // Loads the image into the index; with `rows` != kAnyRows it must hold that many keys. Sets
+  // *flushed from its header. Any failure leaves the index empty.
+  static constexpr uint64_t kAnyRows = ~0ull;
+  Status LoadIndexImage(uint64_t sequence, uint64_t rows, uint64_t* flushed);
 
   const std::string path_;
   StoreOptions options_;
@@ -289,6 +296,10 @@ class KVStore : public RowStore {
   uint64_t checkpoint_sequence_ = 0;
   std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
   uint64_t previous_sequence_ = 0;    // the checkpoint before it, still recoverable
+  // The index images the latest and the previous checkpoint name (0: none); the latest's, when
+  // sound, covers the log below image_flushed_, and the next checkpoint may name it too.
+  uint64_t image_sequence_ = 0, previous_image_sequence_ = 0, image_flushed_ = 0;
+  bool image_sound_ = false;
   uint64_t previous_begin_ = 0;       // its first slot: segments from here on stay
   uint64_t changes_ = 0;              // appends and in-place writes, ever
   uint64_t checkpointed_changes_ = 0, checkpointed_begin_ = 0;  // at the latest checkpoint
@@ -332,6 +343,7 @@ class KVStore : public RowStore {
   Status flush_error_;
   bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
   static constexpr uint64_t kFlushPagesPerTurn = 64;  // pages one FlushPending writes before yielding
+  static constexpr uint64_t kFlushWriteBytes = 4ull << 20;  // at most one write of the flush task
 };
 
 }  // namespace mlkv

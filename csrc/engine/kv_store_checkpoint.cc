@@ -37,7 +37,7 @@ std::string KVStore::SnapshotPath(uint64_t sequence) const {
   return path_ + name;
 }
 
-Status KVStore::WriteIndexImage(uint64_t sequence) {
+Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed) {
   const HashIndex::ImageCounts counts = index_.Counts();
   const std::vector<HashIndex::Region> regions = index_.Regions();
   IndexImageHeader header;
@@ -49,6 +49,7 @@ Status KVStore::WriteIndexImage(uint64_t sequence) {
   header.buckets = counts.buckets;
   header.overflow = counts.overflow;
   header.free = counts.free;
+  header.flushed = flushed;
   uint32_t crc = Crc32c(0, &header.size, 4 * sizeof(uint64_t));
   for (const auto& r : regions) crc = Crc32c(crc, r.data, r.bytes);
   header.crc = crc;
@@ -161,13 +162,20 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
       return st;
     }
   }
-  // The index image pays when recovery would otherwise read more log than the image holds.
-  if ((ReadOnlySlot() - begin_) * record_bytes_ > index_.MemoryBytes()) {
-    Status st = WriteIndexImage(sequence);
+  // The index image: the latest one stands while the log recovery would replay after it is smaller
+  // than an image; past that, a new one (none at all while the whole log is that small).
+  uint64_t image = image_sound_ ? image_sequence_ : 0, image_flushed = image_flushed_;
+  const uint64_t replay_from = image ? std::max(image_flushed, begin_) : begin_;
+  const bool write_image = (ReadOnlySlot() - replay_from) * record_bytes_ > index_.MemoryBytes() ||
+                           (image && sequence - image >= kNoIndexImage);
+  if (write_image) {
+    Status st = WriteIndexImage(sequence, ReadOnlySlot());
     if (!st.ok()) {
       unlink(snapshot.c_str());
       return st;
     }
+    image = sequence;
+    image_flushed = ReadOnlySlot();
   }
   CheckpointMeta meta;
   std::memset(&meta, 0, sizeof(meta));
@@ -183,6 +191,7 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   meta.flushed = ReadOnlySlot();
   meta.tail = tail_;
   meta.rows = index_.size();
+  meta.image_age = image ? static_cast<uint32_t>(sequence - image) : kNoIndexImage;
   meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
   const std::string record(reinterpret_cast<const char*>(&meta), sizeof(meta));
   // The current checkpoint becomes the previous one first: a crash at any point leaves
@@ -193,7 +202,7 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", record);
   if (!st.ok()) {
     unlink(snapshot.c_str());
-    unlink(IndexImagePath(sequence).c_str());
+    if (write_image) unlink(IndexImagePath(sequence).c_str());
     return st;
   }
   if (!keep_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
@@ -202,6 +211,8 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   out->sequence = sequence;
   out->begin = begin_;
   out->changes = changes_;
+  out->image = image;
+  out->image_flushed = image_flushed;
   out->record = record;
   return Status::OK();
 }
@@ -215,9 +226,18 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
   checkpoint_record_ = written.record;
   checkpointed_changes_ = written.changes;
   checkpointed_begin_ = written.begin;
-  if (dropped > 0 && dropped != previous_sequence_) {
-    obsolete->files.push_back(SnapshotPath(dropped));
-    obsolete->files.push_back(IndexImagePath(dropped));
+  if (dropped > 0 && dropped != previous_sequence_) obsolete->files.push_back(SnapshotPath(dropped));
+  // Index images go once neither kept checkpoint names them.
+  const uint64_t old_images[2] = {image_sequence_, previous_image_sequence_};
+  previous_image_sequence_ = written.kept_previous ? image_sequence_ : written.image;
+  image_sequence_ = written.image;
+  image_flushed_ = written.image_flushed;
+  image_sound_ = written.image != 0;
+  for (int i = 0; i < 2; ++i) {
+    const uint64_t old = old_images[i];
+    if (old && old != image_sequence_ && old != previous_image_sequence_ && (i == 0 || old != old_images[0])) {
+      obsolete->files.push_back(IndexImagePath(old));
+    }
   }
   // Compacted segments go once neither kept checkpoint starts at or before them. A compaction
   // that finished while the files were written moved begin_ past written.begin: its segments

@@ -19,7 +19,7 @@
 namespace mlkv {
 
 // Any failure leaves the index empty, for the caller to rebuild from the log.
-Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows) {
+Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows, uint64_t* flushed) {
   const std::string file = IndexImagePath(sequence);
   int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::NotFound(file);
@@ -28,7 +28,7 @@ Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows) {
   Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
   std::vector<HashIndex::Region> regions;
   if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
-                  header.sequence != sequence || header.size != rows ||
+                  header.sequence != sequence || (rows != kAnyRows && header.size != rows) ||
                   !index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions))) {
     st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
   }
@@ -48,6 +48,7 @@ Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows) {
     return st;
   }
   index_.ForEachAddress([&](uint64_t slot) { MoveLive(HashIndex::kNoAddress, slot); });
+  *flushed = header.flushed;
   return Status::OK();
 }
 
@@ -142,18 +143,40 @@ Status KVStore::Recover() {
     previous_begin_ = meta.begin;
   }
   const uint64_t flushed_page = meta.flushed / records_per_page_;
-  const uint64_t begin_page = begin_ / records_per_page_;
   const uint64_t end_page = (meta.tail + records_per_page_ - 1) / records_per_page_;
 
-  // The index checkpoint, when there is a sound one, replaces the scan of the log.
-  recovered_from_index_image_ = LoadIndexImage(meta.sequence, meta.rows).ok();
+  // The index: the image the checkpoint names, when it is sound, and the log written after it
+  // replayed over it; otherwise the whole log is scanned.
+  auto image_of = [](const CheckpointMeta& m) -> uint64_t {
+    return m.image_age == kNoIndexImage || m.image_age >= m.sequence ? 0 : m.sequence - m.image_age;
+  };
+  image_sequence_ = image_of(meta);
+  previous_image_sequence_ = older.sequence < meta.sequence ? image_of(older) : image_sequence_;
+  uint64_t replay_from = begin_;
+  uint64_t image_flushed = 0;
+  if (image_sequence_ &&
+      LoadIndexImage(image_sequence_, meta.image_age == 0 ? meta.rows : kAnyRows, &image_flushed).ok()) {
+    // An image of this very checkpoint covers the log up to its `flushed` (older files left 0 there).
+    if (meta.image_age == 0) image_flushed = meta.flushed;
+    if (image_flushed <= meta.flushed) {
+      recovered_from_index_image_ = image_sound_ = true;
+      image_flushed_ = image_flushed;
+      replay_from = std::max(begin_, image_flushed);
+    } else {
+      std::vector<HashIndex::Region> unused;
+      index_.Reset({0, index_.Counts().buckets, 1, 0}, &unused);
+      live_per_segment_.clear();
+    }
+  }
   AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t page = begin_page; page < flushed_page && !recovered_from_index_image_; ++page) {
+  for (uint64_t page = replay_from / records_per_page_; page < flushed_page; ++page) {
     std::shared_ptr<SegmentFile> file;
     MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
     MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
-    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, page * records_per_page_, (page + 1) * records_per_page_, file->path, offset));
+    const uint64_t first_slot = std::max(page * records_per_page_, replay_from);
+    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path,
+                                   offset));
   }
   head_page_ = read_only_page_ = flushed_page;
   flushed_page_ = flush_target_page_ = flushed_page;
@@ -169,18 +192,27 @@ Status KVStore::Recover() {
       const uint64_t offset = (page - flushed_page) * page_bytes_;
       if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
       const uint64_t first_slot = page * records_per_page_, end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
-      if (st.ok() && !recovered_from_index_image_) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
-      for (uint64_t slot = first_slot; slot < end_slot && st.ok() && recovered_from_index_image_; ++slot) {
-        st = VerifyRecord(FrameOf(page) + OffsetInPage(slot), snapshot, offset + OffsetInPage(slot));
-      }
+      // The pages that were mutable at the checkpoint are replayed whatever the image.
+      if (st.ok()) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
     }
     close(fd);
     MLKV_RETURN_IF_ERROR(st);
   }
   tail_ = meta.tail;
   if (index_.size() != meta.rows) {
-    return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ + ", its CHECKPOINT says " +
-                              std::to_string(meta.rows));
+    return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ +
+                              (recovered_from_index_image_ ? " (through " + IndexImagePath(image_sequence_) + ")" : "") +
+                              ", its CHECKPOINT says " + std::to_string(meta.rows));
+  }
+  if (recovered_from_index_image_) {
+    // Every row the image names in segments compacted since was copied to the log replayed over
+    // it: a slot below begin means the image is not this log's.
+    bool stale = false;
+    index_.ForEachAddress([&](uint64_t slot) { stale = stale || slot < begin_; });
+    if (stale) {
+      return Status::Corruption(IndexImagePath(image_sequence_) + " names rows below the log's first slot " +
+                                std::to_string(begin_) + "; remove it to recover by a scan of the log");
+    }
   }
   // Segments below begin that the previous checkpoint still needs go at the next checkpoint.
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
@@ -211,7 +243,7 @@ void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_
     } else if (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
       if (number != sequence && number != previous_sequence) doomed.push_back(name);
     } else if (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
-      if (number != sequence && number != previous_sequence) doomed.push_back(name);
+      if (number != image_sequence_ && number != previous_image_sequence_) doomed.push_back(name);
     } else if (name == "CHECKPOINT.tmp") {
       doomed.push_back(name);
     }

@@ -36,11 +36,15 @@ struct CheckpointMeta {
   uint64_t flushed;  // slots below are in segment files
   uint64_t tail;     // slots below are the log at the checkpoint
   uint64_t rows;     // live keys, a cross-check for recovery
-  uint32_t reserved;
+  // The index image recovery loads: index-<sequence - image_age>.dat, this checkpoint's own or an
+  // earlier one's (the log after it is replayed); kNoIndexImage: none, the whole log is scanned.
+  // Files written before images aged hold 0 here: their own image, when there is one.
+  uint32_t image_age;
   uint32_t crc;      // CRC-32C of every byte before this field
 };
 static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
 constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
+constexpr uint32_t kNoIndexImage = ~0u;
 
 inline uint64_t CheckpointSequenceOf(const std::string& record) {
   CheckpointMeta meta;
@@ -55,7 +59,10 @@ struct IndexImageHeader {
   uint32_t crc;       // CRC-32C of the counts, then of every region's bytes
   uint64_t sequence;  // the checkpoint it belongs to
   uint64_t size, buckets, overflow, free;  // HashIndex::ImageCounts
-  uint64_t reserved;
+  // Log slots below were on disk when the image was taken, never to change; the records from here
+  // on (in the mutable region then, or written since) are replayed over the image. 0 in images
+  // written before images aged, which only their own checkpoint loads.
+  uint64_t flushed;
 };
 static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
 constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
