@@ -39,10 +39,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def under_torchrun(args: argparse.Namespace) -> int:
-    """The runner under torchrun with checkpoints every steps / 4 and without: each step's time."""
+    """The runner under torchrun with checkpoints every --every steps (default steps / 4) and without:
+    each step's time."""
     import subprocess
 
-    every = max(2, args.steps // 4)
+    every = args.every or max(2, args.steps // 4)
     batch = 256 if args.smoke else 2048
     steps_of: Dict[int, List[float]] = {}
     os.makedirs(os.path.join(REPO, "bench-out"), exist_ok=True)
@@ -67,17 +68,25 @@ def under_torchrun(args: argparse.Namespace) -> int:
     checkpointed = steps_of[every]
     # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary.
     after = {c: [t / step_s for t in checkpointed[c:c + min(every, 10)]] for c in range(every, args.steps, every)}
+    # The same steps of the run without checkpoints (the same batches), against its mean: the noise.
+    plain_at = {c: [t / step_s for t in steps_of[0][c:c + 2]] for c in after}
+    firsts = sorted(max(v[:2]) for v in after.values() if v)
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
                   steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
                   worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
                   mean_checkpointed_run_over_plain=(sum(checkpointed[warm_up:]) / len(checkpointed[warm_up:])) / step_s,
                   # The noise floor: the same ratio for the run without checkpoints (a shared machine).
-                  worst_plain_step_over_step=max(plain) / step_s)
+                  worst_plain_step_over_step=max(plain) / step_s,
+                  plain_steps_at_checkpoints_over_step={str(c): v for c, v in plain_at.items()},
+                  median_worst_of_two_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None)
     print(f"torchrun, {args.nproc} processes; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
     for c, ratios in after.items():
         print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
     print(f"the run with checkpoints every {every} steps, its mean step: {result['mean_checkpointed_run_over_plain']:.2f}x")
     print(f"the run without checkpoints, its worst step after warm-up: {result['worst_plain_step_over_step']:.2f}x")
+    if firsts:
+        print(f"the worse of the two steps after each checkpoint: median {firsts[len(firsts) // 2]:.2f}x, "
+              f"at most {firsts[-1]:.2f}x ({len(firsts)} checkpoints)")
     with open(os.path.join(REPO, args.out), "w") as f:
         json.dump(result, f, indent=1)
     return 0
@@ -90,6 +99,7 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--out", default="bench-out/bench_checkpoint.json")
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     ap.add_argument("--nproc", type=int, default=1, help="processes under torchrun (1: one process, in this one)")
+    ap.add_argument("--every", type=int, default=0, help="with --nproc: steps between checkpoints (0: steps / 4)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.scale, args.steps = 1000, (8 if args.nproc > 1 else 4)
