@@ -71,6 +71,9 @@ def under_torchrun(args: argparse.Namespace) -> int:
     # The same steps of the run without checkpoints (the same batches), against its mean: the noise.
     plain_at = {c: [t / step_s for t in steps_of[0][c:c + 2]] for c in after}
     firsts = sorted(max(v[:2]) for v in after.values() if v)
+    # Against the steps just before it in the same run (a shared machine drifts over a run): the
+    # worse of the two steps after each checkpoint over the median of the 8 before it.
+    local = {c: max(checkpointed[c:c + 2]) / sorted(checkpointed[c - 9:c - 1])[4] for c in after if c >= 9}
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
                   steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
                   worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
@@ -78,7 +81,8 @@ def under_torchrun(args: argparse.Namespace) -> int:
                   # The noise floor: the same ratio for the run without checkpoints (a shared machine).
                   worst_plain_step_over_step=max(plain) / step_s,
                   plain_steps_at_checkpoints_over_step={str(c): v for c, v in plain_at.items()},
-                  median_worst_of_two_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None)
+                  median_worst_of_two_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None,
+                  worst_of_two_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()})
     print(f"torchrun, {args.nproc} processes; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
     for c, ratios in after.items():
         print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
@@ -87,6 +91,8 @@ def under_torchrun(args: argparse.Namespace) -> int:
     if firsts:
         print(f"the worse of the two steps after each checkpoint: median {firsts[len(firsts) // 2]:.2f}x, "
               f"at most {firsts[-1]:.2f}x ({len(firsts)} checkpoints)")
+    if local:
+        print("the same over the median of the 8 steps before it: " + " ".join(f"{r:.2f}" for r in local.values()))
     with open(os.path.join(REPO, args.out), "w") as f:
         json.dump(result, f, indent=1)
     return 0
