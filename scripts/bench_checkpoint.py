@@ -190,15 +190,15 @@ def main(argv: List[str]) -> int:
                                   step_with_full_copy_over_step=(step_s + full_copy_s) / step_s,
                                   per_row_over_scan=per_row_s / full_copy_s)
     print(f"{rows:,} rows; a step {step_s * 1e3:.1f} ms ({torch.get_num_threads()} torch threads, as the runner)")
-    print(f"| checkpoint | seconds | the worst step while it is taken, x a step |")
-    print(f"|---|---:|---:|")
+    print("| checkpoint | seconds | the worst step while it is taken, x a step |")
+    print("|---|---:|---:|")
     print(f"| background cut (now): {boundary_s * 1e3:.1f} ms at the boundary, written over {len(during)} steps "
           f"({background_write_s:.3f} s) | {background_write_s:.3f} | {result['worst_step_while_writing_over_step']:.2f} |")
     print(f"| synchronous cut | {sync_cut_s:.3f} | {result['step_with_sync_cut_over_step']:.2f} |")
     print(f"| full copy (before cuts), rows read by scan | {full_copy_s:.3f} | {result['step_with_full_copy_over_step']:.2f} |")
     print(f"| every row read key by key (before the scan) | {per_row_s:.3f} | {(step_s + per_row_s) / step_s:.2f} |")
     if during:
-        print(f"steps while the cut is written, x a step: " + " ".join(f"{t / step_s:.2f}" for t in during))
+        print("steps while the cut is written, x a step: " + " ".join(f"{t / step_s:.2f}" for t in during))
     print(f"reopen at the cut: {reopen_s:.2f} s; key-by-key reads / scan: {result['per_row_over_scan']:.1f}x")
     os.makedirs(os.path.dirname(os.path.join(REPO, args.out)), exist_ok=True)
     with open(os.path.join(REPO, args.out), "w") as f:
