@@ -246,6 +246,8 @@ class Store : public RowStoreHandle {
     d["promoted_rows"] = s.promoted_rows;
     d["lookahead_dropped_rows"] = s.lookahead_dropped_rows;
     d["write_stalls"] = s.write_stalls;
+    d["frame_waits"] = s.frame_waits;
+    d["frame_wait_seconds"] = s.frame_wait_seconds;
     d["in_place_updates"] = s.in_place_updates;
     d["appends"] = s.appends;
     d["compactions"] = s.compactions;

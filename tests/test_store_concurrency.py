@@ -278,3 +278,17 @@ def test_lookahead_backlog_is_bounded(tmp_path):
         waited = time.monotonic() - began
         assert waited < 1.0, (
             f"flush() waited {waited:.1f}s for the backlog of {i} lookahead calls made in {began - start:.2f}s")
+
+
+def test_a_put_larger_than_memory_waits_for_the_disk_without_the_lock(tmp_path):
+    """A put of many more rows than the store's memory holds appends in chunks the written pages
+    can take, so it never waits for a page write while holding the lock every get needs
+    (frame_waits counts such waits); the rows are all there."""
+    store = KVStore(str(tmp_path / "store"), DIM, memory_budget_bytes=64 << 10, segment_bytes=64 << 10)
+    keys = torch.arange(20000)
+    store.put(keys, torch.arange(20000, dtype=torch.float32)[:, None].repeat(1, DIM))
+    stats = store.stats()
+    assert stats["tail_address"] == 20000 and stats["read_only_address"] > 15000  # most of it went to disk
+    assert stats["frame_waits"] == 0
+    torch.testing.assert_close(store.get(keys[::997])[:, 0], keys[::997].float())
+    store.close()

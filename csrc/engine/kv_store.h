@@ -87,6 +87,8 @@ struct StoreStats {
   uint64_t promoted_rows = 0;    // hot rows a get read from disk and the store copied to memory
   uint64_t lookahead_dropped_rows = 0;  // queued lookahead rows dropped under a backlog
   uint64_t write_stalls = 0;            // times a write waited for compaction to catch up
+  uint64_t frame_waits = 0;             // times a write waited, holding the lock, for a page to be written
+  double frame_wait_seconds = 0;        // ... and for how long, in all
   uint64_t in_place_updates = 0;
   uint64_t appends = 0;
   uint64_t compactions = 0;
@@ -110,7 +112,8 @@ class KVStore : public RowStore {
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
 
-  // Values are row-major [n, dim] of the store's element type, as raw bytes.
+  // Values are row-major [n, dim] of the store's element type, as raw bytes. Many rows go in
+  // chunks of what the written memory pages can take: a get or checkpoint meanwhile may see part.
   Status Put(const int64_t* keys, size_t n, const void* values) override;
   // Fills `values`; when keys are absent returns NotFound and lists them in `missing`.
   Status Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing);
@@ -184,6 +187,9 @@ class KVStore : public RowStore {
   Status ReserveSlot(uint64_t* slot, uint8_t** record);  // the next slot at the tail, starting a page if needed
   Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
   Status StartPage(uint64_t page);
+  // mu_ not held: how many of `wanted` records (at least one) can be appended now without
+  // StartPage waiting for a page to be written; first waits for the pages whose frames they reuse.
+  size_t MakeAppendRoom(size_t wanted);
   // Pages that leave the mutable region are written to their segment by the
   // process's flush executor (SerialExecutor "mlkv-flush", shared by every store);
   // only evicting a page's frame and a checkpoint wait for it.
@@ -315,6 +321,7 @@ class KVStore : public RowStore {
 
   mutable std::atomic<uint64_t> memory_hits_{0}, disk_reads_{0}, disk_rows_{0};
   std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0}, lookahead_dropped_rows_{0}, write_stalls_{0};
+  std::atomic<uint64_t> frame_waits_{0}, frame_wait_ns_{0};
   std::vector<std::atomic<uint64_t>> doorkeeper_;
   std::atomic<uint64_t> doorkeeper_marks_{0};
   uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;

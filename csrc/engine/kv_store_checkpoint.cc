@@ -163,9 +163,11 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
     }
   }
   // The index image: the latest one stands while the log recovery would replay after it is smaller
-  // than an image; past that, a new one (none at all while the whole log is that small).
-  uint64_t image = image_sound_ ? image_sequence_ : 0, image_flushed = image_flushed_;
-  const uint64_t replay_from = image ? std::max(image_flushed, begin_) : begin_;
+  // than an image; past that, a new one (none at all while the whole log is that small). An image
+  // stands only while the log from its flushed slot on is all there: rows deleted in place after
+  // it have their tombstones only there, and a compaction past it drops them.
+  uint64_t image = image_sound_ && begin_ <= image_flushed_ ? image_sequence_ : 0, image_flushed = image_flushed_;
+  const uint64_t replay_from = image ? image_flushed : begin_;
   const bool write_image = (ReadOnlySlot() - replay_from) * record_bytes_ > index_.MemoryBytes() ||
                            (image && sequence - image >= kNoIndexImage);
   if (write_image) {

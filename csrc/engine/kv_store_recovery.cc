@@ -158,7 +158,8 @@ Status KVStore::Recover() {
       LoadIndexImage(image_sequence_, meta.image_age == 0 ? meta.rows : kAnyRows, &image_flushed).ok()) {
     // An image of this very checkpoint covers the log up to its `flushed` (older files left 0 there).
     if (meta.image_age == 0) image_flushed = meta.flushed;
-    if (image_flushed <= meta.flushed) {
+    // Replay starts at the image's flushed slot, which must still be in the log (see the writer).
+    if (meta.begin <= image_flushed && image_flushed <= meta.flushed) {
       recovered_from_index_image_ = image_sound_ = true;
       image_flushed_ = image_flushed;
       replay_from = std::max(begin_, image_flushed);
