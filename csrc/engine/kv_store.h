@@ -31,6 +31,8 @@
 
 namespace mlkv {
 
+struct CheckpointMeta;  // log_format.h
+
 // Division by a divisor fixed at open, as a multiply: exact for numerators
 // below 2^44 (every log slot) when the divisor is below 2^20; larger divisors
 // fall back to the division instruction.
@@ -276,10 +278,10 @@ class KVStore : public RowStore {
   // so recovery reads at most about twice the index's bytes, and a checkpoint between rewrites
   // none. mu_ held (shared will do).
   Status WriteIndexImage(uint64_t sequence, uint64_t flushed);
-  // Loads the image into the index; with `rows` != kAnyRows it must hold that many keys. Sets
-  // *flushed from its header. Any failure leaves the index empty.
-  static constexpr uint64_t kAnyRows = ~0ull;
-  Status LoadIndexImage(uint64_t sequence, uint64_t rows, uint64_t* flushed);
+  // Loads the image the checkpoint `meta` names into the index and sets *flushed, the slot
+  // recovery replays the log from. Any failure (no such file, damage, an image that does not fit
+  // the checkpoint) leaves the index empty.
+  Status LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed);
 
   const std::string path_;
   StoreOptions options_;

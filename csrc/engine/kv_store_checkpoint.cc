@@ -230,16 +230,13 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
   checkpointed_begin_ = written.begin;
   if (dropped > 0 && dropped != previous_sequence_) obsolete->files.push_back(SnapshotPath(dropped));
   // Index images go once neither kept checkpoint names them.
-  const uint64_t old_images[2] = {image_sequence_, previous_image_sequence_};
+  const uint64_t old_latest = image_sequence_, old_previous = previous_image_sequence_;
   previous_image_sequence_ = written.kept_previous ? image_sequence_ : written.image;
   image_sequence_ = written.image;
   image_flushed_ = written.image_flushed;
   image_sound_ = written.image != 0;
-  for (int i = 0; i < 2; ++i) {
-    const uint64_t old = old_images[i];
-    if (old && old != image_sequence_ && old != previous_image_sequence_ && (i == 0 || old != old_images[0])) {
-      obsolete->files.push_back(IndexImagePath(old));
-    }
+  for (uint64_t old : {old_latest, old_previous != old_latest ? old_previous : 0}) {
+    if (old && old != image_sequence_ && old != previous_image_sequence_) obsolete->files.push_back(IndexImagePath(old));
   }
   // Compacted segments go once neither kept checkpoint starts at or before them. A compaction
   // that finished while the files were written moved begin_ past written.begin: its segments

@@ -19,7 +19,8 @@
 namespace mlkv {
 
 // Any failure leaves the index empty, for the caller to rebuild from the log.
-Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows, uint64_t* flushed) {
+Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
+  const uint64_t sequence = IndexImageOf(meta);
   const std::string file = IndexImagePath(sequence);
   int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::NotFound(file);
@@ -28,7 +29,7 @@ Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows, uint64_t* flush
   Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
   std::vector<HashIndex::Region> regions;
   if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
-                  header.sequence != sequence || (rows != kAnyRows && header.size != rows) ||
+                  header.sequence != sequence || (meta.image_age == 0 && header.size != meta.rows) ||
                   !index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions))) {
     st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
   }
@@ -42,13 +43,19 @@ Status KVStore::LoadIndexImage(uint64_t sequence, uint64_t rows, uint64_t* flush
   }
   close(fd);
   if (st.ok() && crc != header.crc) st = Status::Corruption(file + " fails its checksum");
+  // The checkpoint's own image covers the log up to its `flushed` (older files left 0 in the
+  // header); an earlier one's replay starts at its header's, which must still be in the log.
+  *flushed = meta.image_age == 0 ? meta.flushed : header.flushed;
+  if (st.ok() && !(meta.begin <= *flushed && *flushed <= meta.flushed)) {
+    st = Status::Corruption(file + " covers the log to slot " + std::to_string(*flushed) + ", outside [" +
+                            std::to_string(meta.begin) + ", " + std::to_string(meta.flushed) + "]");
+  }
   if (!st.ok()) {
     std::vector<HashIndex::Region> unused;
     index_.Reset(empty, &unused);
     return st;
   }
   index_.ForEachAddress([&](uint64_t slot) { MoveLive(HashIndex::kNoAddress, slot); });
-  *flushed = header.flushed;
   return Status::OK();
 }
 
@@ -147,27 +154,12 @@ Status KVStore::Recover() {
 
   // The index: the image the checkpoint names, when it is sound, and the log written after it
   // replayed over it; otherwise the whole log is scanned.
-  auto image_of = [](const CheckpointMeta& m) -> uint64_t {
-    return m.image_age == kNoIndexImage || m.image_age >= m.sequence ? 0 : m.sequence - m.image_age;
-  };
-  image_sequence_ = image_of(meta);
-  previous_image_sequence_ = older.sequence < meta.sequence ? image_of(older) : image_sequence_;
+  image_sequence_ = IndexImageOf(meta);
+  previous_image_sequence_ = older.sequence < meta.sequence ? IndexImageOf(older) : image_sequence_;
   uint64_t replay_from = begin_;
-  uint64_t image_flushed = 0;
-  if (image_sequence_ &&
-      LoadIndexImage(image_sequence_, meta.image_age == 0 ? meta.rows : kAnyRows, &image_flushed).ok()) {
-    // An image of this very checkpoint covers the log up to its `flushed` (older files left 0 there).
-    if (meta.image_age == 0) image_flushed = meta.flushed;
-    // Replay starts at the image's flushed slot, which must still be in the log (see the writer).
-    if (meta.begin <= image_flushed && image_flushed <= meta.flushed) {
-      recovered_from_index_image_ = image_sound_ = true;
-      image_flushed_ = image_flushed;
-      replay_from = std::max(begin_, image_flushed);
-    } else {
-      std::vector<HashIndex::Region> unused;
-      index_.Reset({0, index_.Counts().buckets, 1, 0}, &unused);
-      live_per_segment_.clear();
-    }
+  if (image_sequence_ && LoadIndexImage(meta, &image_flushed_).ok()) {
+    recovered_from_index_image_ = image_sound_ = true;
+    replay_from = image_flushed_;
   }
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t page = replay_from / records_per_page_; page < flushed_page; ++page) {

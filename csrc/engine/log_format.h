@@ -46,6 +46,11 @@ static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
 constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kNoIndexImage = ~0u;
 
+// The checkpoint whose index image `meta` names (0: none).
+inline uint64_t IndexImageOf(const CheckpointMeta& meta) {
+  return meta.image_age == kNoIndexImage || meta.image_age >= meta.sequence ? 0 : meta.sequence - meta.image_age;
+}
+
 inline uint64_t CheckpointSequenceOf(const std::string& record) {
   CheckpointMeta meta;
   std::memcpy(&meta, record.data(), sizeof(meta));
