@@ -477,6 +477,8 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["prefetch_latency_ms"] = s.lookahead_latency_us / 1e3;
   d["prefetch_wait_ms"] = static_cast<double>(s.lookahead_wait_us) / 1e3;
   d["write_back_rows"] = s.write_back_rows;
+  d["write_back_waits"] = s.write_back_waits;
+  d["write_back_wait_ms"] = static_cast<double>(s.write_back_wait_us) / 1e3;
   return d;
 }
 

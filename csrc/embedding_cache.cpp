@@ -638,10 +638,14 @@ void EmbeddingCache::EndRead() {
 void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
   if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
   CheckWriterNotPaused();
+  const auto began = std::chrono::steady_clock::now();
   writer_cv_.notify_one();
   written_cv_.wait(lock, [&] {
     return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok();
   });
+  ++stats_.write_back_waits;
+  stats_.write_back_wait_us +=
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - began).count();
   ThrowIfWriteFailed(lock);
 }
 

@@ -527,7 +527,9 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
         raise ConfigError(f"{e}. The runner continues an earlier run with --resume; otherwise choose another "
                           f"output_dir (or storage.path)") from e
     populate_s = 0.0
-    if config.storage.populate:
+    # A resumed run's tables hold their rows already; populating again would also take a cut past
+    # the one its checkpoint names.
+    if config.storage.populate and not resume:
         began = time.perf_counter()
         rows = experiment.populate()
         populate_s = time.perf_counter() - began

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from mlkv_torch import CorruptionError, DiskEmbeddingBag, RocksDBStore, _C, optim
+from mlkv_torch import CorruptionError, DiskEmbeddingBag, RocksDBStore, _C
 
 from conftest import DIM, rows_for
 from test_disk_embedding_bag import NUM, OPTIMIZERS, batch, reference_like

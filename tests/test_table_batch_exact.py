@@ -2,8 +2,6 @@
 under DistributedModelParallel in a one-process gloo group): the same loss at every step, for each
 fused optimizer, with no cache, a cache of part of the rows, and every row cached, with and without
 look-ahead."""
-import os
-
 import pytest
 import torch
 

@@ -4,8 +4,6 @@ cut exactly (rows, optimizer state, Adam's step), never a mix; real child proces
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,12 +12,8 @@ import torch
 from test_store_crash import Child
 
 torchrec = pytest.importorskip("torchrec")
-from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
-from mlkv_torch import optim  # noqa: E402
 from mlkv_torch.cut import read_cut  # noqa: E402
-from mlkv_torch.torchrec import DiskEmbeddingBagCollection  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,10 +59,15 @@ CHILD = SETUP + textwrap.dedent(
     """
     path, expected, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
     ebc = collection(path)
-    train(ebc, 0, 12)
-    ebc.checkpoint(label=12)
-    torch.save(state_of(ebc), expected)
-    train(ebc, 12, 30)
+    if scenario == "populated":  # populate ends with a cut; training after it takes none
+        ebc.populate()
+        torch.save(state_of(ebc), expected)
+        train(ebc, 0, 30)
+    else:
+        train(ebc, 0, 12)
+        ebc.checkpoint(label=12)
+        torch.save(state_of(ebc), expected)
+        train(ebc, 12, 30)
     if scenario == "half":  # the next cut reaches the first kernel's stores only
         ebc._batches[0].checkpoint()
     print("READY", flush=True)
@@ -119,6 +118,22 @@ def test_killed_after_a_cut_reopens_exactly_at_it(tmp_path, scenario):
         exec(SETUP, namespace)
         namespace["train"](ebc, 12, 14)
         assert ebc.checkpoint(label=14)["tables"]["a"]["step"] == 14
+    finally:
+        ebc.close()
+
+
+def test_killed_after_populate_reopens_at_the_populated_rows(tmp_path):
+    path, expected = run_child(tmp_path, "populated")
+    assert read_cut(path)["label"] is None
+    got, ebc = reopened_state(path)
+    try:
+        assert sorted(got) == sorted(expected)
+        for name, (weight, state, steps) in expected.items():
+            assert steps == 0 and got[name][2] == 0, name
+            torch.testing.assert_close(got[name][0], weight, rtol=0, atol=0, msg=f"table {name} weights")
+            torch.testing.assert_close(got[name][1], state, rtol=0, atol=0, msg=f"table {name} optimizer state")
+        for name, num_rows in (("a", 3000), ("b", 500), ("c", 2000)):
+            assert ebc.embedding_bags[name].stats()["rows"] == num_rows, f"table {name}: every row is in the store"
     finally:
         ebc.close()
 

@@ -53,6 +53,21 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
     assert [got[s] for s in range(11, 15)] == pytest.approx([expected[s] for s in range(11, 15)], rel=0, abs=0)
 
 
+def test_populated_tables_resume_twice_from_one_checkpoint(tmp_path):
+    """Populating ends with a cut; a resumed run does not populate again, so a second resume from the
+    same checkpoint (the first was killed before its next one) still finds the tables' cut."""
+    common = [*SMALL, "train.log_every=1", "eval.every=1000", "train.checkpoint_every=4", "storage.populate=true"]
+    whole = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'whole'}", "train.steps=8", *common]), progress=False)
+    assert whole["populate_s"] > 0
+    split = [f"output_dir={tmp_path / 'split'}", *common]
+    run(load_config(QUICKSTART, [*split, "train.steps=6"]), progress=False)  # checkpoint at 4; closed at 6
+    resumed = run(load_config(QUICKSTART, [*split, "train.steps=7"]), resume=True, progress=False)
+    assert resumed["populate_s"] == 0
+    run(load_config(QUICKSTART, [*split, "train.steps=8"]), resume=True, progress=False)  # from 4 again
+    expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert [got[s] for s in range(5, 9)] == pytest.approx([expected[s] for s in range(5, 9)], rel=0, abs=0)
+
+
 def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tmp_path):
     cfg = load_config(QUICKSTART, [f"output_dir={tmp_path / 'r'}", *SMALL, "train.steps=6", "train.checkpoint_every=3",
                                    "eval.every=1000"])

@@ -358,9 +358,13 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             bag.reset_parameters()
 
     def populate(self) -> int:
-        """Writes every row of every table to its store (`DiskEmbeddingBag.populate`); returns the rows."""
+        """Writes every row of every table to its store (`DiskEmbeddingBag.populate`), then takes a
+        cut (`checkpoint`), so the rows are durable and the first cut of training writes only what
+        training changed; returns the rows."""
         self._check_materialised()
-        return sum(bag.populate() for bag in self.embedding_bags.values())
+        rows = sum(bag.populate() for bag in self.embedding_bags.values())
+        self.checkpoint()
+        return rows
 
     def begin_checkpoint(self, label: Optional[int] = None) -> PendingCut:
         """Begins a cut of every table (`mlkv_torch.cut`) at this step boundary and returns at once,

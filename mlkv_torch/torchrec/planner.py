@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator

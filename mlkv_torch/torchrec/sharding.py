@@ -601,8 +601,12 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def populate(self) -> int:
         """Writes every row of this rank's disk shards to their stores (`DiskEmbeddingBag.populate`),
-        so reads come from disk as in tables trained for a while; returns the rows."""
-        return sum(kernel.populate() for kernel in self.disk_kernels())
+        so reads come from disk as in tables trained for a while, then takes a cut of them
+        (`checkpoint`), so the rows are durable and the first cut of training writes only what
+        training changed; returns the rows."""
+        rows = sum(kernel.populate() for kernel in self.disk_kernels())
+        self.checkpoint()
+        return rows
 
     def begin_checkpoint(self, label: Optional[int] = None) -> Optional[PendingCut]:
         """Begins a cut of this rank's disk tables at this step boundary (as
