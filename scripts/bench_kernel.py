@@ -153,6 +153,7 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     window, without its data loading); times the steps after the warm-up."""
     gc.collect()
     reset_peak_rss()
+    rss_at_start_mib = proc_status_kib("VmRSS") / 1024
     losses: List[float] = []
     for batch in batches[:depth]:
         collection.lookahead(batch[1])
@@ -174,13 +175,24 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     after = _counters(collection)
     result: Dict[str, Any] = {"config": name, "seconds": seconds, "samples_per_s": args.batch * args.steps / seconds,
                               "losses": losses, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
+                              "rss_at_start_mib": rss_at_start_mib,
                               "threads": len(os.listdir("/proc/self/task"))}
     if collection is not None:
+        result.update(memory_of(collection))
         looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
         result.update(hit_rate=(after["hits"] - before["hits"]) / max(1, looked_up),
                       disk_reads_per_step=(after["disk_reads"] - before["disk_reads"]) / args.steps,
                       misses_per_step=(after["misses"] - before["misses"]) / args.steps)
     return result
+
+
+def memory_of(collection) -> Dict[str, float]:
+    """MiB of what the collection holds by its own count: the cache (rows and optimizer state), the
+    stores' in-memory logs and their indexes (16 bytes a row, beside the budget)."""
+    stats = collection.stats().values()
+    return {"cache_mib": sum(b.cache_rows * b.row_bytes for b in collection._batches) / 2**20,
+            "store_logs_mib": sum(s["log_memory_bytes"] for s in stats) / 2**20,
+            "store_indexes_mib": sum(s["index_bytes"] for s in stats) / 2**20}
 
 
 def first_time_ids_per_step(batches, warmup: int) -> float:
@@ -231,9 +243,12 @@ def main(argv: List[str]) -> int:
             collection.close()
         if "disk" in configs:
             budget = max(1 << 20, int(args.budget * table_bytes))
+            gc.collect()
+            rss_before_mib = proc_status_kib("VmRSS") / 1024
             model, opt, collection = build_disk(args, rows, os.path.join(storage, "disk"), budget, True)
             results.append(run(args, f"disk ({args.budget:.0%} budget, populated, look-ahead {args.depth})", model, opt,
                                collection, batches, args.depth))
+            results[-1].update(budget_mib=budget / 2**20, rss_before_build_mib=rss_before_mib)
             collection.close()
         if "io" in configs:
             budget = max(1 << 20, int(args.budget * table_bytes))
@@ -260,6 +275,14 @@ def main(argv: List[str]) -> int:
         misses = f"{r['misses_per_step']:,.0f}" if "hit_rate" in r else "-"
         print(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / reference['samples_per_s']:.2f}x | "
               f"{hit} | {reads} | {misses} | {r['peak_rss_mib']:,.0f} | {r['threads']} | {equal} |")
+    for r in results:
+        if "budget_mib" in r:
+            growth = r["peak_rss_mib"] - r["rss_before_build_mib"]
+            print(f"{r['config']}, memory (MiB): budget {r['budget_mib']:,.0f} (cache {r['cache_mib']:,.0f}, store logs "
+                  f"{r['store_logs_mib']:,.0f}); store indexes {r['store_indexes_mib']:,.0f} beside it; peak RSS "
+                  f"{r['peak_rss_mib']:,.0f}; {r['rss_before_build_mib']:,.0f} before the tables were built (and populated), "
+                  f"{r['rss_at_start_mib']:,.0f} after: they and training added {growth:,.0f}, the budget + indexes + "
+                  f"{growth - r['budget_mib'] - r['store_indexes_mib']:,.0f}")
     first_seen = first_time_ids_per_step(batches, args.warmup)
     print(f"first-time ids per timed step (an infinite cache's misses): {first_seen:,.0f}")
     for r in results:
