@@ -517,6 +517,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_rocksdb") = false;
 #endif
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
+  m.def("cache_bytes_beside_rows", &mlkv::EmbeddingCache::HostBytesBesideRows, py::arg("capacity"),
+        "Host bytes an EmbeddingCache of `capacity` rows keeps beside the rows (index, slot state, policy).");
   m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("a"), py::arg("b"),
         py::arg("dtype"), py::arg("first_column") = 0, py::arg("normal") = false,
         "Deterministic initial rows from (seed, id, column): uniform [a, b), or normal(mean a, std b).");

@@ -101,7 +101,7 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
     lru_prev_.assign(cap, -1);
     lru_next_.assign(cap, -1);
   } else {
-    const size_t width = PowerOfTwoAtLeast(std::max<size_t>(1024, cap * 4));
+    const size_t width = SketchWidth(opt_.capacity);
     sketch_.assign(width * 2, 0);  // two rows of a count-min sketch
     sketch_mask_ = width - 1;
   }
@@ -112,12 +112,23 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
   staged_free_.resize(static_cast<size_t>(staged_capacity));
   staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
   staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);
+  staged_ahead_.assign(static_cast<size_t>(staged_capacity), 0);
   for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
   // The write-back buffer holds as many rows as the staging area before a fetch waits for the writer.
   write_back_limit_ = staged_capacity;
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
   prefetcher_ = std::thread([this] { PrefetchLoop(); });
   writer_ = std::thread([this] { WriterLoop(); });
+}
+
+int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
+  if (capacity <= 0) return 0;  // a cache of no rows: a few KiB of fixed structures, not counted
+  const size_t cap = static_cast<size_t>(capacity);
+  // slot_id_, slot_freq_, slot_dirty_, slot_epoch_, cut_slot_, free_slots_ (the constructor's).
+  const size_t per_slot = sizeof(int64_t) + 3 * sizeof(uint8_t) + sizeof(uint32_t) + sizeof(int32_t);
+  const size_t index = IdMap::BucketsFor(cap) * IdMap::kBucketBytes;
+  const size_t policy = std::max(2 * SketchWidth(capacity), 2 * sizeof(int32_t) * cap);  // lfu's sketch, lru's list
+  return static_cast<int64_t>(cap * per_slot + index + policy);
 }
 
 EmbeddingCache::~EmbeddingCache() {
@@ -515,7 +526,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   // Rows left out of the cache wait in the staging area for this batch's update, which would
   // otherwise read them from the store a second time.
   for (int64_t j = 0; j < m; ++j) {
-    if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_);
+    if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_, /*read_ahead=*/false);
   }
   if (!admitted_slots.empty()) {
     CopyRowsToSlots(admitted_slots,
@@ -1105,7 +1116,7 @@ void EmbeddingCache::PrefetchLoop() {
             slot_of_.Find(ids[i]) >= 0 || staged_.Find(ids[i]) >= 0) {
           continue;
         }
-        if (Stage(ids[i], &rows[i * row_words_])) {
+        if (Stage(ids[i], &rows[i * row_words_], /*read_ahead=*/true)) {
           ++stats_.lookahead_rows;
         } else {
           ++stats_.lookahead_dropped;
@@ -1138,7 +1149,7 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
   lookahead_wait_us_ += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
-bool EmbeddingCache::Stage(int64_t id, const float* row) {
+bool EmbeddingCache::Stage(int64_t id, const float* row, bool read_ahead) {
   if (staged_free_.empty()) {
     // Full: entries no fetch took within the last kStagedFetches fetches are not coming back.
     for (size_t e = 0; e < staged_id_.size(); ++e) {
@@ -1151,6 +1162,7 @@ bool EmbeddingCache::Stage(int64_t id, const float* row) {
   std::memcpy(&staged_rows_[entry * row_words_], row, row_words_ * sizeof(float));
   staged_id_[entry] = id;
   staged_epoch_[entry] = epoch_;
+  staged_ahead_[entry] = read_ahead;
   staged_.Insert(id, entry);
   return true;
 }
@@ -1170,8 +1182,8 @@ bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
   const int32_t entry = staged_.Find(key);
   if (entry < 0) return false;
   std::memcpy(row, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
+  if (staged_ahead_[entry]) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
   Unstage(key, entry);
-  ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
   return true;
 }
 

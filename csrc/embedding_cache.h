@@ -117,6 +117,10 @@ class EmbeddingCache {
  public:
   EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device);
   ~EmbeddingCache();
+  // Host bytes a cache of `capacity` rows keeps beside the rows themselves, with either policy: the
+  // key -> slot index, per-slot state and the policy's (the memory budget's rule counts them); 0
+  // for a cache of no rows.
+  static int64_t HostBytesBesideRows(int64_t capacity);
 
   // Distinct keys of a batch of features, in order of first appearance: `values` holds feature_counts[f] ids of
   // feature f after those of f - 1, each a row of table feature_tables[f]. Returns the
@@ -236,6 +240,9 @@ class EmbeddingCache {
   void LruUnlink(int32_t slot);
   void LruPushFront(int32_t slot);
   uint8_t SketchAdd(int64_t id);
+  static size_t SketchWidth(int64_t capacity) {  // counters per row of the count-min sketch
+    return PowerOfTwoAtLeast(std::max<size_t>(1024, static_cast<size_t>(capacity) * 4));
+  }
   void Age();
   void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows);
   torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
@@ -290,8 +297,9 @@ class EmbeddingCache {
   // buffer, and store reads; with `lock`, the stores are read with it released.
   void ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock);
   void EndRead();  // a store read without mu_ ended (holds mu_)
-  // Staging (holds mu_): keep a row read from the store for a later fetch or update.
-  bool Stage(int64_t id, const float* row);
+  // Staging (holds mu_): keep a row read from the store for a later fetch or update; `read_ahead`:
+  // read by a lookahead, not kept out of the cache by the policy.
+  bool Stage(int64_t id, const float* row, bool read_ahead);
   void Unstage(int64_t id, int32_t entry);
   void Unstage(int64_t id);  // when staged
   bool TakeStaged(int64_t key, float* row);  // copies and unstages a staged row
@@ -336,6 +344,7 @@ class EmbeddingCache {
   std::vector<int32_t> staged_free_;
   std::vector<int64_t> staged_id_;   // per entry, -1 when free
   std::vector<uint32_t> staged_epoch_;  // the fetch epoch it was staged in
+  std::vector<uint8_t> staged_ahead_;   // staged by a lookahead (its take is a lookahead hit), not as a row kept out
   IdMap prefetching_;                // id -> sequence number of the request reading it
   // Store reads running without mu_ (fetches' and the prefetcher's), and the keys whose writes
   // completed meanwhile: those reads may hold older values.

@@ -5,7 +5,7 @@
 namespace mlkv {
 
 IdMap::IdMap(size_t expected) {
-  const size_t cap = PowerOfTwoAtLeast(expected * 2);
+  const size_t cap = BucketsFor(expected);
   ids_.assign(cap, -1);
   values_.assign(cap, 0);
   mask_ = cap - 1;

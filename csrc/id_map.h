@@ -28,6 +28,9 @@ MLKV_HOST_DEVICE inline uint64_t IdMapHome(int64_t id, uint64_t mask) {
 class IdMap {
  public:
   explicit IdMap(size_t expected = 16);
+  // Buckets a map made for `expected` ids starts with, and the bytes of one (its memory).
+  static size_t BucketsFor(size_t expected) { return PowerOfTwoAtLeast(expected * 2); }
+  static constexpr size_t kBucketBytes = sizeof(int64_t) + sizeof(int32_t);
   int32_t Find(int64_t id) const;
   // Inserts id -> value when absent; returns the value now stored.
   int32_t Insert(int64_t id, int32_t value);

@@ -270,27 +270,38 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
 
     The stores' in-memory logs only buffer writes (the cache serves the hot rows), so they
     share an eighth of the budget, each at least the store's minimum; the cache (on the CPU)
-    takes the rest, never more rows than the tables have. On a GPU the cache lives in device
-    memory and the host budget goes to the logs. An explicit `cache_rows` must leave the logs
-    their minimum."""
+    takes the rest, never more rows than the tables have: its rows and what it keeps beside
+    them (`cache_host_bytes`). On a GPU the cache lives in device memory and the host budget goes
+    to the logs. An explicit `cache_rows` must leave the logs their minimum."""
     log_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // (8 * num_tables))
     if not on_host:
         log_bytes = max(_STORE_MIN_BYTES, memory_budget_bytes // num_tables)
         return (min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows), log_bytes
     if cache_rows is None:
-        cache_rows = min(total_rows, max(0, memory_budget_bytes - num_tables * log_floor) // row_bytes)
-    left = memory_budget_bytes - cache_rows * row_bytes
+        cache_budget = memory_budget_bytes - num_tables * log_floor
+        low, high = 0, total_rows  # the most rows whose cache fits (its bytes grow with the rows)
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if cache_host_bytes(middle, row_bytes) <= cache_budget else (low, middle - 1)
+        cache_rows = low
+    left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes)
     if left < num_tables * log_floor:
-        raise ValueError(f"cache_rows={cache_rows} takes {cache_rows * row_bytes} bytes of the "
-                         f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
-                         f"{log_floor} of them for its log ({num_tables} tables)")
+        raise ValueError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes (rows and "
+                         f"their index) of the {memory_budget_bytes}-byte memory_budget_bytes; each table's store "
+                         f"needs at least {log_floor} of them for its log ({num_tables} tables)")
     return cache_rows, max(log_floor, left // num_tables)
+
+
+def cache_host_bytes(cache_rows: int, row_bytes: int) -> int:
+    """Host memory of a CPU cache of `cache_rows` rows: the rows, and the key -> slot index, slot
+    state and policy counters the cache keeps beside them (C++'s own count)."""
+    return cache_rows * row_bytes + _C.cache_bytes_beside_rows(cache_rows)
 
 
 def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int) -> int:
     """The smallest budget with which `split_host_memory` caches every row (the same rule, inverted)."""
-    rows_bytes = total_rows * row_bytes
-    return max(-(-rows_bytes * 8 // 7) + 8 * num_tables, rows_bytes + num_tables * _STORE_MIN_BYTES)
+    need = cache_host_bytes(total_rows, row_bytes)
+    return max(-(-need * 8 // 7) + 8 * num_tables, need + num_tables * _STORE_MIN_BYTES)
 
 
 class DiskTableBatch:

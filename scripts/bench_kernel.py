@@ -187,10 +187,13 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
 
 
 def memory_of(collection) -> Dict[str, float]:
-    """MiB of what the collection holds by its own count: the cache (rows and optimizer state), the
-    stores' in-memory logs and their indexes (16 bytes a row, beside the budget)."""
+    """MiB of what the collection holds by its own count: the cache (rows, optimizer state and what
+    the cache keeps beside them), the stores' in-memory logs and their indexes (16 bytes a row,
+    beside the budget)."""
+    from mlkv_torch.embedding import cache_host_bytes
+
     stats = collection.stats().values()
-    return {"cache_mib": sum(b.cache_rows * b.row_bytes for b in collection._batches) / 2**20,
+    return {"cache_mib": sum(cache_host_bytes(b.cache_rows, b.row_bytes) for b in collection._batches) / 2**20,
             "store_logs_mib": sum(s["log_memory_bytes"] for s in stats) / 2**20,
             "store_indexes_mib": sum(s["index_bytes"] for s in stats) / 2**20}
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
+from mlkv_torch.embedding import cache_host_bytes
 
 NUM, DIM = 300, 32
 STORE_BYTES = 16 << 10  # the store's 4 log pages: far below the touched rows, so the disk path runs
@@ -14,7 +15,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 def budget_for(cache_rows: int, optimizer, dim: int = DIM, itemsize: int = 4) -> int:
     """A memory budget that leaves the store STORE_BYTES (or the quarter it needs) beside the cache."""
     state = optimizer.state_dim(dim) if isinstance(optimizer, optim.SparseOptimizer) else 0
-    cache_bytes = cache_rows * 4 * (-(-dim * itemsize // 4) + state)
+    cache_bytes = cache_host_bytes(cache_rows, 4 * (-(-dim * itemsize // 4) + state))  # rows and their index
     return max(cache_bytes + STORE_BYTES, -(-cache_bytes * 4 // 3) + 4)
 
 

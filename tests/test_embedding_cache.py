@@ -321,3 +321,19 @@ def test_a_billion_row_table_opens_at_once(tmp_path):
     out.sum().backward()
     emb.flush()
     assert emb.stats()["rows"] == 3  # only the rows written take space
+
+
+def test_rows_kept_out_of_the_cache_are_not_prefetch_hits(tmp_path):
+    """A row the policy keeps out waits in the staging area for its batch's update; taking it there
+    is not a lookahead's hit (with no lookahead there are none)."""
+    emb = make(tmp_path, cache_rows=8)
+    ids, offsets = torch.arange(64), torch.tensor([0])  # more distinct rows than the cache holds
+    for _ in range(3):
+        emb(ids, offsets).sum().backward()
+    emb.flush()
+    stats = emb.stats()
+    assert stats["rejected"] > 0 and stats["prefetch_hits"] == stats["prefetched_rows"] == 0
+    emb.lookahead(torch.arange(64, 128))  # rows read ahead are, once a fetch takes them
+    emb(torch.arange(64, 128), offsets).sum().backward()
+    assert emb.stats()["prefetch_hits"] > 0
+    emb.close()

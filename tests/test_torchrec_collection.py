@@ -167,7 +167,7 @@ def test_split_budget_follows_traffic_and_caps_at_need():
 
 
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
-    from mlkv_torch.embedding import host_memory_for_all_rows, split_host_memory
+    from mlkv_torch.embedding import cache_host_bytes, host_memory_for_all_rows, split_host_memory
 
     for tables_in_kernel, rows, width in ((1, 10, 36), (26, 3_376_254, 64), (3, 500_000, 68)):  # the rule, inverted
         budget = host_memory_for_all_rows(tables_in_kernel, rows, width)
@@ -189,9 +189,11 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
                                                   sum(t.num_embeddings for t in bag._batch.tables),
                                                   bag._batch.row_bytes, on_host=True)
         assert bag.cache_rows == cache_rows
-        assert cache_rows * bag._batch.row_bytes + tables_in_kernel * log_bytes <= bag.memory_budget_bytes
-        # the cache takes most of the budget: the logs an eighth, and what a cache row would not fill
-        assert tables_in_kernel * log_bytes <= bag.memory_budget_bytes // 8 + bag._batch.row_bytes
+        cache_bytes = cache_host_bytes(cache_rows, bag._batch.row_bytes)  # its rows and their index
+        assert cache_bytes + tables_in_kernel * log_bytes <= bag.memory_budget_bytes
+        # the cache takes most of the budget: the logs an eighth, and what one more cache row would not fill
+        assert tables_in_kernel * log_bytes <= bag.memory_budget_bytes // 8 + (
+            cache_host_bytes(cache_rows + 1, bag._batch.row_bytes) - cache_bytes)
     # One frequency-aware cache for both tables: the 100 rows of the small table, each read every
     # batch, all end up cached, while the big table's uniformly spread ids mostly miss.
     g = torch.Generator().manual_seed(0)
