@@ -648,7 +648,8 @@ class DiskEmbeddingBag(nn.Module):
         optimizer: a `mlkv_torch.optim` rule (SGD, Adagrad, RowWiseAdagrad, Adam).
         cache_rows: rows of the hot cache on `device`. Default (`split_host_memory`):
             what the budget holds after the store's in-memory log takes an eighth of it
-            (at least 16 KiB) on the CPU; as many rows as the budget on a GPU.
+            (at least 16 KiB) on the CPU, each row with what the cache keeps beside it
+            (`cache_host_bytes`); as many rows as the budget on a GPU.
         memory_budget_bytes: host memory for rows. On the CPU it holds the
             cache and the store's in-memory log; on a GPU only the log (the
             cache is in device memory).
