@@ -124,10 +124,13 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
 int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
   if (capacity <= 0) return 0;  // a cache of no rows: a few KiB of fixed structures, not counted
   const size_t cap = static_cast<size_t>(capacity);
-  // slot_id_, slot_freq_, slot_dirty_, slot_epoch_, cut_slot_, free_slots_ (the constructor's).
-  const size_t per_slot = sizeof(int64_t) + 3 * sizeof(uint8_t) + sizeof(uint32_t) + sizeof(int32_t);
+  // The per-slot vectors the constructor sizes to the capacity.
+  const size_t per_slot = sizeof(decltype(slot_id_)::value_type) + sizeof(decltype(slot_freq_)::value_type) +
+                          sizeof(decltype(slot_dirty_)::value_type) + sizeof(decltype(slot_epoch_)::value_type) +
+                          sizeof(decltype(cut_slot_)::value_type) + sizeof(decltype(free_slots_)::value_type);
   const size_t index = IdMap::BucketsFor(cap) * IdMap::kBucketBytes;
-  const size_t policy = std::max(2 * SketchWidth(capacity), 2 * sizeof(int32_t) * cap);  // lfu's sketch, lru's list
+  const size_t policy = std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
+                                 cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
   return static_cast<int64_t>(cap * per_slot + index + policy);
 }
 

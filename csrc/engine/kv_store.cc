@@ -381,16 +381,17 @@ Status KVStore::StartPage(uint64_t page) {
     flush_target_page_ = read_only_page_;
     if (flush_error_.ok()) ScheduleFlushLocked();
   }
-  if (page >= num_frames_ && head_page_ < page - num_frames_ + 1) {
+  const uint64_t head = HeadPageWith(page);
+  if (head_page_ < head) {
     // The frame to reuse holds a page not yet written: every reader of the store waits with us.
-    if (flushed_page_ < page - num_frames_ + 1) {
+    if (flushed_page_ < head) {
       const auto began = std::chrono::steady_clock::now();
-      MLKV_RETURN_IF_ERROR(WaitFlushed(page - num_frames_ + 1));
+      MLKV_RETURN_IF_ERROR(WaitFlushed(head));
       ++frame_waits_;
       frame_wait_ns_ += static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began).count());
     }
-    head_page_ = page - num_frames_ + 1;
+    head_page_ = head;
   }
   return Status::OK();
 }
@@ -431,8 +432,7 @@ size_t KVStore::MakeAppendRoom(size_t wanted) {
     const uint64_t end_slot = (read_only_page_ + num_frames_) * records_per_page_;
     room = static_cast<size_t>(std::min<uint64_t>(wanted, end_slot > tail_ ? end_slot - tail_ : 1));
     room = std::max<size_t>(room, 1);
-    const uint64_t last_page = PageOf(tail_ + room - 1);
-    if (last_page >= num_frames_) flush_to = std::min(read_only_page_, last_page - num_frames_ + 1);
+    flush_to = std::min(read_only_page_, HeadPageWith(PageOf(tail_ + room - 1)));
   }
   if (flush_to > flushed_page_) WaitFlushed(flush_to);  // an error shows again where the append waits
   return room;

@@ -178,6 +178,9 @@ class KVStore : public RowStore {
   uint8_t* FrameOf(uint64_t page) const { return frames_ + div_num_frames_.Mod(page) * page_bytes_; }
   uint8_t* RecordInMemory(uint64_t slot) const { return FrameOf(PageOf(slot)) + OffsetInPage(slot); }
   uint64_t HeadSlot() const { return head_page_ * records_per_page_; }
+  // The first page still in memory once `page` is: `page`'s frame, and those before it in the
+  // ring, held the pages below, which must be written first.
+  uint64_t HeadPageWith(uint64_t page) const { return page >= num_frames_ ? page - num_frames_ + 1 : 0; }
   uint64_t ReadOnlySlot() const { return read_only_page_ * records_per_page_; }
 
   // Record encoding.
