@@ -231,6 +231,11 @@ class Store : public RowStoreHandle {
     return static_cast<int64_t>(sequence);
   }
 
+  void CommitCheckpoint(int64_t sequence) {
+    TORCH_CHECK_VALUE(sequence > 0, "checkpoint must be positive, got ", sequence);
+    Check(Unlocked([&] { return store_->CommitCheckpoint(static_cast<uint64_t>(sequence)); }));
+  }
+
   py::dict Stats() {
     const mlkv::StoreStats s = Unlocked([&] { return store_->Stats(); });
     py::dict d;
@@ -540,6 +545,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("flush", &Store::Call<&mlkv::KVStore::Flush>)
       .def("scan_rows", &Store::ScanRows, py::arg("cursor"), py::arg("max_rows"))
       .def("checkpoint", &Store::Checkpoint, "Checkpoints; returns the checkpoint's sequence number.")
+      .def("commit_checkpoint", &Store::CommitCheckpoint, py::arg("sequence"))
       .def("compact", &Store::Call<&mlkv::KVStore::Compact>)
       .def("close", &Store::Call<&mlkv::KVStore::Close>)
       .def("stats", &Store::Stats)
@@ -619,7 +625,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lookahead", &EmbeddingCache::Lookahead, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)
-      .def("finish_cut", &EmbeddingCache::FinishCut, nogil)
+      .def("finish_cut", &EmbeddingCache::FinishCut, py::arg("superseded") = false, nogil)
       .def_property_readonly("cut_pending", &EmbeddingCache::CutPending)
 #ifdef MLKV_WITH_CUDA
       .def("lookup_on_device", &EmbeddingCache::LookupOnDevice, nogil)

@@ -65,7 +65,7 @@ void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
   written_cv_.notify_all();
 }
 
-std::vector<int64_t> EmbeddingCache::FinishCut() {
+std::vector<int64_t> EmbeddingCache::FinishCut(bool superseded) {
   std::unique_lock<std::mutex> lock(mu_);
   TORCH_CHECK(cut_state_ != CutState::kNone, "no cut of ", tables_[0].store->path(), " was begun");
   for (;;) {
@@ -75,7 +75,7 @@ std::vector<int64_t> EmbeddingCache::FinishCut() {
     ThrowIfWriteFailed(lock);  // raises while the stores refuse the cut's rows; they stay in memory
   }
   cut_state_ = CutState::kNone;
-  if (!cut_error_.ok()) throw StatusError(cut_error_);
+  if (!cut_error_.ok() && !superseded) throw StatusError(cut_error_);
   return cut_sequences_;
 }
 

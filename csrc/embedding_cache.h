@@ -177,8 +177,10 @@ class EmbeddingCache {
   void BeginCut();
   // Waits for the cut begun last and returns each table's store checkpoint (0: the store keeps
   // no numbered checkpoints); raises what failed (a full disk: the stores keep their previous
-  // checkpoint, and the rows stay in memory until a write succeeds).
-  std::vector<int64_t> FinishCut();
+  // checkpoint, and the rows stay in memory until a write succeeds). `superseded`: a cut begun
+  // next takes its place, and checkpoints every store again, so a failure of this one's store
+  // checkpoints is not raised; rows it still cannot write are.
+  std::vector<int64_t> FinishCut(bool superseded = false);
   // A cut was begun and not yet finished.
   bool CutPending() {
     std::lock_guard<std::mutex> lock(mu_);

@@ -2,11 +2,12 @@
 
 A cut is taken at a step boundary: every table's cache is written back, every table's store
 checkpoints (its rows and optimizer state), and one record names each table's store checkpoint
-and optimizer step. Writing that record (atomically, ``CUT.json``) commits the cut. A store keeps
-the checkpoint before its latest until its next one, so a crash half-way through a cut (some
-stores at the new checkpoint, the record still naming the old) reopens every table at the
-committed cut; and a table store moves only at cuts (automatic compaction takes no checkpoint),
-so it can never reopen past one. The runner's checkpoint holds the record of its cut beside the
+and optimizer step. Writing that record (atomically, ``CUT.json``) commits the cut, and then each
+store is told so (`KVStore.commit_checkpoint`). A store keeps the checkpoint last committed beside
+its latest, so a crash half-way through a cut (some stores at the new checkpoint, the record still
+naming the old), or a cut that failed and the ones after it, reopens every table at the committed
+cut; and a table store moves only at cuts (automatic compaction takes no checkpoint), so it can
+never reopen past one. The runner's checkpoint holds the record of its cut beside the
 dense model and optimizer, and commits both at once.
 
 The record, as JSON: ``{"label": <int or null>, "tables": {<table>: {"checkpoint": <int or null>,
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 CUT_RECORD = "CUT.json"
 
-__all__ = ["CUT_RECORD", "PendingCut", "read_cut", "write_cut", "remove_cut", "check_cut"]
+__all__ = ["CUT_RECORD", "CutPart", "PendingCut", "read_cut", "write_cut", "remove_cut", "check_cut"]
 
 
 def check_cut(record: Any, where: str) -> Dict[str, Any]:
@@ -91,15 +92,22 @@ def remove_cut(directory: str) -> None:
             pass
 
 
+class CutPart(NamedTuple):
+    """One kernel's part of a cut (`DiskTableBatch.begin_checkpoint`): `finish` waits for it to be
+    written and returns its tables' entries, by table name; `commit`, called once a record naming
+    them is written, tells their stores the cut is committed."""
+    finish: Callable[[], Dict[str, Any]]
+    commit: Callable[[], None]
+
+
 class PendingCut:
     """A cut begun at a step boundary and being written while training goes on: `wait` waits for
-    every part (each a call returning its tables' entries, as `DiskTableBatch.begin_checkpoint`
-    gives), commits the record in `directory`, and returns it. Until it returns, the committed cut
-    is the one before. If writing fails (a full disk), `wait` raises, and raises the same again:
-    this cut is not committed and the one before stays; a later cut writes what this one could
-    not first."""
+    every part, commits the record in `directory` (and tells the parts' stores), and returns it.
+    Until it returns, the committed cut is the one before. If writing fails (a full disk), `wait`
+    raises, and raises the same again: this cut is not committed and the one before stays; a later
+    cut writes what this one could not first."""
 
-    def __init__(self, directory: str, label: Optional[int], parts: List[Callable[[], Dict[str, Any]]]) -> None:
+    def __init__(self, directory: str, label: Optional[int], parts: List[CutPart]) -> None:
         self.directory, self.label = directory, label
         self._parts = parts
         self._record: Optional[Dict[str, Any]] = None
@@ -118,14 +126,17 @@ class PendingCut:
         tables: Dict[str, Any] = {}
         try:
             for part in self._parts:
-                tables.update(part())
+                tables.update(part.finish())
             recorded = read_cut(self.directory)
             if self.label is None and recorded is not None and recorded["tables"] == tables:
-                self._record = recorded  # nothing changed since that cut (closing after one): it stands, label and all
+                record = recorded  # nothing changed since that cut (closing after one): it stands, label and all
             else:
                 os.makedirs(self.directory, exist_ok=True)
-                write_cut(self.directory, {"label": self.label, "tables": tables})
-                self._record = {"label": self.label, "tables": tables}
+                record = {"label": self.label, "tables": tables}
+                write_cut(self.directory, record)
+            for part in self._parts:
+                part.commit()
+            self._record = record
         except BaseException as e:
             self._error = e
             raise

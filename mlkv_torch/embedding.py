@@ -22,7 +22,7 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _C
 from . import optim as optim_lib
-from .cut import check_cut, read_cut, read_json_record, write_cut, write_json_record
+from .cut import CutPart, check_cut, read_cut, read_json_record, write_cut, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
 __all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows",
@@ -440,28 +440,35 @@ class DiskTableBatch:
             raise ValueError(f"the cut {cut.get('label')!r} records tables {sorted(cut['tables'])}, not {missing}")
         return [cut["tables"][t.name] for t in self.tables]
 
-    def begin_checkpoint(self) -> Callable[[], Dict[str, Dict[str, Optional[int]]]]:
+    def begin_checkpoint(self) -> CutPart:
         """Begins this batch's part of a cut at the current step boundary and returns at once: queued
         updates are applied and the cut's rows set aside; the cache's writer thread then writes them
         and checkpoints every store while training goes on (rows changed meanwhile reach the stores
-        after the checkpoints). The returned call waits for that and returns each table's
+        after the checkpoints). The part's `finish` waits for that and returns each table's
         {"checkpoint": store checkpoint, "step": optimizer step}, by table name; it raises what
         failed (a full disk), and can be called again after a failed write. Whoever owns the tables
-        records the result (`mlkv_torch.cut.write_cut`); until then each store can go back to its
-        checkpoint before."""
-        if self.cache.cut_pending:  # one begun earlier and never finished (its wait raised): it goes first
-            self.cache.finish_cut()
+        records the result (`mlkv_torch.cut.write_cut`), then calls the part's `commit`; until then
+        each store keeps the checkpoint last committed, and a cut begun next replaces this one."""
+        if self.cache.cut_pending:  # one begun earlier and never finished (its wait raised): its rows go first
+            self.cache.finish_cut(superseded=True)  # never committed: the stores keep the committed cut beside the next
         self.cache.begin_cut()
         step = self.step
+        written: List[int] = []
 
         def finish() -> Dict[str, Dict[str, Optional[int]]]:
-            sequences = self.cache.finish_cut()
-            return {t.name: {"checkpoint": sequence or None, "step": step} for t, sequence in zip(self.tables, sequences)}
-        return finish
+            written[:] = self.cache.finish_cut()
+            return {t.name: {"checkpoint": sequence or None, "step": step} for t, sequence in zip(self.tables, written)}
+
+        def commit() -> None:
+            for store, sequence in zip(self.stores, written):
+                if sequence and isinstance(store, KVStore):
+                    store.commit_checkpoint(sequence)
+        return CutPart(finish, commit)
 
     def checkpoint(self) -> Dict[str, Dict[str, Optional[int]]]:
-        """This batch's part of a cut, taken and written before this returns (`begin_checkpoint`)."""
-        return self.begin_checkpoint()()
+        """This batch's part of a cut, taken and written before this returns (`begin_checkpoint`);
+        not committed: the caller records it and commits it (`CutPart.commit`), or it is replaced."""
+        return self.begin_checkpoint().finish()
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
@@ -944,8 +951,10 @@ class DiskEmbeddingBag(nn.Module):
         if self._cut_directory is None:
             raise RuntimeError(f"table {self._batch.tables[self._table].name!r} shares its kernel with other "
                                f"tables: checkpoint the DiskEmbeddingBagCollection (or module) that holds it")
-        record = {"label": None, "tables": self._batch.checkpoint()}
+        part = self._batch.begin_checkpoint()
+        record = {"label": None, "tables": part.finish()}
         write_cut(self._cut_directory, record)
+        part.commit()
         return record
 
     def close(self) -> None:

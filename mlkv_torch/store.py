@@ -202,12 +202,14 @@ class KVStore(_RowStore):
             are served from memory; uniform scans are not promoted.
         cut_checkpoints: checkpoints are cuts that the store's owner commits
             across several stores (an embedding table's, at a training
-            checkpoint): automatic compaction takes none, and the checkpoint
-            before the latest stays recoverable until the next one, so a cut
-            that a crash left half-way across the stores can be undone.
+            checkpoint): automatic compaction takes none, and besides the
+            latest the store keeps the one its owner last committed
+            (`commit_checkpoint`), so a cut that a crash left half-way across
+            the stores, or that failed, can be undone.
         checkpoint: recover this checkpoint (a number `checkpoint()`
-            returned): the latest or, with cut_checkpoints, the one before
-            it; ValueError names the ones the store has. Default: the latest.
+            returned): the latest or, with cut_checkpoints, the committed one
+            kept beside it; ValueError names the ones the store has. Default:
+            the latest.
 
     Example::
 
@@ -308,6 +310,17 @@ class KVStore(_RowStore):
         recovers (the latest by default). With nothing changed since the last checkpoint, that
         one stands and its number is returned."""
         return self._store.checkpoint()
+
+    def commit_checkpoint(self, sequence: int) -> None:
+        """With cut_checkpoints: the owner has recorded the latest checkpoint, `sequence`, as its
+        cut. The next checkpoint keeps it beside itself (and the one kept until now may go); until
+        this is called, each new checkpoint replaces the latest and keeps the committed one, which
+        the owner's record still names. Kept in memory only: after a crash, open the store at the
+        checkpoint the record names. ValueError for a sequence that is not the latest."""
+        if isinstance(sequence, bool) or not isinstance(sequence, int):
+            raise TypeError(f"sequence must be an int, got {type(sequence).__name__}")
+        self._check_open()
+        self._store.commit_checkpoint(sequence)
 
     def compact(self) -> None:
         """Copies live rows out of the on-disk log, checkpoints, and deletes the old segments."""

@@ -98,8 +98,10 @@ class Child:
     """A child Python process whose stdout is read line by line, with timeouts."""
 
     def __init__(self, source: str, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", source, *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=child_env())
+        # stdin a pipe left open: a child that waits on it waits for its SIGKILL, whatever the
+        # parent's stdin is (at EOF it would exit, and closing its tables would take another cut).
+        self.proc = subprocess.Popen([sys.executable, "-c", source, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
         self.buffer = b""
 
     def read_line(self, timeout: float = 120.0) -> str:

@@ -1,9 +1,10 @@
-"""A store's checkpoints as cuts (cut_checkpoints=True): numbered, the one before the latest kept
-recoverable until the next, and never moved by automatic compaction; checked against dicts after
-SIGKILLs of real child processes."""
+"""A store's checkpoints as cuts (cut_checkpoints=True): numbered, the one its owner last committed
+kept recoverable beside the latest, and never moved by automatic compaction; checked against dicts
+after SIGKILLs of real child processes."""
 from __future__ import annotations
 
 import os
+import shutil
 import textwrap
 
 import pytest
@@ -25,6 +26,7 @@ def test_checkpoint_numbers_and_going_back_one(tmp_path):
         one = store.checkpoint()
         assert one == first + 1
         assert store.checkpoint() == one  # nothing changed: the same checkpoint stands
+        store.commit_checkpoint(one)  # its owner recorded it: the next one keeps it
         store.put(torch.arange(250, 800), rows_for(torch.arange(250, 800), 2))
         store.delete(torch.arange(0, 10))
         two = store.checkpoint()
@@ -44,6 +46,42 @@ def test_checkpoint_numbers_and_going_back_one(tmp_path):
         assert_store_equals(store, at_one)
     with pytest.raises(ValueError, match=rf"has checkpoints .*not checkpoint {first}"):
         KVStore(path, DIM, **CUTS, checkpoint=first)
+
+
+def test_uncommitted_checkpoints_replace_each_other_and_the_committed_one_stays(tmp_path):
+    """A cut that failed, or was never recorded, leaves its checkpoint uncommitted: the checkpoints
+    after it replace it, and the committed one stays recoverable however many follow."""
+    path = str(tmp_path / "store")
+    at = {}
+    with KVStore(path, DIM, **CUTS) as store:
+        for tag in (1, 2, 3, 4):
+            keys = torch.arange(tag * 100, tag * 100 + 400)
+            store.put(keys, rows_for(keys, tag))
+            at[tag] = dict(at.get(tag - 1, {}))
+            at[tag].update(zip(keys.tolist(), rows_for(keys, tag)))
+            at[tag]["sequence"] = store.checkpoint()
+            if tag == 1:
+                store.commit_checkpoint(at[1]["sequence"])
+        with pytest.raises(ValueError, match=rf"cannot commit checkpoint {at[3]['sequence']}: its latest is "
+                                             rf"{at[4]['sequence']} and the one it keeps {at[1]['sequence']}"):
+            store.commit_checkpoint(at[3]["sequence"])
+        store.commit_checkpoint(at[1]["sequence"])  # the one it keeps: committed already
+        snapshots = sorted(f for f in os.listdir(path) if f.startswith("snapshot-"))
+        assert len(snapshots) <= 2, snapshots  # the replaced ones' files went
+    shutil.copytree(path, path + "-copy")  # going back discards the latest: each on its own copy
+    for tag, where in ((1, path + "-copy"), (4, path)):
+        expected = {k: v for k, v in at[tag].items() if k != "sequence"}
+        with KVStore(where, DIM, **CUTS, checkpoint=at[tag]["sequence"]) as store:
+            assert_store_equals(store, expected)
+            if tag == 4:
+                store.commit_checkpoint(at[4]["sequence"])
+                store.put(torch.tensor([7]), rows_for(torch.tensor([7]), 9))
+                store.checkpoint()  # keeps 4 beside it; 1 goes
+    for tag in (2, 3, 1):
+        with pytest.raises(ValueError, match=rf"not checkpoint {at[tag]['sequence']} that was asked for"):
+            KVStore(path, DIM, **CUTS, checkpoint=at[tag]["sequence"])
+    with KVStore(path, DIM, **CUTS, checkpoint=at[4]["sequence"]) as store:
+        assert_store_equals(store, {k: v for k, v in at[4].items() if k != "sequence"})
 
 
 def test_a_plain_store_keeps_only_its_latest_checkpoint(tmp_path):
@@ -99,7 +137,10 @@ CHILD_HALF_A_CUT = CHILD_PRELUDE + textwrap.dedent(
     second = KVStore(path + "/b", DIM, **dict(SMALL_OPTIONS, cut_checkpoints=True))
     for store, tag in ((first, 1), (second, 2)):
         store.put(torch.arange(700), rows_for(torch.arange(700), tag))
-    print(first.checkpoint(), second.checkpoint(), flush=True)
+    cut = first.checkpoint(), second.checkpoint()
+    for store, sequence in zip((first, second), cut):
+        store.commit_checkpoint(sequence)  # the owner recorded the cut
+    print(*cut, flush=True)
     for store, tag in ((first, 3), (second, 4)):
         store.put(torch.arange(300, 1000), rows_for(torch.arange(300, 1000), tag))
     print(first.checkpoint(), flush=True)

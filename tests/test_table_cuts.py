@@ -177,7 +177,8 @@ def test_an_explicit_cut_older_than_the_recorded_one_wins(tmp_path):
 # changes rows of the cut before they are written: copy on write), against a twin trained the same
 # way without cuts. Scenarios: "written" (the cut commits, training goes on, then SIGKILL),
 # "killed" (SIGKILL while the cut is still being written), "full" (the disk refuses every write
-# while the cut is written: it raises, and the cut before stays).
+# while the cut is written: it raises, and the cut before stays, through the store checkpoints
+# taken after it that no record names).
 BACKGROUND_CHILD = SETUP + textwrap.dedent(
     """
     import os, resource, signal
@@ -217,6 +218,12 @@ BACKGROUND_CHILD = SETUP + textwrap.dedent(
         except OSError:
             pass
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        # Room again: the failed cut's rows reach the stores, and its checkpoints (never committed)
+        # are taken late; then each kernel takes a part of a cut no record names. The stores keep
+        # checkpoint 6's beside their latest however many uncommitted ones follow.
+        train(ebc, 18, 20)
+        for kernel in ebc._batches:
+            kernel.checkpoint()
     torch.save(states, expected)
     print("READY", flush=True)
     sys.stdin.read()

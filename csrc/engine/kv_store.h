@@ -69,10 +69,11 @@ struct StoreOptions {
   bool promote_hot_reads = true;                 // copy rows a get reads from disk twice within a window to memory
   // Checkpoints are cuts an owner commits across several stores (an embedding table's, at a
   // training checkpoint): automatic compaction takes none (its segments go at the next one), and
-  // the checkpoint before the latest stays recoverable until the next one, so a cut that crashed
-  // half-way across the stores can be undone. Off: compaction checkpoints, only the latest stays.
+  // besides the latest the store keeps the one its owner last committed (CommitCheckpoint), so a
+  // cut that crashed half-way across the stores, or failed, can be undone. Off: compaction
+  // checkpoints, only the latest stays.
   bool cut_checkpoints = false;
-  // Recover this checkpoint (the latest or the one before it: a store keeps both); 0 = the latest.
+  // Recover this checkpoint (the latest or the committed one kept beside it); 0 = the latest.
   uint64_t checkpoint_sequence = 0;
 };
 
@@ -128,9 +129,15 @@ class KVStore : public RowStore {
   // Waits for queued lookaheads; reports an error one of them met.
   Status Flush();
   // Makes the contents durable as checkpoint `*sequence` (when given); with nothing changed
-  // since the last one, that one stands and no file is written. The checkpoint before it stays
-  // recoverable until the next one (Open with options.checkpoint_sequence).
+  // since the last one, that one stands and no file is written. With cut_checkpoints the
+  // committed checkpoint stays recoverable beside it (Open with options.checkpoint_sequence).
   Status Checkpoint(uint64_t* sequence = nullptr) override;
+  // With cut_checkpoints: the owner recorded the latest checkpoint, `sequence`, as its cut, so the
+  // next checkpoint keeps it beside itself, and the one kept until now may go. Until then a new
+  // checkpoint replaces the latest and keeps the committed one: the owner's record, which still
+  // names that, stays recoverable however many uncommitted checkpoints follow. In memory only:
+  // after a crash the owner opens the store at the checkpoint its record names.
+  Status CommitCheckpoint(uint64_t sequence);
   // One step of a scan of every live row in log address order: the log read sequentially, a few
   // MiB per read, where Get reads a 4 KiB block per row. Appends the rows of whole pages from slot
   // *cursor on, stopping once `max_rows` or more are in, to `keys` and `values`, and advances
@@ -218,7 +225,8 @@ class KVStore : public RowStore {
   Status CheckpointExclusively();
   struct WrittenCheckpoint {  // files on disk, not yet the store's checkpoint in memory
     bool wrote = false;       // false: nothing changed since the latest, which still holds
-    bool kept_previous = false;
+    bool kept_previous = false;   // a checkpoint is kept beside it (cut_checkpoints)
+    bool previous_moves = false;  // that is the latest until now (committed), not the one kept before
     uint64_t sequence = 0, begin = 0, changes = 0;
     uint64_t image = 0, image_flushed = 0;  // the index image it names (0: none)
     std::string record;
@@ -306,7 +314,9 @@ class KVStore : public RowStore {
   uint64_t tail_ = 0;            // next slot to append
   uint64_t checkpoint_sequence_ = 0;
   std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
-  uint64_t previous_sequence_ = 0;    // the checkpoint before it, still recoverable
+  bool latest_committed_ = true;      // the owner committed the latest (CommitCheckpoint)
+  uint64_t previous_sequence_ = 0;    // the checkpoint kept beside it, still recoverable: the
+                                      // committed one (with cuts), CHECKPOINT.previous on disk
   // The index images the latest and the previous checkpoint name (0: none); the latest's, when
   // sound, covers the log below image_flushed_, and the next checkpoint may name it too.
   uint64_t image_sequence_ = 0, previous_image_sequence_ = 0, image_flushed_ = 0;

@@ -196,11 +196,14 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   meta.image_age = image ? static_cast<uint32_t>(sequence - image) : kNoIndexImage;
   meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
   const std::string record(reinterpret_cast<const char*>(&meta), sizeof(meta));
-  // The current checkpoint becomes the previous one first: a crash at any point leaves
-  // CHECKPOINT whole, and the checkpoint an owner last committed to recoverable.
+  // With cuts the checkpoint kept beside the new one is the committed one: the latest, once its
+  // owner committed it, becomes the previous first (a crash at any point leaves CHECKPOINT whole
+  // and it recoverable); an uncommitted latest is replaced, and CHECKPOINT.previous, which
+  // already holds the committed one, stays.
   const bool keep_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
+  const bool previous_moves = keep_previous && latest_committed_;
   Status st;
-  if (keep_previous) st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
+  if (previous_moves) st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
   if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", record);
   if (!st.ok()) {
     unlink(snapshot.c_str());
@@ -210,6 +213,7 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   if (!keep_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
   out->wrote = true;
   out->kept_previous = keep_previous;
+  out->previous_moves = previous_moves;
   out->sequence = sequence;
   out->begin = begin_;
   out->changes = changes_;
@@ -220,18 +224,26 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
 }
 
 void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete) {
-  // What neither kept checkpoint needs goes: the snapshot two back (one back without cuts).
-  const uint64_t dropped = written.kept_previous ? previous_sequence_ : checkpoint_sequence_;
-  previous_sequence_ = written.kept_previous ? checkpoint_sequence_ : written.sequence;
-  previous_begin_ = written.kept_previous ? checkpointed_begin_ : written.begin;
+  // What neither kept checkpoint needs goes: the snapshot of the previous one when the committed
+  // latest takes its place, else the latest's (replaced: uncommitted, or nothing kept beside it).
+  const uint64_t dropped = written.previous_moves ? previous_sequence_ : checkpoint_sequence_;
+  const uint64_t old_latest = image_sequence_, old_previous = previous_image_sequence_;
+  if (written.previous_moves) {
+    previous_sequence_ = checkpoint_sequence_;
+    previous_begin_ = checkpointed_begin_;
+    previous_image_sequence_ = image_sequence_;
+  } else if (!written.kept_previous) {
+    previous_sequence_ = written.sequence;
+    previous_begin_ = written.begin;
+    previous_image_sequence_ = written.image;
+  }
   checkpoint_sequence_ = written.sequence;  // never reused, even if what follows fails
   checkpoint_record_ = written.record;
   checkpointed_changes_ = written.changes;
   checkpointed_begin_ = written.begin;
+  latest_committed_ = !written.kept_previous;  // with nothing kept beside it, there is nothing to go back to
   if (dropped > 0 && dropped != previous_sequence_) obsolete->files.push_back(SnapshotPath(dropped));
   // Index images go once neither kept checkpoint names them.
-  const uint64_t old_latest = image_sequence_, old_previous = previous_image_sequence_;
-  previous_image_sequence_ = written.kept_previous ? image_sequence_ : written.image;
   image_sequence_ = written.image;
   image_flushed_ = written.image_flushed;
   image_sound_ = written.image != 0;
@@ -248,6 +260,20 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
   }
   compacted_segments_.swap(kept);
   ++checkpoints_;
+}
+
+Status KVStore::CommitCheckpoint(uint64_t sequence) {
+  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  if (sequence == checkpoint_sequence_) {
+    latest_committed_ = true;
+    return Status::OK();
+  }
+  if (sequence == previous_sequence_ && !latest_committed_) return Status::OK();  // committed already
+  return Status::InvalidArgument("store at " + path_ + " cannot commit checkpoint " + std::to_string(sequence) +
+                                 ": its latest is " + std::to_string(checkpoint_sequence_) + " and the one it keeps " +
+                                 std::to_string(previous_sequence_));
 }
 
 void KVStore::RemoveObsoleteFiles(const ObsoleteFiles& obsolete) {

@@ -32,7 +32,7 @@ import os
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
-from ..cut import PendingCut, read_cut, write_cut
+from ..cut import CutPart, PendingCut, read_cut, write_cut
 from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      fused_params_of, initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
@@ -378,7 +378,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     def closed(self) -> bool:
         return all(batch.closed for batch in self._batches)
 
-    def begin_checkpoint(self) -> List[Callable[[], Dict[str, Any]]]:
+    def begin_checkpoint(self) -> List[CutPart]:
         """This kernel's part of a cut, begun (`DiskTableBatch.begin_checkpoint`): one wait per batch."""
         return [batch.begin_checkpoint() for batch in self._batches]
 
