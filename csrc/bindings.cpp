@@ -429,7 +429,7 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
                                                 int64_t weight_type, int64_t kind, double lr, double eps, double beta1,
                                                 double beta2, std::vector<float> initial_state,
                                                 const std::string& policy, int64_t staleness, const std::string& device,
-                                                int64_t staging_bytes) {
+                                                int64_t staging_rows, int64_t write_back_rows) {
   std::vector<mlkv::CacheTable> cache_tables;
   for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column] : tables) {
     TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
@@ -454,7 +454,8 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
     throw py::value_error("cache_policy must be 'lfu' or 'lru', got '" + policy + "'");
   }
   o.staleness = staleness;
-  o.staging_bytes = staging_bytes;
+  o.staging_rows = staging_rows;
+  o.write_back_rows = write_back_rows;
   return std::make_unique<mlkv::EmbeddingCache>(std::move(cache_tables), std::move(o), torch::Device(device));
 }
 
@@ -524,6 +525,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
   m.def("cache_bytes_beside_rows", &mlkv::EmbeddingCache::HostBytesBesideRows, py::arg("capacity"),
         "Host bytes an EmbeddingCache of `capacity` rows keeps beside the rows (index, slot state, policy).");
+  m.def("cache_buffer_bytes", &mlkv::EmbeddingCache::HostBytesOfBuffers, py::arg("staging_rows"),
+        py::arg("write_back_rows"), py::arg("row_words"),
+        "Host bytes of an EmbeddingCache's staging area and write-back buffer at these many rows.");
   m.def("initial_rows", &InitialRows, py::arg("ids"), py::arg("dim"), py::arg("seed"), py::arg("a"), py::arg("b"),
         py::arg("dtype"), py::arg("first_column") = 0, py::arg("normal") = false,
         "Deterministic initial rows from (seed, id, column): uniform [a, b), or normal(mean a, std b).");
@@ -613,7 +617,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<EmbeddingCache>(m, "EmbeddingCache")
       .def(py::init(&MakeCache), py::arg("tables"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
            py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
-           py::arg("policy"), py::arg("staleness"), py::arg("device"), py::arg("staging_bytes") = 32 << 20)
+           py::arg("policy"), py::arg("staleness"), py::arg("device"), py::arg("staging_rows") = 4096,
+           py::arg("write_back_rows") = 4096)
       .def("unique_keys", &EmbeddingCache::UniqueKeys, nogil)
       .def("fetch", &EmbeddingCache::Fetch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)

@@ -56,7 +56,7 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
       weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
       row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
       slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))),
-      write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(4096, opt_.staging_bytes / (row_words_ * 4)))),
+      write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(1, opt_.write_back_rows))),
       cut_write_back_(row_words_, 0) {
   TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
                     opt_.capacity);
@@ -106,16 +106,16 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
     sketch_mask_ = width - 1;
   }
   age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
-  TORCH_CHECK_VALUE(opt_.staging_bytes >= 0, "staging_bytes must be non-negative, got ", opt_.staging_bytes);
-  const int64_t staged_capacity = std::max<int64_t>(4096, opt_.staging_bytes / (row_words_ * 4));
+  TORCH_CHECK_VALUE(opt_.staging_rows > 0 && opt_.write_back_rows > 0, "staging_rows and write_back_rows must be "
+                    "positive, got ", opt_.staging_rows, " and ", opt_.write_back_rows);
+  const int64_t staged_capacity = opt_.staging_rows;
   staged_rows_.reset(new float[static_cast<size_t>(staged_capacity * row_words_)]);
   staged_free_.resize(static_cast<size_t>(staged_capacity));
   staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
   staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);
   staged_ahead_.assign(static_cast<size_t>(staged_capacity), 0);
   for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
-  // The write-back buffer holds as many rows as the staging area before a fetch waits for the writer.
-  write_back_limit_ = staged_capacity;
+  write_back_limit_ = opt_.write_back_rows;  // rows waiting before a fetch waits for the writer
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
   prefetcher_ = std::thread([this] { PrefetchLoop(); });
   writer_ = std::thread([this] { WriterLoop(); });
@@ -132,6 +132,15 @@ int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
   const size_t policy = std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
                                  cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
   return static_cast<int64_t>(cap * per_slot + index + policy);
+}
+
+int64_t EmbeddingCache::HostBytesOfBuffers(int64_t staging_rows, int64_t write_back_rows, int64_t row_words) {
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(staging_rows, 0));
+  const size_t per_entry = static_cast<size_t>(row_words) * sizeof(float) + sizeof(decltype(staged_free_)::value_type) +
+                           sizeof(decltype(staged_id_)::value_type) + sizeof(decltype(staged_epoch_)::value_type) +
+                           sizeof(decltype(staged_ahead_)::value_type);
+  const size_t staging = rows ? rows * per_entry + IdMap::BucketsFor(rows) * IdMap::kBucketBytes : 0;
+  return static_cast<int64_t>(staging) + WriteBackBuffer::HostBytes(write_back_rows, row_words);
 }
 
 EmbeddingCache::~EmbeddingCache() {

@@ -90,7 +90,10 @@ struct CacheOptions {
   std::vector<float> initial_state;  // state of rows never written
   CachePolicy policy = CachePolicy::kLfu;
   int64_t staleness = 0;
-  int64_t staging_bytes = 32 << 20;  // lookahead staging area (at least 4096 rows), beside the budget
+  // Rows of the lookahead staging area, and of the write-back buffer before a fetch waits for the
+  // writer (each at least 1); the memory budget counts both (HostBytesOfBuffers).
+  int64_t staging_rows = 4096;
+  int64_t write_back_rows = 4096;
 };
 
 struct CacheStats {
@@ -121,6 +124,9 @@ class EmbeddingCache {
   // key -> slot index, per-slot state and the policy's (the memory budget's rule counts them); 0
   // for a cache of no rows.
   static int64_t HostBytesBesideRows(int64_t capacity);
+  // Host bytes of the staging area and the write-back buffer at `staging_rows` and
+  // `write_back_rows` rows of `row_words` 32-bit words: their rows, index and per-entry state.
+  static int64_t HostBytesOfBuffers(int64_t staging_rows, int64_t write_back_rows, int64_t row_words);
 
   // Distinct keys of a batch of features, in order of first appearance: `values` holds feature_counts[f] ids of
   // feature f after those of f - 1, each a row of table feature_tables[f]. Returns the

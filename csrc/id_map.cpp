@@ -26,7 +26,7 @@ int32_t* IdMap::FindMutable(int64_t id) {
 }
 
 int32_t IdMap::Insert(int64_t id, int32_t value) {
-  if ((size_ + 1) * 2 > ids_.size()) Grow();  // load factor at most 1/2
+  if (Overfull(size_ + 1, ids_.size())) Grow();
   for (size_t i = Home(id);; i = (i + 1) & mask_) {
     if (ids_[i] == id) return values_[i];
     if (ids_[i] < 0) {

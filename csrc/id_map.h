@@ -24,12 +24,15 @@ MLKV_HOST_DEVICE inline uint64_t IdMapHome(int64_t id, uint64_t mask) {
 }
 
 // Open-addressing map from non-negative int64 ids to int32 values; linear
-// probing with backward-shift deletion (no tombstones).
+// probing with backward-shift deletion (no tombstones), at most three quarters full: a lookup
+// probes about 2.5 buckets for a present id, 8.5 for an absent one, and the cache's index, the
+// largest, takes 16-32 bytes a row rather than 24-48.
 class IdMap {
  public:
   explicit IdMap(size_t expected = 16);
   // Buckets a map made for `expected` ids starts with, and the bytes of one (its memory).
-  static size_t BucketsFor(size_t expected) { return PowerOfTwoAtLeast(expected * 2); }
+  static size_t BucketsFor(size_t expected) { return PowerOfTwoAtLeast((expected * 4 + 2) / 3); }
+  static bool Overfull(size_t ids, size_t buckets) { return ids * 4 > buckets * 3; }
   static constexpr size_t kBucketBytes = sizeof(int64_t) + sizeof(int32_t);
   int32_t Find(int64_t id) const;
   // Inserts id -> value when absent; returns the value now stored.

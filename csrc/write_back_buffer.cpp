@@ -5,6 +5,15 @@
 
 namespace mlkv {
 
+int64_t WriteBackBuffer::HostBytes(int64_t rows, int64_t row_words) {
+  if (rows <= 0) return 0;
+  const size_t n = static_cast<size_t>(rows);
+  const size_t per_entry = static_cast<size_t>(row_words) * sizeof(float) + sizeof(decltype(keys_)::value_type) +
+                           sizeof(decltype(versions_)::value_type) + sizeof(decltype(queued_)::value_type) +
+                           sizeof(decltype(free_)::value_type) + sizeof(decltype(order_)::value_type);
+  return static_cast<int64_t>(n * per_entry + IdMap::BucketsFor(n) * IdMap::kBucketBytes);
+}
+
 int32_t WriteBackBuffer::Entry(int64_t key) {
   const int32_t found = index_.Find(key);
   if (found >= 0) return found;

@@ -23,6 +23,9 @@ class WriteBackBuffer {
   // Emptied, it keeps memory for `keep_rows` rows and frees the rest.
   WriteBackBuffer(int64_t row_words, size_t keep_rows) : row_words_(row_words), keep_rows_(keep_rows) {}
 
+  // Host bytes of a buffer holding `rows` rows of `row_words` words: rows, index, per-entry state.
+  static int64_t HostBytes(int64_t rows, int64_t row_words);
+
   // Copies `row` in as the newest value of `key` (replacing an older one).
   void Put(int64_t key, const float* row);
   // The newest value of `key` waiting here, or nullptr.

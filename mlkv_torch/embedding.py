@@ -22,7 +22,7 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from . import optim as optim_lib
 from .cut import CutPart, check_cut, read_cut, read_json_record, write_cut, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
-__all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "host_memory_for_all_rows",
+__all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "HostMemorySplit", "host_memory_for_all_rows",
            "split_host_memory"]
 
 _MODES = ("sum", "mean")
@@ -264,32 +264,69 @@ def _cache_init(table: DiskTable) -> Tuple[bool, float, float]:
     return kind == "normal", a, b
 
 
-def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
-                      cache_rows: Optional[int] = None) -> Tuple[int, int]:
-    """The budget rule of a table batch: ``(cache_rows, store_log_bytes per table)``.
+class HostMemorySplit(NamedTuple):
+    """How a table batch spends its host memory budget (`split_host_memory`)."""
+    cache_rows: int       # rows of the hot cache (in device memory on a GPU)
+    log_bytes: int        # each table's store log in memory
+    staging_rows: int     # rows of the staging area: rows read ahead, rows kept out of the cache
+    write_back_rows: int  # rows the write-back buffer holds before a fetch waits for the writer
 
-    The stores' in-memory logs only buffer writes (the cache serves the hot rows), so they
-    share an eighth of the budget, each at least the store's minimum; the cache (on the CPU)
-    takes the rest, never more rows than the tables have: its rows and what it keeps beside
-    them (`cache_host_bytes`). On a GPU the cache lives in device memory and the host budget goes
-    to the logs. An explicit `cache_rows` must leave the logs their minimum."""
+
+def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
+                      cache_rows: Optional[int] = None, staging_bytes: Optional[int] = None) -> HostMemorySplit:
+    """The budget rule of a table batch: one budget bounds the cache, the staging area, the
+    write-back buffer and the stores' in-memory logs together.
+
+    The staging area holds what a look-ahead reads for the batches ahead (and rows the policy kept
+    out until their update): an eighth of the budget (`staging_bytes`, when given, sets its bytes
+    of rows instead). The write-back buffer only smooths the writer's work: a thirty-second. Each
+    holds at most 32 MiB of rows and at least 64 rows; their bytes count their index and entry
+    state (`buffer_host_bytes`). The stores' logs only buffer writes (the cache serves the hot
+    rows), so they share an eighth, each at least the store's minimum. The cache (on the CPU)
+    takes the rest, never more rows than the tables have: its rows and what it keeps beside them
+    (`cache_host_bytes`). On a GPU the cache lives in device memory and the rest of the host
+    budget goes to the logs. An explicit `cache_rows` must leave the others their minimum."""
+    if staging_bytes is not None:
+        staging_rows = max(_BUFFER_MIN_ROWS, staging_bytes // row_bytes)
+    else:
+        staging_rows = _buffer_rows(memory_budget_bytes // _STAGING_SHARE, row_bytes, lambda r: (r, 0))
+    write_back_rows = _buffer_rows(memory_budget_bytes // _WRITE_BACK_SHARE, row_bytes, lambda r: (0, r))
+    buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes)
     log_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // (8 * num_tables))
     if not on_host:
-        log_bytes = max(_STORE_MIN_BYTES, memory_budget_bytes // num_tables)
-        return (min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows), log_bytes
+        log_bytes = max(_STORE_MIN_BYTES, (memory_budget_bytes - buffers) // num_tables)
+        rows = min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows
+        return HostMemorySplit(rows, log_bytes, staging_rows, write_back_rows)
     if cache_rows is None:
-        cache_budget = memory_budget_bytes - num_tables * log_floor
+        cache_budget = memory_budget_bytes - num_tables * log_floor - buffers
         low, high = 0, total_rows  # the most rows whose cache fits (its bytes grow with the rows)
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if cache_host_bytes(middle, row_bytes) <= cache_budget else (low, middle - 1)
         cache_rows = low
-    left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes)
+    left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes) - buffers
     if left < num_tables * log_floor:
         raise ValueError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes (rows and "
-                         f"their index) of the {memory_budget_bytes}-byte memory_budget_bytes; each table's store "
-                         f"needs at least {log_floor} of them for its log ({num_tables} tables)")
-    return cache_rows, max(log_floor, left // num_tables)
+                         f"their index) and the staging area and write-back buffer {buffers} of the "
+                         f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
+                         f"{log_floor} of them for its log ({num_tables} tables)")
+    return HostMemorySplit(cache_rows, max(log_floor, left // num_tables), staging_rows, write_back_rows)
+
+
+_STAGING_SHARE = 8            # the staging area: an eighth of the budget,
+_WRITE_BACK_SHARE = 32        # the write-back buffer: a thirty-second,
+_BUFFER_MAX_BYTES = 32 << 20  # each at most this many bytes of rows,
+_BUFFER_MIN_ROWS = 64         # and at least this many rows
+
+
+def _buffer_rows(share_bytes: int, row_bytes: int, rows_of: Callable[[int], Tuple[int, int]]) -> int:
+    """The most rows of one buffer (`rows_of(r)`: its (staging, write-back) rows) whose bytes fit
+    `share_bytes`, within [_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES of rows]."""
+    low, high = _BUFFER_MIN_ROWS, max(_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES // row_bytes)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if buffer_host_bytes(*rows_of(middle), row_bytes) <= share_bytes else (low, middle - 1)
+    return low
 
 
 def cache_host_bytes(cache_rows: int, row_bytes: int) -> int:
@@ -298,10 +335,26 @@ def cache_host_bytes(cache_rows: int, row_bytes: int) -> int:
     return cache_rows * row_bytes + _C.cache_bytes_beside_rows(cache_rows)
 
 
+def buffer_host_bytes(staging_rows: int, write_back_rows: int, row_bytes: int) -> int:
+    """Host memory of a cache's staging area and write-back buffer holding these many rows (C++'s
+    own count: rows, index, per-entry state)."""
+    return _C.cache_buffer_bytes(staging_rows, write_back_rows, row_bytes // 4)
+
+
 def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int) -> int:
-    """The smallest budget with which `split_host_memory` caches every row (the same rule, inverted)."""
-    need = cache_host_bytes(total_rows, row_bytes)
-    return max(-(-need * 8 // 7) + 8 * num_tables, need + num_tables * _STORE_MIN_BYTES)
+    """The smallest budget with which `split_host_memory` caches every row (the same rule, searched)."""
+    def caches_all(budget: int) -> bool:
+        try:
+            return split_host_memory(budget, num_tables, total_rows, row_bytes, True).cache_rows == total_rows
+        except ValueError:
+            return False
+    need = cache_host_bytes(total_rows, row_bytes) + num_tables * _STORE_MIN_BYTES
+    largest = _BUFFER_MAX_BYTES // row_bytes + 1
+    low, high = need, 2 * need + buffer_host_bytes(largest, largest, row_bytes)
+    while low < high:  # the rule caches more rows as the budget grows
+        middle = (low + high) // 2
+        low, high = (low, middle) if caches_all(middle) else (middle + 1, high)
+    return low
 
 
 class DiskTableBatch:
@@ -328,8 +381,9 @@ class DiskTableBatch:
         dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
         device: where the cache, the pooling and the output live (CPU or CUDA).
         cache_policy: "lfu" (frequency-based admission) or "lru".
-        staging_bytes: host memory, beside the budget, for rows read ahead and rows the policy kept
-            out until their update; default half the budget, within [256 KiB, 32 MiB].
+        staging_bytes: bytes of rows for the staging area (rows read ahead, rows the policy kept out
+            until their update), inside the budget; default an eighth of the budget
+            (`split_host_memory`).
         backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
         reopen: continue from the rows and optimizer state that the tables' directories hold
             from an earlier run; without it, a directory holding rows is refused
@@ -390,9 +444,9 @@ class DiskTableBatch:
         self.state_dim = optimizer.state_dim(embedding_dim)
         self.weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
         self.row_bytes = 4 * (self.weight_words + self.state_dim)
-        self.cache_rows, log_bytes = split_host_memory(
+        self.cache_rows, log_bytes, self.staging_rows, self.write_back_rows = split_host_memory(
             memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,
-            device.type == "cpu", cache_rows)
+            device.type == "cpu", cache_rows, staging_bytes)
         self.step = 0
         self.backend = backend
         # One empty parameter per table: autograd runs backward through it and tells which tables train.
@@ -425,7 +479,7 @@ class DiskTableBatch:
                  for t, store in zip(self.tables, self.stores)],
                 self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.hyperparameters(),
                 optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
-                staging_bytes if staging_bytes is not None else min(32 << 20, max(256 << 10, memory_budget_bytes // 2)))
+                self.staging_rows, self.write_back_rows)
         except BaseException:
             for store in self.stores:
                 store.close()
@@ -654,12 +708,13 @@ class DiskEmbeddingBag(nn.Module):
         mode: "sum" or "mean".
         optimizer: a `mlkv_torch.optim` rule (SGD, Adagrad, RowWiseAdagrad, Adam).
         cache_rows: rows of the hot cache on `device`. Default (`split_host_memory`):
-            what the budget holds after the store's in-memory log takes an eighth of it
+            what the budget holds after the staging area takes an eighth of it, the
+            write-back buffer a thirty-second and the store's in-memory log an eighth
             (at least 16 KiB) on the CPU, each row with what the cache keeps beside it
             (`cache_host_bytes`); as many rows as the budget on a GPU.
         memory_budget_bytes: host memory for rows. On the CPU it holds the
-            cache and the store's in-memory log; on a GPU only the log (the
-            cache is in device memory).
+            cache, the staging area and write-back buffer, and the store's
+            in-memory log; on a GPU all but the cache (in device memory).
         staleness: updates a forward may miss per row (0: exact).
         dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
         device: where the cache, the pooling and the output live (CPU or CUDA).
@@ -672,9 +727,10 @@ class DiskEmbeddingBag(nn.Module):
         first_column: this table holds columns [first_column, first_column +
             embedding_dim) of a wider table (a column shard); its initial rows
             are that slice of the wider table's.
-        staging_bytes: host memory, beside the budget, for rows read ahead
-            (`lookahead`) and rows the cache policy kept out until their update;
-            default half the budget, within [256 KiB, 32 MiB] (at least 4096 rows).
+        staging_bytes: bytes of rows for the staging area (rows read ahead by
+            `lookahead`, rows the cache policy kept out until their update), inside
+            the budget; default an eighth of the budget, at most 32 MiB of rows
+            (`split_host_memory`).
         backend: the store under the cache: "mlkv" (the log-structured KVStore) or
             "rocksdb" (RocksDBStore, the offloading baseline; same cache, same op).
         reopen: continue from the rows and optimizer state `path` holds from an earlier run;

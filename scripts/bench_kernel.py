@@ -188,12 +188,14 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
 
 def memory_of(collection) -> Dict[str, float]:
     """MiB of what the collection holds by its own count: the cache (rows, optimizer state and what
-    the cache keeps beside them), the stores' in-memory logs and their indexes (16 bytes a row,
-    beside the budget)."""
-    from mlkv_torch.embedding import cache_host_bytes
+    the cache keeps beside them), the staging area and write-back buffer, the stores' in-memory
+    logs and their indexes (16 bytes a row, beside the budget)."""
+    from mlkv_torch.embedding import buffer_host_bytes, cache_host_bytes
 
     stats = collection.stats().values()
     return {"cache_mib": sum(cache_host_bytes(b.cache_rows, b.row_bytes) for b in collection._batches) / 2**20,
+            "buffers_mib": sum(buffer_host_bytes(b.staging_rows, b.write_back_rows, b.row_bytes)
+                               for b in collection._batches) / 2**20,
             "store_logs_mib": sum(s["log_memory_bytes"] for s in stats) / 2**20,
             "store_indexes_mib": sum(s["index_bytes"] for s in stats) / 2**20}
 
@@ -281,8 +283,8 @@ def main(argv: List[str]) -> int:
     for r in results:
         if "budget_mib" in r:
             growth = r["peak_rss_mib"] - r["rss_before_build_mib"]
-            print(f"{r['config']}, memory (MiB): budget {r['budget_mib']:,.0f} (cache {r['cache_mib']:,.0f}, store logs "
-                  f"{r['store_logs_mib']:,.0f}); store indexes {r['store_indexes_mib']:,.0f} beside it; peak RSS "
+            print(f"{r['config']}, memory (MiB): budget {r['budget_mib']:,.0f} (cache {r['cache_mib']:,.0f}, staging and "
+                  f"write-back {r['buffers_mib']:,.0f}, store logs {r['store_logs_mib']:,.0f}); store indexes {r['store_indexes_mib']:,.0f} beside it; peak RSS "
                   f"{r['peak_rss_mib']:,.0f}; {r['rss_before_build_mib']:,.0f} before the tables were built (and populated), "
                   f"{r['rss_at_start_mib']:,.0f} after: they and training added {growth:,.0f}, the budget + indexes + "
                   f"{growth - r['budget_mib'] - r['store_indexes_mib']:,.0f}")

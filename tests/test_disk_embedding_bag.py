@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
-from mlkv_torch.embedding import cache_host_bytes
+from mlkv_torch.embedding import host_memory_for_all_rows
 
 NUM, DIM = 300, 32
 STORE_BYTES = 16 << 10  # the store's 4 log pages: far below the touched rows, so the disk path runs
@@ -13,10 +13,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 def budget_for(cache_rows: int, optimizer, dim: int = DIM, itemsize: int = 4) -> int:
-    """A memory budget that leaves the store STORE_BYTES (or the quarter it needs) beside the cache."""
+    """The smallest memory budget that holds a cache of `cache_rows` rows (with its index), the
+    staging area and write-back buffer, and the store's smallest log: the disk path runs."""
     state = optimizer.state_dim(dim) if isinstance(optimizer, optim.SparseOptimizer) else 0
-    cache_bytes = cache_host_bytes(cache_rows, 4 * (-(-dim * itemsize // 4) + state))  # rows and their index
-    return max(cache_bytes + STORE_BYTES, -(-cache_bytes * 4 // 3) + 4)
+    return host_memory_for_all_rows(1, cache_rows, 4 * (-(-dim * itemsize // 4) + state))
 
 
 def make(tmp_path, name="t", cache_rows=0, device="cpu", **kwargs):
@@ -207,6 +207,28 @@ def test_bad_configuration(tmp_path):
         make(tmp_path, "m", mode="mean")(torch.tensor([1]), torch.tensor([0]), torch.ones(1))
     with pytest.raises(TypeError, match="optimizer"):
         make(tmp_path, "o", optimizer=torch.optim.SGD)
+
+
+def test_the_budget_holds_the_staging_area_and_the_write_back_buffer(tmp_path):
+    from mlkv_torch.embedding import buffer_host_bytes, split_host_memory
+
+    row = 4 * (DIM + optim.Adagrad().state_dim(DIM))
+    smallest = budget_for(0, optim.Adagrad())
+    with pytest.raises(ValueError, match="staging area and write-back buffer .* memory_budget_bytes"):
+        make(tmp_path, "small", optimizer=optim.Adagrad(), memory_budget_bytes=smallest - 1)
+    make(tmp_path, "fits", optimizer=optim.Adagrad(), memory_budget_bytes=smallest).close()
+    # staging_bytes sets both buffers' rows, inside the budget: the cache gets what is left.
+    budget = 1 << 20
+    default, explicit = (split_host_memory(budget, 1, NUM, row, True, staging_bytes=staging)
+                         for staging in (None, 200 * row))
+    assert explicit.staging_rows == 200 and default.staging_rows > 200
+    assert explicit.write_back_rows == default.write_back_rows
+    assert buffer_host_bytes(default.staging_rows, 0, row) <= budget // 8 < buffer_host_bytes(default.staging_rows + 1, 0, row)
+    assert explicit.cache_rows >= default.cache_rows
+    emb = DiskEmbeddingBag(NUM, DIM, path=tmp_path / "explicit", optimizer=optim.Adagrad(), memory_budget_bytes=budget,
+                           staging_bytes=200 * row)
+    assert emb.cache_rows == explicit.cache_rows == NUM  # every row still fits
+    emb.close()
 
 
 def test_empty_batch(tmp_path):

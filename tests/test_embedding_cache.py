@@ -89,8 +89,9 @@ def test_cache_never_exceeds_its_rows_and_dirty_rows_survive_reopen(tmp_path):
 @pytest.mark.parametrize("depth", [1, 3])
 def test_lookahead_changes_nothing_at_staleness_zero(tmp_path, depth):
     # Rows staged ahead are updated by the batches in between: their staged copies must not be served.
-    plain = make(tmp_path, "plain", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1))
-    ahead = make(tmp_path, "ahead", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1))
+    # A budget whose staging area (a sixteenth) holds the rows of the batches read ahead.
+    plain = make(tmp_path, "plain", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1), memory_budget_bytes=1 << 20)
+    ahead = make(tmp_path, "ahead", cache_rows=10, optimizer=optim.RowWiseAdagrad(lr=0.1), memory_budget_bytes=1 << 20)
     batches = [batch(step % 5, bags=24) for step in range(15)]
     for ids, _, _ in batches[:depth]:
         ahead.lookahead(ids)

@@ -41,8 +41,8 @@ SETUP = textwrap.dedent(
         return KeyedJaggedTensor(keys=["fa", "fb", "fc"], values=values, lengths=lengths)
 
     def collection(path, **kwargs):
-        return DiskEmbeddingBagCollection(TABLES, path=path, optimizer=optim.Adam(lr=0.05), memory_budget_bytes=160 << 10,
-                                          seed=3, **kwargs)
+        kwargs.setdefault("memory_budget_bytes", 160 << 10)
+        return DiskEmbeddingBagCollection(TABLES, path=path, optimizer=optim.Adam(lr=0.05), seed=3, **kwargs)
 
     def train(ebc, first, last):
         for step in range(first, last):
@@ -183,12 +183,15 @@ BACKGROUND_CHILD = SETUP + textwrap.dedent(
     """
     import os, resource, signal
     path, expected, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
-    twin = collection(path + "-twin")
+    # A small cache (rows are evicted and written back while training) in a budget whose write-back
+    # buffer (a thirty-second) holds what training writes back while the writer is held.
+    SIZES = dict(memory_budget_bytes=2 << 20, cache_rows=600)
+    twin = collection(path + "-twin", **SIZES)
     states = {}
     for first, last in ((0, 6), (6, 12), (12, 30)):
         train(twin, first, last)
         states[last] = state_of(twin)
-    ebc = collection(path)
+    ebc = collection(path, **SIZES)
     train(ebc, 0, 6)
     ebc.checkpoint(label=6)
     train(ebc, 6, 12)
@@ -253,7 +256,7 @@ def test_a_cut_written_in_the_background_holds_the_boundary_state(tmp_path, scen
             assert steps == states[30][name][2] == 30
     at = 12 if scenario == "written" else 6
     assert read_cut(path)["label"] == at
-    got, ebc = reopened_state(path)
+    got, ebc = reopened_state(path, memory_budget_bytes=2 << 20, cache_rows=600)  # the child's sizes
     try:
         assert sorted(got) == sorted(states[at])
         for name, (weight, state, steps) in got.items():

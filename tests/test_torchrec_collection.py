@@ -167,7 +167,7 @@ def test_split_budget_follows_traffic_and_caps_at_need():
 
 
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
-    from mlkv_torch.embedding import cache_host_bytes, host_memory_for_all_rows, split_host_memory
+    from mlkv_torch.embedding import buffer_host_bytes, cache_host_bytes, host_memory_for_all_rows, split_host_memory
 
     for tables_in_kernel, rows, width in ((1, 10, 36), (26, 3_376_254, 64), (3, 500_000, 68)):  # the rule, inverted
         budget = host_memory_for_all_rows(tables_in_kernel, rows, width)
@@ -185,13 +185,17 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
     # traffic 1 + 1 against 4: the wide layout gets twice the other's budget
     assert wide.memory_budget_bytes == pytest.approx(2 * small.memory_budget_bytes, rel=1e-6)
     for bag, tables_in_kernel in ((small, 2), (wide, 1)):
-        cache_rows, log_bytes = split_host_memory(bag.memory_budget_bytes, tables_in_kernel,
-                                                  sum(t.num_embeddings for t in bag._batch.tables),
-                                                  bag._batch.row_bytes, on_host=True)
+        cache_rows, log_bytes, staging_rows, write_back_rows = split_host_memory(
+            bag.memory_budget_bytes, tables_in_kernel, sum(t.num_embeddings for t in bag._batch.tables),
+            bag._batch.row_bytes, on_host=True)
         assert bag.cache_rows == cache_rows
         cache_bytes = cache_host_bytes(cache_rows, bag._batch.row_bytes)  # its rows and their index
-        assert cache_bytes + tables_in_kernel * log_bytes <= bag.memory_budget_bytes
-        # the cache takes most of the budget: the logs an eighth, and what one more cache row would not fill
+        staging = buffer_host_bytes(staging_rows, 0, bag._batch.row_bytes)
+        write_back = buffer_host_bytes(0, write_back_rows, bag._batch.row_bytes)
+        assert cache_bytes + staging + write_back + tables_in_kernel * log_bytes <= bag.memory_budget_bytes
+        assert bag.memory_budget_bytes // 16 < staging <= bag.memory_budget_bytes // 8
+        assert bag.memory_budget_bytes // 64 < write_back <= bag.memory_budget_bytes // 32
+        # the cache takes most of the rest: the logs an eighth, and what one more cache row would not fill
         assert tables_in_kernel * log_bytes <= bag.memory_budget_bytes // 8 + (
             cache_host_bytes(cache_rows + 1, bag._batch.row_bytes) - cache_bytes)
     # One frequency-aware cache for both tables: the 100 rows of the small table, each read every
