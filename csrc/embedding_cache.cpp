@@ -128,7 +128,7 @@ int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
   const size_t per_slot = sizeof(decltype(slot_id_)::value_type) + sizeof(decltype(slot_freq_)::value_type) +
                           sizeof(decltype(slot_dirty_)::value_type) + sizeof(decltype(slot_epoch_)::value_type) +
                           sizeof(decltype(cut_slot_)::value_type) + sizeof(decltype(free_slots_)::value_type);
-  const size_t index = IdMap::BucketsFor(cap) * IdMap::kBucketBytes;
+  const size_t index = IdMap::BytesFor(cap);
   const size_t policy = std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
                                  cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
   return static_cast<int64_t>(cap * per_slot + index + policy);
@@ -139,7 +139,7 @@ int64_t EmbeddingCache::HostBytesOfBuffers(int64_t staging_rows, int64_t write_b
   const size_t per_entry = static_cast<size_t>(row_words) * sizeof(float) + sizeof(decltype(staged_free_)::value_type) +
                            sizeof(decltype(staged_id_)::value_type) + sizeof(decltype(staged_epoch_)::value_type) +
                            sizeof(decltype(staged_ahead_)::value_type);
-  const size_t staging = rows ? rows * per_entry + IdMap::BucketsFor(rows) * IdMap::kBucketBytes : 0;
+  const size_t staging = rows ? rows * per_entry + IdMap::BytesFor(rows) : 0;
   return static_cast<int64_t>(staging) + WriteBackBuffer::HostBytes(write_back_rows, row_words);
 }
 

@@ -34,6 +34,7 @@ class IdMap {
   static size_t BucketsFor(size_t expected) { return PowerOfTwoAtLeast((expected * 4 + 2) / 3); }
   static bool Overfull(size_t ids, size_t buckets) { return ids * 4 > buckets * 3; }
   static constexpr size_t kBucketBytes = sizeof(int64_t) + sizeof(int32_t);
+  static size_t BytesFor(size_t expected) { return BucketsFor(expected) * kBucketBytes; }
   int32_t Find(int64_t id) const;
   // Inserts id -> value when absent; returns the value now stored.
   int32_t Insert(int64_t id, int32_t value);

@@ -11,7 +11,7 @@ int64_t WriteBackBuffer::HostBytes(int64_t rows, int64_t row_words) {
   const size_t per_entry = static_cast<size_t>(row_words) * sizeof(float) + sizeof(decltype(keys_)::value_type) +
                            sizeof(decltype(versions_)::value_type) + sizeof(decltype(queued_)::value_type) +
                            sizeof(decltype(free_)::value_type) + sizeof(decltype(order_)::value_type);
-  return static_cast<int64_t>(n * per_entry + IdMap::BucketsFor(n) * IdMap::kBucketBytes);
+  return static_cast<int64_t>(n * per_entry + IdMap::BytesFor(n));
 }
 
 int32_t WriteBackBuffer::Entry(int64_t key) {

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _C
 from . import optim as optim_lib
-from .cut import CutPart, check_cut, read_cut, read_json_record, write_cut, write_json_record
+from .cut import CutPart, PendingCut, check_cut, read_cut, read_json_record, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
 __all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "HostMemorySplit", "host_memory_for_all_rows",
@@ -286,11 +286,14 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     takes the rest, never more rows than the tables have: its rows and what it keeps beside them
     (`cache_host_bytes`). On a GPU the cache lives in device memory and the rest of the host
     budget goes to the logs. An explicit `cache_rows` must leave the others their minimum."""
+    most_buffer_rows = max(_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES // row_bytes)
     if staging_bytes is not None:
         staging_rows = max(_BUFFER_MIN_ROWS, staging_bytes // row_bytes)
     else:
-        staging_rows = _buffer_rows(memory_budget_bytes // _STAGING_SHARE, row_bytes, lambda r: (r, 0))
-    write_back_rows = _buffer_rows(memory_budget_bytes // _WRITE_BACK_SHARE, row_bytes, lambda r: (0, r))
+        staging_rows = _most_rows_within(memory_budget_bytes // _STAGING_SHARE, _BUFFER_MIN_ROWS, most_buffer_rows,
+                                         lambda r: buffer_host_bytes(r, 0, row_bytes))
+    write_back_rows = _most_rows_within(memory_budget_bytes // _WRITE_BACK_SHARE, _BUFFER_MIN_ROWS, most_buffer_rows,
+                                        lambda r: buffer_host_bytes(0, r, row_bytes))
     buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes)
     log_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // (8 * num_tables))
     if not on_host:
@@ -298,12 +301,8 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
         rows = min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows
         return HostMemorySplit(rows, log_bytes, staging_rows, write_back_rows)
     if cache_rows is None:
-        cache_budget = memory_budget_bytes - num_tables * log_floor - buffers
-        low, high = 0, total_rows  # the most rows whose cache fits (its bytes grow with the rows)
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if cache_host_bytes(middle, row_bytes) <= cache_budget else (low, middle - 1)
-        cache_rows = low
+        cache_rows = _most_rows_within(memory_budget_bytes - num_tables * log_floor - buffers, 0, total_rows,
+                                       lambda r: cache_host_bytes(r, row_bytes))
     left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes) - buffers
     if left < num_tables * log_floor:
         raise ValueError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes (rows and "
@@ -319,13 +318,12 @@ _BUFFER_MAX_BYTES = 32 << 20  # each at most this many bytes of rows,
 _BUFFER_MIN_ROWS = 64         # and at least this many rows
 
 
-def _buffer_rows(share_bytes: int, row_bytes: int, rows_of: Callable[[int], Tuple[int, int]]) -> int:
-    """The most rows of one buffer (`rows_of(r)`: its (staging, write-back) rows) whose bytes fit
-    `share_bytes`, within [_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES of rows]."""
-    low, high = _BUFFER_MIN_ROWS, max(_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES // row_bytes)
+def _most_rows_within(limit_bytes: int, low: int, high: int, bytes_of: Callable[[int], int]) -> int:
+    """The most rows in [low, high] whose `bytes_of` fits `limit_bytes` (`low` when none does):
+    bytes grow with the rows, in steps where an index doubles, so it is searched, not divided."""
     while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if buffer_host_bytes(*rows_of(middle), row_bytes) <= share_bytes else (low, middle - 1)
+        low, high = (middle, high) if bytes_of(middle) <= limit_bytes else (low, middle - 1)
     return low
 
 
@@ -1007,11 +1005,7 @@ class DiskEmbeddingBag(nn.Module):
         if self._cut_directory is None:
             raise RuntimeError(f"table {self._batch.tables[self._table].name!r} shares its kernel with other "
                                f"tables: checkpoint the DiskEmbeddingBagCollection (or module) that holds it")
-        part = self._batch.begin_checkpoint()
-        record = {"label": None, "tables": part.finish()}
-        write_cut(self._cut_directory, record)
-        part.commit()
-        return record
+        return PendingCut(self._cut_directory, None, [self._batch.begin_checkpoint()]).wait()
 
     def close(self) -> None:
         """Applies queued updates, writes the cache back, checkpoints the store(s) and releases their
