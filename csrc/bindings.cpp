@@ -555,7 +555,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &Store::Stats)
       .def("size", &Store::Size)
       .def_static("destroy", [](const std::string& path) { Check(mlkv::KVStore::Destroy(path)); }, py::arg("path"),
-                  py::call_guard<py::gil_scoped_release>());
+                  py::call_guard<py::gil_scoped_release>())
+      .def_static("minimum_memory_bytes",
+                  [](const std::string& path) {
+                    uint64_t bytes = 0;
+                    Check(mlkv::KVStore::MinimumMemoryBytes(path, &bytes));
+                    return bytes;
+                  },
+                  py::arg("path"), py::call_guard<py::gil_scoped_release>());
 
 #ifdef MLKV_WITH_ROCKSDB
   py::class_<RocksStore, RowStoreHandle>(m, "RocksStore")

@@ -273,7 +273,8 @@ class HostMemorySplit(NamedTuple):
 
 
 def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
-                      cache_rows: Optional[int] = None, staging_bytes: Optional[int] = None) -> HostMemorySplit:
+                      cache_rows: Optional[int] = None, staging_bytes: Optional[int] = None,
+                      store_min_bytes: int = 0) -> HostMemorySplit:
     """The budget rule of a table batch: one budget bounds the cache, the staging area, the
     write-back buffer and the stores' in-memory logs together.
 
@@ -282,7 +283,8 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     of rows instead). The write-back buffer only smooths the writer's work: a thirty-second. Each
     holds at most 32 MiB of rows and at least 64 rows; their bytes count their index and entry
     state (`buffer_host_bytes`). The stores' logs only buffer writes (the cache serves the hot
-    rows), so they share an eighth, each at least the store's minimum. The cache (on the CPU)
+    rows), so they share an eighth, each at least the store's minimum (`store_min_bytes` when larger:
+    a reopened store keeps the page size of its first budget). The cache (on the CPU)
     takes the rest, never more rows than the tables have: its rows and what it keeps beside them
     (`cache_host_bytes`). On a GPU the cache lives in device memory and the rest of the host
     budget goes to the logs. An explicit `cache_rows` must leave the others their minimum."""
@@ -295,9 +297,16 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     write_back_rows = _most_rows_within(memory_budget_bytes // _WRITE_BACK_SHARE, _BUFFER_MIN_ROWS, most_buffer_rows,
                                         lambda r: buffer_host_bytes(0, r, row_bytes))
     buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes)
-    log_floor = max(_STORE_MIN_BYTES, memory_budget_bytes // (8 * num_tables))
+    store_floor = max(_STORE_MIN_BYTES, store_min_bytes)
+    log_floor = max(store_floor, memory_budget_bytes // (8 * num_tables))
+    if num_tables * store_floor + buffers > memory_budget_bytes:
+        why = ("; a reopened store keeps the log pages of the budget it was created with"
+               if store_min_bytes > _STORE_MIN_BYTES else "")
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes} cannot hold the stores' logs ({num_tables} "
+                         f"tables, each at least {store_floor} bytes{why}) beside the staging area and write-back "
+                         f"buffer ({buffers} bytes); use at least {num_tables * store_floor + buffers}")
     if not on_host:
-        log_bytes = max(_STORE_MIN_BYTES, (memory_budget_bytes - buffers) // num_tables)
+        log_bytes = max(store_floor, (memory_budget_bytes - buffers) // num_tables)
         rows = min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows
         return HostMemorySplit(rows, log_bytes, staging_rows, write_back_rows)
     if cache_rows is None:
@@ -442,9 +451,11 @@ class DiskTableBatch:
         self.state_dim = optimizer.state_dim(embedding_dim)
         self.weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
         self.row_bytes = 4 * (self.weight_words + self.state_dim)
+        # A table reopened with a smaller budget than it was created with keeps its log's page size.
+        store_min_bytes = 0 if backend == "rocksdb" else max(KVStore.minimum_memory_bytes(t.path) for t in self.tables)
         self.cache_rows, log_bytes, self.staging_rows, self.write_back_rows = split_host_memory(
             memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,
-            device.type == "cpu", cache_rows, staging_bytes)
+            device.type == "cpu", cache_rows, staging_bytes, store_min_bytes)
         self.step = 0
         self.backend = backend
         # One empty parameter per table: autograd runs backward through it and tells which tables train.

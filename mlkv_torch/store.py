@@ -340,6 +340,13 @@ class KVStore(_RowStore):
         DestroyDB; other files there stay. Raises if the store is open."""
         _C.Store.destroy(os.fspath(path))
 
+    @staticmethod
+    def minimum_memory_bytes(path: Union[str, os.PathLike]) -> int:
+        """The least memory_budget_bytes the store at `path` opens with: four of the log pages it
+        was created with (a store's page size is fixed when it is created, from its budget then:
+        a sixteenth of it, at most 1 MiB). 0 when no store is there yet."""
+        return int(_C.Store.minimum_memory_bytes(os.fspath(path)))
+
     def __contains__(self, key: int) -> bool:
         return bool(self.contains([key])[0])
 

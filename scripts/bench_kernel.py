@@ -182,7 +182,9 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
         looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
         result.update(hit_rate=(after["hits"] - before["hits"]) / max(1, looked_up),
                       disk_reads_per_step=(after["disk_reads"] - before["disk_reads"]) / args.steps,
-                      misses_per_step=(after["misses"] - before["misses"]) / args.steps)
+                      misses_per_step=(after["misses"] - before["misses"]) / args.steps,
+                      prefetch_wait_ms_per_step=(after["prefetch_wait_ms"] - before["prefetch_wait_ms"]) / args.steps,
+                      step_ms=seconds / args.steps * 1e3)
     return result
 
 
@@ -217,8 +219,10 @@ def _counters(collection) -> Dict[str, int]:
     if collection is None:
         return {}
     stats = collection.stats().values()
+    # The cache's own counters are shared by its tables: read them once per kernel.
     return {"hits": sum(s["cache_hits"] for s in stats), "misses": sum(s["cache_misses"] for s in stats),
-            "disk_reads": sum(s["disk_reads"] for s in stats)}
+            "disk_reads": sum(s["disk_reads"] for s in stats),
+            "prefetch_wait_ms": sum(b.cache.stats()["prefetch_wait_ms"] for b in collection._batches)}
 
 
 def main(argv: List[str]) -> int:
@@ -296,7 +300,9 @@ def main(argv: List[str]) -> int:
             print(f"{r['config']}: {r['disk_reads_per_step']:,.0f} disk reads per step at {args.iops:,.0f} IOPS allow "
                   f"{allowed:,.0f} samples/s; measured {r['samples_per_s'] / allowed:.2f}x of that, reading "
                   f"{r['disk_reads_per_step'] * r['samples_per_s'] / args.batch:,.0f} rows/s "
-                  f"({r['disk_reads_per_step'] * r['samples_per_s'] / args.batch / args.iops:.0%} of the IOPS)")
+                  f"({r['disk_reads_per_step'] * r['samples_per_s'] / args.batch / args.iops:.0%} of the IOPS); "
+                  f"a step {r['step_ms']:.1f} ms, of which {r['prefetch_wait_ms_per_step']:.1f} ms waiting for the "
+                  f"look-ahead's reads")
     write_json_report(args.out, {"args": vars(args), "rows": total_rows, "results": results})
     return 0
 

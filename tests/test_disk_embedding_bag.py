@@ -176,6 +176,45 @@ def test_reopen_and_independent_tables(tmp_path):
     torch.testing.assert_close(again.export_rows(torch.arange(NUM)), trained, rtol=0, atol=0)
 
 
+def test_a_table_reopens_with_a_smaller_budget_than_it_was_created_with(tmp_path):
+    from mlkv_torch import KVStore
+    from mlkv_torch.embedding import cache_host_bytes, buffer_host_bytes
+
+    # Created with 64 MiB: the store's log has 1 MiB pages and keeps four in memory, whatever the budget after.
+    big = make(tmp_path, optimizer=optim.Adagrad(lr=0.5), memory_budget_bytes=64 << 20)
+    ref = reference_like(big)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.5)
+    for step in range(3):
+        ids, offsets, target = batch(step)
+        (big(ids, offsets) * target).sum().backward()
+        ref_opt.zero_grad()
+        (ref(ids, offsets) * target).sum().backward()
+        ref_opt.step()
+    big.close()
+    least = KVStore.minimum_memory_bytes(tmp_path / "t")
+    assert least == 4 << 20
+    # Reopened with 6 MiB, where a new store's log would get an eighth: this one keeps its four pages, within the budget.
+    budget = 6 << 20
+    small = make(tmp_path, optimizer=optim.Adagrad(lr=0.5), memory_budget_bytes=budget, reopen=True)
+    log_bytes = small.stats()["log_memory_bytes"]
+    row = 4 * (DIM + optim.Adagrad().state_dim(DIM))
+    assert least <= log_bytes
+    assert log_bytes + cache_host_bytes(small.cache_rows, row) + \
+        buffer_host_bytes(small._batch.staging_rows, small._batch.write_back_rows, row) <= budget
+    for step in range(3, 8):  # training goes on exactly where it stopped
+        ids, offsets, target = batch(step)
+        out = small(ids, offsets)
+        torch.testing.assert_close(out, ref(ids, offsets))
+        (out * target).sum().backward()
+        ref_opt.zero_grad()
+        (ref(ids, offsets) * target).sum().backward()
+        ref_opt.step()
+    torch.testing.assert_close(small.export_rows(torch.arange(NUM)), ref.weight.detach())
+    small.close()
+    with pytest.raises(ValueError, match="log pages of the budget it was created with.*use at least"):
+        make(tmp_path, optimizer=optim.Adagrad(lr=0.5), memory_budget_bytes=least, reopen=True)
+
+
 def test_import_rows(tmp_path):
     emb = make(tmp_path)
     weights = torch.randn(4, DIM)
@@ -214,7 +253,7 @@ def test_the_budget_holds_the_staging_area_and_the_write_back_buffer(tmp_path):
 
     row = 4 * (DIM + optim.Adagrad().state_dim(DIM))
     smallest = budget_for(0, optim.Adagrad())
-    with pytest.raises(ValueError, match="staging area and write-back buffer .* memory_budget_bytes"):
+    with pytest.raises(ValueError, match=f"stores' logs .* staging area and write-back buffer .* at least {smallest}$"):
         make(tmp_path, "small", optimizer=optim.Adagrad(), memory_budget_bytes=smallest - 1)
     make(tmp_path, "fits", optimizer=optim.Adagrad(), memory_budget_bytes=smallest).close()
     # staging_bytes sets both buffers' rows, inside the budget: the cache gets what is left.

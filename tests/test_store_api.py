@@ -309,7 +309,9 @@ def test_reopen_with_smaller_budget(tmp_path):
     # Back to a large budget.
     with KVStore(path, DIM, memory_budget_bytes=1 << 20, segment_bytes=32 << 10) as store:
         assert_store_equals(store, model)
-    # Smaller than 4 pages of the stored page size: refused, contents intact.
+    # Smaller than 4 pages of the stored page size: refused, contents intact; the store says its least budget.
+    assert KVStore.minimum_memory_bytes(path) == 32 << 10
+    assert KVStore.minimum_memory_bytes(str(tmp_path / "no store here")) == 0
     with pytest.raises(ValueError, match="fewer than 4 log pages"):
         KVStore(path, DIM, memory_budget_bytes=16 << 10)
     with KVStore(path, DIM, memory_budget_bytes=32 << 10) as store:

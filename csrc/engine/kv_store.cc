@@ -153,10 +153,11 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   page_bytes_ = page_bytes;
   records_per_page_ = page_bytes_ / unit_bytes_ * records_per_unit_;
   num_frames_ = options_.memory_budget_bytes / page_bytes_;
-  if (num_frames_ < 4) {
+  if (num_frames_ < kMinLogPages) {
     return Status::InvalidArgument("memory_budget_bytes=" + std::to_string(options_.memory_budget_bytes) +
-                                   " holds fewer than 4 log pages of " + std::to_string(page_bytes_) +
-                                   " bytes; use at least " + std::to_string(4 * page_bytes_));
+                                   " holds fewer than " + std::to_string(kMinLogPages) + " log pages of " +
+                                   std::to_string(page_bytes_) + " bytes; use at least " +
+                                   std::to_string(kMinLogPages * page_bytes_));
   }
   mutable_pages_ = static_cast<uint64_t>(static_cast<double>(num_frames_) * options_.mutable_fraction);
   mutable_pages_ = std::min(std::max<uint64_t>(mutable_pages_, 1), num_frames_ - 1);

@@ -108,6 +108,10 @@ class KVStore : public RowStore {
  public:
   // Creates a store at `path` (a directory) or recovers the latest checkpoint there.
   static Status Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out);
+  // The least memory_budget_bytes the store at `path` opens with: kMinLogPages of the log pages
+  // it was created with (its layout is fixed then). 0 when no store is there yet.
+  static Status MinimumMemoryBytes(const std::string& path, uint64_t* bytes);
+  static constexpr uint64_t kMinLogPages = 4;
   // Deletes the files of a closed store at `path` (as LevelDB's DestroyDB); other files stay.
   // Busy if the store is open.
   static Status Destroy(const std::string& path);
@@ -239,7 +243,7 @@ class KVStore : public RowStore {
   void CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete);  // mu_ exclusive
   void RemoveObsoleteFiles(const ObsoleteFiles& obsolete);
   // CHECKPOINT and CHECKPOINT.previous: the 88-byte record, read and checked / written atomically.
-  Status ReadCheckpointRecord(const std::string& file, std::string* record) const;
+  static Status ReadCheckpointRecord(const std::string& file, std::string* record);
   Status WriteCheckpointRecord(const std::string& file, const std::string& record) const;
   bool ChangedSinceCheckpointLocked() const {
     return changes_ != checkpointed_changes_ || begin_ != checkpointed_begin_ || checkpoint_sequence_ == 0;

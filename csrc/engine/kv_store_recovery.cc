@@ -59,7 +59,7 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
   return Status::OK();
 }
 
-Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* record) const {
+Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* record) {
   CheckpointMeta meta;
   int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::IOError("opening " + file + ": " + ErrnoText(errno));
@@ -77,6 +77,18 @@ Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* recor
                               ", this build reads version " + std::to_string(kFormatVersion));
   }
   record->assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
+  return Status::OK();
+}
+
+Status KVStore::MinimumMemoryBytes(const std::string& path, uint64_t* bytes) {
+  *bytes = 0;
+  const std::string file = path + "/CHECKPOINT";
+  if (!FileExists(file)) return Status::OK();
+  std::string record;
+  MLKV_RETURN_IF_ERROR(ReadCheckpointRecord(file, &record));
+  CheckpointMeta meta;
+  std::memcpy(&meta, record.data(), sizeof(meta));
+  *bytes = kMinLogPages * meta.page_bytes;
   return Status::OK();
 }
 
