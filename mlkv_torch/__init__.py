@@ -4,9 +4,10 @@ The core (KVStore) needs only torch; TorchRec integration lives in
 ``mlkv_torch.torchrec``.
 """
 from . import optim
-from .embedding import DiskEmbeddingBag
+from .embedding import DiskEmbeddingBag, MemoryBudgetError
 from .pipeline import LookaheadPipeline
 from .store import CorruptionError, KVStore, RocksDBStore, initial_rows
 
-__all__ = ["KVStore", "RocksDBStore", "CorruptionError", "DiskEmbeddingBag", "LookaheadPipeline", "initial_rows", "optim"]
+__all__ = ["KVStore", "RocksDBStore", "CorruptionError", "DiskEmbeddingBag", "MemoryBudgetError", "LookaheadPipeline",
+           "initial_rows", "optim"]
 __version__ = "0.1.0"

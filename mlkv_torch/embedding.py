@@ -264,6 +264,11 @@ def _cache_init(table: DiskTable) -> Tuple[bool, float, float]:
     return kind == "normal", a, b
 
 
+class MemoryBudgetError(ValueError):
+    """memory_budget_bytes cannot hold what the tables need beside their cache (the message says
+    the least that can): a configuration error, which the experiment runner reports as one."""
+
+
 class HostMemorySplit(NamedTuple):
     """How a table batch spends its host memory budget (`split_host_memory`)."""
     cache_rows: int       # rows of the hot cache (in device memory on a GPU)
@@ -302,9 +307,10 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     if num_tables * store_floor + buffers > memory_budget_bytes:
         why = ("; a reopened store keeps the log pages of the budget it was created with"
                if store_min_bytes > _STORE_MIN_BYTES else "")
-        raise ValueError(f"memory_budget_bytes={memory_budget_bytes} cannot hold the stores' logs ({num_tables} "
-                         f"tables, each at least {store_floor} bytes{why}) beside the staging area and write-back "
-                         f"buffer ({buffers} bytes); use at least {num_tables * store_floor + buffers}")
+        raise MemoryBudgetError(f"memory_budget_bytes={memory_budget_bytes} cannot hold the stores' logs "
+                                f"({num_tables} tables, each at least {store_floor} bytes{why}) beside the staging "
+                                f"area and write-back buffer ({buffers} bytes); use at least "
+                                f"{num_tables * store_floor + buffers}")
     if not on_host:
         log_bytes = max(store_floor, (memory_budget_bytes - buffers) // num_tables)
         rows = min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows
@@ -314,7 +320,7 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
                                        lambda r: cache_host_bytes(r, row_bytes))
     left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes) - buffers
     if left < num_tables * log_floor:
-        raise ValueError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes (rows and "
+        raise MemoryBudgetError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes (rows and "
                          f"their index) and the staging area and write-back buffer {buffers} of the "
                          f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
                          f"{log_floor} of them for its log ({num_tables} tables)")
@@ -353,14 +359,40 @@ def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int) -
     def caches_all(budget: int) -> bool:
         try:
             return split_host_memory(budget, num_tables, total_rows, row_bytes, True).cache_rows == total_rows
-        except ValueError:
+        except MemoryBudgetError:
             return False
-    need = cache_host_bytes(total_rows, row_bytes) + num_tables * _STORE_MIN_BYTES
+    return _least_budget(caches_all, cache_host_bytes(total_rows, row_bytes) + num_tables * _STORE_MIN_BYTES,
+                         row_bytes)
+
+
+def least_host_memory(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:
+    """The smallest budget `split_host_memory` accepts for these tables: the stores' least logs
+    (`store_min_bytes` for reopened ones) and the smallest staging area and write-back buffer,
+    with a cache of no rows (the same rule, searched)."""
+    def accepts(budget: int) -> bool:
+        try:
+            split_host_memory(budget, num_tables, total_rows, row_bytes, True, store_min_bytes=store_min_bytes)
+            return True
+        except MemoryBudgetError:
+            return False
+    return _least_budget(accepts, num_tables * max(_STORE_MIN_BYTES, store_min_bytes), row_bytes)
+
+
+def stores_min_bytes(paths: Sequence[str], backend: str = "mlkv") -> int:
+    """The least log memory any of the stores at `paths` opens with: a table reopened with a smaller
+    budget than it was created with keeps its log's page size (`KVStore.minimum_memory_bytes`).
+    0 where none is there yet, and for RocksDB."""
+    return 0 if backend == "rocksdb" else max((KVStore.minimum_memory_bytes(p) for p in paths), default=0)
+
+
+def _least_budget(enough: Callable[[int], bool], low: int, row_bytes: int) -> int:
+    """The smallest budget from `low` up that is `enough`; the rule's shares grow with the budget,
+    so the answer lies below twice `low` plus the largest buffers."""
     largest = _BUFFER_MAX_BYTES // row_bytes + 1
-    low, high = need, 2 * need + buffer_host_bytes(largest, largest, row_bytes)
-    while low < high:  # the rule caches more rows as the budget grows
+    high = 2 * low + buffer_host_bytes(largest, largest, row_bytes)
+    while low < high:
         middle = (low + high) // 2
-        low, high = (low, middle) if caches_all(middle) else (middle + 1, high)
+        low, high = (low, middle) if enough(middle) else (middle + 1, high)
     return low
 
 
@@ -451,8 +483,7 @@ class DiskTableBatch:
         self.state_dim = optimizer.state_dim(embedding_dim)
         self.weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
         self.row_bytes = 4 * (self.weight_words + self.state_dim)
-        # A table reopened with a smaller budget than it was created with keeps its log's page size.
-        store_min_bytes = 0 if backend == "rocksdb" else max(KVStore.minimum_memory_bytes(t.path) for t in self.tables)
+        store_min_bytes = stores_min_bytes([t.path for t in self.tables], backend)
         self.cache_rows, log_bytes, self.staging_rows, self.write_back_rows = split_host_memory(
             memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,
             device.type == "cpu", cache_rows, staging_bytes, store_min_bytes)

@@ -156,10 +156,15 @@ class _Experiment:
             if "cut" not in self._resumed:
                 raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
                                   f"row, not a cut of the tables); resume it with that version")
-        if self.distributed:
-            self._build_sharded(tables)
-        else:
-            self._build_local(tables)
+        from .embedding import MemoryBudgetError
+
+        try:
+            if self.distributed:
+                self._build_sharded(tables)
+            else:
+                self._build_local(tables)
+        except MemoryBudgetError as e:
+            raise ConfigError(f"storage.memory_budget_bytes: {e}") from e
 
     def _dlrm(self, collection: torch.nn.Module) -> torch.nn.Module:
         from torchrec.models.dlrm import DLRM, DLRMTrain

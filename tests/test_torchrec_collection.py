@@ -164,10 +164,13 @@ def test_split_budget_follows_traffic_and_caps_at_need():
     # The small table takes only what it needs; the rest splits by traffic.
     assert split_budget(1000, [100, 10_000, 10_000], [4, 1, 1]) == [100, 450, 450]
     assert split_budget(1000, [100, 200], [1, 1]) == [100, 200]  # everything fits
+    assert split_budget(1000, [10_000, 10_000], [1, 3], least=[200, 100]) == [375, 625]  # least first, then traffic
+    assert split_budget(1000, [300, 10_000], [1, 1], least=[250, 100]) == [300, 700]
 
 
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
-    from mlkv_torch.embedding import buffer_host_bytes, cache_host_bytes, host_memory_for_all_rows, split_host_memory
+    from mlkv_torch.embedding import (MemoryBudgetError, buffer_host_bytes, cache_host_bytes, host_memory_for_all_rows,
+                                      least_host_memory, split_host_memory)
 
     for tables_in_kernel, rows, width in ((1, 10, 36), (26, 3_376_254, 64), (3, 500_000, 68)):  # the rule, inverted
         budget = host_memory_for_all_rows(tables_in_kernel, rows, width)
@@ -182,8 +185,14 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
     small, big, wide = (ours.embedding_bags[n] for n in ("small", "big", "wide"))
     assert small._batch is big._batch and wide._batch is not small._batch  # one kernel per row layout
     assert small.memory_budget_bytes + wide.memory_budget_bytes <= budget
-    # traffic 1 + 1 against 4: the wide layout gets twice the other's budget
-    assert wide.memory_budget_bytes == pytest.approx(2 * small.memory_budget_bytes, rel=1e-6)
+    # each layout its least first, then traffic 1 + 1 against 4: the wide layout gets twice the rest the other gets
+    least_small = least_host_memory(2, 200_100, small._batch.row_bytes)
+    least_wide = least_host_memory(1, 200_000, wide._batch.row_bytes)
+    assert wide.memory_budget_bytes - least_wide == pytest.approx(2 * (small.memory_budget_bytes - least_small), rel=1e-6)
+    # A budget below the layouts' least is refused with the least that opens them, not raised silently.
+    with pytest.raises(MemoryBudgetError, match=f"use at least {least_small + least_wide}$"):
+        DiskEmbeddingBagCollection(configs, path=tmp_path / "tiny", memory_budget_bytes=least_small + least_wide - 1)
+    DiskEmbeddingBagCollection(configs, path=tmp_path / "least", memory_budget_bytes=least_small + least_wide).close()
     for bag, tables_in_kernel in ((small, 2), (wide, 1)):
         cache_rows, log_bytes, staging_rows, write_back_rows = split_host_memory(
             bag.memory_budget_bytes, tables_in_kernel, sum(t.num_embeddings for t in bag._batch.tables),

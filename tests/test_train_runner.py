@@ -96,6 +96,13 @@ def test_config_errors_name_the_key(tmp_path, overrides, message):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", *overrides])
 
 
+def test_a_budget_too_small_for_the_tables_is_a_config_error(tmp_path):
+    small_budget = [o for o in SMALL if not o.startswith("storage.memory_budget_bytes")]
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", *small_budget, "storage.memory_budget_bytes=65536"])
+    with pytest.raises(ConfigError, match=r"storage\.memory_budget_bytes: memory_budget_bytes=65536 .* use at least \d+$"):
+        run(config, progress=False)
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -14,31 +14,39 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_table, draw_seed,
-                         host_memory_for_all_rows)
+from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, MemoryBudgetError, destroy_table, draw_seed,
+                         host_memory_for_all_rows, least_host_memory, stores_min_bytes)
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
-from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
+from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 
 
-def split_budget(budget: int, needs: List[int], traffic: List[float]) -> List[int]:
-    """Splits `budget` bytes among tables in proportion to their `traffic`, giving no table more
-    than it `needs` (water-filling: the budget a capped table leaves is split among the rest)."""
-    shares = [0] * len(needs)
-    active, left = list(range(len(needs))), float(budget)
+def split_budget(budget: int, needs: List[int], traffic: List[float], least: Optional[List[int]] = None) -> List[int]:
+    """Splits `budget` bytes among tables: each first gets its `least` (what it cannot open
+    without), the rest goes in proportion to their `traffic`, giving no table more than it
+    `needs` (water-filling: the budget a capped table leaves is split among the rest).
+    MemoryBudgetError when the budget does not hold every `least`."""
+    least = least if least is not None else [0] * len(needs)
+    if sum(least) > budget:
+        raise MemoryBudgetError(f"memory_budget_bytes={budget} cannot hold the least each row layout of the tables "
+                                f"needs ({least}: the stores' logs, the staging area and write-back buffer); use at "
+                                f"least {sum(least)}")
+    shares = list(least)
+    room = [max(0, need - low) for need, low in zip(needs, least)]
+    active, left = list(range(len(needs))), float(budget - sum(least))
     while active:
         weight = sum(traffic[i] for i in active)
-        capped = [i for i in active if left * traffic[i] / weight >= needs[i]]
+        capped = [i for i in active if left * traffic[i] / weight >= room[i]]
         if not capped:
             for i in active:
-                shares[i] = int(left * traffic[i] / weight)
+                shares[i] += int(left * traffic[i] / weight)
             break
         for i in capped:
-            shares[i] = needs[i]
-            left -= needs[i]
+            shares[i] += room[i]
+            left -= room[i]
         active = [i for i in active if i not in capped]
     return shares
 
@@ -187,11 +195,14 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         each layout's budget covers all its rows at most, the rest split by traffic."""
         tables, opening = self._embedding_bag_configs, self._opening
         budget = opening["memory_budget_bytes"]
-        needs = [max(MIN_TABLE_BUDGET * len(members),
-                     host_memory_for_all_rows(len(members), sum(tables[i].num_embeddings for i in members),
-                                              row_bytes(dim, dtype, rule)))
-                 for (dim, dtype, _), members in zip(self._kernel_layouts, self._kernel_members)]
-        budgets = split_budget(budget, needs, opening["traffic"])
+        least, needs = [], []
+        for (dim, dtype, _), members in zip(self._kernel_layouts, self._kernel_members):
+            rows, layout_row_bytes = sum(tables[i].num_embeddings for i in members), row_bytes(dim, dtype, rule)
+            paths = [os.path.join(opening["path"], tables[i].name) for i in members]
+            least.append(least_host_memory(len(members), rows, layout_row_bytes,
+                                           stores_min_bytes(paths, opening["backend"])))
+            needs.append(max(least[-1], host_memory_for_all_rows(len(members), rows, layout_row_bytes)))
+        budgets = split_budget(budget, needs, opening["traffic"], least)
         cache_rows = opening["cache_rows"]
         return [dict(
             tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(opening["path"], tables[i].name),
@@ -200,7 +211,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             embedding_dim=dim, mode=mode, optimizer=rule,
             cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
                                                            int(cache_rows * share / budget)),
-            memory_budget_bytes=max(MIN_TABLE_BUDGET * len(members), share), staleness=opening["staleness"],
+            memory_budget_bytes=share, staleness=opening["staleness"],
             dtype=dtype, cache_policy=opening["cache_policy"], backend=opening["backend"], reopen=opening["reopen"],
             cut=opening["cut"])
             for ((dim, dtype, mode), members), share in zip(zip(self._kernel_layouts, self._kernel_members), budgets)]
