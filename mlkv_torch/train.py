@@ -412,9 +412,13 @@ class _Experiment:
                 raise ConfigError(f"{self.checkpoint_path()} was written by {saved['world_size']} processes: resume "
                                   f"it with as many (each one's tables and state belong to its place in the plan)")
             with disk_tables_left_out():  # the disk tables reopened at the checkpoint's cuts
-                state = _restored({"model": self.model.state_dict(),
-                                   "optim": self._optimizer_state_without_disk_tables(), "step": 0,
-                                   "world_size": self.world_size}, saved)
+                try:
+                    state = _restored({"model": self.model.state_dict(),
+                                       "optim": self._optimizer_state_without_disk_tables(), "step": 0,
+                                       "world_size": self.world_size}, saved)
+                except ConfigError as e:
+                    raise ConfigError(f"{e} (a rank's state belongs to its place in the sharding plan, which the "
+                                      f"storage settings decide: resume with the ones the run was started with)") from e
                 self.model.load_state_dict(state["model"])
                 optimizer = self.optimizer.state_dict()  # the disk tables' entries: their steps, as reopened
                 optimizer["state"].update(state["optim"]["state"])
@@ -478,8 +482,12 @@ def _restored(target: Any, saved: Any, where: str = "") -> Any:
             tensor.copy_(saved_shards[offsets])
         return target
     if isinstance(target, dict):
-        if not isinstance(saved, dict) or set(target) != set(saved):
-            raise mismatch(f"keys {sorted(map(str, target))}, saved {sorted(map(str, saved)) if isinstance(saved, dict) else saved!r}")
+        if not isinstance(saved, dict):
+            raise mismatch(f"keys {sorted(map(str, target))}, saved {saved!r}")
+        if set(target) != set(saved):
+            lacking, extra = sorted(map(str, set(target) - set(saved))), sorted(map(str, set(saved) - set(target)))
+            raise mismatch(f"the checkpoint lacks {lacking}" * bool(lacking) + "; " * bool(lacking and extra) +
+                           f"the checkpoint has {extra}, which this model does not" * bool(extra))
         return {k: _restored(v, saved[k], f"{where}.{k}" if where else str(k)) for k, v in target.items()}
     if isinstance(target, (list, tuple)) and isinstance(saved, (list, tuple)) and len(target) == len(saved):
         return type(target)(_restored(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(target, saved)))

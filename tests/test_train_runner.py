@@ -103,6 +103,18 @@ def test_a_budget_too_small_for_the_tables_is_a_config_error(tmp_path):
         run(config, progress=False)
 
 
+def test_a_checkpoint_of_another_model_names_only_the_keys_that_differ():
+    from mlkv_torch.train import _restored
+
+    target = {"model": {"dense.weight": torch.zeros(2), "tables.t_1.weight": torch.zeros(2)}, "step": 0}
+    saved = {"model": {"dense.weight": torch.ones(2), "tables.t_2.weight": torch.ones(2)}, "step": 8}
+    with pytest.raises(ConfigError, match=r"at model: the checkpoint lacks \['tables\.t_1\.weight'\]; the checkpoint "
+                                          r"has \['tables\.t_2\.weight'\], which this model does not$"):
+        _restored(target, saved)
+    restored = _restored({"model": {"dense.weight": torch.zeros(2)}, "step": 0}, {"model": {"dense.weight": torch.ones(2)}, "step": 8})
+    assert restored["step"] == 8 and torch.equal(restored["model"]["dense.weight"], torch.ones(2))
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
