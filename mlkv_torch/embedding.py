@@ -258,6 +258,13 @@ def _settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore
     return settled
 
 
+def directory_path(path: Union[str, os.PathLike]) -> str:
+    """`path` as a str; TypeError naming the argument when it is not a path (None, say)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (the tables' directory), got {type(path).__name__}")
+    return os.fspath(path)
+
+
 def _cache_init(table: DiskTable) -> Tuple[bool, float, float]:
     """The (normal, a, b) a cache table's initial rows take (see EmbeddingCache's table tuple)."""
     kind, a, b = table.initial_distribution()
@@ -292,7 +299,10 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     a reopened store keeps the page size of its first budget). The cache (on the CPU)
     takes the rest, never more rows than the tables have: its rows and what it keeps beside them
     (`cache_host_bytes`). On a GPU the cache lives in device memory and the rest of the host
-    budget goes to the logs. An explicit `cache_rows` must leave the others their minimum."""
+    budget goes to the logs. An explicit `cache_rows` (at most the tables' rows: more would hold
+    nothing more) must leave the others their minimum."""
+    if cache_rows is not None:
+        cache_rows = min(cache_rows, total_rows)  # a cache larger than the tables would hold nothing more
     most_buffer_rows = max(_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES // row_bytes)
     if staging_bytes is not None:
         staging_rows = max(_BUFFER_MIN_ROWS, staging_bytes // row_bytes)
@@ -798,7 +808,7 @@ class DiskEmbeddingBag(nn.Module):
                  first_column: int = 0, staging_bytes: Optional[int] = None, backend: str = "mlkv",
                  reopen: bool = False) -> None:
         super().__init__()
-        path = os.fspath(path)
+        path = directory_path(path)
         name = os.path.basename(os.path.normpath(path))
         cut = read_cut(path) if reopen else None
         if cut is not None and len(cut["tables"]) == 1:  # its one table, whatever the directory is called now

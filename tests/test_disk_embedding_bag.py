@@ -246,6 +246,10 @@ def test_bad_configuration(tmp_path):
         make(tmp_path, "m", mode="mean")(torch.tensor([1]), torch.tensor([0]), torch.ones(1))
     with pytest.raises(TypeError, match="optimizer"):
         make(tmp_path, "o", optimizer=torch.optim.SGD)
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike .* got NoneType"):
+        DiskEmbeddingBag(NUM, DIM, path=None)
+    # A cache asked for beyond the table's rows holds the table, and takes no memory for more.
+    assert DiskEmbeddingBag(NUM, DIM, path=tmp_path / "big", cache_rows=10 * NUM).cache_rows == NUM
 
 
 def test_the_budget_holds_the_staging_area_and_the_write_back_buffer(tmp_path):

@@ -102,6 +102,8 @@ def assert_same_losses(reference, ours, steps, first_batch):
 
 
 def test_bad_features_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        DiskEmbeddingBagCollection(tables(), path=None, memory_budget_bytes=1 << 20)
     disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)
     lacking = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES[:3], values=torch.tensor([1, 2, 3]),
                                                   lengths=torch.tensor([1, 1, 1]))

@@ -14,8 +14,8 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, MemoryBudgetError, destroy_table, draw_seed,
-                         host_memory_for_all_rows, least_host_memory, stores_min_bytes)
+from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, MemoryBudgetError, destroy_table, directory_path,
+                         draw_seed, host_memory_for_all_rows, least_host_memory, stores_min_bytes)
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
 from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
@@ -164,9 +164,9 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if cut is not None:
             check_cut(cut, "cut")
         elif reopen:
-            cut = read_cut(os.fspath(path))
+            cut = read_cut(directory_path(path))
         self._opening = dict(
-            path=os.fspath(path), memory_budget_bytes=memory_budget_bytes, cache_rows=cache_rows,
+            path=directory_path(path), memory_budget_bytes=memory_budget_bytes, cache_rows=cache_rows,
             traffic=[sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
                      for _, members in groups],
             seeds=[table_seed(base_seed, t.name) for t in tables], seed_drawn=seed is None, staleness=staleness,
