@@ -364,28 +364,16 @@ def buffer_host_bytes(staging_rows: int, write_back_rows: int, row_bytes: int) -
     return _C.cache_buffer_bytes(staging_rows, write_back_rows, row_bytes // 4)
 
 
-def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int) -> int:
+def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:
     """The smallest budget with which `split_host_memory` caches every row (the same rule, searched)."""
-    def caches_all(budget: int) -> bool:
-        try:
-            return split_host_memory(budget, num_tables, total_rows, row_bytes, True).cache_rows == total_rows
-        except MemoryBudgetError:
-            return False
-    return _least_budget(caches_all, cache_host_bytes(total_rows, row_bytes) + num_tables * _STORE_MIN_BYTES,
-                         row_bytes)
+    return _least_budget(num_tables, total_rows, row_bytes, store_min_bytes, cached_rows=total_rows)
 
 
 def least_host_memory(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:
     """The smallest budget `split_host_memory` accepts for these tables: the stores' least logs
     (`store_min_bytes` for reopened ones) and the smallest staging area and write-back buffer,
     with a cache of no rows (the same rule, searched)."""
-    def accepts(budget: int) -> bool:
-        try:
-            split_host_memory(budget, num_tables, total_rows, row_bytes, True, store_min_bytes=store_min_bytes)
-            return True
-        except MemoryBudgetError:
-            return False
-    return _least_budget(accepts, num_tables * max(_STORE_MIN_BYTES, store_min_bytes), row_bytes)
+    return _least_budget(num_tables, total_rows, row_bytes, store_min_bytes, cached_rows=0)
 
 
 def stores_min_bytes(paths: Sequence[str], backend: str = "mlkv") -> int:
@@ -395,9 +383,17 @@ def stores_min_bytes(paths: Sequence[str], backend: str = "mlkv") -> int:
     return 0 if backend == "rocksdb" else max((KVStore.minimum_memory_bytes(p) for p in paths), default=0)
 
 
-def _least_budget(enough: Callable[[int], bool], low: int, row_bytes: int) -> int:
-    """The smallest budget from `low` up that is `enough`; the rule's shares grow with the budget,
-    so the answer lies below twice `low` plus the largest buffers."""
+def _least_budget(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int, cached_rows: int) -> int:
+    """The smallest budget `split_host_memory` accepts with a cache of at least `cached_rows` rows.
+    The rule's shares grow with the budget, so the answer lies between the stores' least logs plus
+    those rows and twice that plus the largest buffers."""
+    def enough(budget: int) -> bool:
+        try:
+            return split_host_memory(budget, num_tables, total_rows, row_bytes, True,
+                                     store_min_bytes=store_min_bytes).cache_rows >= cached_rows
+        except MemoryBudgetError:
+            return False
+    low = cache_host_bytes(cached_rows, row_bytes) + num_tables * max(_STORE_MIN_BYTES, store_min_bytes)
     largest = _BUFFER_MAX_BYTES // row_bytes + 1
     high = 2 * low + buffer_host_bytes(largest, largest, row_bytes)
     while low < high:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
 from .cut import read_json_record, sync_directory, write_json_record
+from .embedding import MemoryBudgetError
 from .ranks import all_gather_objects
 
 __all__ = ["main", "run"]
@@ -156,8 +157,6 @@ class _Experiment:
             if "cut" not in self._resumed:
                 raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
                                   f"row, not a cut of the tables); resume it with that version")
-        from .embedding import MemoryBudgetError
-
         try:
             if self.distributed:
                 self._build_sharded(tables)

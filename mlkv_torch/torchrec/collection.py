@@ -195,17 +195,17 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         each layout's budget covers all its rows at most, the rest split by traffic."""
         tables, opening = self._embedding_bag_configs, self._opening
         budget = opening["memory_budget_bytes"]
+        path_of = [os.path.join(opening["path"], t.name) for t in tables]
         least, needs = [], []
         for (dim, dtype, _), members in zip(self._kernel_layouts, self._kernel_members):
-            rows, layout_row_bytes = sum(tables[i].num_embeddings for i in members), row_bytes(dim, dtype, rule)
-            paths = [os.path.join(opening["path"], tables[i].name) for i in members]
-            least.append(least_host_memory(len(members), rows, layout_row_bytes,
-                                           stores_min_bytes(paths, opening["backend"])))
-            needs.append(max(least[-1], host_memory_for_all_rows(len(members), rows, layout_row_bytes)))
+            layout = (len(members), sum(tables[i].num_embeddings for i in members), row_bytes(dim, dtype, rule),
+                      stores_min_bytes([path_of[i] for i in members], opening["backend"]))
+            least.append(least_host_memory(*layout))
+            needs.append(host_memory_for_all_rows(*layout))
         budgets = split_budget(budget, needs, opening["traffic"], least)
         cache_rows = opening["cache_rows"]
         return [dict(
-            tables=[DiskTable(tables[i].name, tables[i].num_embeddings, os.path.join(opening["path"], tables[i].name),
+            tables=[DiskTable(tables[i].name, tables[i].num_embeddings, path_of[i],
                               opening["seeds"][i], init=initial_distribution_of(tables[i]),
                               seed_drawn=opening["seed_drawn"]) for i in members],
             embedding_dim=dim, mode=mode, optimizer=rule,
