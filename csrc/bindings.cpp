@@ -231,6 +231,14 @@ class Store : public RowStoreHandle {
     return static_cast<int64_t>(sequence);
   }
 
+  void BeginCheckpoint() { Check(Unlocked([&] { return store_->BeginCheckpoint(); })); }
+
+  int64_t FinishCheckpoint() {
+    uint64_t sequence = 0;
+    Check(Unlocked([&] { return store_->FinishCheckpoint(&sequence); }));
+    return static_cast<int64_t>(sequence);
+  }
+
   void CommitCheckpoint(int64_t sequence) {
     TORCH_CHECK_VALUE(sequence > 0, "checkpoint must be positive, got ", sequence);
     Check(Unlocked([&] { return store_->CommitCheckpoint(static_cast<uint64_t>(sequence)); }));
@@ -549,6 +557,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("flush", &Store::Call<&mlkv::KVStore::Flush>)
       .def("scan_rows", &Store::ScanRows, py::arg("cursor"), py::arg("max_rows"))
       .def("checkpoint", &Store::Checkpoint, "Checkpoints; returns the checkpoint's sequence number.")
+      .def("begin_checkpoint", &Store::BeginCheckpoint)
+      .def("finish_checkpoint", &Store::FinishCheckpoint)
       .def("commit_checkpoint", &Store::CommitCheckpoint, py::arg("sequence"))
       .def("compact", &Store::Call<&mlkv::KVStore::Compact>)
       .def("close", &Store::Call<&mlkv::KVStore::Close>)
@@ -639,6 +649,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)
       .def("finish_cut", &EmbeddingCache::FinishCut, py::arg("superseded") = false, nogil)
       .def_property_readonly("cut_pending", &EmbeddingCache::CutPending)
+      .def_property_readonly("cut_sealed", &EmbeddingCache::CutSealed)
 #ifdef MLKV_WITH_CUDA
       .def("lookup_on_device", &EmbeddingCache::LookupOnDevice, nogil)
       .def("update_on_device", &EmbeddingCache::UpdateOnDevice, nogil)

@@ -6,7 +6,9 @@
 // (cut_slot_), and the writer copies them out a batch at a time. Training may change a marked
 // slot before that: PreserveCutRow copies the cut value aside first. So the cut holds a second
 // copy only of the rows training touches while it is written. Rows written after the boundary
-// wait in write_back_ until the stores have checkpointed: a store checkpoint holds exactly the cut.
+// wait in write_back_ until every store has begun its checkpoint (the first half, which fixes
+// its contents without waiting for the disk): a store checkpoint holds exactly the cut. Its
+// second half, the syncs, runs in FinishCut, while the writer goes on with the later rows.
 #include "embedding_cache.h"
 
 #include <algorithm>
@@ -49,18 +51,41 @@ void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
   }
   std::vector<int32_t>().swap(cut_slots_);
   cut_next_ = 0;
-  // Every row of the cut is in its store, and no later row is: each store checkpoints it.
+  // Every row of the cut is in its store, and no later row is: each store fixes its checkpoint
+  // (a copy of its mutable pages, no disk wait), and rows after the boundary may follow at once.
+  // The checkpoints become durable in FinishStoreCheckpoints.
   lock.unlock();
-  std::vector<int64_t> sequences(tables_.size(), 0);
+  std::vector<uint8_t> begun(tables_.size(), 0);
   Status st;
   for (size_t t = 0; t < tables_.size() && st.ok(); ++t) {
+    st = tables_[t].store->BeginCheckpoint();
+    begun[t] = st.ok();
+  }
+  lock.lock();
+  cut_begun_ = std::move(begun);
+  cut_error_ = st;
+  cut_state_ = CutState::kSealed;
+  writer_cv_.notify_one();  // rows after the boundary waited for this
+  written_cv_.notify_all();
+}
+
+void EmbeddingCache::FinishStoreCheckpoints(std::unique_lock<std::mutex>& lock) {
+  cut_state_ = CutState::kSyncing;
+  const std::vector<uint8_t> begun = std::move(cut_begun_);
+  lock.unlock();
+  // Every begun checkpoint is finished, whatever fails: a store keeps one open until then.
+  std::vector<int64_t> sequences(tables_.size(), 0);
+  Status st;
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    if (!begun[t]) continue;
     uint64_t sequence = 0;
-    st = tables_[t].store->Checkpoint(&sequence);
+    Status finished = tables_[t].store->FinishCheckpoint(&sequence);
     sequences[t] = static_cast<int64_t>(sequence);
+    if (st.ok()) st = finished;
   }
   lock.lock();
   cut_sequences_ = std::move(sequences);
-  cut_error_ = st;
+  if (cut_error_.ok()) cut_error_ = st;
   cut_state_ = CutState::kDone;
   written_cv_.notify_all();
 }
@@ -68,15 +93,24 @@ void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
 std::vector<int64_t> EmbeddingCache::FinishCut(bool superseded) {
   std::unique_lock<std::mutex> lock(mu_);
   TORCH_CHECK(cut_state_ != CutState::kNone, "no cut of ", tables_[0].store->path(), " was begun");
-  for (;;) {
-    if (cut_state_ == CutState::kWriting) CheckWriterNotPaused();
-    written_cv_.wait(lock, [&] { return cut_state_ == CutState::kDone || !write_error_.ok(); });
-    if (cut_state_ == CutState::kDone) break;
-    ThrowIfWriteFailed(lock);  // raises while the stores refuse the cut's rows; they stay in memory
-  }
+  WaitCutDurable(lock);
   cut_state_ = CutState::kNone;
   if (!cut_error_.ok() && !superseded) throw StatusError(cut_error_);
   return cut_sequences_;
+}
+
+void EmbeddingCache::WaitCutDurable(std::unique_lock<std::mutex>& lock) {
+  for (;;) {
+    if (cut_state_ == CutState::kWriting) CheckWriterNotPaused();
+    // Only the cut's own rows failing concern it; after the seal, failed writes are later rows'.
+    written_cv_.wait(lock, [&] {
+      return cut_state_ == CutState::kSealed || cut_state_ == CutState::kDone ||
+             (cut_state_ == CutState::kWriting && !write_error_.ok());
+    });
+    if (cut_state_ == CutState::kSealed) FinishStoreCheckpoints(lock);
+    if (cut_state_ == CutState::kDone) return;
+    ThrowIfWriteFailed(lock);  // raises while the stores refuse the cut's rows; they stay in memory
+  }
 }
 
 }  // namespace mlkv

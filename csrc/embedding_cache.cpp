@@ -1259,13 +1259,10 @@ void EmbeddingCache::WriteBack() {
     throw;
   }
   std::unique_lock<std::mutex> lock(mu_);
-  // A cut being written goes first: rows written back now are past its boundary.
-  if (cut_state_ == CutState::kWriting || write_back_.size() > 0) CheckWriterNotPaused();
-  written_cv_.wait(lock, [&] { return cut_state_ != CutState::kWriting || !write_error_.ok(); });
-  while (cut_state_ == CutState::kWriting) {
-    ThrowIfWriteFailed(lock);
-    written_cv_.wait(lock, [&] { return cut_state_ != CutState::kWriting || !write_error_.ok(); });
-  }
+  // A cut being written goes first (rows written back now are past its boundary), and its
+  // stores' checkpoints are finished: the stores may be closed next.
+  if (write_back_.size() > 0) CheckWriterNotPaused();
+  if (cut_state_ != CutState::kNone) WaitCutDurable(lock);
   std::vector<int64_t> ids;
   const std::vector<int32_t> slots = TakeDirtySlots(&ids);
   if (!ids.empty()) {

@@ -176,7 +176,7 @@ class EmbeddingCache {
   // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
   // updates and takes every dirty row and every row on its way to the stores as the cut's; it
   // returns at once. The writer thread then puts the cut's rows, before any row written after
-  // the boundary, and checkpoints every table's store. A host slot of the cut that is about to
+  // the boundary, and begins every table's store checkpoint; FinishCut makes them durable. A host slot of the cut that is about to
   // change (an update, an eviction) first copies its cut value aside (copy on write), so the cut
   // costs memory only for the rows training changes while it is written; on CUDA the cut's rows
   // are copied to the host at the boundary. One cut at a time.
@@ -191,6 +191,12 @@ class EmbeddingCache {
   bool CutPending() {
     std::lock_guard<std::mutex> lock(mu_);
     return cut_state_ != CutState::kNone;
+  }
+  // The cut's rows are in the stores and every store has begun its checkpoint: rows written
+  // after the boundary go to the stores again, while FinishCut has the checkpoints to finish.
+  bool CutSealed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cut_state_ == CutState::kSealed;
   }
   // Writes every dirty cached row to the store (after a cut being written, if any).
   void WriteBack();
@@ -278,8 +284,13 @@ class EmbeddingCache {
   static constexpr size_t kWriteBatchRows = 4096;  // rows the writer puts per round
   void WriterLoop();
   // The writer's part of a cut (holds mu_): moves the next batch of cut slots into cut_write_back_,
-  // or, once every cut row is in its store, checkpoints the stores (releasing mu_) and ends the cut.
+  // or, once every cut row is in its store, begins the stores' checkpoints (releasing mu_) and seals it.
   void WriteCut(std::unique_lock<std::mutex>& lock);
+  // mu_ held (released while the disk works): the sealed cut's store checkpoints made durable.
+  void FinishStoreCheckpoints(std::unique_lock<std::mutex>& lock);
+  // mu_ held: until the cut begun last is durable (finishing its stores' checkpoints if no other
+  // call is); raises while the stores refuse its rows.
+  void WaitCutDurable(std::unique_lock<std::mutex>& lock);
   // A cut slot about to change hands its cut value to cut_write_back_ (holds mu_).
   void PreserveCutRow(int32_t slot) {
     if (cut_slot_.empty() || !cut_slot_[slot]) return;
@@ -368,12 +379,16 @@ class EmbeddingCache {
   // The cut being written: rows of the cut on their way to the stores (written before any of
   // write_back_), host slots still holding a cut value (cut_slot_, listed in cut_slots_ from
   // cut_next_), and the outcome, kept until FinishCut takes it.
-  enum class CutState { kNone, kWriting, kDone };
+  // kWriting: its rows go to the stores; kSealed: every store began its checkpoint (cut_begun_
+  // says which did), and later rows may follow; kSyncing: a call finishes those checkpoints;
+  // kDone: they are durable (or failed), until FinishCut takes the outcome.
+  enum class CutState { kNone, kWriting, kSealed, kSyncing, kDone };
   CutState cut_state_ = CutState::kNone;
   WriteBackBuffer cut_write_back_;
   std::vector<uint8_t> cut_slot_;
   std::vector<int32_t> cut_slots_;
   size_t cut_next_ = 0;
+  std::vector<uint8_t> cut_begun_;
   std::vector<int64_t> cut_sequences_;
   Status cut_error_;
   Status write_error_;  // the writer's last failure; it writes again when a call asks (write_retry_)

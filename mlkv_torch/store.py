@@ -311,6 +311,21 @@ class KVStore(_RowStore):
         one stands and its number is returned."""
         return self._store.checkpoint()
 
+    def begin_checkpoint(self) -> None:
+        """The first half of `checkpoint`, for a writer that must not wait for the disk: fixes the
+        checkpoint's contents (every row put so far, none put after) and returns without waiting
+        for the disk; puts and gets go on, and rows put from now on are not in it.
+        `finish_checkpoint` makes it durable. Until then `begin_checkpoint`, `checkpoint`,
+        `compact` and `commit_checkpoint` raise ValueError; `close` finishes it."""
+        self._check_open()
+        self._store.begin_checkpoint()
+
+    def finish_checkpoint(self) -> int:
+        """Makes the checkpoint `begin_checkpoint` began durable and returns its number, as
+        `checkpoint` does; ValueError when none is begun."""
+        self._check_open()
+        return self._store.finish_checkpoint()
+
     def commit_checkpoint(self, sequence: int) -> None:
         """With cut_checkpoints: the owner has recorded the latest checkpoint, `sequence`, as its
         cut. The next checkpoint keeps it beside itself (and the one kept until now may go); until

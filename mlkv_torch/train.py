@@ -12,6 +12,7 @@ tables' hit rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
@@ -149,6 +150,7 @@ class _Experiment:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.resume = resume
         self._saving: Optional[threading.Thread] = None  # the checkpoint being written
+        self.boundaries = _StepBoundaries()  # the training loop marks each; the checkpoint's work follows them
         self._save_error: Optional[BaseException] = None
         # One process resumes from a cut: the checkpoint names the one its tables reopen at.
         self._resumed: Optional[Dict[str, Any]] = None
@@ -300,9 +302,14 @@ class _Experiment:
         self.collection.begin_checkpoint(label=step)
         state = {"step": step, "dense": self._dense_state(),
                  "dense_optimizer": _local_copy(self.optimizer.state_dict())}  # later steps change it in place
+        boundaries = self.boundaries
 
         def commit() -> None:
+            # The cut's rows go to the stores in the next step, their syncs in the one after, the
+            # dense state's file in the one after that: no step pays for two of them.
+            boundaries.wait_next()
             state["cut"] = self.collection.wait_checkpoint()
+            boundaries.wait_next()
             _save_whole(state, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
         return commit
 
@@ -311,7 +318,8 @@ class _Experiment:
         saving, self._saving = self._saving, None
         if saving is None:
             return
-        saving.join()
+        with self.boundaries.released():  # it need not wait for steps any more
+            saving.join()
         error, self._save_error = self._save_error, None
         if error is not None:
             raise error
@@ -349,6 +357,7 @@ class _Experiment:
             state = _local_copy({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
                                  "step": step, "world_size": self.world_size})
         rank, world, main = self.rank, self.world_size, self.is_main
+        boundaries = self.boundaries
 
         def commit() -> None:
             import shutil
@@ -357,9 +366,12 @@ class _Experiment:
             os.makedirs(directory, exist_ok=True)
             record = os.path.join(directory, f"cut-rank{rank}.json")
             try:
-                # The cut first, then the rest: their costs fall on different steps, and a failure of
-                # either is recorded for rank 0.
+                # The cut's rows go to the stores in the next step, their syncs in the one after, the
+                # rest of the state in the one after that: no step pays for two of them. A failure
+                # of either is recorded for rank 0.
+                boundaries.wait_next()
                 cut = pending.wait() if pending is not None else None
+                boundaries.wait_next()
                 _save_whole(state, os.path.join(directory, f"rank{rank}.pt"))
             except BaseException as e:  # rank 0 must not wait for it
                 write_json_record(record, {"error": f"{type(e).__name__}: {e}"})
@@ -433,6 +445,38 @@ class _Experiment:
                               f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         return int(state["step"])
+
+
+class _StepBoundaries:
+    """The step boundaries the training loop passes (`passed`), for work beside training to spread
+    over steps: `wait_next` returns at the next boundary, or at once while `released` (the run
+    ends, or training waits for that work)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._passed = 0
+        self._released = 0
+
+    def passed(self) -> None:
+        with self._changed:
+            self._passed += 1
+            self._changed.notify_all()
+
+    def wait_next(self) -> None:
+        with self._changed:
+            seen = self._passed
+            self._changed.wait_for(lambda: self._passed > seen or self._released > 0)
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        with self._changed:
+            self._released += 1
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._released -= 1
 
 
 def _save_whole(state: Any, path: str) -> None:
@@ -571,6 +615,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             except StopIteration:
                 break
             step += 1
+            experiment.boundaries.passed()
             samples += labels.numel() * world
             window_samples += labels.numel() * world
             record: Dict[str, Any] = {}

@@ -36,6 +36,7 @@ import time
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPANNED = 4  # steps after a checkpoint whose worst is its cost under torchrun (its work spans three)
 
 
 def under_torchrun(args: argparse.Namespace) -> int:
@@ -66,14 +67,16 @@ def under_torchrun(args: argparse.Namespace) -> int:
     plain = steps_of[0][warm_up:]
     step_s = sum(plain) / len(plain)
     checkpointed = steps_of[every]
-    # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary.
+    # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary. The
+    # runner spreads the checkpoint's work over the steps after it, one piece per step (the cut's
+    # rows, the stores' syncs, the rest of the state): the worst of SPANNED steps is its cost.
     after = {c: [t / step_s for t in checkpointed[c:c + min(every, 10)]] for c in range(every, args.steps, every)}
     # The same steps of the run without checkpoints (the same batches), against its mean: the noise.
-    plain_at = {c: [t / step_s for t in steps_of[0][c:c + 2]] for c in after}
-    firsts = sorted(max(v[:2]) for v in after.values() if v)
+    plain_at = {c: [t / step_s for t in steps_of[0][c:c + SPANNED]] for c in after}
+    firsts = sorted(max(v[:SPANNED]) for v in after.values() if v)
     # Against the steps just before it in the same run (a shared machine drifts over a run): the
-    # worse of the two steps after each checkpoint over the median of the 8 before it.
-    local = {c: max(checkpointed[c:c + 2]) / sorted(checkpointed[c - 9:c - 1])[4] for c in after if c >= 9}
+    # worst of the steps after each checkpoint over the median of the 8 before it.
+    local = {c: max(checkpointed[c:c + SPANNED]) / sorted(checkpointed[c - 9:c - 1])[4] for c in after if c >= 9}
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
                   steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
                   worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
@@ -81,15 +84,15 @@ def under_torchrun(args: argparse.Namespace) -> int:
                   # The noise floor: the same ratio for the run without checkpoints (a shared machine).
                   worst_plain_step_over_step=max(plain) / step_s,
                   plain_steps_at_checkpoints_over_step={str(c): v for c, v in plain_at.items()},
-                  median_worst_of_two_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None,
-                  worst_of_two_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()})
+                  median_worst_of_spanned_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None,
+                  worst_of_spanned_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()})
     print(f"torchrun, {args.nproc} processes; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
     for c, ratios in after.items():
         print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
     print(f"the run with checkpoints every {every} steps, its mean step: {result['mean_checkpointed_run_over_plain']:.2f}x")
     print(f"the run without checkpoints, its worst step after warm-up: {result['worst_plain_step_over_step']:.2f}x")
     if firsts:
-        print(f"the worse of the two steps after each checkpoint: median {firsts[len(firsts) // 2]:.2f}x, "
+        print(f"the worst of the {SPANNED} steps after each checkpoint: median {firsts[len(firsts) // 2]:.2f}x, "
               f"at most {firsts[-1]:.2f}x ({len(firsts)} checkpoints)")
     if local:
         print("the same over the median of the 8 steps before it: " + " ".join(f"{r:.2f}" for r in local.values()))
@@ -134,6 +137,7 @@ def main(argv: List[str]) -> int:
             experiment.optimizer.zero_grad()
             loss.backward()
             experiment.optimizer.step()
+            experiment.boundaries.passed()  # as the runner marks each step: the checkpoint's work follows them
             return time.perf_counter() - began
 
         warm_up = max(1, args.steps // 5)

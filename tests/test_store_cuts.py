@@ -48,6 +48,59 @@ def test_checkpoint_numbers_and_going_back_one(tmp_path):
         KVStore(path, DIM, **CUTS, checkpoint=first)
 
 
+def test_a_checkpoint_in_two_halves_holds_the_rows_put_before_it_began(tmp_path):
+    """begin_checkpoint fixes the contents and returns; puts go on (in place in the pages it
+    copied, and past them, until those pages are flushed to their segments); finish_checkpoint
+    makes the contents at begin durable. Reopening at it gives them, not the later puts."""
+    path = str(tmp_path / "store")
+    keys = torch.arange(300)
+    at_begin = dict(zip(keys.tolist(), rows_for(keys, 1)))
+    with KVStore(path, DIM, **CUTS) as store:
+        store.put(keys, rows_for(keys, 1))
+        store.begin_checkpoint()
+        for what in ("checkpoint", "begin_checkpoint", "compact"):
+            with pytest.raises(ValueError, match=r"is begun and not finished"):
+                getattr(store, what)()
+        with pytest.raises(ValueError, match=r"is begun and not finished"):
+            store.commit_checkpoint(1)
+        # After it: the same rows changed (in place: they are in the mutable pages it copied), rows
+        # deleted, and enough new rows that every page it copied is flushed to its segment.
+        latest = dict(at_begin)
+        store.put(keys[:200], rows_for(keys[:200], 2))
+        store.delete(keys[200:220])
+        more = torch.arange(1000, 3000)
+        store.put(more, rows_for(more, 3))
+        latest.update(zip(keys[:200].tolist(), rows_for(keys[:200], 2)))
+        for k in range(200, 220):
+            del latest[k]
+        latest.update(zip(more.tolist(), rows_for(more, 3)))
+        assert store.stats()["read_only_address"] > 300  # the pages it copied are read-only now
+        assert_store_equals(store, latest)  # gets see the puts at once
+        sequence = store.finish_checkpoint()
+        with pytest.raises(ValueError, match=r"no checkpoint begun to finish"):
+            store.finish_checkpoint()
+        store.commit_checkpoint(sequence)  # kept beside the one close takes
+        assert_store_equals(store, latest)
+    with KVStore(path, DIM, **CUTS) as store:  # the checkpoint close took: the latest rows
+        assert_store_equals(store, latest)
+    with KVStore(path, DIM, **CUTS, checkpoint=sequence) as store:  # back to it (close's goes)
+        assert_store_equals(store, at_begin)
+
+
+def test_close_finishes_a_checkpoint_begun(tmp_path):
+    path = str(tmp_path / "store")
+    keys = torch.arange(100)
+    store = KVStore(path, DIM, **CUTS)
+    store.put(keys, rows_for(keys, 1))
+    store.begin_checkpoint()
+    store.put(keys[:10], rows_for(keys[:10], 2))
+    store.close()  # finishes it, then takes its own
+    with KVStore(path, DIM, **CUTS) as reopened:
+        expected = dict(zip(keys.tolist(), rows_for(keys, 1)))
+        expected.update(zip(range(10), rows_for(keys[:10], 2)))
+        assert_store_equals(reopened, expected)
+
+
 def test_uncommitted_checkpoints_replace_each_other_and_the_committed_one_stays(tmp_path):
     """A cut that failed, or was never recorded, leaves its checkpoint uncommitted: the checkpoints
     after it replace it, and the committed one stays recoverable however many follow."""

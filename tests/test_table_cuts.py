@@ -181,7 +181,7 @@ def test_an_explicit_cut_older_than_the_recorded_one_wins(tmp_path):
 # taken after it that no record names).
 BACKGROUND_CHILD = SETUP + textwrap.dedent(
     """
-    import os, resource, signal
+    import os, resource, signal, time
     path, expected, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
     # A small cache (rows are evicted and written back while training) in a budget whose write-back
     # buffer (a thirty-second) holds what training writes back while the writer is held.
@@ -205,6 +205,23 @@ BACKGROUND_CHILD = SETUP + textwrap.dedent(
         resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))  # no file may grow: a full disk
     for kernel in ebc._batches:
         kernel.cache.pause_writer(scenario == "killed")
+    if scenario == "sealed":
+        # Once the cut's rows are in and every store has begun its checkpoint, the rows training
+        # writes back after the boundary go to the stores while those checkpoints are unfinished.
+        while not all(kernel.cache.cut_sealed for kernel in ebc._batches):
+            time.sleep(0.005)
+        def writes():
+            return sum(s["appends"] + s["in_place_updates"] for k in ebc._batches for s in map(lambda st: st.stats(), k.stores))
+        before = writes()
+        train(ebc, 16, 30)
+        for _ in range(3000):  # the writer puts the rows evicted meanwhile
+            if writes() > before:
+                break
+            time.sleep(0.01)
+        assert all(kernel.cache.cut_sealed for kernel in ebc._batches)  # not finished yet
+        print("WRITTEN WHILE SEALED", writes() - before, flush=True)
+        assert ebc.wait_checkpoint()["label"] == 12
+        states["got"] = state_of(ebc)
     if scenario == "written":
         assert not pending.done or pending.wait()["label"] == 12
         assert ebc.wait_checkpoint()["label"] == 12
@@ -234,7 +251,7 @@ BACKGROUND_CHILD = SETUP + textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("scenario", ["written", "killed", "full"])
+@pytest.mark.parametrize("scenario", ["written", "sealed", "killed", "full"])
 def test_a_cut_written_in_the_background_holds_the_boundary_state(tmp_path, scenario):
     path, expected = str(tmp_path / "tables"), str(tmp_path / "expected.pt")
     child = Child(f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n" + BACKGROUND_CHILD, path, expected, scenario)
@@ -244,17 +261,20 @@ def test_a_cut_written_in_the_background_holds_the_boundary_state(tmp_path, scen
             # The error names the file that could not be written and why.
             assert line.startswith("ERROR") and "File too large" in line and path in line, line
             line = child.read_line(timeout=300)
+        if scenario == "sealed":
+            assert line.startswith("WRITTEN WHILE SEALED") and int(line.split()[-1]) > 0, line
+            line = child.read_line(timeout=300)
         assert line == "READY"
     finally:
         child.kill()
     states = torch.load(expected)
-    if scenario == "written":
+    if scenario in ("written", "sealed"):
         # Writing the cut changed nothing of training: the tables equal the twin's, trained without one.
         for name, (weight, state, steps) in states["got"].items():
             torch.testing.assert_close(weight, states[30][name][0], rtol=0, atol=0, msg=name)
             torch.testing.assert_close(state, states[30][name][1], rtol=0, atol=0, msg=name)
             assert steps == states[30][name][2] == 30
-    at = 12 if scenario == "written" else 6
+    at = 12 if scenario in ("written", "sealed") else 6
     assert read_cut(path)["label"] == at
     got, ebc = reopened_state(path, memory_budget_bytes=2 << 20, cache_rows=600)  # the child's sizes
     try:

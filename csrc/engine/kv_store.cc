@@ -897,6 +897,7 @@ Status KVStore::Destroy(const std::string& path) {
 }
 
 Status KVStore::Compact() {
+  MLKV_RETURN_IF_ERROR(RefuseIfBegun("compact"));
   Status background = Flush();
   if (background.code() == Status::Code::kInvalidArgument) return background;  // closed
   std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
@@ -1078,7 +1079,12 @@ Status KVStore::Close() {
   }
   Status flushed = Flush();
   StopThreads();
-  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+  // A checkpoint begun and not finished is finished now, or by the call finishing it; the
+  // closing checkpoint below covers it either way.
+  uint64_t unused = 0;
+  (void)FinishCheckpoint(&unused);
+  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  WaitNoBegunCheckpoint(one_checkpoint);
   std::unique_lock<std::shared_mutex> lock(mu_);
   Status st = CheckpointExclusively();
   if (!st.ok()) {

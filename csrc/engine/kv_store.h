@@ -136,6 +136,13 @@ class KVStore : public RowStore {
   // since the last one, that one stands and no file is written. With cut_checkpoints the
   // committed checkpoint stays recoverable beside it (Open with options.checkpoint_sequence).
   Status Checkpoint(uint64_t* sequence = nullptr) override;
+  // Checkpoint in two halves (RowStore). Begin holds the lock shared only while it copies the
+  // mutable pages to the snapshot file (and, when one is due, the index to its image), unsynced;
+  // Finish waits for the flushes, syncs the files and commits, without the lock: puts and gets
+  // between the two go on, and land after the checkpoint. Until Finish, Begin, Checkpoint,
+  // Compact and CommitCheckpoint are refused (InvalidArgument); Close finishes it first.
+  Status BeginCheckpoint() override;
+  Status FinishCheckpoint(uint64_t* sequence) override;
   // With cut_checkpoints: the owner recorded the latest checkpoint, `sequence`, as its cut, so the
   // next checkpoint keeps it beside itself, and the one kept until now may go. Until then a new
   // checkpoint replaces the latest and keeps the committed one: the owner's record, which still
@@ -239,7 +246,36 @@ class KVStore : public RowStore {
     std::vector<std::string> files;
     std::vector<uint64_t> segments;
   };
-  Status WriteCheckpointFiles(WrittenCheckpoint* out);  // checkpoint_mu_ and mu_ (shared or not) held
+  // A checkpoint between its halves: its contents fixed in files not yet synced, and the record
+  // that will name them.
+  struct BegunCheckpoint {
+    bool open = false;         // begun, not yet finished
+    bool finishing = false;    // a FinishCheckpoint has it
+    bool by_owner = false;     // BeginCheckpoint's (not Checkpoint's or a compaction's, on their way)
+    uint64_t first_page = 0;   // pages below are in segment files: flushed and synced by Finish
+    int snapshot_fd = -1, image_fd = -1;
+    WrittenCheckpoint written;
+  };
+  // The first half: checkpoint_mu_ and mu_ (shared or not) held. Writes the snapshot (and the
+  // index image when due) unsynced and composes the record; out->written.wrote false when nothing
+  // changed since the latest checkpoint.
+  Status BeginCheckpointFiles(BegunCheckpoint* out);
+  // The second half, with or without mu_: the flushes below first_page, every sync, the record
+  // renamed into place. On failure the files go and the store stays at its latest checkpoint.
+  Status FinishCheckpointFiles(BegunCheckpoint* begun);
+  void DiscardBegunFiles(BegunCheckpoint* begun);
+  Status BeginCheckpointLocked(bool by_owner);  // checkpoint_mu_ held, no checkpoint begun
+  // The second half of the checkpoint begun by the owner (BeginCheckpoint), or by the calling
+  // Checkpoint or compaction (by_owner false), which no other call may take.
+  Status FinishBegunCheckpoint(bool by_owner, uint64_t* sequence);
+  // InvalidArgument while the owner's checkpoint is begun (a call that would wait for it could
+  // wait for itself); the store's own checkpoints are waited for instead.
+  Status RefuseIfBegun(const char* what);
+  // checkpoint_mu_ held: waits until no checkpoint is between its halves (one begun by a
+  // background compaction, or by another thread).
+  void WaitNoBegunCheckpoint(std::unique_lock<std::mutex>& lock) {
+    begun_cv_.wait(lock, [&] { return !begun_.open; });
+  }
   void CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete);  // mu_ exclusive
   void RemoveObsoleteFiles(const ObsoleteFiles& obsolete);
   // CHECKPOINT and CHECKPOINT.previous: the 88-byte record, read and checked / written atomically.
@@ -292,7 +328,8 @@ class KVStore : public RowStore {
   // image and writes a new one only when the log to replay after that one has outgrown the image,
   // so recovery reads at most about twice the index's bytes, and a checkpoint between rewrites
   // none. mu_ held (shared will do).
-  Status WriteIndexImage(uint64_t sequence, uint64_t flushed);
+  // The file is left open and unsynced in *fd_out (the checkpoint's second half syncs it).
+  Status WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out);
   // Loads the image the checkpoint `meta` names into the index and sets *flushed, the slot
   // recovery replays the log from. Any failure (no such file, damage, an image that does not fit
   // the checkpoint) leaves the index empty.
@@ -348,6 +385,8 @@ class KVStore : public RowStore {
 
   std::mutex close_mu_;  // one Close at a time
   std::mutex checkpoint_mu_;  // one checkpoint at a time; taken before mu_, after compaction_mu_
+  std::condition_variable begun_cv_;  // with checkpoint_mu_: begun_ was finished
+  BegunCheckpoint begun_;             // guarded by checkpoint_mu_; its files by whoever finishes it
   std::mutex lookahead_mu_;
   std::condition_variable lookahead_idle_;
   std::deque<CopyJob> lookahead_queue_;

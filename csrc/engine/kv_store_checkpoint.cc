@@ -3,12 +3,17 @@
 // CHECKPOINT record renamed into place. Nothing becomes read-only, so in-place
 // updates go on after it.
 //
-// The files are written while the store's lock is held shared: gets go on,
-// and only writes wait, for the state being written must not change under it.
-// The in-memory bookkeeping then moves to the new checkpoint under a short
-// exclusive hold, and the files no kept checkpoint needs are removed after it.
-// checkpoint_mu_ keeps checkpoints one at a time (lock order: compaction_mu_,
-// checkpoint_mu_, mu_).
+// It has two halves. The first fixes the contents: with the store's lock held
+// shared (gets go on, puts wait) it copies the mutable pages to the snapshot
+// file and the index to its image, both into the page cache, and composes the
+// record. The second makes them durable without the lock (the flushes of the
+// pages below the snapshot, the syncs, the record's rename), while puts land
+// after the checkpoint: pages below the snapshot are read-only, and recovery
+// takes the pages from the snapshot's first on from the snapshot, whatever
+// later flushes wrote to their segments. The in-memory bookkeeping then moves
+// to the new checkpoint under a short exclusive hold, and the files no kept
+// checkpoint needs are removed after it. checkpoint_mu_ and begun_ keep
+// checkpoints one at a time (lock order: compaction_mu_, checkpoint_mu_, mu_).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -37,7 +42,7 @@ std::string KVStore::SnapshotPath(uint64_t sequence) const {
   return path_ + name;
 }
 
-Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed) {
+Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out) {
   const HashIndex::ImageCounts counts = index_.Counts();
   const std::vector<HashIndex::Region> regions = index_.Regions();
   IndexImageHeader header;
@@ -62,10 +67,13 @@ Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed) {
     if (st.ok()) st = WriteFully(fd, r.data, r.bytes, offset, file);
     offset += r.bytes;
   }
-  if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + file + ": " + ErrnoText(errno));
-  close(fd);
-  if (!st.ok()) unlink(file.c_str());
-  return st;
+  if (!st.ok()) {
+    close(fd);
+    unlink(file.c_str());
+    return st;
+  }
+  *fd_out = fd;
+  return Status::OK();
 }
 
 // tmp file, fsync, rename over `file`, fsync the directory: a crash leaves the old record or the new.
@@ -89,78 +97,117 @@ Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string
 }
 
 Status KVStore::Checkpoint(uint64_t* sequence) {
+  MLKV_RETURN_IF_ERROR(RefuseIfBegun("checkpoint"));
   // A failed lookahead or compaction is reported, but does not cost the checkpoint.
   Status background = Flush();
   MLKV_RETURN_IF_ERROR(CheckpointConcurrently(sequence));
   return background;
 }
 
-Status KVStore::CheckpointConcurrently(uint64_t* sequence) {
+Status KVStore::RefuseIfBegun(const char* what) {
   std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
-  WrittenCheckpoint written;
+  if (!begun_.open || !begun_.by_owner) return Status::OK();  // a checkpoint of its own: wait for it
+  return Status::InvalidArgument("store at " + path_ + " cannot " + what + ": checkpoint " +
+                                 std::to_string(begun_.written.wrote ? begun_.written.sequence : checkpoint_sequence_) +
+                                 " is begun and not finished (finish it first)");
+}
+
+Status KVStore::CheckpointConcurrently(uint64_t* sequence) {
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
-    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-    MLKV_RETURN_IF_ERROR(WriteCheckpointFiles(&written));
-    if (!written.wrote && sequence) *sequence = checkpoint_sequence_;
+    std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+    WaitNoBegunCheckpoint(one_checkpoint);  // begun by another thread: it finishes
+    MLKV_RETURN_IF_ERROR(BeginCheckpointLocked(/*by_owner=*/false));
   }
-  if (!written.wrote) return Status::OK();
-  ObsoleteFiles obsolete;
-  {
-    std::unique_lock<std::shared_mutex> lock(mu_);
-    CommitCheckpointLocked(written, &obsolete);
-  }
-  RemoveObsoleteFiles(obsolete);
-  if (sequence) *sequence = written.sequence;
+  uint64_t finished = 0;
+  MLKV_RETURN_IF_ERROR(FinishBegunCheckpoint(/*by_owner=*/false, &finished));
+  if (sequence) *sequence = finished;
   return Status::OK();
+}
+
+Status KVStore::BeginCheckpoint() {
+  MLKV_RETURN_IF_ERROR(RefuseIfBegun("begin a checkpoint"));
+  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  WaitNoBegunCheckpoint(one_checkpoint);  // one a compaction began meanwhile
+  return BeginCheckpointLocked(/*by_owner=*/true);
+}
+
+Status KVStore::BeginCheckpointLocked(bool by_owner) {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  BegunCheckpoint begun;
+  MLKV_RETURN_IF_ERROR(BeginCheckpointFiles(&begun));
+  begun.open = true;
+  begun.by_owner = by_owner;
+  begun_ = begun;
+  return Status::OK();
+}
+
+Status KVStore::FinishCheckpoint(uint64_t* sequence) { return FinishBegunCheckpoint(/*by_owner=*/true, sequence); }
+
+Status KVStore::FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) {
+  BegunCheckpoint begun;
+  {
+    std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+    if (!begun_.open || begun_.finishing || begun_.by_owner != by_owner) {
+      return Status::InvalidArgument("store at " + path_ + " has no checkpoint begun to finish");
+    }
+    begun_.finishing = true;
+    begun = begun_;
+  }
+  // The files are this call's alone: another checkpoint waits for begun_ to close.
+  Status st = begun.written.wrote ? FinishCheckpointFiles(&begun) : Status::OK();
+  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+  if (st.ok() && begun.written.wrote) {
+    ObsoleteFiles obsolete;
+    {
+      std::unique_lock<std::shared_mutex> lock(mu_);
+      CommitCheckpointLocked(begun.written, &obsolete);
+    }
+    RemoveObsoleteFiles(obsolete);
+  }
+  *sequence = begun.written.wrote ? begun.written.sequence : checkpoint_sequence_;
+  begun_ = BegunCheckpoint();
+  begun_cv_.notify_all();
+  return st;
 }
 
 Status KVStore::CheckpointExclusively() {
-  WrittenCheckpoint written;
-  MLKV_RETURN_IF_ERROR(WriteCheckpointFiles(&written));
-  if (!written.wrote) return Status::OK();
+  BegunCheckpoint begun;
+  MLKV_RETURN_IF_ERROR(BeginCheckpointFiles(&begun));
+  if (!begun.written.wrote) return Status::OK();
+  MLKV_RETURN_IF_ERROR(FinishCheckpointFiles(&begun));
   ObsoleteFiles obsolete;
-  CommitCheckpointLocked(written, &obsolete);
+  CommitCheckpointLocked(begun.written, &obsolete);
   RemoveObsoleteFiles(obsolete);
   return Status::OK();
 }
 
-Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
-  out->wrote = false;
+void KVStore::DiscardBegunFiles(BegunCheckpoint* begun) {
+  for (int* fd : {&begun->snapshot_fd, &begun->image_fd}) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+  }
+  unlink(SnapshotPath(begun->written.sequence).c_str());
+  if (begun->written.image == begun->written.sequence) unlink(IndexImagePath(begun->written.sequence).c_str());
+}
+
+Status KVStore::BeginCheckpointFiles(BegunCheckpoint* out) {
+  WrittenCheckpoint& written = out->written;
+  written.wrote = false;
   if (!ChangedSinceCheckpointLocked()) return Status::OK();  // the latest checkpoint still holds
-  MLKV_RETURN_IF_ERROR(WaitFlushed(read_only_page_));
-  std::vector<uint64_t> dirty;
-  {
-    std::lock_guard<std::mutex> lock(flush_mu_);
-    dirty.swap(dirty_segments_);
-  }
-  for (size_t i = 0; i < dirty.size(); ++i) {
-    std::shared_ptr<SegmentFile> file;
-    Status st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
-    if (st.ok() && fdatasync(file->fd) != 0) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
-    if (!st.ok()) {  // still dirty for the next try
-      std::lock_guard<std::mutex> lock(flush_mu_);
-      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
-      return st;
-    }
-  }
   const uint64_t sequence = checkpoint_sequence_ + 1;
+  written.sequence = sequence;
   const std::string snapshot = SnapshotPath(sequence);
   const uint64_t first_page = read_only_page_;
   const uint64_t end_page = (tail_ + records_per_page_ - 1) / records_per_page_;
-  {
-    int fd = open(snapshot.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return Status::IOError("creating " + snapshot + ": " + ErrnoText(errno));
-    Status st;
-    for (uint64_t p = first_page; p < end_page && st.ok(); ++p) {
-      st = WriteFully(fd, FrameOf(p), page_bytes_, (p - first_page) * page_bytes_, snapshot);
-    }
-    if (st.ok() && fdatasync(fd) != 0) st = Status::IOError("syncing " + snapshot + ": " + ErrnoText(errno));
-    close(fd);
-    if (!st.ok()) {
-      unlink(snapshot.c_str());
-      return st;
-    }
+  out->first_page = first_page;
+  // The mutable pages go to the page cache now (a copy, as later puts change them in place); the
+  // disk takes them in the second half.
+  out->snapshot_fd = open(snapshot.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out->snapshot_fd < 0) return Status::IOError("creating " + snapshot + ": " + ErrnoText(errno));
+  Status st;
+  for (uint64_t p = first_page; p < end_page && st.ok(); ++p) {
+    st = WriteFully(out->snapshot_fd, FrameOf(p), page_bytes_, (p - first_page) * page_bytes_, snapshot);
   }
   // The index image: the latest one stands while the log recovery would replay after it is smaller
   // than an image; past that, a new one (none at all while the whole log is that small). An image
@@ -170,14 +217,15 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   const uint64_t replay_from = image ? image_flushed : begin_;
   const bool write_image = (ReadOnlySlot() - replay_from) * record_bytes_ > index_.MemoryBytes() ||
                            (image && sequence - image >= kNoIndexImage);
-  if (write_image) {
-    Status st = WriteIndexImage(sequence, ReadOnlySlot());
-    if (!st.ok()) {
-      unlink(snapshot.c_str());
-      return st;
-    }
+  if (st.ok() && write_image) {
+    st = WriteIndexImage(sequence, ReadOnlySlot(), &out->image_fd);
     image = sequence;
     image_flushed = ReadOnlySlot();
+  }
+  written.image = write_image ? sequence : 0;  // the files DiscardBegunFiles removes
+  if (!st.ok()) {
+    DiscardBegunFiles(out);
+    return st;
   }
   CheckpointMeta meta;
   std::memset(&meta, 0, sizeof(meta));
@@ -195,31 +243,58 @@ Status KVStore::WriteCheckpointFiles(WrittenCheckpoint* out) {
   meta.rows = index_.size();
   meta.image_age = image ? static_cast<uint32_t>(sequence - image) : kNoIndexImage;
   meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
-  const std::string record(reinterpret_cast<const char*>(&meta), sizeof(meta));
   // With cuts the checkpoint kept beside the new one is the committed one: the latest, once its
   // owner committed it, becomes the previous first (a crash at any point leaves CHECKPOINT whole
   // and it recoverable); an uncommitted latest is replaced, and CHECKPOINT.previous, which
   // already holds the committed one, stays.
-  const bool keep_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
-  const bool previous_moves = keep_previous && latest_committed_;
-  Status st;
-  if (previous_moves) st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
-  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", record);
+  written.kept_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
+  written.previous_moves = written.kept_previous && latest_committed_;
+  written.wrote = true;
+  written.begin = begin_;
+  written.changes = changes_;
+  written.image = image;
+  written.image_flushed = image_flushed;
+  written.record.assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
+  return Status::OK();
+}
+
+Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
+  const WrittenCheckpoint& written = begun->written;
+  Status st = WaitFlushed(begun->first_page);
+  // Every segment written so far (a superset of those below first_page: later flushes only add).
+  std::vector<uint64_t> dirty;
+  if (st.ok()) {
+    std::lock_guard<std::mutex> lock(flush_mu_);
+    dirty.swap(dirty_segments_);
+  }
+  for (size_t i = 0; i < dirty.size() && st.ok(); ++i) {
+    std::shared_ptr<SegmentFile> file;
+    st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
+    if (st.ok() && fdatasync(file->fd) != 0) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
+    if (!st.ok()) {  // still dirty for the next try
+      std::lock_guard<std::mutex> lock(flush_mu_);
+      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
+    }
+  }
+  if (st.ok() && fdatasync(begun->snapshot_fd) != 0) {
+    st = Status::IOError("syncing " + SnapshotPath(written.sequence) + ": " + ErrnoText(errno));
+  }
+  if (st.ok() && begun->image_fd >= 0 && fdatasync(begun->image_fd) != 0) {
+    st = Status::IOError("syncing " + IndexImagePath(written.sequence) + ": " + ErrnoText(errno));
+  }
+  if (st.ok() && written.previous_moves) {
+    st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
+  }
+  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", written.record);
   if (!st.ok()) {
-    unlink(snapshot.c_str());
-    if (write_image) unlink(IndexImagePath(sequence).c_str());
+    DiscardBegunFiles(begun);
     return st;
   }
-  if (!keep_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
-  out->wrote = true;
-  out->kept_previous = keep_previous;
-  out->previous_moves = previous_moves;
-  out->sequence = sequence;
-  out->begin = begin_;
-  out->changes = changes_;
-  out->image = image;
-  out->image_flushed = image_flushed;
-  out->record = record;
+  for (int* fd : {&begun->snapshot_fd, &begun->image_fd}) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+  }
+  if (!written.kept_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
   return Status::OK();
 }
 
@@ -263,7 +338,9 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
 }
 
 Status KVStore::CommitCheckpoint(uint64_t sequence) {
-  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+  MLKV_RETURN_IF_ERROR(RefuseIfBegun("commit a checkpoint"));
+  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  WaitNoBegunCheckpoint(one_checkpoint);  // one a compaction began meanwhile
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   if (sequence == checkpoint_sequence_) {

@@ -22,8 +22,24 @@ class RowStore {
   // Makes every row put so far durable; *sequence (when given) names the checkpoint, 0 when the
   // store keeps no numbered checkpoints (RocksDB keeps only its latest state).
   virtual Status Checkpoint(uint64_t* sequence) = 0;
+  // A checkpoint in two halves, for a caller that must not wait for the disk between them:
+  // BeginCheckpoint fixes its contents (every row put before it, none put after) and returns once
+  // puts may go on; FinishCheckpoint makes those durable and names them, as Checkpoint does. Each
+  // begun checkpoint is finished once, possibly by another thread. Here both happen in Begin.
+  virtual Status BeginCheckpoint() {
+    begun_status_ = Checkpoint(&begun_sequence_);
+    return Status::OK();
+  }
+  virtual Status FinishCheckpoint(uint64_t* sequence) {
+    *sequence = begun_sequence_;
+    return begun_status_;
+  }
   virtual uint32_t value_bytes() const = 0;
   virtual const std::string& path() const = 0;
+
+ private:
+  Status begun_status_;  // the default halves: the checkpoint Begin took
+  uint64_t begun_sequence_ = 0;
 };
 
 }  // namespace mlkv
