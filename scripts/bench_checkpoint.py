@@ -17,13 +17,14 @@ behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
   cache), how snapshots read before the scan;
 - reopen: the tables reopened at the cut (every store recovers its checkpoint).
 
-With --nproc N (N > 1) the runner trains under torchrun instead (DistributedModelParallel, the
-planner's disk tables, every rank cutting its own), --steps steps with a checkpoint every
---steps / 4, once with checkpoints and once without; each step's time comes from rank 0's
-metrics (log_every 1). Reported: the steps after each checkpoint against the mean step of the run
-without checkpoints.
+With --runner, or --nproc N (N > 1), the runner trains instead (`python -m mlkv_torch.train`, with
+its look-ahead pipeline; under torchrun with N processes: DistributedModelParallel, the planner's
+disk tables, every rank cutting its own), --steps steps with a checkpoint every --steps / 4 (or
+--every), once with checkpoints and once without; each step's time comes from rank 0's metrics
+(log_every 1). Reported: the steps after each checkpoint against the mean step of the run without
+checkpoints.
 
-    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--smoke]
+    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner] [--smoke]
 """
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ import time
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPANNED = 4  # steps after a checkpoint whose worst is its cost under torchrun (its work spans three)
+SPANNED = 4  # steps after a checkpoint whose worst is its cost through the runner (its work spans three)
 
 
-def under_torchrun(args: argparse.Namespace) -> int:
-    """The runner under torchrun with checkpoints every --every steps (default steps / 4) and without:
-    each step's time."""
+def through_the_runner(args: argparse.Namespace) -> int:
+    """The runner (under torchrun with --nproc > 1) with checkpoints every --every steps (default
+    steps / 4) and without: each step's time."""
     import subprocess
 
     every = args.every or max(2, args.steps // 4)
@@ -51,8 +52,9 @@ def under_torchrun(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")) as work:
         for checkpoint_every in (every, 0):
             out = os.path.join(work, f"every-{checkpoint_every}")
-            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                            str(args.nproc), "-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
+            launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                          str(args.nproc)] if args.nproc > 1 else [])
+            done = subprocess.run(launch + ["-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
                             f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
                             f"train.batch_size={batch}", "train.log_every=1", f"eval.every={10 * args.steps}",
                             f"train.checkpoint_every={checkpoint_every or 'null'}", "storage.populate=true",
@@ -77,6 +79,9 @@ def under_torchrun(args: argparse.Namespace) -> int:
     # Against the steps just before it in the same run (a shared machine drifts over a run): the
     # worst of the steps after each checkpoint over the median of the 8 before it.
     local = {c: max(checkpointed[c:c + SPANNED]) / sorted(checkpointed[c - 9:c - 1])[4] for c in after if c >= 9}
+    # Against the same steps (the same batches) of the run without checkpoints, step by step: early
+    # in a run the cache still fills, and those steps are slower with or without a checkpoint.
+    paired = {c: max(w / p for w, p in zip(checkpointed[c:c + SPANNED], steps_of[0][c:c + SPANNED])) for c in after}
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
                   steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
                   worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
@@ -85,8 +90,10 @@ def under_torchrun(args: argparse.Namespace) -> int:
                   worst_plain_step_over_step=max(plain) / step_s,
                   plain_steps_at_checkpoints_over_step={str(c): v for c, v in plain_at.items()},
                   median_worst_of_spanned_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None,
-                  worst_of_spanned_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()})
-    print(f"torchrun, {args.nproc} processes; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
+                  worst_of_spanned_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()},
+                  worst_of_spanned_steps_over_the_same_steps_without={str(c): r for c, r in paired.items()})
+    where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"
+    print(f"{where}; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
     for c, ratios in after.items():
         print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
     print(f"the run with checkpoints every {every} steps, its mean step: {result['mean_checkpointed_run_over_plain']:.2f}x")
@@ -96,6 +103,10 @@ def under_torchrun(args: argparse.Namespace) -> int:
               f"at most {firsts[-1]:.2f}x ({len(firsts)} checkpoints)")
     if local:
         print("the same over the median of the 8 steps before it: " + " ".join(f"{r:.2f}" for r in local.values()))
+    if paired:
+        ordered = sorted(paired.values())
+        print("the same over the same steps without checkpoints, step by step: " +
+              " ".join(f"{r:.2f}" for r in paired.values()) + f" (median {ordered[len(ordered) // 2]:.2f}x)")
     with open(os.path.join(REPO, args.out), "w") as f:
         json.dump(result, f, indent=1)
     return 0
@@ -108,12 +119,13 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--out", default="bench-out/bench_checkpoint.json")
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     ap.add_argument("--nproc", type=int, default=1, help="processes under torchrun (1: one process, in this one)")
-    ap.add_argument("--every", type=int, default=0, help="with --nproc: steps between checkpoints (0: steps / 4)")
+    ap.add_argument("--runner", action="store_true", help="train through the runner (implied by --nproc > 1)")
+    ap.add_argument("--every", type=int, default=0, help="with --runner: steps between checkpoints (0: steps / 4)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.scale, args.steps = 1000, (8 if args.nproc > 1 else 4)
-    if args.nproc > 1:
-        return under_torchrun(args)
+        args.scale, args.steps = 1000, (8 if args.nproc > 1 or args.runner else 4)
+    if args.nproc > 1 or args.runner:
+        return through_the_runner(args)
     sys.path.insert(0, REPO)
     import torch
 
