@@ -94,7 +94,10 @@ std::vector<int64_t> EmbeddingCache::FinishCut(bool superseded) {
   std::unique_lock<std::mutex> lock(mu_);
   TORCH_CHECK(cut_state_ != CutState::kNone, "no cut of ", tables_[0].store->path(), " was begun");
   WaitCutDurable(lock);
+  TORCH_CHECK(cut_state_ == CutState::kDone, "the cut of ", tables_[0].store->path(),
+              " (and the tables beside it) was finished by another call");
   cut_state_ = CutState::kNone;
+  written_cv_.notify_all();
   if (!cut_error_.ok() && !superseded) throw StatusError(cut_error_);
   return cut_sequences_;
 }
@@ -103,12 +106,13 @@ void EmbeddingCache::WaitCutDurable(std::unique_lock<std::mutex>& lock) {
   for (;;) {
     if (cut_state_ == CutState::kWriting) CheckWriterNotPaused();
     // Only the cut's own rows failing concern it; after the seal, failed writes are later rows'.
+    // kNone: another call finished it (a FinishCut, while this WriteBack waited).
     written_cv_.wait(lock, [&] {
-      return cut_state_ == CutState::kSealed || cut_state_ == CutState::kDone ||
+      return cut_state_ == CutState::kSealed || cut_state_ == CutState::kDone || cut_state_ == CutState::kNone ||
              (cut_state_ == CutState::kWriting && !write_error_.ok());
     });
     if (cut_state_ == CutState::kSealed) FinishStoreCheckpoints(lock);
-    if (cut_state_ == CutState::kDone) return;
+    if (cut_state_ == CutState::kDone || cut_state_ == CutState::kNone) return;
     ThrowIfWriteFailed(lock);  // raises while the stores refuse the cut's rows; they stay in memory
   }
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 CUT_RECORD = "CUT.json"
@@ -112,6 +113,17 @@ class PendingCut:
         self._parts = parts
         self._record: Optional[Dict[str, Any]] = None
         self._error: Optional[BaseException] = None
+        self._commit_deferred = False
+        self._committed = False
+        self._waiting = threading.Lock()  # a close may wait while the training checkpoint's thread does
+
+    def defer_commit(self) -> "PendingCut":
+        """The stores are told the cut is committed only by `commit()`, which the caller calls once
+        its own record naming the cut (a training checkpoint) is durable; `wait()`, a close's
+        included, does not tell them. Until then every store keeps the cut before beside this one,
+        so a close before that record is written leaves the cut it names recoverable."""
+        self._commit_deferred = True
+        return self
 
     @property
     def done(self) -> bool:
@@ -119,25 +131,35 @@ class PendingCut:
         return self._record is not None or self._error is not None
 
     def wait(self) -> Dict[str, Any]:
-        if self._error is not None:
-            raise self._error
-        if self._record is not None:
-            return self._record
-        tables: Dict[str, Any] = {}
-        try:
-            for part in self._parts:
-                tables.update(part.finish())
-            recorded = read_cut(self.directory)
-            if self.label is None and recorded is not None and recorded["tables"] == tables:
-                record = recorded  # nothing changed since that cut (closing after one): it stands, label and all
-            else:
-                os.makedirs(self.directory, exist_ok=True)
-                record = {"label": self.label, "tables": tables}
-                write_cut(self.directory, record)
-            for part in self._parts:
-                part.commit()
-            self._record = record
-        except BaseException as e:
-            self._error = e
-            raise
+        with self._waiting:
+            if self._error is not None:
+                raise self._error
+            if self._record is None:
+                tables: Dict[str, Any] = {}
+                try:
+                    for part in self._parts:
+                        tables.update(part.finish())
+                    recorded = read_cut(self.directory)
+                    if self.label is None and recorded is not None and recorded["tables"] == tables:
+                        record = recorded  # nothing changed since that cut (closing after one): it stands, label and all
+                    else:
+                        os.makedirs(self.directory, exist_ok=True)
+                        record = {"label": self.label, "tables": tables}
+                        write_cut(self.directory, record)
+                except BaseException as e:
+                    self._error = e
+                    raise
+                self._record = record
+        if not self._commit_deferred:
+            self.commit()
         return self._record
+
+    def commit(self) -> None:
+        """Tells every part's stores the cut is committed (once; after `wait`)."""
+        with self._waiting:
+            if self._record is None:
+                raise RuntimeError(f"the cut {self.label!r} is not written yet: wait() for it first")
+            if not self._committed:
+                for part in self._parts:
+                    part.commit()
+                self._committed = True

@@ -299,7 +299,8 @@ class _Experiment:
 
     def _save_local(self, step: int) -> Callable[[], None]:
         """One process: begins the cut, takes the dense state; returns what commits both."""
-        self.collection.begin_checkpoint(label=step)
+        # Its stores are told it is committed once checkpoint.pt names it (`commit` below).
+        pending = self.collection.begin_checkpoint(label=step).defer_commit()
         state = {"step": step, "dense": self._dense_state(),
                  "dense_optimizer": _local_copy(self.optimizer.state_dict())}  # later steps change it in place
         boundaries = self.boundaries
@@ -308,9 +309,12 @@ class _Experiment:
             # The cut's rows go to the stores in the next step, their syncs in the one after, the
             # dense state's file in the one after that: no step pays for two of them.
             boundaries.wait_next()
-            state["cut"] = self.collection.wait_checkpoint()
+            state["cut"] = pending.wait()
             boundaries.wait_next()
             _save_whole(state, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
+            # Only now may the stores let the previous cut go (a close after a failed step, before
+            # this file was written, keeps the cut the previous file names).
+            pending.commit()
         return commit
 
     def finish_save(self) -> None:
@@ -353,6 +357,8 @@ class _Experiment:
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
         # Storage kind memory has no disk tables: every row goes to the directory.
         pending = self.collection.begin_checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
+        if pending is not None:
+            pending.defer_commit()  # committed once the rank's own record names it (`commit` below)
         with disk_tables_left_out():  # copied now, written in the background
             state = _local_copy({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
                                  "step": step, "world_size": self.world_size})
@@ -377,6 +383,8 @@ class _Experiment:
                 write_json_record(record, {"error": f"{type(e).__name__}: {e}"})
                 raise
             write_json_record(record, {"cut": cut})
+            if pending is not None:
+                pending.commit()  # after the rank's own record (see _save_local)
             if not main:
                 return
             records = [os.path.join(directory, f"cut-rank{r}.json") for r in range(world)]

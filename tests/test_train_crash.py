@@ -161,3 +161,38 @@ def test_a_full_disk_stops_the_run_and_resume_goes_back_to_its_last_checkpoint(t
     assert {s: got[s] for s in got} == {s: expected[s] for s in got} and max(got) == STEPS
     for key in ("steps", "auc", "logloss"):
         assert json.loads((out / "summary.json").read_text())[key] == json.loads((whole / "summary.json").read_text())[key]
+
+
+# The runner failing with an exception two steps after its checkpoint at step 6: the cut is written
+# (or being written) in the background, checkpoint.pt does not name it yet, and the process closes
+# its tables on the way out.
+FAILED_STEP_RUN = """
+import sys
+from mlkv_torch import train
+from mlkv_torch.pipeline import LookaheadPipeline
+progress, calls = LookaheadPipeline.progress, []
+
+def progress_then_fail(self, data):
+    calls.append(1)
+    if len(calls) == 8:
+        raise RuntimeError("step 8 failed")
+    return progress(self, data)
+
+LookaheadPipeline.progress = progress_then_fail
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_step_that_raises_after_a_checkpoint_leaves_the_one_before_resumable(tmp_path, whole):
+    out = tmp_path / "failed"
+    command = _command(out, resume=False)
+    done = subprocess.run([sys.executable, "-c", FAILED_STEP_RUN, *command[3:]], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert done.returncode != 0 and "step 8 failed" in done.stderr, done.stderr[-3000:]
+    # checkpoint.pt names the cut at step 3; the stores were not told the cut at 6 was committed,
+    # so closing them kept the one at 3.
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    done = subprocess.run(_command(out, resume=True), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected, got = _losses(whole), _losses(out)
+    assert {s: got[s] for s in got} == {s: expected[s] for s in got} and max(got) == STEPS

@@ -1068,7 +1068,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
     *compacted = true;
   }
   // On failure, or when the store's owner takes the checkpoints, the segments go at the next one.
-  return all || !options_.cut_checkpoints ? CheckpointConcurrently() : Status::OK();
+  return all || !options_.cut_checkpoints ? CheckpointConcurrently(nullptr, /*unless_owner_begun=*/!all) : Status::OK();
 }
 
 Status KVStore::Close() {
@@ -1077,12 +1077,12 @@ Status KVStore::Close() {
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (closed_) return Status::OK();
   }
+  // A checkpoint begun and not finished is finished first (a compaction Flush waits for may
+  // be waiting for it); the closing checkpoint below covers it either way.
+  FinishOrWaitBegunCheckpoint();
   Status flushed = Flush();
   StopThreads();
-  // A checkpoint begun and not finished is finished now, or by the call finishing it; the
-  // closing checkpoint below covers it either way.
-  uint64_t unused = 0;
-  (void)FinishCheckpoint(&unused);
+  FinishOrWaitBegunCheckpoint();  // one begun meanwhile
   std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
   WaitNoBegunCheckpoint(one_checkpoint);
   std::unique_lock<std::shared_mutex> lock(mu_);

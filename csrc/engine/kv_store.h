@@ -232,7 +232,10 @@ class KVStore : public RowStore {
   // Checkpoints, in kv_store_checkpoint.cc. Concurrently: takes checkpoint_mu_, writes the files
   // with mu_ held shared, commits with it held exclusively; mu_ must not be held. Exclusively:
   // the caller holds checkpoint_mu_ and mu_ exclusively throughout (open, close).
-  Status CheckpointConcurrently(uint64_t* sequence = nullptr);
+  // unless_owner_begun: none while the owner's checkpoint is begun (a compaction's).
+  Status CheckpointConcurrently(uint64_t* sequence = nullptr, bool unless_owner_begun = false);
+  // Close: finishes the owner's begun checkpoint, or waits for the call finishing one.
+  void FinishOrWaitBegunCheckpoint();
   Status CheckpointExclusively();
   struct WrittenCheckpoint {  // files on disk, not yet the store's checkpoint in memory
     bool wrote = false;       // false: nothing changed since the latest, which still holds

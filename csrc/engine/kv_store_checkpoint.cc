@@ -112,10 +112,13 @@ Status KVStore::RefuseIfBegun(const char* what) {
                                  " is begun and not finished (finish it first)");
 }
 
-Status KVStore::CheckpointConcurrently(uint64_t* sequence) {
+Status KVStore::CheckpointConcurrently(uint64_t* sequence, bool unless_owner_begun) {
   {
     std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
-    WaitNoBegunCheckpoint(one_checkpoint);  // begun by another thread: it finishes
+    // One begun by another thread finishes there. The owner's may wait for this very call (a
+    // compaction its puts stall for, or its Close's Flush), so a compaction takes none then.
+    begun_cv_.wait(one_checkpoint, [&] { return !begun_.open || (begun_.by_owner && unless_owner_begun); });
+    if (begun_.open) return Status::OK();  // its segments go at the next checkpoint
     MLKV_RETURN_IF_ERROR(BeginCheckpointLocked(/*by_owner=*/false));
   }
   uint64_t finished = 0;
@@ -169,6 +172,20 @@ Status KVStore::FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) {
   begun_ = BegunCheckpoint();
   begun_cv_.notify_all();
   return st;
+}
+
+void KVStore::FinishOrWaitBegunCheckpoint() {
+  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  while (begun_.open) {
+    if (begun_.by_owner && !begun_.finishing) {
+      one_checkpoint.unlock();
+      uint64_t unused = 0;
+      (void)FinishCheckpoint(&unused);  // its failure leaves nothing to finish; Close checkpoints anew
+      one_checkpoint.lock();
+    } else {
+      begun_cv_.wait(one_checkpoint);
+    }
+  }
 }
 
 Status KVStore::CheckpointExclusively() {
