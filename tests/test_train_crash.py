@@ -75,6 +75,12 @@ def _tables(out: Path):
         ebc.close()
 
 
+def _run_patched(program: str, out: Path) -> subprocess.CompletedProcess:
+    """The runner's command line, run by `program` (which patches the runner, then calls its main)."""
+    return subprocess.run([sys.executable, "-c", program, *_command(out, resume=False)[3:]], capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     """The uninterrupted run."""
@@ -146,9 +152,7 @@ sys.exit(train.main(sys.argv[1:]))
 
 def test_a_full_disk_stops_the_run_and_resume_goes_back_to_its_last_checkpoint(tmp_path, whole):
     out = tmp_path / "full"
-    command = _command(out, resume=False)
-    done = subprocess.run([sys.executable, "-c", FULL_DISK_RUN, *command[3:]], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    done = _run_patched(FULL_DISK_RUN, out)
     assert done.returncode != 0, "the run went on with its disk full"
     # The store's OSError (mlkv_torch._C.StoreIOError), raised where training met it.
     raised = [line for line in done.stderr.splitlines() if re.match(r"[\w.]*(OSError|StoreIOError): ", line)]
@@ -185,9 +189,7 @@ sys.exit(train.main(sys.argv[1:]))
 
 def test_a_step_that_raises_after_a_checkpoint_leaves_the_one_before_resumable(tmp_path, whole):
     out = tmp_path / "failed"
-    command = _command(out, resume=False)
-    done = subprocess.run([sys.executable, "-c", FAILED_STEP_RUN, *command[3:]], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    done = _run_patched(FAILED_STEP_RUN, out)
     assert done.returncode != 0 and "step 8 failed" in done.stderr, done.stderr[-3000:]
     # checkpoint.pt names the cut at step 3; the stores were not told the cut at 6 was committed,
     # so closing them kept the one at 3.
