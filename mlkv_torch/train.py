@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
-from .cut import read_json_record, sync_directory, write_json_record
+from .cut import PendingCut, read_json_record, sync_directory, write_json_record
 from .embedding import MemoryBudgetError
 from .ranks import all_gather_objects
 
@@ -303,19 +303,28 @@ class _Experiment:
         pending = self.collection.begin_checkpoint(label=step).defer_commit()
         state = {"step": step, "dense": self._dense_state(),
                  "dense_optimizer": _local_copy(self.optimizer.state_dict())}  # later steps change it in place
-        boundaries = self.boundaries
 
         def commit() -> None:
-            # The cut's rows go to the stores in the next step, their syncs in the one after, the
-            # dense state's file in the one after that: no step pays for two of them.
-            boundaries.wait_next()
-            state["cut"] = pending.wait()
-            boundaries.wait_next()
-            _save_whole(state, self.checkpoint_path())  # the previous checkpoint stays whole until this one is
+            # The previous checkpoint stays whole until this one is.
+            self._write_over_steps(pending, state, "cut", self.checkpoint_path())
             # Only now may the stores let the previous cut go (a close after a failed step, before
             # this file was written, keeps the cut the previous file names).
             pending.commit()
         return commit
+
+    def _write_over_steps(self, pending: Optional[PendingCut], state: Dict[str, Any], cut_key: Optional[str],
+                          path: str) -> Optional[Dict[str, Any]]:
+        """A checkpoint's background work, one piece a step: the cut's rows go to the stores in the
+        step after the boundary, their syncs (`pending.wait`) follow the next boundary, and `state`
+        (with the cut's record under `cut_key`, when given) goes to `path` after the one after that;
+        no step pays for two of them. Returns the cut's record (None without disk tables)."""
+        self.boundaries.wait_next()
+        cut = pending.wait() if pending is not None else None
+        if cut_key is not None:
+            state[cut_key] = cut
+        self.boundaries.wait_next()
+        _save_whole(state, path)
+        return cut
 
     def finish_save(self) -> None:
         """Waits for the checkpoint being written (`save`); raises what failed writing it."""
@@ -363,7 +372,6 @@ class _Experiment:
             state = _local_copy({"model": self.model.state_dict(), "optim": self._optimizer_state_without_disk_tables(),
                                  "step": step, "world_size": self.world_size})
         rank, world, main = self.rank, self.world_size, self.is_main
-        boundaries = self.boundaries
 
         def commit() -> None:
             import shutil
@@ -371,14 +379,8 @@ class _Experiment:
             # Files, not collectives: this runs beside training, which uses the process group.
             os.makedirs(directory, exist_ok=True)
             record = os.path.join(directory, f"cut-rank{rank}.json")
-            try:
-                # The cut's rows go to the stores in the next step, their syncs in the one after, the
-                # rest of the state in the one after that: no step pays for two of them. A failure
-                # of either is recorded for rank 0.
-                boundaries.wait_next()
-                cut = pending.wait() if pending is not None else None
-                boundaries.wait_next()
-                _save_whole(state, os.path.join(directory, f"rank{rank}.pt"))
+            try:  # a failure of the cut or of the file is recorded for rank 0
+                cut = self._write_over_steps(pending, state, None, os.path.join(directory, f"rank{rank}.pt"))
             except BaseException as e:  # rank 0 must not wait for it
                 write_json_record(record, {"error": f"{type(e).__name__}: {e}"})
                 raise

@@ -1077,14 +1077,11 @@ Status KVStore::Close() {
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (closed_) return Status::OK();
   }
-  // A checkpoint begun and not finished is finished first (a compaction Flush waits for may
-  // be waiting for it); the closing checkpoint below covers it either way.
-  FinishOrWaitBegunCheckpoint();
   Status flushed = Flush();
   StopThreads();
-  FinishOrWaitBegunCheckpoint();  // one begun meanwhile
+  // A checkpoint begun and not finished is finished first; the closing checkpoint covers it.
   std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
-  WaitNoBegunCheckpoint(one_checkpoint);
+  FinishOrWaitBegunCheckpoint(one_checkpoint);
   std::unique_lock<std::shared_mutex> lock(mu_);
   Status st = CheckpointExclusively();
   if (!st.ok()) {

@@ -229,13 +229,15 @@ class KVStore : public RowStore {
   Status SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const;
   void ForgetSegment(uint64_t segment);
   void MoveLive(uint64_t old_slot, uint64_t new_slot);
-  // Checkpoints, in kv_store_checkpoint.cc. Concurrently: takes checkpoint_mu_, writes the files
-  // with mu_ held shared, commits with it held exclusively; mu_ must not be held. Exclusively:
-  // the caller holds checkpoint_mu_ and mu_ exclusively throughout (open, close).
-  // unless_owner_begun: none while the owner's checkpoint is begun (a compaction's).
+  // Checkpoints, in kv_store_checkpoint.cc. Concurrently: both halves on the calling thread (the
+  // first with mu_ held shared, the second without it, its commit exclusively); mu_ must not be
+  // held. unless_owner_begun: none while the owner's checkpoint is begun (a compaction's, which
+  // the owner's puts or Close may be waiting for). Exclusively: the caller holds checkpoint_mu_
+  // and mu_ exclusively throughout (open, close).
   Status CheckpointConcurrently(uint64_t* sequence = nullptr, bool unless_owner_begun = false);
-  // Close: finishes the owner's begun checkpoint, or waits for the call finishing one.
-  void FinishOrWaitBegunCheckpoint();
+  // Close, checkpoint_mu_ held: returns once no checkpoint is begun, having finished the owner's
+  // (or waited for the call finishing one).
+  void FinishOrWaitBegunCheckpoint(std::unique_lock<std::mutex>& one_checkpoint);
   Status CheckpointExclusively();
   struct WrittenCheckpoint {  // files on disk, not yet the store's checkpoint in memory
     bool wrote = false;       // false: nothing changed since the latest, which still holds

@@ -174,8 +174,7 @@ Status KVStore::FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) {
   return st;
 }
 
-void KVStore::FinishOrWaitBegunCheckpoint() {
-  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+void KVStore::FinishOrWaitBegunCheckpoint(std::unique_lock<std::mutex>& one_checkpoint) {
   while (begun_.open) {
     if (begun_.by_owner && !begun_.finishing) {
       one_checkpoint.unlock();
