@@ -493,6 +493,7 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["write_back_rows"] = s.write_back_rows;
   d["write_back_waits"] = s.write_back_waits;
   d["write_back_wait_ms"] = static_cast<double>(s.write_back_wait_us) / 1e3;
+  d["cut_rows"] = s.cut_rows;
   return d;
 }
 

@@ -27,6 +27,7 @@ void EmbeddingCache::BeginCut() {
   write_back_.Swap(cut_write_back_);
   std::vector<int64_t> ids;
   std::vector<int32_t> slots = TakeDirtySlots(&ids);
+  stats_.cut_rows = static_cast<int64_t>(cut_write_back_.size() + ids.size());
   if (on_host_) {
     for (int32_t s : slots) cut_slot_[s] = 1;
     cut_slots_ = std::move(slots);

@@ -108,6 +108,7 @@ struct CacheStats {
   int64_t write_back_rows = 0;  // rows waiting in the write-back buffer
   // Fetches that found the write-back buffer over its limit and waited for the writer, and how long.
   int64_t write_back_waits = 0, write_back_wait_us = 0;
+  int64_t cut_rows = 0;  // rows of the cut begun last (dirty or on their way to the stores at its boundary)
 };
 
 // The counters of CacheStats that belong to one table of the cache.

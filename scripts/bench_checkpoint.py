@@ -20,9 +20,10 @@ behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
 With --runner, or --nproc N (N > 1), the runner trains instead (`python -m mlkv_torch.train`, with
 its look-ahead pipeline; under torchrun with N processes: DistributedModelParallel, the planner's
 disk tables, every rank cutting its own), --steps steps with a checkpoint every --steps / 4 (or
---every), once with checkpoints and once without; each step's time comes from rank 0's metrics
+--every), once with checkpoints and twice without; each step's time comes from rank 0's metrics
 (log_every 1). Reported: the steps after each checkpoint against the mean step of the run without
-checkpoints.
+checkpoints, and against the same steps (the same batches) of that run, step by step; the second run
+without checkpoints, compared the same way, gives the noise of such a comparison.
 
     python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner] [--smoke]
 """
@@ -47,11 +48,12 @@ def through_the_runner(args: argparse.Namespace) -> int:
 
     every = args.every or max(2, args.steps // 4)
     batch = 256 if args.smoke else 2048
-    steps_of: Dict[int, List[float]] = {}
+    steps_of: Dict[str, List[float]] = {}
     os.makedirs(os.path.join(REPO, "bench-out"), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")) as work:
-        for checkpoint_every in (every, 0):
-            out = os.path.join(work, f"every-{checkpoint_every}")
+        # A second run without checkpoints measures the noise of comparing two runs step by step.
+        for run, checkpoint_every in (("plain", 0), ("checkpointed", every), ("plain again", 0)):
+            out = os.path.join(work, run.replace(" ", "-"))
             launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                           str(args.nproc)] if args.nproc > 1 else [])
             done = subprocess.run(launch + ["-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
@@ -64,24 +66,27 @@ def through_the_runner(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"the run with checkpoint_every={checkpoint_every} failed: {done.stderr[-6000:]}")
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 records = [json.loads(line) for line in f if '"samples_per_s"' in line]
-            steps_of[checkpoint_every] = [batch * args.nproc / r["samples_per_s"] for r in records]
+            steps_of[run] = [batch * args.nproc / r["samples_per_s"] for r in records]
     warm_up = max(1, args.steps // 5)
-    plain = steps_of[0][warm_up:]
+    plain = steps_of["plain"][warm_up:]
     step_s = sum(plain) / len(plain)
-    checkpointed = steps_of[every]
+    checkpointed = steps_of["checkpointed"]
     # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary. The
     # runner spreads the checkpoint's work over the steps after it, one piece per step (the cut's
     # rows, the stores' syncs, the rest of the state): the worst of SPANNED steps is its cost.
     after = {c: [t / step_s for t in checkpointed[c:c + min(every, 10)]] for c in range(every, args.steps, every)}
     # The same steps of the run without checkpoints (the same batches), against its mean: the noise.
-    plain_at = {c: [t / step_s for t in steps_of[0][c:c + SPANNED]] for c in after}
+    plain_at = {c: [t / step_s for t in steps_of["plain"][c:c + SPANNED]] for c in after}
     firsts = sorted(max(v[:SPANNED]) for v in after.values() if v)
     # Against the steps just before it in the same run (a shared machine drifts over a run): the
     # worst of the steps after each checkpoint over the median of the 8 before it.
     local = {c: max(checkpointed[c:c + SPANNED]) / sorted(checkpointed[c - 9:c - 1])[4] for c in after if c >= 9}
     # Against the same steps (the same batches) of the run without checkpoints, step by step: early
     # in a run the cache still fills, and those steps are slower with or without a checkpoint.
-    paired = {c: max(w / p for w, p in zip(checkpointed[c:c + SPANNED], steps_of[0][c:c + SPANNED])) for c in after}
+    def paired_with_plain(run: List[float]) -> Dict[int, float]:
+        return {c: max(w / p for w, p in zip(run[c:c + SPANNED], steps_of["plain"][c:c + SPANNED])) for c in after}
+    paired = paired_with_plain(checkpointed)
+    noise = paired_with_plain(steps_of["plain again"])  # the same, for two runs without checkpoints
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
                   steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
                   worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
@@ -91,7 +96,8 @@ def through_the_runner(args: argparse.Namespace) -> int:
                   plain_steps_at_checkpoints_over_step={str(c): v for c, v in plain_at.items()},
                   median_worst_of_spanned_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None,
                   worst_of_spanned_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()},
-                  worst_of_spanned_steps_over_the_same_steps_without={str(c): r for c, r in paired.items()})
+                  worst_of_spanned_steps_over_the_same_steps_without={str(c): r for c, r in paired.items()},
+                  noise_the_same_for_a_second_run_without={str(c): r for c, r in noise.items()})
     where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"
     print(f"{where}; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
     for c, ratios in after.items():
@@ -103,10 +109,12 @@ def through_the_runner(args: argparse.Namespace) -> int:
               f"at most {firsts[-1]:.2f}x ({len(firsts)} checkpoints)")
     if local:
         print("the same over the median of the 8 steps before it: " + " ".join(f"{r:.2f}" for r in local.values()))
-    if paired:
-        ordered = sorted(paired.values())
-        print("the same over the same steps without checkpoints, step by step: " +
-              " ".join(f"{r:.2f}" for r in paired.values()) + f" (median {ordered[len(ordered) // 2]:.2f}x)")
+    for what, ratios in (("the same over the same steps without checkpoints, step by step", paired),
+                         ("noise: a second run without checkpoints, the same way", noise)):
+        if ratios:
+            ordered = sorted(ratios.values())
+            print(f"{what}: " + " ".join(f"{r:.2f}" for r in ratios.values()) +
+                  f" (median {ordered[len(ordered) // 2]:.2f}x, at most {ordered[-1]:.2f}x)")
     with open(os.path.join(REPO, args.out), "w") as f:
         json.dump(result, f, indent=1)
     return 0

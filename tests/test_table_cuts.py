@@ -302,3 +302,23 @@ def test_one_cut_at_a_time_and_close_commits_the_pending_one(tmp_path):
     assert second.done and second.wait()["label"] == 5
     assert read_cut(str(tmp_path / "tables"))["label"] is None  # close's own cut, at step 6
     assert read_cut(str(tmp_path / "tables"))["tables"]["a"]["step"] == 6
+
+
+def test_a_cut_takes_the_rows_trained_since_the_cut_before(tmp_path):
+    """The cache's `cut_rows`: what a cut writes is the rows trained since the cut before (every row
+    cached here, none written back by an eviction)."""
+    namespace = {}
+    exec(SETUP, namespace)
+    collection, train, batch = namespace["collection"], namespace["train"], namespace["batch"]
+    ebc = collection(str(tmp_path / "tables"), memory_budget_bytes=4 << 20)
+    try:
+        train(ebc, 0, 5)
+        ebc.checkpoint(label=5)
+        train(ebc, 5, 8)
+        trained = {(key, i) for step in range(5, 8) for kjt in [batch(step)] for key in kjt.keys()
+                   for i in kjt[key].values().tolist()}
+        pending = ebc.begin_checkpoint(label=8)
+        assert sum(b.cache.stats()["cut_rows"] for b in ebc._batches) == len(trained)
+        assert pending.wait()["label"] == 8
+    finally:
+        ebc.close()
