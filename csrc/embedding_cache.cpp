@@ -41,6 +41,9 @@ void DispatchWeightType(WeightType t, F&& f) {
 }
 
 constexpr int kVictimSamples = 8;
+// Rows of a fetch a prefetch request may read before the fetch waits for it rather than reading
+// them itself.
+constexpr int64_t kReadItselfRows = 64;
 constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
 constexpr int kVictimRounds = 4;
 
@@ -338,7 +341,10 @@ int32_t EmbeddingCache::PickVictim() {
     // Rows this fetch read sit at the front; a read tail means every row was read.
     return (lru_tail_ >= 0 && slot_epoch_[lru_tail_] != epoch_) ? lru_tail_ : -1;
   }
-  int32_t best = -1;
+  // While a cut's rows are written, a dirty row evicted waits in the write-back buffer for them:
+  // the coldest clean row sampled goes first then.
+  const bool clean_first = cut_state_ == CutState::kWriting;
+  int32_t best = -1, best_clean = -1;
   for (int round = 0; round < kVictimRounds && best < 0; ++round) {
     for (int k = 0; k < kVictimSamples; ++k) {
       rng_ ^= rng_ << 13;
@@ -347,9 +353,12 @@ int32_t EmbeddingCache::PickVictim() {
       const int32_t s = static_cast<int32_t>(rng_ % static_cast<uint64_t>(opt_.capacity));
       if (slot_epoch_[s] == epoch_) continue;
       if (best < 0 || slot_freq_[s] < slot_freq_[best]) best = s;
+      if (clean_first && !slot_dirty_[s] && (best_clean < 0 || slot_freq_[s] < slot_freq_[best_clean])) {
+        best_clean = s;
+      }
     }
   }
-  return best;
+  return best_clean >= 0 ? best_clean : best;
 }
 
 int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions) {
@@ -363,7 +372,11 @@ int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admissi
     s = PickVictim();
     if (s < 0) return -1;
     // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
-    if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s]) return -1;
+    // (Not while a cut's rows are written: a row kept out is written back at its update, and would
+    // wait in the write-back buffer for them.)
+    if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s] && cut_state_ != CutState::kWriting) {
+      return -1;
+    }
     PreserveCutRow(s);
     admissions->push_back({s, slot_id_[s], slot_dirty_[s]});
     slot_of_.Erase(slot_id_[s]);
@@ -1152,7 +1165,28 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (prefetching_.size() == 0) return;
-    for (int64_t i = 0; i < n; ++i) needed = std::max(needed, prefetching_.Find(ids[i]));
+    // Requests complete in order: the fetch waits for the newest one that reads many of its rows.
+    // A later one reading only a few (the next batch's look-ahead, queued just before this fetch,
+    // holds the rows of this batch that were written back meanwhile) would hold it up for a whole
+    // request: the fetch reads those rows itself (PrefetchLoop stages its copies only if they are
+    // neither cached, staged nor written meanwhile, so never over what the fetch brought in).
+    std::vector<std::pair<int32_t, int64_t>> rows_of;  // request -> rows of this fetch it reads
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t sequence = prefetching_.Find(ids[i]);
+      if (sequence <= 0) continue;
+      auto it = std::find_if(rows_of.begin(), rows_of.end(), [&](const auto& r) { return r.first == sequence; });
+      if (it == rows_of.end()) {
+        rows_of.emplace_back(sequence, 1);
+      } else {
+        ++it->second;
+      }
+    }
+    for (const auto& [sequence, rows] : rows_of) {
+      if (rows >= kReadItselfRows) needed = std::max(needed, sequence);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (prefetching_.Find(ids[i]) > needed) prefetching_.Erase(ids[i]);
+    }
   }
   if (needed <= 0) return;
   const auto start = std::chrono::steady_clock::now();

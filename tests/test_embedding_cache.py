@@ -340,3 +340,24 @@ def test_rows_kept_out_of_the_cache_are_not_prefetch_hits(tmp_path):
     emb(torch.arange(64, 128), offsets).sum().backward()
     assert emb.stats()["prefetch_hits"] > 0
     emb.close()
+
+
+def test_a_fetch_reads_the_few_rows_a_later_lookahead_holds_itself(tmp_path):
+    """A fetch whose batch shares a few rows with a look-ahead queued after its own (the next
+    batch's) reads those rows itself instead of waiting for that whole request; the rows are right,
+    and the look-ahead's copies of them are not staged over the rows the fetch brought in."""
+    num = 200_000
+    emb = DiskEmbeddingBag(num, 8, path=tmp_path / "t", mode="sum", cache_rows=64, memory_budget_bytes=4 << 20,
+                           seed=0, optimizer=optim.SGD(lr=0.5))
+    emb.populate()
+    wanted, offsets = torch.tensor([5, 150_001]), torch.tensor([0])
+    expected = emb.export_rows(wanted).sum(0, keepdim=True)
+    emb.lookahead(torch.arange(0, num, 4))  # 50,000 rows, none of the batch's
+    emb.lookahead(torch.arange(1, num, 4))  # queued behind it: 50,000 rows, 2 of them the batch's
+    out = emb(wanted, offsets)
+    torch.testing.assert_close(out, expected)
+    assert emb.stats()["prefetch_wait_ms"] == 0  # with the old rule it waited for 100,000 reads
+    out.sum().backward()  # each row: -0.5 per element
+    emb.flush()  # the look-ahead's copies read before the update are not what a fetch gets
+    torch.testing.assert_close(emb(wanted, offsets), expected - 2 * 0.5)
+    emb.close()

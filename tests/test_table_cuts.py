@@ -97,13 +97,13 @@ def reopened_state(path, **kwargs):
         raise
 
 
-def assert_same_tables(got, expected):
+def assert_tables_equal(got, expected, at_step: int) -> None:
+    """Every table's rows, optimizer state and step (`state_of`) exactly as expected."""
     assert sorted(got) == sorted(expected)
-    for name in expected:
-        weight, state, steps = got[name]
-        torch.testing.assert_close(weight, expected[name][0], rtol=0, atol=0, msg=f"table {name} weights")
-        torch.testing.assert_close(state, expected[name][1], rtol=0, atol=0, msg=f"table {name} optimizer state")
-        assert steps == expected[name][2] == 12, name
+    for name, (weight, state, steps) in expected.items():
+        torch.testing.assert_close(got[name][0], weight, rtol=0, atol=0, msg=f"table {name} weights")
+        torch.testing.assert_close(got[name][1], state, rtol=0, atol=0, msg=f"table {name} optimizer state")
+        assert got[name][2] == steps == at_step, name
 
 
 @pytest.mark.parametrize("scenario", ["training", "half"])
@@ -112,7 +112,7 @@ def test_killed_after_a_cut_reopens_exactly_at_it(tmp_path, scenario):
     assert read_cut(path)["label"] == 12
     got, ebc = reopened_state(path)
     try:
-        assert_same_tables(got, expected)
+        assert_tables_equal(got, expected, at_step=12)
         # The reopened tables train on, and a new cut commits.
         namespace = {}
         exec(SETUP, namespace)
@@ -167,7 +167,7 @@ def test_an_explicit_cut_older_than_the_recorded_one_wins(tmp_path):
     assert read_cut(path) == newer
     got, ebc = reopened_state(path, cut=older)
     try:
-        assert_same_tables(got, expected)
+        assert_tables_equal(got, expected, at_step=12)
         assert read_cut(path) == older
     finally:
         ebc.close()
@@ -322,3 +322,53 @@ def test_a_cut_takes_the_rows_trained_since_the_cut_before(tmp_path):
         assert pending.wait()["label"] == 8
     finally:
         ebc.close()
+
+
+def test_while_a_cut_is_written_no_row_waits_for_it_and_training_is_unchanged(tmp_path):
+    """While a cut's rows are written, a row written back would wait in the write-back buffer until
+    the stores have them: so evictions take clean rows first, and the policy keeps no miss out (a
+    row kept out is written back at its update). With the writer held, two steps after the
+    boundary leave nothing waiting, where a twin without a cut keeps rows out; the tables equal the
+    twin's, and reopen exactly at the cut."""
+    namespace = {}
+    exec(SETUP, namespace)
+    collection, train, state_of = (namespace[k] for k in ("collection", "train", "state_of"))
+    sizes = dict(memory_budget_bytes=2 << 20, cache_rows=600)  # rows evicted and kept out while training
+    twin = collection(str(tmp_path / "twin"), **sizes)
+    ebc = collection(str(tmp_path / "tables"), **sizes)
+
+    def counters(c):
+        stats = [batch.cache.stats() for batch in c._batches]
+        return {k: sum(s[k] for s in stats) for k in ("rejected", "admitted", "write_back_rows", "cut_rows")}
+    try:
+        train(twin, 0, 6)
+        train(ebc, 0, 6)
+        twin_at_cut = state_of(twin)
+        ebc.flush()
+        before, twin_before = counters(ebc), counters(twin)
+        for batch in ebc._batches:
+            batch.cache.pause_writer(True)
+        pending = ebc.begin_checkpoint(label=6)
+        assert counters(ebc)["cut_rows"] == 0  # flushed: nothing dirty at the boundary
+        train(twin, 6, 8)
+        train(ebc, 6, 8)
+        during, twin_during = counters(ebc), counters(twin)
+        assert twin_during["rejected"] > twin_before["rejected"]  # the policy keeps rows out here
+        assert during["rejected"] == before["rejected"]
+        assert during["admitted"] > before["admitted"]
+        assert during["write_back_rows"] == 0  # no row waits for the cut
+        for batch in ebc._batches:
+            batch.cache.pause_writer(False)
+        at_cut = pending.wait()
+        assert at_cut["label"] == 6
+        train(twin, 8, 12)
+        train(ebc, 8, 12)
+        assert_tables_equal(state_of(ebc), state_of(twin), at_step=12)
+    finally:
+        twin.close()
+        ebc.close()
+    got, reopened = reopened_state(str(tmp_path / "tables"), cut=at_cut, **sizes)
+    try:
+        assert_tables_equal(got, twin_at_cut, at_step=6)
+    finally:
+        reopened.close()
