@@ -646,8 +646,11 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
     TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(read_keys[k]))];
     ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
     ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
-    Unstage(read_keys[k]);  // a prefetch that staged it meanwhile read it no later than this read
   }
+  // A prefetch may have staged rows of the batch meanwhile (one queued during this read): its copy
+  // is no newer than what this read or the staging area gave, and the caller caches or stages the
+  // row itself, so the copy goes.
+  for (size_t i = 0; i < n; ++i) Unstage(keys[i]);
   std::vector<int64_t> again_pos, again_keys;
   for (size_t i = 0; i < n; ++i) {
     if (const float* waiting = BufferedRow(keys[i])) {
@@ -1135,7 +1138,9 @@ void EmbeddingCache::PrefetchLoop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (size_t i = 0; i < ids.size(); ++i) {
-        if (prefetching_.Find(ids[i]) == request.sequence) prefetching_.Erase(ids[i]);
+        // A row a fetch took over (WaitForPrefetches) or a later request holds is not this one's to stage.
+        if (prefetching_.Find(ids[i]) != request.sequence) continue;
+        prefetching_.Erase(ids[i]);
         // A row written since the read began (now waiting to be written, or written) is newer than the read.
         if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || BufferedRow(ids[i]) != nullptr ||
             slot_of_.Find(ids[i]) >= 0 || staged_.Find(ids[i]) >= 0) {

@@ -108,7 +108,9 @@ struct CacheStats {
   int64_t write_back_rows = 0;  // rows waiting in the write-back buffer
   // Fetches that found the write-back buffer over its limit and waited for the writer, and how long.
   int64_t write_back_waits = 0, write_back_wait_us = 0;
-  int64_t cut_rows = 0;  // rows of the cut begun last (dirty or on their way to the stores at its boundary)
+  // Rows of the cut begun last: dirty cached rows and rows on their way to the stores at its boundary
+  // (a row both evicted and cached again, dirty, counts twice).
+  int64_t cut_rows = 0;
 };
 
 // The counters of CacheStats that belong to one table of the cache.

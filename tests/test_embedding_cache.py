@@ -345,19 +345,24 @@ def test_rows_kept_out_of_the_cache_are_not_prefetch_hits(tmp_path):
 def test_a_fetch_reads_the_few_rows_a_later_lookahead_holds_itself(tmp_path):
     """A fetch whose batch shares a few rows with a look-ahead queued after its own (the next
     batch's) reads those rows itself instead of waiting for that whole request; the rows are right,
-    and the look-ahead's copies of them are not staged over the rows the fetch brought in."""
+    and after their update (kept out of a full, hot cache, so read from outside it again) the next
+    fetch gets the updated rows, never the look-ahead's older copies."""
     num = 200_000
     emb = DiskEmbeddingBag(num, 8, path=tmp_path / "t", mode="sum", cache_rows=64, memory_budget_bytes=4 << 20,
                            seed=0, optimizer=optim.SGD(lr=0.5))
     emb.populate()
-    wanted, offsets = torch.tensor([5, 150_001]), torch.tensor([0])
+    offsets = torch.tensor([0])
+    for _ in range(4):  # the cache fills with rows seen four times: a row seen once is kept out
+        emb(torch.arange(64), offsets).sum().backward()
+    wanted = torch.tensor([101, 150_001])
     expected = emb.export_rows(wanted).sum(0, keepdim=True)
+    rejected = emb.stats()["rejected"]
     emb.lookahead(torch.arange(0, num, 4))  # 50,000 rows, none of the batch's
     emb.lookahead(torch.arange(1, num, 4))  # queued behind it: 50,000 rows, 2 of them the batch's
     out = emb(wanted, offsets)
     torch.testing.assert_close(out, expected)
     assert emb.stats()["prefetch_wait_ms"] == 0  # with the old rule it waited for 100,000 reads
-    out.sum().backward()  # each row: -0.5 per element
-    emb.flush()  # the look-ahead's copies read before the update are not what a fetch gets
+    assert emb.stats()["rejected"] == rejected + 2
+    out.sum().backward()  # each row: -0.5 per element, written back outside the cache
     torch.testing.assert_close(emb(wanted, offsets), expected - 2 * 0.5)
     emb.close()
