@@ -1173,8 +1173,8 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
     // Requests complete in order: the fetch waits for the newest one that reads many of its rows.
     // A later one reading only a few (the next batch's look-ahead, queued just before this fetch,
     // holds the rows of this batch that were written back meanwhile) would hold it up for a whole
-    // request: the fetch reads those rows itself (PrefetchLoop stages its copies only if they are
-    // neither cached, staged nor written meanwhile, so never over what the fetch brought in).
+    // request: the fetch reads those rows itself, and takes them from prefetching_ (PrefetchLoop
+    // stages only rows its request still holds, so never over what the fetch brought in).
     std::vector<std::pair<int32_t, int64_t>> rows_of;  // request -> rows of this fetch it reads
     for (int64_t i = 0; i < n; ++i) {
       const int32_t sequence = prefetching_.Find(ids[i]);
