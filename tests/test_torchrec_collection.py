@@ -226,6 +226,32 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
         DiskEmbeddingBagCollection(configs, path=tmp_path / "d", lookups_per_sample={"nope": 1.0})
 
 
+@pytest.mark.parametrize("layout", ["two row layouts", "a feature read by two tables", "features in another order"])
+def test_learnable_per_sample_weights_get_embedding_bag_collections_gradients(tmp_path, layout):
+    # As TorchRec's position weights train them: the gradient reaches the weights through the
+    # features' reordering (once a segfault or wrong values, from fbgemm's permute backward).
+    def table(name, dim, features):
+        return EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=10, feature_names=features)
+    configs, keys, lengths = {
+        "two row layouts": ([table("a", 4, ["f1"]), table("b", 8, ["f2"])], ["f1", "f2"], [1, 2, 2, 1]),
+        "a feature read by two tables": ([table("a", 4, ["f1"]), table("b", 4, ["f1"])], ["f1"], [2, 1]),
+        "features in another order": ([table("a", 4, ["f1"]), table("b", 4, ["f2"])], ["f2", "f1"], [1, 2, 2, 1]),
+    }[layout]
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(configs, is_weighted=True)
+    disk = disk_copy_of(ebc, tmp_path, optimizer=optim.SGD(lr=1e-9))
+    lengths = torch.tensor(lengths)
+    values = torch.arange(int(lengths.sum())) % 10
+    grads = []
+    for collection in (ebc, disk):
+        weights = torch.linspace(0.1, 0.9, values.numel()).requires_grad_()
+        out = collection(KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)).values()
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+        grads.append(weights.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    disk.close()
+
+
 def test_features_of_different_batch_sizes_are_refused(tmp_path):
     ours = DiskEmbeddingBagCollection(tables(shared=False), path=tmp_path / "c", memory_budget_bytes=1 << 20)
     good = kjt(0)

@@ -18,7 +18,7 @@ from ..embedding import (DiskEmbeddingBag, DiskTable, DiskTableBatch, MemoryBudg
                          draw_seed, host_memory_for_all_rows, least_host_memory, stores_min_bytes)
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
-from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
+from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting, select_features,
                      initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
@@ -332,7 +332,8 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         batch_size = features.stride()
         for name, count in zip(features.keys(), features.stride_per_key()):
             if name in self._known_features and count != batch_size:
-                raise ValueError(f"feature {name!r} has {count} bags, the batch has {batch_size}")
+                raise ValueError(f"feature {name!r} has {count} bags, the batch has {batch_size}: features of "
+                                 "different batch sizes (TorchRec's variable batch per feature) are not supported")
         if not self._batches:  # no tables: no embeddings
             return KeyedTensor(keys=[], values=torch.empty(batch_size, 0, device=self._device), length_per_key=[])
         self._fused_optimizer.apply_lr(self._batches)
@@ -349,7 +350,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         missing = sorted(set(self._feature_order) - set(index))
         if missing:
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
-        return features.permute([index[f] for f in self._feature_order])
+        return select_features(features, [index[f] for f in self._feature_order])
 
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows of a future batch's features into memory; returns at once."""

@@ -88,6 +88,37 @@ def row_bytes(embedding_dim: int, dtype: torch.dtype, optimizer: optim_lib.Spars
     return 4 * (-(-embedding_dim * dtype.itemsize // 4) + optimizer.state_dim(embedding_dim))
 
 
+def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJaggedTensor:
+    """The features at `positions` of a KeyedJaggedTensor with one batch size for every feature,
+    in that order (a feature may be left out or repeated).
+
+    Not `KeyedJaggedTensor.permute`: fbgemm's CPU backward of that op reads outside the weights'
+    gradient when features are left out or repeated (a segfault or wrong gradients for learnable
+    per-sample weights, such as TorchRec's position weights). Values and weights are gathered
+    here with one `index_select` each, whose backward is torch's own."""
+    keys = features.keys()
+    if positions == list(range(len(keys))):
+        return features
+    if features.variable_stride_per_key():
+        raise ValueError("features of different batch sizes (TorchRec's variable batch per feature) are not supported")
+    stride = features.stride()
+    lengths = features.lengths()
+    per_key = features.length_per_key()
+    starts = [0]
+    for n in per_key:
+        starts.append(starts[-1] + n)
+    device = features.values().device
+    index = torch.cat([torch.arange(starts[p], starts[p + 1], device=device) for p in positions]
+                      + [torch.empty(0, dtype=torch.int64, device=device)])
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=[keys[p] for p in positions], values=features.values().index_select(0, index),
+        weights=None if weights is None else weights.index_select(0, index),
+        lengths=lengths.view(len(keys), stride).index_select(
+            0, torch.tensor(positions, dtype=torch.int64, device=lengths.device)).reshape(-1),
+        stride=stride)
+
+
 class KernelRouting:
     """How the features of a batch reach the table-batched kernels that pool them.
 
@@ -110,10 +141,7 @@ class KernelRouting:
             None if pooled_order == list(range(len(owners))) else [pooled_order.index(i) for i in range(len(owners))])
 
     def _kernel_input(self, features: KeyedJaggedTensor, kernel: int) -> KeyedJaggedTensor:
-        positions = self.positions[kernel]
-        if positions == list(range(len(features.keys()))):
-            return features
-        return features.permute(positions)
+        return select_features(features, self.positions[kernel])
 
     def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool) -> torch.Tensor:
         """[batch, sum of feature dims] float32, features in order."""
