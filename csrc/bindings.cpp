@@ -121,15 +121,21 @@ class Store : public RowStoreHandle {
     TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 && page_bytes >= 0 &&
                           io_depth > 0 && io_threads > 0,
                       "store sizes must be positive");
+    // 32-bit options: a larger value is refused by name, not cut to its low bits.
+    const auto u32 = [](int64_t value, const char* name) {
+      TORCH_CHECK_VALUE(value <= static_cast<int64_t>(UINT32_MAX), name, " must be at most ", UINT32_MAX, ", got ",
+                        value);
+      return static_cast<uint32_t>(value);
+    };
     mlkv::StoreOptions o;
-    o.dim = static_cast<uint32_t>(dim);
+    o.dim = u32(dim, "dim");
     o.element_type = static_cast<mlkv::ElementType>(element_type);
     o.memory_budget_bytes = static_cast<uint64_t>(memory_budget_bytes);
     o.expected_keys = static_cast<uint64_t>(expected_keys);
     o.segment_bytes = static_cast<uint64_t>(segment_bytes);
     o.page_bytes = static_cast<uint64_t>(page_bytes);
     o.mutable_fraction = mutable_fraction;
-    o.io_depth = static_cast<uint32_t>(io_depth);
+    o.io_depth = u32(io_depth, "io_depth");
     if (io_engine == "auto") {
       o.io_engine = mlkv::IoEngine::kAuto;
     } else if (io_engine == "uring") {
@@ -139,7 +145,7 @@ class Store : public RowStoreHandle {
     } else {
       throw py::value_error("io_engine must be 'auto', 'uring' or 'threads', got '" + io_engine + "'");
     }
-    o.io_threads = static_cast<uint32_t>(io_threads);
+    o.io_threads = u32(io_threads, "io_threads");
     o.direct_io = direct_io;
     o.compaction_ratio = compaction_ratio;
     o.promote_hot_reads = promote_hot_reads;

@@ -1023,6 +1023,9 @@ class DiskEmbeddingBag(nn.Module):
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                               strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         key = prefix + "weight"
+        if strict:  # as nn.Module reports keys under its prefix that name nothing of it
+            unexpected_keys.extend(name for name in state_dict if name.startswith(prefix) and name != key
+                                   and name[len(prefix):].split(".", 1)[0] not in self._modules)
         if key not in state_dict:
             missing_keys.append(key)
             return

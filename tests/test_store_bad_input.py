@@ -221,6 +221,13 @@ BAD_OPTIONS = [
     pytest.param(dict(segment_bytes=0), ValueError, "positive", id="segment-zero"),
     pytest.param(dict(io_depth=2.5), TypeError, "io_depth", id="io_depth-float"),
     pytest.param(dict(memory_budget_bytes=True), TypeError, "memory_budget_bytes", id="budget-bool"),
+    # Past what an index can be sized for: once a segfault (the bucket bytes wrapped around).
+    pytest.param(dict(expected_rows=17 * 2**56), ValueError, "expected_rows must be at most", id="expected-rows-huge"),
+    # 32-bit options: once cut to their low bits (2**32 read as 0).
+    pytest.param(dict(io_depth=2**32), ValueError, "io_depth must be at most 4294967295, got 4294967296",
+                 id="io_depth-past-32-bits"),
+    pytest.param(dict(io_threads=2**32, io_engine="threads"), ValueError, "io_threads must be at most",
+                 id="io_threads-past-32-bits"),
 ]
 
 
@@ -239,6 +246,7 @@ def test_bad_options(tmp_path, options, error, match):
     (0, torch.float32, ValueError, "dim"),
     (-3, torch.float32, ValueError, "dim"),
     (2.0, torch.float32, TypeError, "dim"),
+    (2**32 + 8, torch.float32, ValueError, "dim must be at most 4294967295"),  # once a store of dim 8
     (DIM, torch.float64, TypeError, "dtype"),
     (DIM, torch.int64, TypeError, "dtype"),
 ])

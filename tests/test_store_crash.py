@@ -253,3 +253,51 @@ def test_copy_of_open_store_holds_its_checkpoint(tmp_path):
             store.put(torch.tensor(sorted(model)), torch.stack([model[k] for k in sorted(model)]))
     finally:
         store.close()
+
+
+SYNC_FAILS_CHILD = textwrap.dedent("""
+    import os, sys, torch
+    from mlkv_torch import KVStore
+    store = KVStore(sys.argv[1], dim=8, memory_budget_bytes=1 << 20, compaction_ratio=0)
+    for value in (0.0, 1.0):
+        store.put(torch.arange(100), torch.full((100, 8), value))
+        try:
+            store.checkpoint()
+            print("checkpointed", value)
+        except OSError as e:
+            print("failed", value, e)
+    sys.stdout.flush()
+    os._exit(0)  # a crash: no close
+""")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace injects the failing syncs")
+def test_a_sync_failing_anywhere_in_a_checkpoint_leaves_a_checkpoint_to_reopen(tmp_path):
+    """Each fsync of the child's second checkpoint fails in turn (strace's fault injection), then the
+    process dies. Reopening gives the rows of one checkpoint or the other, whole. Once, a failed
+    directory sync after CHECKPOINT's rename removed the files the renamed record names, and the
+    store could not be reopened."""
+    script = tmp_path / "child.py"
+    script.write_text(SYNC_FAILS_CHILD)
+    outcomes = set()
+    for nth in range(1, 13):
+        path = str(tmp_path / f"store{nth}")
+        run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", "trace=fsync",
+                              "-e", f"inject=fsync:error=EIO:when={nth}", sys.executable, str(script), path],
+                             capture_output=True, text=True, timeout=120)
+        if run.returncode != 0 and "ptrace" in run.stderr:
+            pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
+        if not os.path.exists(os.path.join(path, "CHECKPOINT")):
+            continue  # the store's creation failed: nothing to reopen
+        outcomes.update(line.split(" ")[0] + line.split(" ")[1] for line in run.stdout.splitlines())
+        # What reopens is a checkpoint's rows, whole: none (the store's creation), 0s or 1s; at least
+        # those of the last checkpoint that reported success.
+        succeeded = [float(line.split(" ")[1]) for line in run.stdout.splitlines() if line.startswith("checkpointed")]
+        with KVStore(path, 8, memory_budget_bytes=1 << 20, compaction_ratio=0) as store:
+            if len(store) == 0:
+                assert not succeeded, (nth, run.stdout)
+                continue
+            rows = store.get(torch.arange(100))
+        assert any(torch.equal(rows, torch.full((100, 8), v)) for v in (0.0, 1.0)), (nth, run.stdout)
+        assert not succeeded or rows[0, 0].item() >= max(succeeded), (nth, run.stdout)
+    assert {"failed0.0", "failed1.0"} <= outcomes  # the injected failures hit both checkpoints

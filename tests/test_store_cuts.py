@@ -297,6 +297,54 @@ def test_reopen_loads_the_index_checkpoint_and_falls_back_to_the_log(tmp_path):
         assert_store_equals(store, model)
 
 
+def _an_aged_index_image(tmp_path):
+    """A store whose latest checkpoint loads an earlier checkpoint's index image and replays the log
+    after it: 10,000 rows, then 2,000 of them changed (appended after the image) and checkpointed."""
+    path = str(tmp_path / "store")
+    options = dict(memory_budget_bytes=1 << 20, page_bytes=4096, mutable_fraction=0.05, expected_rows=1,
+                   compaction_ratio=0)
+    with KVStore(path, 8, **options) as store:
+        store.put(torch.arange(10000), torch.zeros(10000, 8))
+        store.checkpoint()
+        store.put(torch.arange(2000), torch.ones(2000, 8))
+        store.checkpoint()
+    (image,) = _index_images(path)
+    with KVStore(path, 8, **options) as store:
+        assert store.stats()["recovered_from_index_image"]
+    return path, options, os.path.join(path, image)
+
+
+def _with_header_word(image, offset, change):
+    with open(image, "r+b") as f:
+        f.seek(offset)
+        word = int.from_bytes(f.read(8), "little")
+        f.seek(offset)
+        f.write(change(word).to_bytes(8, "little"))
+
+
+def _rows_are_the_latest(path, options):
+    with KVStore(path, 8, **options) as store:
+        assert not store.stats()["recovered_from_index_image"]  # the log was scanned instead
+        assert len(store) == 10000
+        torch.testing.assert_close(store.get(torch.arange(2000)), torch.ones(2000, 8))
+        torch.testing.assert_close(store.get(torch.arange(2000, 10000)), torch.zeros(8000, 8))
+
+
+def test_a_flipped_bit_in_where_an_index_images_replay_starts_is_caught(tmp_path):
+    # Bytes 56-63 of the header: the slot the replay starts at, once outside the image's checksum,
+    # so a later start (still inside the log) skipped the changed rows and read back old ones.
+    path, options, image = _an_aged_index_image(tmp_path)
+    _with_header_word(image, 56, lambda flushed: flushed ^ 1024)
+    _rows_are_the_latest(path, options)
+
+
+def test_a_damaged_count_in_an_index_image_is_caught_before_it_is_allocated(tmp_path):
+    # Bytes 32-39: the bucket count, once allocated (MemoryError, or worse) before the checksum was read.
+    path, options, image = _an_aged_index_image(tmp_path)
+    _with_header_word(image, 32, lambda buckets: buckets | (1 << 39))
+    _rows_are_the_latest(path, options)
+
+
 def _put(store, model, keys, tag):
     store.put(keys, rows_for(keys, tag))
     model.update(zip(keys.tolist(), rows_for(keys, tag)))

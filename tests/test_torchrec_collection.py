@@ -128,6 +128,27 @@ def test_state_dict_moves_between_the_two_collections(tmp_path):
     torch.testing.assert_close(back(features).values(), disk(features).values())
 
 
+def test_state_dict_keys_a_table_does_not_have_are_unexpected_as_in_embedding_bag_collection(tmp_path):
+    ebc = EmbeddingBagCollection(tables())
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)
+    state = dict(ebc.state_dict(), **{"embedding_bags.t1.bias": torch.zeros(3)})
+    for collection in (ebc, disk):
+        with pytest.raises(RuntimeError, match="Unexpected key.*embedding_bags.t1.bias"):
+            collection.load_state_dict(state)
+        assert collection.load_state_dict(state, strict=False).unexpected_keys == ["embedding_bags.t1.bias"]
+    disk.close()
+
+
+def test_a_collection_open_on_a_device_refuses_to_move(tmp_path):
+    # Its caches stay where they were opened: moving only the anchors would leave outputs behind.
+    disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="open on cpu and cannot move"):
+        disk.to("meta")
+    disk.to("cpu")  # where it is: nothing moves
+    torch.testing.assert_close(disk(kjt(0)).values(), disk(kjt(0)).values())
+    disk.close()
+
+
 def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_keeps_its_own(tmp_path):
     def initial(name, **kwargs):
         disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / name, memory_budget_bytes=1 << 20,

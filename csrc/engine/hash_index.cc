@@ -230,8 +230,8 @@ std::vector<HashIndex::Region> HashIndex::Regions() const {
 bool HashIndex::Reset(const ImageCounts& counts, std::vector<Region>* regions) {
   // A bucket count is a power of two times nothing in particular: any count >= the minimum is
   // valid; the overflow list holds its unused bucket 0, and every free link points into it.
-  if (counts.buckets < kMinBuckets || counts.buckets > (1ull << 40) || counts.overflow < 1 ||
-      counts.overflow > (1ull << 32) || counts.free >= counts.overflow ||
+  if (counts.buckets < kMinBuckets || counts.buckets > kMaxBuckets || counts.overflow < 1 ||
+      counts.overflow > kMaxOverflowBuckets || counts.free >= counts.overflow ||
       counts.size > (counts.buckets + counts.overflow) * kSlotsPerBucket) {
     return false;
   }

@@ -22,6 +22,10 @@ class HashIndex {
   static constexpr uint64_t kNoAddress = ~0ull;
   static constexpr uint64_t kMaxAddress = (1ull << 44) - 2;  // 44 address bits, 0 marks empty
   static constexpr int kSlotsPerBucket = 5;
+  static constexpr uint64_t kBucketBytes = 64;
+  // The most buckets (home and overflow) an index holds, and so the most keys it is sized for.
+  static constexpr uint64_t kMaxBuckets = 1ull << 40, kMaxOverflowBuckets = 1ull << 32;
+  static constexpr uint64_t kMaxExpectedKeys = kMaxBuckets / 4 * 17 - 17;
 
   // Sized so that `expected_keys` fit at four keys per bucket.
   explicit HashIndex(uint64_t expected_keys);
@@ -86,7 +90,7 @@ class HashIndex {
     uint32_t hi[kSlotsPerBucket];  // fingerprint high bits (31) | in-alternate-bucket bit
     uint32_t next;                 // overflow bucket index (into overflow_), 0 = none
   };
-  static_assert(sizeof(Bucket) == 64, "a bucket is one cache line");
+  static_assert(sizeof(Bucket) == kBucketBytes, "a bucket is one cache line");
 
   Where LocateHash(uint64_t h) const;
   uint64_t AlternateOffset(uint64_t fp) const;  // in [1, n): alternate = home + offset (mod n)

@@ -88,6 +88,10 @@ Status KVStore::Open(const std::string& path, const StoreOptions& options, std::
     return Status::InvalidArgument("dim must be in [1, 1048576], got " + std::to_string(options.dim));
   }
   if (ElementSize(options.element_type) == 0) return Status::InvalidArgument("unknown element type");
+  if (options.expected_keys > HashIndex::kMaxExpectedKeys) {  // its index could not be sized
+    return Status::InvalidArgument("expected_rows must be at most " + std::to_string(HashIndex::kMaxExpectedKeys) +
+                                   ", got " + std::to_string(options.expected_keys));
+  }
   if (!(options.mutable_fraction > 0.0 && options.mutable_fraction < 1.0)) {
     return Status::InvalidArgument("mutable_fraction must be in (0, 1)");
   }

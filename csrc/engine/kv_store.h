@@ -260,14 +260,21 @@ class KVStore : public RowStore {
     uint64_t first_page = 0;   // pages below are in segment files: flushed and synced by Finish
     int snapshot_fd = -1, image_fd = -1;
     WrittenCheckpoint written;
+    // CHECKPOINT names it: its files stay even when a sync after the rename failed (Finish's error).
+    bool renamed = false;
   };
   // The first half: checkpoint_mu_ and mu_ (shared or not) held. Writes the snapshot (and the
   // index image when due) unsynced and composes the record; out->written.wrote false when nothing
   // changed since the latest checkpoint.
   Status BeginCheckpointFiles(BegunCheckpoint* out);
   // The second half, with or without mu_: the flushes below first_page, every sync, the record
-  // renamed into place. On failure the files go and the store stays at its latest checkpoint.
+  // renamed into place. On failure before the rename the files go and the store stays at its
+  // latest checkpoint; after it (the directory's sync failed) begun->renamed is set: the record on
+  // disk may name either, so both checkpoints' files stay (CommitBegunFiles).
   Status FinishCheckpointFiles(BegunCheckpoint* begun);
+  // After FinishCheckpointFiles: the store moves to the begun checkpoint once CHECKPOINT names it
+  // (mu_ taken unless `locked`), and what neither kept checkpoint needs goes when `finished` is OK.
+  void CommitBegunFiles(const BegunCheckpoint& begun, const Status& finished, bool locked);
   void DiscardBegunFiles(BegunCheckpoint* begun);
   Status BeginCheckpointLocked(bool by_owner);  // checkpoint_mu_ held, no checkpoint begun
   // The second half of the checkpoint begun by the owner (BeginCheckpoint), or by the calling
@@ -285,7 +292,8 @@ class KVStore : public RowStore {
   void RemoveObsoleteFiles(const ObsoleteFiles& obsolete);
   // CHECKPOINT and CHECKPOINT.previous: the 88-byte record, read and checked / written atomically.
   static Status ReadCheckpointRecord(const std::string& file, std::string* record);
-  Status WriteCheckpointRecord(const std::string& file, const std::string& record) const;
+  // *renamed (when given) is set once `file` holds the record, even if the directory's sync after fails.
+  Status WriteCheckpointRecord(const std::string& file, const std::string& record, bool* renamed = nullptr) const;
   bool ChangedSinceCheckpointLocked() const {
     return changes_ != checkpointed_changes_ || begin_ != checkpointed_begin_ || checkpoint_sequence_ == 0;
   }

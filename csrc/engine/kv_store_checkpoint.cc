@@ -55,7 +55,7 @@ Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out
   header.overflow = counts.overflow;
   header.free = counts.free;
   header.flushed = flushed;
-  uint32_t crc = Crc32c(0, &header.size, 4 * sizeof(uint64_t));
+  uint32_t crc = Crc32c(0, &header.sequence, kIndexImageCheckedWords * sizeof(uint64_t));
   for (const auto& r : regions) crc = Crc32c(crc, r.data, r.bytes);
   header.crc = crc;
   const std::string file = IndexImagePath(sequence);
@@ -77,7 +77,7 @@ Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out
 }
 
 // tmp file, fsync, rename over `file`, fsync the directory: a crash leaves the old record or the new.
-Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string& record) const {
+Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string& record, bool* renamed) const {
   const std::string tmp = path_ + "/CHECKPOINT.tmp";
   int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::IOError("creating " + tmp + ": " + ErrnoText(errno));
@@ -93,6 +93,7 @@ Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string
     unlink(tmp.c_str());
     return st;
   }
+  if (renamed) *renamed = true;
   return SyncDirectory(path_);
 }
 
@@ -160,15 +161,8 @@ Status KVStore::FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) {
   // The files are this call's alone: another checkpoint waits for begun_ to close.
   Status st = begun.written.wrote ? FinishCheckpointFiles(&begun) : Status::OK();
   std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
-  if (st.ok() && begun.written.wrote) {
-    ObsoleteFiles obsolete;
-    {
-      std::unique_lock<std::shared_mutex> lock(mu_);
-      CommitCheckpointLocked(begun.written, &obsolete);
-    }
-    RemoveObsoleteFiles(obsolete);
-  }
-  *sequence = begun.written.wrote ? begun.written.sequence : checkpoint_sequence_;
+  CommitBegunFiles(begun, st, /*locked=*/false);
+  *sequence = begun.written.wrote && st.ok() ? begun.written.sequence : checkpoint_sequence_;
   begun_ = BegunCheckpoint();
   begun_cv_.notify_all();
   return st;
@@ -191,11 +185,24 @@ Status KVStore::CheckpointExclusively() {
   BegunCheckpoint begun;
   MLKV_RETURN_IF_ERROR(BeginCheckpointFiles(&begun));
   if (!begun.written.wrote) return Status::OK();
-  MLKV_RETURN_IF_ERROR(FinishCheckpointFiles(&begun));
+  const Status st = FinishCheckpointFiles(&begun);
+  CommitBegunFiles(begun, st, /*locked=*/true);
+  return st;
+}
+
+void KVStore::CommitBegunFiles(const BegunCheckpoint& begun, const Status& finished, bool locked) {
+  if (!begun.written.wrote || !(finished.ok() || begun.renamed)) return;
+  // Once CHECKPOINT names it the store is at it (its sequence is never written again), even when
+  // the directory's sync after the rename failed; a crash may then recover either checkpoint, so
+  // the files of both stay, and reopening removes what the recovered one does not name.
   ObsoleteFiles obsolete;
-  CommitCheckpointLocked(begun.written, &obsolete);
-  RemoveObsoleteFiles(obsolete);
-  return Status::OK();
+  if (locked) {
+    CommitCheckpointLocked(begun.written, &obsolete);
+  } else {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    CommitCheckpointLocked(begun.written, &obsolete);
+  }
+  if (finished.ok()) RemoveObsoleteFiles(obsolete);
 }
 
 void KVStore::DiscardBegunFiles(BegunCheckpoint* begun) {
@@ -301,8 +308,8 @@ Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
   if (st.ok() && written.previous_moves) {
     st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
   }
-  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", written.record);
-  if (!st.ok()) {
+  if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", written.record, &begun->renamed);
+  if (!st.ok() && !begun->renamed) {
     DiscardBegunFiles(begun);
     return st;
   }
@@ -310,8 +317,8 @@ Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
     if (*fd >= 0) close(*fd);
     *fd = -1;
   }
-  if (!written.kept_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
-  return Status::OK();
+  if (st.ok() && !written.kept_previous) unlink((path_ + "/CHECKPOINT.previous").c_str());
+  return st;
 }
 
 void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete) {

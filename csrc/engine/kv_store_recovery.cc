@@ -28,12 +28,25 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
   IndexImageHeader header;
   Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
   std::vector<HashIndex::Region> regions;
+  // The counts size the index before the checksum can be checked: the file must hold exactly the
+  // regions they name, so a damaged count is refused here, not allocated.
+  const bool sized = st.ok() && header.buckets <= HashIndex::kMaxBuckets &&
+                     header.overflow <= HashIndex::kMaxOverflowBuckets && header.free <= HashIndex::kMaxOverflowBuckets &&
+                     FileSize(fd) == sizeof(header) + (header.buckets + header.overflow) * HashIndex::kBucketBytes +
+                                         header.free * sizeof(uint32_t);
+  bool reset = false;
+  if (st.ok() && sized) {
+    try {
+      reset = index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions);
+    } catch (const std::bad_alloc&) {
+      reset = false;  // the log scan rebuilds it
+    }
+  }
   if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
-                  header.sequence != sequence || (meta.image_age == 0 && header.size != meta.rows) ||
-                  !index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions))) {
+                  header.sequence != sequence || (meta.image_age == 0 && header.size != meta.rows) || !reset)) {
     st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
   }
-  uint32_t crc = st.ok() ? Crc32c(0, &header.size, 4 * sizeof(uint64_t)) : 0;
+  uint32_t crc = st.ok() ? Crc32c(0, &header.sequence, kIndexImageCheckedWords * sizeof(uint64_t)) : 0;
   uint64_t offset = sizeof(header);
   for (const auto& r : regions) {
     if (!st.ok()) break;

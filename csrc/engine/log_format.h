@@ -61,7 +61,7 @@ inline uint64_t CheckpointSequenceOf(const std::string& record) {
 struct IndexImageHeader {
   char magic[8];
   uint32_t format_version;
-  uint32_t crc;       // CRC-32C of the counts, then of every region's bytes
+  uint32_t crc;       // CRC-32C of the words from `sequence` to `flushed`, then of every region's bytes
   uint64_t sequence;  // the checkpoint it belongs to
   uint64_t size, buckets, overflow, free;  // HashIndex::ImageCounts
   // Log slots below were on disk when the image was taken, never to change; the records from here
@@ -70,6 +70,13 @@ struct IndexImageHeader {
   uint64_t flushed;
 };
 static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
+// The header's words its checksum covers: sequence, the counts and flushed (a later checkpoint's
+// replay starts at flushed). Images from builds that covered the counts alone fail it, and the
+// log is scanned instead.
+constexpr size_t kIndexImageCheckedWords = 6;
+static_assert(offsetof(IndexImageHeader, flushed) - offsetof(IndexImageHeader, sequence) ==
+                  (kIndexImageCheckedWords - 1) * sizeof(uint64_t),
+              "the checked words lie side by side");
 constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
 
 }  // namespace mlkv

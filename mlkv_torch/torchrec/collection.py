@@ -240,6 +240,11 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             if target.type != "meta":
                 self._device = target
                 self._open_kernels()
+        elif fn(torch.empty(0, device=self._device)).device.type != self._device.type:
+            # The tables' caches were opened on this device and stay there: moving only the
+            # anchors would leave the outputs behind.
+            raise ValueError(f"the collection's tables are open on {self._device} and cannot move: build it with "
+                             f"device=... or on the meta device, then to_empty(device=...)")
         return super()._apply(fn, recurse)
 
     def _adopt_optimizer_in_backward(self) -> None:
