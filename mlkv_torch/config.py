@@ -156,12 +156,21 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) ->
     try:
         config = ExperimentConfig.model_validate(tree)
     except ValidationError as e:
-        lines = []
+        # One line a key: pydantic's names of a union's members (`literal['auto']`, `constrained-int`)
+        # are left out of the key, their problems joined; a key an override set names the override.
+        problems: Dict[str, List[str]] = {}
         for error in e.errors():
-            where = ".".join(str(part) for part in error["loc"]) or "config"
+            parts = [str(part) for part in error["loc"] if isinstance(part, int) or str(part).isidentifier()]
             problem = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-            lines.append(f"{where}: {problem}")
-        raise ConfigError(f"{os.fspath(path)}: " + "; ".join(lines)) from None
+            found = problems.setdefault(".".join(parts) or "config", [])
+            if problem not in found:
+                found.append(problem)
+        lines = []
+        for where, found in problems.items():
+            source = next((o for o in overrides if where == o.split("=", 1)[0].strip()
+                           or where.startswith(o.split("=", 1)[0].strip() + ".")), None)
+            lines.append(f"{f'override {source!r}' if source else os.fspath(path)}: {where}: {' or '.join(found)}")
+        raise ConfigError("; ".join(lines)) from None
     if config.data.kind == "criteo":
         criteo = config.data.criteo
         suffixes = [".tsv"] if criteo.format == "tsv" else ["_dense.npy", "_sparse.npy", "_labels.npy"]

@@ -478,6 +478,7 @@ class DiskTableBatch:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.tables = list(tables)
+        self._closed_by_close = False  # set by close(): every operation refuses from then on
         self.embedding_dim = embedding_dim
         self.mode = mode
         self.optimizer = optimizer
@@ -595,6 +596,7 @@ class DiskTableBatch:
         """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
         over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
         anchor (`anchors[t]`) requires a gradient."""
+        self._check_open()
         device_lookup = None
         if self.device.type == "cuda":  # keyed, deduplicated and looked up on the device
             values = _as_int64(values, "ids", self.device).reshape(-1).contiguous()
@@ -611,6 +613,7 @@ class DiskTableBatch:
 
     def queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
         """Queues one optimizer step (at the current `lr`) for distinct keys `unique`."""
+        self._check_open()
         self.step += 1
         self.cache.queue_update(unique, grads.contiguous(), self.step, self.lr)
 
@@ -618,11 +621,13 @@ class DiskTableBatch:
                          grads: torch.Tensor) -> None:
         """One optimizer step (at the current `lr`) for the distinct keys of a device lookup, on
         their slots (CUDA): `outside` of them (-1: unknown) are not cached."""
+        self._check_open()
         self.step += 1
         self.cache.update_on_device(unique, slots, version, outside, grads.contiguous(), self.step, self.lr)
 
     def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> None:
         """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once."""
+        self._check_open()
         self.cache.lookahead(self.unique_keys(values, feature_counts, feature_tables)[0])
 
     # ---- rows -------------------------------------------------------------------------------------
@@ -634,9 +639,11 @@ class DiskTableBatch:
 
     def read_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         """Current full rows (weights' words, then state) [n, row words] float32 of table `table`."""
+        self._check_open()
         return self.cache.read_rows(self.keys(table, ids))
 
     def write_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._check_open()
         self.cache.write_rows(self.keys(table, ids), rows)
 
     def synchronize(self) -> None:
@@ -661,10 +668,19 @@ class DiskTableBatch:
     def closed(self) -> bool:
         return all(store.closed for store in self.stores)
 
+    def _check_open(self) -> None:
+        # Checked here, not by each store: rows still cached would be read (and written, then lost)
+        # after the stores closed.
+        if self._closed_by_close:
+            names = ", ".join(repr(t.name) for t in self.tables)
+            raise ValueError(f"table{'s' if len(self.tables) > 1 else ''} {names} "
+                             f"{'are' if len(self.tables) > 1 else 'is'} closed")
+
     def close(self) -> None:
         """Applies queued updates, writes the cache back, checkpoints the stores and releases their directories."""
         if self.closed:
             return
+        self._closed_by_close = True
         try:
             self.cache.close()
         finally:

@@ -489,6 +489,25 @@ class _StepBoundaries:
                 self._released -= 1
 
 
+def _drop_records_after(metrics_path: str, step: int) -> None:
+    """Keeps the records of metrics.jsonl up to `step` (and lines that name no step), replacing the file whole."""
+    with open(metrics_path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if not isinstance(record, dict) or record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        partial = metrics_path + ".partial"
+        with open(partial, "w") as f:
+            f.writelines(kept)
+        os.replace(partial, metrics_path)
+
+
 def _save_whole(state: Any, path: str) -> None:
     """torch.save of `state` to `path`, whole or not at all (a crash leaves what was there), durably."""
     partial = path + ".partial"
@@ -586,12 +605,15 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
 
     from .pipeline import LookaheadPipeline
 
-    os.makedirs(config.output_dir, exist_ok=True)
+    try:
+        os.makedirs(config.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output_dir {config.output_dir!r} cannot be created: {e.strerror or e}") from e
     try:
         experiment = _Experiment(config, resume)
-    except FileExistsError as e:  # an earlier run's tables: say how the runner continues from them
-        raise ConfigError(f"{e}. The runner continues an earlier run with --resume; otherwise choose another "
-                          f"output_dir (or storage.path)") from e
+    except FileExistsError as e:  # an earlier run's tables: say first how the runner continues from them
+        raise ConfigError(f"output_dir {config.output_dir!r} already holds an earlier run's tables: continue it with "
+                          f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
     populate_s = 0.0
     # A resumed run's tables hold their rows already; populating again would also take a cut past
     # the one its checkpoint names.
@@ -615,6 +637,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     samples = 0
     main = experiment.is_main  # under torchrun, rank 0 reports for all
     world = experiment.world_size
+    if resume and main and os.path.exists(metrics_path):
+        _drop_records_after(metrics_path, start_step)  # a killed run's steps past its checkpoint are trained again
     bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     with open(metrics_path if main else os.devnull, "a") as metrics:
         step = start_step

@@ -59,6 +59,10 @@ pip -c "$constraints" --no-build-isolation -e .
 "$py" -c 'import mlkv_torch, torch; rocks = "with" if mlkv_torch._C.with_rocksdb else "without"
 print(f"[setup] mlkv_torch {mlkv_torch.__version__} built against torch {torch.__version__}, {rocks} RocksDB")'
 if [[ ${1:-} != --no-quickstart ]]; then
+  if [[ -e runs/quickstart ]]; then  # setup run again: the quickstart starts over, not from its tables
+    echo "[setup] removing the earlier quickstart run in runs/quickstart"
+    rm -rf runs/quickstart
+  fi
   echo "[setup] running the quickstart: $py -m mlkv_torch.train configs/quickstart.yaml"
   "$py" -m mlkv_torch.train configs/quickstart.yaml --no-progress
 fi

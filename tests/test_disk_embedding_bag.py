@@ -239,6 +239,20 @@ def test_bad_input_is_refused_and_writes_nothing(tmp_path, call, error, match):
     torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), before, rtol=0, atol=0)
 
 
+def test_a_closed_table_refuses_every_operation_by_name(tmp_path):
+    # Rows still cached were once read after close (and imported rows lost with a line on stderr).
+    emb = make(tmp_path, name="closed_t", cache_rows=NUM)
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    out = emb(ids, offsets)  # cached now
+    emb.close()
+    for call in (lambda: emb(ids, offsets), lambda: emb.import_rows(ids, torch.zeros(3, DIM)),
+                 lambda: emb.export_rows(ids), lambda: emb.lookahead(ids)):
+        with pytest.raises(ValueError, match="table 'closed_t' is closed"):
+            call()
+    with pytest.raises(ValueError, match="table 'closed_t' is closed"):  # the step of a batch pooled before
+        out.sum().backward()
+
+
 def test_bad_configuration(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         make(tmp_path, mode="max")

@@ -41,8 +41,8 @@ def _logged_lines(out: Path) -> int:
 
 
 def _losses(out: Path):
-    """The loss logged for each step; a resumed run logs again the steps after its checkpoint (the
-    last logging counts), and a line a kill cut short is skipped."""
+    """The loss logged for each step (a resumed run drops what its killed predecessor logged past
+    the checkpoint, then logs those steps again); a line a kill cut short is skipped."""
     losses = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         try:

@@ -66,6 +66,10 @@ def test_populated_tables_resume_twice_from_one_checkpoint(tmp_path):
     run(load_config(QUICKSTART, [*split, "train.steps=8"]), resume=True, progress=False)  # from 4 again
     expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert [got[s] for s in range(5, 9)] == pytest.approx([expected[s] for s in range(5, 9)], rel=0, abs=0)
+    # Each resume dropped the records its killed predecessor logged past the checkpoint: every step once.
+    logged = [r["step"] for r in map(json.loads, (tmp_path / "split" / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    assert logged == list(range(1, 9))
 
 
 def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tmp_path):
@@ -79,21 +83,31 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
     made = run(cfg, resume=True, progress=False)
     assert made["steps"] == 6 and made["auc"] == pytest.approx(finished["auc"], abs=1e-6)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["auc"] == made["auc"]
-    with pytest.raises(ConfigError, match=r"holds rows .* --resume"):  # not resumed: the tables are refused
+    # Not resumed: the tables are refused, the way on named first.
+    with pytest.raises(ConfigError, match=r"^output_dir .* already holds an earlier run's tables: continue it with --resume"):
         run(cfg, progress=False)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.lernrate=0.1"], r"train\.lernrate: unknown key"),
+    (["train.lernrate=0.1"], r"^override 'train\.lernrate=0\.1': train\.lernrate: unknown key$"),  # not the file's
     (["train.lr=fast"], r"train\.lr: Input should be a valid number"),
     (["storage.kind=tape"], r"storage\.kind: Input should be 'memory', 'disk' or 'rocksdb'"),
     (["model.embedding_dim=8"], r"model\.dense_arch must end with model\.embedding_dim"),
-    (["pipeline.depth=-2"], r"pipeline\.depth"),
+    # One line for a union's members, without pydantic's names for them (literal['auto'], constrained-int).
+    (["pipeline.depth=-2"], r"^override 'pipeline\.depth=-2': pipeline\.depth: Input should be 'auto' or Input should "
+                            r"be greater than or equal to 0$"),
     (["train.steps"], r"not of the form dotted\.key=value"),
 ])
 def test_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", *overrides])
+
+
+def test_an_output_dir_that_cannot_be_made_is_a_config_error(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path / 'a-file' / 'run'}", *SMALL])
+    with pytest.raises(ConfigError, match=r"output_dir '.*a-file/run' cannot be created: Not a directory"):
+        run(config, progress=False)
 
 
 def test_a_budget_too_small_for_the_tables_is_a_config_error(tmp_path):
