@@ -139,6 +139,34 @@ def test_state_dict_keys_a_table_does_not_have_are_unexpected_as_in_embedding_ba
     disk.close()
 
 
+def test_the_fused_optimizers_state_dict_carries_the_tables_optimizer_state(tmp_path):
+    # model.state_dict() and fused_optimizer.state_dict(), TorchRec's checkpoint: once it lost the
+    # Adagrad sums, and a model loaded from it trained on differently from the reference.
+    features = kjt(0)
+    ebc = EmbeddingBagCollection(tables())
+    reference = torch.optim.Adagrad(ebc.parameters(), lr=0.5)
+    trained = disk_copy_of(ebc, tmp_path / "a", optimizer=optim.Adagrad(lr=0.5))
+    for _ in range(3):
+        reference.zero_grad()
+        ebc(features).values().sum().backward()
+        reference.step()
+        trained(features).values().sum().backward()
+    saved = trained.fused_optimizer.state_dict()
+    assert saved["state"]["t1.weight"]["t1.optimizer_state"]["step"] == 3
+    loaded = DiskEmbeddingBagCollection(tables(), path=tmp_path / "b" / "tables", memory_budget_bytes=1 << 20,
+                                        optimizer=optim.Adagrad(lr=0.5))
+    loaded.load_state_dict(trained.state_dict())
+    loaded.fused_optimizer.load_state_dict(saved)
+    reference.zero_grad()
+    ebc(features).values().sum().backward()
+    reference.step()
+    loaded(features).values().sum().backward()
+    for name, bag in ebc.embedding_bags.items():
+        torch.testing.assert_close(loaded.embedding_bags[name].weight.to_dense(), bag.weight.detach())
+    trained.close()
+    loaded.close()
+
+
 def test_a_collection_open_on_a_device_refuses_to_move(tmp_path):
     # Its caches stay where they were opened: moving only the anchors would leave outputs behind.
     disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)

@@ -51,6 +51,24 @@ def split_budget(budget: int, needs: List[int], traffic: List[float], least: Opt
     return shares
 
 
+class _TableOptimizerState:
+    """One table's optimizer state in TorchRec's stateful protocol: KeyedOptimizer.state_dict() calls
+    `state_dict()` ({"rows": [num_embeddings, state columns] read from the store, "step": the steps
+    its kernel took, which Adam's bias correction uses}), load_state_dict() calls
+    `load_state_dict()` (written back). So `fused_optimizer.state_dict()` carries what
+    `torch.optim.Adagrad` over an EmbeddingBagCollection's weights would."""
+
+    def __init__(self, bag: DiskEmbeddingBag) -> None:
+        self._bag = bag
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"rows": self._bag.state_snapshot(), "step": self._bag.steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._bag.restore(state=state["rows"])
+        self._bag.steps = int(state["step"])
+
+
 class _TableOnMeta(nn.Module):
     """A table of a collection built on the meta device: its shape, and a meta tensor under the
     `weight` key of a state dict, as EmbeddingBagCollection's on meta."""
@@ -229,7 +247,10 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if cut is not None and cut != read_cut(self._opening["path"]):
             write_cut(self._opening["path"], cut)  # the newer cut the stores went back from is gone
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
-        self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, {},
+        # Tables with optimizer state keep it in the optimizer's state_dict, as the sharded kernel does.
+        state = {bags[t.name]._anchor: {f"{t.name}.optimizer_state": _TableOptimizerState(bags[t.name])}
+                 for t in tables if bags[t.name].state_dim}
+        self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, state,
                                                    self._lr)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
