@@ -50,6 +50,7 @@ else
   # pip then warns "torchrec 1.8.0 requires fbgemm-gpu, which is not installed": expected,
   # fbgemm-gpu-cpu provides the same modules.
   pip --no-deps "torchrec==1.8.0"
+  echo "[setup] (pip's \"torchrec 1.8.0 requires fbgemm-gpu, which is not installed\" is expected: fbgemm-gpu-cpu provides it)"
   pip -c "$constraints" "tensordict==0.15.3" "torchmetrics==1.0.3" tqdm "pyre-extensions==0.0.32" "iopath==0.1.10"
 fi
 echo "[setup] installing tools for tests and benchmarks"

@@ -406,6 +406,9 @@ def test_built_on_the_meta_device_it_opens_nothing_until_to_empty(tmp_path):
     assert model.state_dict()["sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"].is_meta
     with pytest.raises(RuntimeError, match="meta device: materialise it with to_empty"):
         ebc(kjt(0))
+    with pytest.raises(RuntimeError, match=r"embedding_bags\.t0\.weight: the collection is on the meta device, .*"
+                                           r"call to_empty\(device=\.\.\.\) first"):
+        ebc.load_state_dict(EmbeddingBagCollection(tables()).state_dict())
     model.to_empty(device="cpu")
     assert ebc.device == torch.device("cpu") and (path / "t0").is_dir()
     direct = DiskEmbeddingBagCollection(tables(), path=tmp_path / "direct", optimizer=optim.SGD(lr=0.1), seed=3)

@@ -80,6 +80,15 @@ class _TableOnMeta(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         destination[prefix + "weight"] = torch.empty(self.num_embeddings, self.embedding_dim, device="meta")
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+                              unexpected_keys, error_msgs):
+        # No table is open to take the rows (EmbeddingBagCollection on meta would take them with assign=True).
+        if prefix + "weight" in state_dict:
+            error_msgs.append(f"{prefix}weight: the collection is on the meta device, with no table open to take "
+                              f"rows: call to_empty(device=...) first, then load_state_dict")
+        elif strict:
+            missing_keys.append(prefix + "weight")
+
 
 class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """An EmbeddingBagCollection whose tables live on disk, behind one table-batched kernel.
