@@ -285,6 +285,7 @@ class Store : public RowStoreHandle {
   }
 
   int64_t Size() { return static_cast<int64_t>(store_->Size()); }
+  bool Closed() { return store_->Closed(); }
 
  private:
   std::shared_ptr<mlkv::KVStore> store_;
@@ -571,6 +572,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Store::Call<&mlkv::KVStore::Close>)
       .def("stats", &Store::Stats)
       .def("size", &Store::Size)
+      .def("closed", &Store::Closed)
       .def_static("destroy", [](const std::string& path) { Check(mlkv::KVStore::Destroy(path)); }, py::arg("path"),
                   py::call_guard<py::gil_scoped_release>())
       .def_static("minimum_memory_bytes",

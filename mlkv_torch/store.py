@@ -155,7 +155,12 @@ class _RowStore:
         """Checkpoints and releases the path. Idempotent."""
         if self._closed:
             return
-        self._store.close()
+        try:
+            self._store.close()
+        except BaseException:
+            # A store whose checkpoints can no longer succeed closes anyway, and raises why.
+            self._closed = hasattr(self._store, "closed") and self._store.closed()
+            raise
         self._closed = True
 
     @property

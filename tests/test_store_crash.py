@@ -301,3 +301,63 @@ def test_a_sync_failing_anywhere_in_a_checkpoint_leaves_a_checkpoint_to_reopen(t
         assert any(torch.equal(rows, torch.full((100, 8), v)) for v in (0.0, 1.0)), (nth, run.stdout)
         assert not succeeded or rows[0, 0].item() >= max(succeeded), (nth, run.stdout)
     assert {"failed0.0", "failed1.0"} <= outcomes  # the injected failures hit both checkpoints
+
+
+SEGMENT_SYNC_FAILS_CHILD = textwrap.dedent("""
+    import os, sys, torch
+    from mlkv_torch import KVStore
+    try:
+        store = KVStore(sys.argv[1], dim=8, memory_budget_bytes=64 << 10, compaction_ratio=0)
+    except OSError as e:  # the failure hit the store's creation
+        print("create failed", e)
+        sys.exit(0)
+    for value in (1.0, 2.0, 3.0):  # each pass writes log pages out to a segment
+        store.put(torch.arange(20000), torch.full((20000, 8), value))
+        try:
+            store.checkpoint()
+            print("checkpointed", value)
+        except OSError as e:
+            print("failed", value, e)
+    try:
+        store.close()
+        print("closed")
+    except OSError as e:
+        print("close failed", store.closed, e)
+    sys.stdout.flush()
+""")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace injects the failing sync")
+def test_after_a_failed_sync_of_the_log_no_checkpoint_claims_its_pages(tmp_path):
+    """One fdatasync fails (strace's fault injection): once it hit a segment, later checkpoints
+    synced it again and reported success, though the kernel may have dropped the pages after the
+    failed writeback. Now every later checkpoint and the close fail, the store closes, and reopening
+    gives the last checkpoint that succeeded."""
+    script = tmp_path / "child.py"
+    script.write_text(SEGMENT_SYNC_FAILS_CHILD)
+    hit_a_segment = False
+    for nth in range(1, 8):
+        path = str(tmp_path / f"store{nth}")
+        run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", "trace=fdatasync",
+                              "-e", f"inject=fdatasync:error=EIO:when={nth}", sys.executable, str(script), path],
+                             capture_output=True, text=True, timeout=120)
+        if run.returncode != 0 and "ptrace" in run.stderr:
+            pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
+        assert run.returncode == 0, run.stderr[-2000:]
+        lines = run.stdout.splitlines()
+        failed = [line for line in lines if line.startswith("failed") and "segment-" in line]
+        if not failed:
+            continue
+        hit_a_segment = True
+        first = lines.index(failed[0])
+        # Every checkpoint after it fails as well, saying why, and the close too; the store is closed.
+        assert all(line.startswith("failed") and "no later checkpoint is taken" in line
+                   for line in lines[first + 1:-1]), lines
+        assert lines[-1].startswith("close failed True"), lines
+        succeeded = [float(line.split(" ")[1]) for line in lines[:first] if line.startswith("checkpointed")]
+        with KVStore(path, 8, memory_budget_bytes=64 << 10, compaction_ratio=0) as store:
+            if not succeeded:
+                assert len(store) == 0
+            else:
+                torch.testing.assert_close(store.get(torch.arange(20000)), torch.full((20000, 8), succeeded[-1]))
+    assert hit_a_segment

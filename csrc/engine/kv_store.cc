@@ -1088,7 +1088,12 @@ Status KVStore::Close() {
   FinishOrWaitBegunCheckpoint(one_checkpoint);
   std::unique_lock<std::shared_mutex> lock(mu_);
   Status st = CheckpointExclusively();
-  if (!st.ok()) {
+  bool never = false;  // no checkpoint can succeed any more: closing without one is all there is
+  {
+    std::lock_guard<std::mutex> flush_lock(flush_mu_);
+    never = !segment_sync_error_.ok();
+  }
+  if (!st.ok() && !never) {
     // The store stays open: let the background workers start again on demand.
     {
       std::lock_guard<std::mutex> l(lookahead_mu_);
@@ -1109,7 +1114,7 @@ Status KVStore::Close() {
     close(lock_fd_);
     lock_fd_ = -1;
   }
-  return flushed;
+  return st.ok() ? flushed : st;
 }
 
 // Stops the store's copies and compactions (after the ones queued or running); the flushes stay

@@ -157,7 +157,13 @@ class KVStore : public RowStore {
   static constexpr uint64_t kScanDone = ~0ull;
   Status ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>* keys, std::vector<uint8_t>* values);
   Status Compact();
+  // Closes the store: checkpoints, then releases the path. A failed checkpoint leaves it open, but
+  // for one that can never succeed (a failed sync of the log): then it closes and returns the error.
   Status Close();
+  bool Closed() const {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    return closed_;
+  }
   StoreStats Stats() const;
   uint64_t Size() const;
   uint32_t value_bytes() const override { return value_bytes_; }
@@ -383,6 +389,9 @@ class KVStore : public RowStore {
   mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>> open_files_;
   mutable std::atomic<size_t> max_open_files_{256};  // shrinks when the process runs short of descriptors
   std::vector<uint64_t> dirty_segments_;   // written since the last checkpoint; guarded by flush_mu_
+  // A segment's failed sync, kept: after a failed writeback the kernel may drop the pages and a
+  // second sync succeed without them, so no later checkpoint may count on them. Guarded by flush_mu_.
+  Status segment_sync_error_;
   std::vector<uint64_t> compacted_segments_;  // deleted once a checkpoint no longer needs them
   std::vector<int64_t> live_per_segment_;  // records the index points at, per segment
   int lock_fd_ = -1;

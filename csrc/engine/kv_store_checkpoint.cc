@@ -288,15 +288,22 @@ Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
   std::vector<uint64_t> dirty;
   if (st.ok()) {
     std::lock_guard<std::mutex> lock(flush_mu_);
-    dirty.swap(dirty_segments_);
+    st = segment_sync_error_;
+    if (st.ok()) dirty.swap(dirty_segments_);
   }
   for (size_t i = 0; i < dirty.size() && st.ok(); ++i) {
     std::shared_ptr<SegmentFile> file;
     st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
-    if (st.ok() && fdatasync(file->fd) != 0) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
+    const bool sync_failed = st.ok() && fdatasync(file->fd) != 0;
+    if (sync_failed) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
     if (!st.ok()) {  // still dirty for the next try
       std::lock_guard<std::mutex> lock(flush_mu_);
       dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
+      if (sync_failed) {
+        segment_sync_error_ = Status::IOError(
+            st.message() + " (a checkpoint's sync of the log failed: pages written since the last checkpoint may "
+            "not be on disk, so no later checkpoint is taken; reopening the store goes back to the last one)");
+      }
     }
   }
   if (st.ok() && fdatasync(begun->snapshot_fd) != 0) {
