@@ -255,6 +255,19 @@ def test_copy_of_open_store_holds_its_checkpoint(tmp_path):
         store.close()
 
 
+def _with_the_nth_call_failing(tmp_path, child: str, call: str, nth: int, path: str) -> subprocess.CompletedProcess:
+    """Runs `child` on `path` with the nth `call` (a system call) failing with EIO, by strace's fault
+    injection; skips the test where strace cannot trace."""
+    script = tmp_path / "child.py"
+    script.write_text(child)
+    run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", f"trace={call}",
+                          "-e", f"inject={call}:error=EIO:when={nth}", sys.executable, str(script), path],
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode != 0 and "ptrace" in run.stderr:
+        pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
+    return run
+
+
 SYNC_FAILS_CHILD = textwrap.dedent("""
     import os, sys, torch
     from mlkv_torch import KVStore
@@ -277,16 +290,10 @@ def test_a_sync_failing_anywhere_in_a_checkpoint_leaves_a_checkpoint_to_reopen(t
     process dies. Reopening gives the rows of one checkpoint or the other, whole. Once, a failed
     directory sync after CHECKPOINT's rename removed the files the renamed record names, and the
     store could not be reopened."""
-    script = tmp_path / "child.py"
-    script.write_text(SYNC_FAILS_CHILD)
     outcomes = set()
     for nth in range(1, 13):
         path = str(tmp_path / f"store{nth}")
-        run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", "trace=fsync",
-                              "-e", f"inject=fsync:error=EIO:when={nth}", sys.executable, str(script), path],
-                             capture_output=True, text=True, timeout=120)
-        if run.returncode != 0 and "ptrace" in run.stderr:
-            pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
+        run = _with_the_nth_call_failing(tmp_path, SYNC_FAILS_CHILD, "fsync", nth, path)
         if not os.path.exists(os.path.join(path, "CHECKPOINT")):
             continue  # the store's creation failed: nothing to reopen
         outcomes.update(line.split(" ")[0] + line.split(" ")[1] for line in run.stdout.splitlines())
@@ -333,16 +340,10 @@ def test_after_a_failed_sync_of_the_log_no_checkpoint_claims_its_pages(tmp_path)
     synced it again and reported success, though the kernel may have dropped the pages after the
     failed writeback. Now every later checkpoint and the close fail, the store closes, and reopening
     gives the last checkpoint that succeeded."""
-    script = tmp_path / "child.py"
-    script.write_text(SEGMENT_SYNC_FAILS_CHILD)
     hit_a_segment = False
     for nth in range(1, 8):
         path = str(tmp_path / f"store{nth}")
-        run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", "trace=fdatasync",
-                              "-e", f"inject=fdatasync:error=EIO:when={nth}", sys.executable, str(script), path],
-                             capture_output=True, text=True, timeout=120)
-        if run.returncode != 0 and "ptrace" in run.stderr:
-            pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
+        run = _with_the_nth_call_failing(tmp_path, SEGMENT_SYNC_FAILS_CHILD, "fdatasync", nth, path)
         assert run.returncode == 0, run.stderr[-2000:]
         lines = run.stdout.splitlines()
         failed = [line for line in lines if line.startswith("failed") and "segment-" in line]
