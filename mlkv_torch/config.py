@@ -165,10 +165,10 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) ->
             found = problems.setdefault(".".join(parts) or "config", [])
             if problem not in found:
                 found.append(problem)
+        set_by = {override.split("=", 1)[0].strip(): override for override in overrides}
         lines = []
         for where, found in problems.items():
-            source = next((o for o in overrides if where == o.split("=", 1)[0].strip()
-                           or where.startswith(o.split("=", 1)[0].strip() + ".")), None)
+            source = next((o for key, o in set_by.items() if where == key or where.startswith(key + ".")), None)
             lines.append(f"{f'override {source!r}' if source else os.fspath(path)}: {where}: {' or '.join(found)}")
         raise ConfigError("; ".join(lines)) from None
     if config.data.kind == "criteo":

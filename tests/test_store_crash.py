@@ -255,13 +255,13 @@ def test_copy_of_open_store_holds_its_checkpoint(tmp_path):
         store.close()
 
 
-def _with_the_nth_call_failing(tmp_path, child: str, call: str, nth: int, path: str) -> subprocess.CompletedProcess:
-    """Runs `child` on `path` with the nth `call` (a system call) failing with EIO, by strace's fault
-    injection; skips the test where strace cannot trace."""
+def _with_the_nth_call_failing(tmp_path, call: str, nth: int, path: str, *child_args: str) -> subprocess.CompletedProcess:
+    """Runs SYNC_FAILS_CHILD on `path` with the nth `call` (a system call) failing with EIO, by
+    strace's fault injection; skips the test where strace cannot trace."""
     script = tmp_path / "child.py"
-    script.write_text(child)
+    script.write_text(SYNC_FAILS_CHILD)
     run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", f"trace={call}",
-                          "-e", f"inject={call}:error=EIO:when={nth}", sys.executable, str(script), path],
+                          "-e", f"inject={call}:error=EIO:when={nth}", sys.executable, str(script), path, *child_args],
                          capture_output=True, text=True, timeout=120)
     if run.returncode != 0 and "ptrace" in run.stderr:
         pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
@@ -269,18 +269,30 @@ def _with_the_nth_call_failing(tmp_path, child: str, call: str, nth: int, path: 
 
 
 SYNC_FAILS_CHILD = textwrap.dedent("""
+    # argv: path, memory budget, rows, the values put (one checkpoint after each), then "crash" or "close".
     import os, sys, torch
     from mlkv_torch import KVStore
-    store = KVStore(sys.argv[1], dim=8, memory_budget_bytes=1 << 20, compaction_ratio=0)
-    for value in (0.0, 1.0):
-        store.put(torch.arange(100), torch.full((100, 8), value))
+    path, budget, rows, values, ending = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    try:
+        store = KVStore(path, dim=8, memory_budget_bytes=budget, compaction_ratio=0)
+    except OSError as e:  # the failure hit the store's creation
+        print("create failed", e)
+        sys.exit(0)
+    for value in map(float, values.split(",")):
+        store.put(torch.arange(rows), torch.full((rows, 8), value))
         try:
             store.checkpoint()
             print("checkpointed", value)
         except OSError as e:
             print("failed", value, e)
+    if ending == "close":
+        try:
+            store.close()
+            print("closed")
+        except OSError as e:
+            print("close failed", store.closed, e)
     sys.stdout.flush()
-    os._exit(0)  # a crash: no close
+    os._exit(0)  # without a close: a crash
 """)
 
 
@@ -293,7 +305,7 @@ def test_a_sync_failing_anywhere_in_a_checkpoint_leaves_a_checkpoint_to_reopen(t
     outcomes = set()
     for nth in range(1, 13):
         path = str(tmp_path / f"store{nth}")
-        run = _with_the_nth_call_failing(tmp_path, SYNC_FAILS_CHILD, "fsync", nth, path)
+        run = _with_the_nth_call_failing(tmp_path, "fsync", nth, path, str(1 << 20), "100", "0,1", "crash")
         if not os.path.exists(os.path.join(path, "CHECKPOINT")):
             continue  # the store's creation failed: nothing to reopen
         outcomes.update(line.split(" ")[0] + line.split(" ")[1] for line in run.stdout.splitlines())
@@ -310,30 +322,6 @@ def test_a_sync_failing_anywhere_in_a_checkpoint_leaves_a_checkpoint_to_reopen(t
     assert {"failed0.0", "failed1.0"} <= outcomes  # the injected failures hit both checkpoints
 
 
-SEGMENT_SYNC_FAILS_CHILD = textwrap.dedent("""
-    import os, sys, torch
-    from mlkv_torch import KVStore
-    try:
-        store = KVStore(sys.argv[1], dim=8, memory_budget_bytes=64 << 10, compaction_ratio=0)
-    except OSError as e:  # the failure hit the store's creation
-        print("create failed", e)
-        sys.exit(0)
-    for value in (1.0, 2.0, 3.0):  # each pass writes log pages out to a segment
-        store.put(torch.arange(20000), torch.full((20000, 8), value))
-        try:
-            store.checkpoint()
-            print("checkpointed", value)
-        except OSError as e:
-            print("failed", value, e)
-    try:
-        store.close()
-        print("closed")
-    except OSError as e:
-        print("close failed", store.closed, e)
-    sys.stdout.flush()
-""")
-
-
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace injects the failing sync")
 def test_after_a_failed_sync_of_the_log_no_checkpoint_claims_its_pages(tmp_path):
     """One fdatasync fails (strace's fault injection): once it hit a segment, later checkpoints
@@ -343,7 +331,8 @@ def test_after_a_failed_sync_of_the_log_no_checkpoint_claims_its_pages(tmp_path)
     hit_a_segment = False
     for nth in range(1, 8):
         path = str(tmp_path / f"store{nth}")
-        run = _with_the_nth_call_failing(tmp_path, SEGMENT_SYNC_FAILS_CHILD, "fdatasync", nth, path)
+        # Each pass writes log pages out to a segment.
+        run = _with_the_nth_call_failing(tmp_path, "fdatasync", nth, path, str(64 << 10), "20000", "1,2,3", "close")
         assert run.returncode == 0, run.stderr[-2000:]
         lines = run.stdout.splitlines()
         failed = [line for line in lines if line.startswith("failed") and "segment-" in line]

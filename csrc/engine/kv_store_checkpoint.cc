@@ -294,16 +294,17 @@ Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
   for (size_t i = 0; i < dirty.size() && st.ok(); ++i) {
     std::shared_ptr<SegmentFile> file;
     st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
-    const bool sync_failed = st.ok() && fdatasync(file->fd) != 0;
-    if (sync_failed) st = Status::IOError("syncing " + file->path + ": " + ErrnoText(errno));
-    if (!st.ok()) {  // still dirty for the next try
+    if (st.ok() && fdatasync(file->fd) != 0) {  // kept: no later sync can be trusted with these pages
+      const int err = errno;
+      std::lock_guard<std::mutex> lock(flush_mu_);
+      segment_sync_error_ = Status::IOError(
+          "syncing " + file->path + ": " + ErrnoText(err) +
+          " (a checkpoint's sync of the log failed: pages written since the last checkpoint may not be on disk, "
+          "so no later checkpoint is taken; reopening the store goes back to the last one)");
+      st = segment_sync_error_;
+    } else if (!st.ok()) {  // the segment could not be opened: still dirty for the next try
       std::lock_guard<std::mutex> lock(flush_mu_);
       dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
-      if (sync_failed) {
-        segment_sync_error_ = Status::IOError(
-            st.message() + " (a checkpoint's sync of the log failed: pages written since the last checkpoint may "
-            "not be on disk, so no later checkpoint is taken; reopening the store goes back to the last one)");
-      }
     }
   }
   if (st.ok() && fdatasync(begun->snapshot_fd) != 0) {

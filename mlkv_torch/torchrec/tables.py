@@ -103,10 +103,7 @@ def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJ
         raise ValueError("features of different batch sizes (TorchRec's variable batch per feature) are not supported")
     stride = features.stride()
     lengths = features.lengths()
-    per_key = features.length_per_key()
-    starts = [0]
-    for n in per_key:
-        starts.append(starts[-1] + n)
+    starts = features.offset_per_key()  # where each feature's values begin, and the end
     device = features.values().device
     index = torch.cat([torch.arange(starts[p], starts[p + 1], device=device) for p in positions]
                       + [torch.empty(0, dtype=torch.int64, device=device)])
