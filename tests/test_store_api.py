@@ -263,14 +263,14 @@ def test_automatic_compaction_bounds_disk(open_store):
     put_model(store, model, range(n), rows_for(torch.arange(n), 0))
     g = torch.Generator().manual_seed(5)
     seg = SMALL_OPTIONS["segment_bytes"]
-    worst = 0.0
     for tag in range(1, 41):
         keys = torch.randint(0, n, (500,), generator=g)
         put_model(store, model, keys.tolist(), rows_for(keys, tag))
         s = store.stats()
         live = s["rows"] * s["record_bytes"]
-        worst = max(worst, s["disk_bytes"] / live)
-        assert s["disk_bytes"] <= 2.5 * live + 2 * seg, s
+        # The log within the stall's 1.25x of the ratio (and a segment being written), and while a
+        # checkpoint is written both its snapshot and the one before (each at most the budget).
+        assert s["disk_bytes"] <= 2.5 * live + 2 * seg + 2 * SMALL_OPTIONS["memory_budget_bytes"], s
     s = store.stats()
     assert s["compactions"] > 0, s
     assert_store_equals(store, model)

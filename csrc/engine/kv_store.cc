@@ -911,22 +911,26 @@ Status KVStore::Compact() {
   return background;
 }
 
-bool KVStore::CompactionDueLocked(double ratio) const {
+bool KVStore::CompactionDueLocked(double ratio, bool counting_retired) const {
   if (options_.compaction_ratio == 0.0) return false;
-  const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
+  uint64_t on_disk_slots = ReadOnlySlot() - begin_;
+  if (counting_retired) on_disk_slots += compacted_segments_.size() * pages_per_segment_ * records_per_page_;
   if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
   return static_cast<double>(on_disk_slots) > ratio * static_cast<double>(index_.size());
 }
 
 // Writers can append faster than compaction reclaims; past 1.25x the
 // compaction threshold a write waits for it (holding no lock), as an LSM
-// tree stalls writes, so disk use stays bounded.
+// tree stalls writes, so disk use stays bounded. A compaction moves begin_
+// before its checkpoint deletes the old segments: until then they count, so
+// writes wait for that checkpoint too. Not with cut checkpoints, where the
+// segments wait for the owner's checkpoint, which may wait for this write.
 void KVStore::StallForCompaction() {
   if (options_.compaction_ratio == 0.0) return;
   for (int round = 0; round < 64; ++round) {
     {
       std::shared_lock<std::shared_mutex> lock(mu_);
-      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25)) return;
+      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25, !options_.cut_checkpoints)) return;
     }
     {
       std::unique_lock<std::shared_mutex> lock(mu_);

@@ -308,7 +308,9 @@ class KVStore : public RowStore {
   // compaction_mu_. `all`: every segment below the mutable region; otherwise
   // the oldest ones that hold half of the garbage on disk. Sets *compacted.
   Status CompactSegments(bool all, bool* compacted);
-  bool CompactionDueLocked(double ratio) const;  // on-disk log > ratio x live rows
+  // On-disk log > ratio x live rows. With `counting_retired`, compacted segments that wait for
+  // the next checkpoint's deletion count too: they are on disk all the same.
+  bool CompactionDueLocked(double ratio, bool counting_retired = false) const;
   void StallForCompaction();
   // Called with mu_ held after writes: queues a compaction (executor "mlkv-compact") when due.
   Status MaybeAutoCompactLocked();
