@@ -20,12 +20,13 @@ behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
 With --runner, or --nproc N (N > 1), the runner trains instead (`python -m mlkv_torch.train`, with
 its look-ahead pipeline; under torchrun with N processes: DistributedModelParallel, the planner's
 disk tables, every rank cutting its own), --steps steps with a checkpoint every --steps / 4 (or
---every), once with checkpoints and twice without; each step's time comes from rank 0's metrics
-(log_every 1). Reported: the steps after each checkpoint against the mean step of the run without
-checkpoints, and against the same steps (the same batches) of that run, step by step; the second run
-without checkpoints, compared the same way, gives the noise of such a comparison.
+--every), without checkpoints and with them, --repeat times alternated; each step's time comes
+from rank 0's metrics (log_every 1). Reported for each checkpoint: the mean and the worst of the 4
+steps after it against the median of the 8 steps before it in the same run (a shared machine
+drifts between runs and within one), the median over the repeats; and the same for the same steps
+of the runs without checkpoints, which is the noise of such a comparison.
 
-    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner] [--smoke]
+    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]] [--smoke]
 """
 from __future__ import annotations
 
@@ -35,86 +36,88 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPANNED = 4  # steps after a checkpoint whose worst is its cost through the runner (its work spans three)
 
 
-def through_the_runner(args: argparse.Namespace) -> int:
-    """The runner (under torchrun with --nproc > 1) with checkpoints every --every steps (default
-    steps / 4) and without: each step's time."""
+def _runner_steps(args: argparse.Namespace, out: str, checkpoint_every: int, batch: int) -> List[float]:
+    """One run of the runner (under torchrun with --nproc > 1): each step's seconds, from rank 0's metrics."""
     import subprocess
 
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                  str(args.nproc)] if args.nproc > 1 else [])
+    done = subprocess.run(launch + ["-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
+                                    f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
+                                    f"train.batch_size={batch}", "train.log_every=1", f"eval.every={10 * args.steps}",
+                                    f"train.checkpoint_every={checkpoint_every or 'null'}", "storage.populate=true",
+                                    "--no-progress"],
+                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the run with checkpoint_every={checkpoint_every} failed: {done.stderr[-6000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if '"samples_per_s"' in line]
+    return [batch * args.nproc / r["samples_per_s"] for r in records]
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+
+
+def _window_over_before(run: List[float], c: int) -> Tuple[float, float]:
+    """The SPANNED steps after the boundary at step c against the median of the 8 steps before it
+    (the same run: a shared machine drifts between runs and within one): their mean, their worst."""
+    window, before = run[c:c + SPANNED], _median(run[c - 8:c])
+    return sum(window) / len(window) / before, max(window) / before
+
+
+def through_the_runner(args: argparse.Namespace) -> int:
+    """The runner (under torchrun with --nproc > 1) without checkpoints and with one every --every
+    steps (default steps / 4), --repeat times alternated: the steps after each checkpoint against
+    the steps before it, and the same steps of the runs without checkpoints (their noise)."""
     every = args.every or max(2, args.steps // 4)
     batch = 256 if args.smoke else 2048
-    steps_of: Dict[str, List[float]] = {}
+    runs: Dict[str, List[List[float]]] = {"plain": [], "checkpointed": []}
     os.makedirs(os.path.join(REPO, "bench-out"), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")) as work:
-        # A second run without checkpoints measures the noise of comparing two runs step by step.
-        for run, checkpoint_every in (("plain", 0), ("checkpointed", every), ("plain again", 0)):
-            out = os.path.join(work, run.replace(" ", "-"))
-            launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                          str(args.nproc)] if args.nproc > 1 else [])
-            done = subprocess.run(launch + ["-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
-                            f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
-                            f"train.batch_size={batch}", "train.log_every=1", f"eval.every={10 * args.steps}",
-                            f"train.checkpoint_every={checkpoint_every or 'null'}", "storage.populate=true",
-                            "--no-progress"],
-                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"the run with checkpoint_every={checkpoint_every} failed: {done.stderr[-6000:]}")
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                records = [json.loads(line) for line in f if '"samples_per_s"' in line]
-            steps_of[run] = [batch * args.nproc / r["samples_per_s"] for r in records]
+        for repeat in range(args.repeat):
+            for run, checkpoint_every in (("plain", 0), ("checkpointed", every)):
+                runs[run].append(_runner_steps(args, os.path.join(work, f"{run}-{repeat}"), checkpoint_every, batch))
     warm_up = max(1, args.steps // 5)
-    plain = steps_of["plain"][warm_up:]
-    step_s = sum(plain) / len(plain)
-    checkpointed = steps_of["checkpointed"]
+    step_s = _median([sum(r[warm_up:]) / len(r[warm_up:]) for r in runs["plain"]])
     # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary. The
     # runner spreads the checkpoint's work over the steps after it, one piece per step (the cut's
-    # rows, the stores' syncs, the rest of the state): the worst of SPANNED steps is its cost.
-    after = {c: [t / step_s for t in checkpointed[c:c + min(every, 10)]] for c in range(every, args.steps, every)}
-    # The same steps of the run without checkpoints (the same batches), against its mean: the noise.
-    plain_at = {c: [t / step_s for t in steps_of["plain"][c:c + SPANNED]] for c in after}
-    firsts = sorted(max(v[:SPANNED]) for v in after.values() if v)
-    # Against the steps just before it in the same run (a shared machine drifts over a run): the
-    # worst of the steps after each checkpoint over the median of the 8 before it.
-    local = {c: max(checkpointed[c:c + SPANNED]) / sorted(checkpointed[c - 9:c - 1])[4] for c in after if c >= 9}
-    # Against the same steps (the same batches) of the run without checkpoints, step by step: early
-    # in a run the cache still fills, and those steps are slower with or without a checkpoint.
-    def paired_with_plain(run: List[float]) -> Dict[int, float]:
-        return {c: max(w / p for w, p in zip(run[c:c + SPANNED], steps_of["plain"][c:c + SPANNED])) for c in after}
-    paired = paired_with_plain(checkpointed)
-    noise = paired_with_plain(steps_of["plain again"])  # the same, for two runs without checkpoints
-    result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, step_s=step_s,
-                  steps_after_checkpoint_over_step={str(c): v for c, v in after.items()},
-                  worst_step_after_checkpoint_over_step=max((max(v) for v in after.values() if v), default=None),
-                  mean_checkpointed_run_over_plain=(sum(checkpointed[warm_up:]) / len(checkpointed[warm_up:])) / step_s,
-                  # The noise floor: the same ratio for the run without checkpoints (a shared machine).
-                  worst_plain_step_over_step=max(plain) / step_s,
-                  plain_steps_at_checkpoints_over_step={str(c): v for c, v in plain_at.items()},
-                  median_worst_of_spanned_steps_after_checkpoint=firsts[len(firsts) // 2] if firsts else None,
-                  worst_of_spanned_steps_after_checkpoint_over_8_before={str(c): r for c, r in local.items()},
-                  worst_of_spanned_steps_over_the_same_steps_without={str(c): r for c, r in paired.items()},
-                  noise_the_same_for_a_second_run_without={str(c): r for c, r in noise.items()})
+    # rows, the stores' syncs, the rest of the state): SPANNED steps carry it.
+    boundaries = [c for c in range(every, args.steps - SPANNED + 1, every) if c >= 8]
+    stats = {run: {c: [_window_over_before(r, c) for r in rs] for c in boundaries} for run, rs in runs.items()}
+    table = {run: {str(c): dict(mean=[m for m, _ in v], worst=[w for _, w in v],
+                                median_mean=_median([m for m, _ in v]), median_worst=_median([w for _, w in v]))
+                   for c, v in by_c.items()} for run, by_c in stats.items()}
+    result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, repeat=args.repeat, step_s=step_s,
+                  mean_checkpointed_run_over_plain=_median([sum(r[warm_up:]) / len(r[warm_up:]) for r in runs["checkpointed"]]) / step_s,
+                  spanned_steps_over_8_before=table["checkpointed"], the_same_without_checkpoints=table["plain"],
+                  step_s_of_runs=runs)
     where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"
-    print(f"{where}; a step {step_s * 1e3:.1f} ms without checkpoints (mean after warm-up)")
-    for c, ratios in after.items():
-        print(f"after the checkpoint at step {c}, x a step: " + " ".join(f"{r:.2f}" for r in ratios))
-    print(f"the run with checkpoints every {every} steps, its mean step: {result['mean_checkpointed_run_over_plain']:.2f}x")
-    print(f"the run without checkpoints, its worst step after warm-up: {result['worst_plain_step_over_step']:.2f}x")
-    if firsts:
-        print(f"the worst of the {SPANNED} steps after each checkpoint: median {firsts[len(firsts) // 2]:.2f}x, "
-              f"at most {firsts[-1]:.2f}x ({len(firsts)} checkpoints)")
-    if local:
-        print("the same over the median of the 8 steps before it: " + " ".join(f"{r:.2f}" for r in local.values()))
-    for what, ratios in (("the same over the same steps without checkpoints, step by step", paired),
-                         ("noise: a second run without checkpoints, the same way", noise)):
-        if ratios:
-            ordered = sorted(ratios.values())
-            print(f"{what}: " + " ".join(f"{r:.2f}" for r in ratios.values()) +
-                  f" (median {ordered[len(ordered) // 2]:.2f}x, at most {ordered[-1]:.2f}x)")
+    print(f"{where}; a step {step_s * 1e3:.1f} ms without checkpoints (median of {args.repeat} runs' mean after warm-up); "
+          f"the runs with checkpoints every {every} steps: {result['mean_checkpointed_run_over_plain']:.2f}x")
+    print(f"The {SPANNED} steps after each checkpoint against the median of the 8 steps before it, the median of "
+          f"{args.repeat} runs (each run's in brackets); without checkpoints: the same steps of the runs without.")
+    print("| checkpoint at step | their mean | without checkpoints | their worst | without checkpoints |")
+    print("|---:|---:|---:|---:|---:|")
+    for c in boundaries:
+        cells = []
+        for what in ("mean", "worst"):
+            for run in ("checkpointed", "plain"):
+                row = table[run][str(c)]
+                cells.append(f"{row['median_' + what]:.2f} ({' '.join(f'{v:.2f}' for v in row[what])})")
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    for what in ("mean", "worst"):
+        on, off = ([table[run][str(c)]["median_" + what] for c in boundaries] for run in ("checkpointed", "plain"))
+        if on:
+            print(f"their {what}: at most {max(on):.2f}x, median {_median(on):.2f}x over {len(on)} checkpoints "
+                  f"(without checkpoints: at most {max(off):.2f}x, median {_median(off):.2f}x)")
     with open(os.path.join(REPO, args.out), "w") as f:
         json.dump(result, f, indent=1)
     return 0
@@ -129,9 +132,12 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="processes under torchrun (1: one process, in this one)")
     ap.add_argument("--runner", action="store_true", help="train through the runner (implied by --nproc > 1)")
     ap.add_argument("--every", type=int, default=0, help="with --runner: steps between checkpoints (0: steps / 4)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --runner: runs with checkpoints and without, alternated, this many times each")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.scale, args.steps = 1000, (8 if args.nproc > 1 or args.runner else 4)
+        args.scale, args.steps = 1000, (16 if args.nproc > 1 or args.runner else 4)
+        args.every = 4 if args.nproc > 1 or args.runner else args.every
     if args.nproc > 1 or args.runner:
         return through_the_runner(args)
     sys.path.insert(0, REPO)

@@ -9,7 +9,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py",
-                                    "bench_gpu.py", "bench_checkpoint.py", "bench_billion_rows.py", "bench_reopen.py"])
+                                    "bench_gpu.py", "bench_checkpoint.py", "bench_checkpoint.py --runner",
+                                    "bench_billion_rows.py", "bench_reopen.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
     script, *extra = script.split()
     if script not in ("bench_embedding.py", "bench_gpu.py", "bench_reopen.py"):

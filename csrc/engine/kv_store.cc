@@ -165,6 +165,7 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   }
   mutable_pages_ = static_cast<uint64_t>(static_cast<double>(num_frames_) * options_.mutable_fraction);
   mutable_pages_ = std::min(std::max<uint64_t>(mutable_pages_, 1), num_frames_ - 1);
+  flush_batch_pages_ = std::max<uint64_t>(1, (num_frames_ - mutable_pages_) / 2);
   div_records_per_page_ = FastDivisor(records_per_page_);
   div_records_per_unit_ = FastDivisor(records_per_unit_);
   div_num_frames_ = FastDivisor(num_frames_);
@@ -384,7 +385,10 @@ Status KVStore::StartPage(uint64_t page) {
     read_only_page_ = page + 1 - mutable_pages_;
     std::lock_guard<std::mutex> lock(flush_mu_);
     flush_target_page_ = read_only_page_;
-    if (flush_error_.ok()) ScheduleFlushLocked();
+    // The flush task wakes once half the read-only frames wait, and writes them in one go: woken
+    // for every page, its wake-ups and one-page writes took twice the CPU. The other half of the
+    // frames keeps a put from waiting for it (a frame's reuse still wakes it, in WaitFlushed).
+    if (flush_error_.ok() && flush_target_page_ - flushed_page_ >= flush_batch_pages_) ScheduleFlushLocked();
   }
   const uint64_t head = HeadPageWith(page);
   if (head_page_ < head) {

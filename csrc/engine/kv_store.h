@@ -431,6 +431,7 @@ class KVStore : public RowStore {
   std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
   Status flush_error_;
   bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
+  uint64_t flush_batch_pages_ = 1;  // read-only pages that wake the flush task: half of those frames
   static constexpr uint64_t kFlushPagesPerTurn = 64;  // pages one FlushPending writes before yielding
   static constexpr uint64_t kFlushWriteBytes = 4ull << 20;  // at most one write of the flush task
 };
