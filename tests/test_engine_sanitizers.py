@@ -21,5 +21,5 @@ def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "4 passed, 0 failed" in output
+    assert "5 passed, 0 failed" in output
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output

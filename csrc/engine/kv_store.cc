@@ -165,7 +165,7 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   }
   mutable_pages_ = static_cast<uint64_t>(static_cast<double>(num_frames_) * options_.mutable_fraction);
   mutable_pages_ = std::min(std::max<uint64_t>(mutable_pages_, 1), num_frames_ - 1);
-  flush_batch_pages_ = std::max<uint64_t>(1, (num_frames_ - mutable_pages_) / 2);
+  flush_batch_pages_ = std::max<uint64_t>(1, std::min((num_frames_ - mutable_pages_) / 2, kFlushWriteBytes / page_bytes_));
   div_records_per_page_ = FastDivisor(records_per_page_);
   div_records_per_unit_ = FastDivisor(records_per_unit_);
   div_num_frames_ = FastDivisor(num_frames_);
@@ -915,26 +915,22 @@ Status KVStore::Compact() {
   return background;
 }
 
-bool KVStore::CompactionDueLocked(double ratio, bool counting_retired) const {
+bool KVStore::CompactionDueLocked(double ratio) const {
   if (options_.compaction_ratio == 0.0) return false;
-  uint64_t on_disk_slots = ReadOnlySlot() - begin_;
-  if (counting_retired) on_disk_slots += compacted_segments_.size() * pages_per_segment_ * records_per_page_;
+  const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
   if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
   return static_cast<double>(on_disk_slots) > ratio * static_cast<double>(index_.size());
 }
 
 // Writers can append faster than compaction reclaims; past 1.25x the
 // compaction threshold a write waits for it (holding no lock), as an LSM
-// tree stalls writes, so disk use stays bounded. A compaction moves begin_
-// before its checkpoint deletes the old segments: until then they count, so
-// writes wait for that checkpoint too. Not with cut checkpoints, where the
-// segments wait for the owner's checkpoint, which may wait for this write.
+// tree stalls writes, so disk use stays bounded.
 void KVStore::StallForCompaction() {
   if (options_.compaction_ratio == 0.0) return;
   for (int round = 0; round < 64; ++round) {
     {
       std::shared_lock<std::shared_mutex> lock(mu_);
-      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25, !options_.cut_checkpoints)) return;
+      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25)) return;
     }
     {
       std::unique_lock<std::shared_mutex> lock(mu_);

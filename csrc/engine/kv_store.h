@@ -308,9 +308,7 @@ class KVStore : public RowStore {
   // compaction_mu_. `all`: every segment below the mutable region; otherwise
   // the oldest ones that hold half of the garbage on disk. Sets *compacted.
   Status CompactSegments(bool all, bool* compacted);
-  // On-disk log > ratio x live rows. With `counting_retired`, compacted segments that wait for
-  // the next checkpoint's deletion count too: they are on disk all the same.
-  bool CompactionDueLocked(double ratio, bool counting_retired = false) const;
+  bool CompactionDueLocked(double ratio) const;  // on-disk log > ratio x live rows
   void StallForCompaction();
   // Called with mu_ held after writes: queues a compaction (executor "mlkv-compact") when due.
   Status MaybeAutoCompactLocked();
@@ -372,7 +370,7 @@ class KVStore : public RowStore {
   std::unique_ptr<BlockReader> reader_;
   uint64_t begin_ = 0;           // first slot still in the log
   uint64_t head_page_ = 0;       // first page in memory
-  uint64_t read_only_page_ = 0;  // first mutable page; pages below it are in segment files
+  uint64_t read_only_page_ = 0;  // first mutable page; pages below it go to segment files (those below flushed_page_ are there)
   uint64_t tail_ = 0;            // next slot to append
   uint64_t checkpoint_sequence_ = 0;
   std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
@@ -431,7 +429,7 @@ class KVStore : public RowStore {
   std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
   Status flush_error_;
   bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
-  uint64_t flush_batch_pages_ = 1;  // read-only pages that wake the flush task: half of those frames
+  uint64_t flush_batch_pages_ = 1;  // read-only pages that wake the flush task: half of those frames, at most one write
   static constexpr uint64_t kFlushPagesPerTurn = 64;  // pages one FlushPending writes before yielding
   static constexpr uint64_t kFlushWriteBytes = 4ull << 20;  // at most one write of the flush task
 };
