@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -58,6 +59,7 @@ def _runner_steps(args: argparse.Namespace, out: str, checkpoint_every: int, bat
         raise RuntimeError(f"the run with checkpoint_every={checkpoint_every} failed: {done.stderr[-6000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"samples_per_s"' in line]
+    shutil.rmtree(out)  # its tables: a few hundred MB a run
     return [batch * args.nproc / r["samples_per_s"] for r in records]
 
 
@@ -75,22 +77,27 @@ def _window_over_before(run: List[float], c: int) -> Tuple[float, float]:
 
 def through_the_runner(args: argparse.Namespace) -> int:
     """The runner (under torchrun with --nproc > 1) without checkpoints and with one every --every
-    steps (default steps / 4), --repeat times alternated: the steps after each checkpoint against
+    steps (default steps / 4, at least 12), --repeat times alternated: the steps after each checkpoint against
     the steps before it, and the same steps of the runs without checkpoints (their noise)."""
-    every = args.every or max(2, args.steps // 4)
+    every = args.every or max(8 + SPANNED, args.steps // 4)
+    # The 8 steps before a checkpoint must not hold the previous one's SPANNED steps.
+    if every < 8 + SPANNED:
+        raise SystemExit(f"--every {every}: at least {8 + SPANNED} steps between checkpoints, so the 8 steps "
+                         "before each are clear of the previous one's work")
     batch = 256 if args.smoke else 2048
     runs: Dict[str, List[List[float]]] = {"plain": [], "checkpointed": []}
     os.makedirs(os.path.join(REPO, "bench-out"), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")) as work:
         for repeat in range(args.repeat):
-            for run, checkpoint_every in (("plain", 0), ("checkpointed", every)):
+            order = (("plain", 0), ("checkpointed", every))
+            for run, checkpoint_every in order if repeat % 2 == 0 else order[::-1]:  # drift falls on both alike
                 runs[run].append(_runner_steps(args, os.path.join(work, f"{run}-{repeat}"), checkpoint_every, batch))
     warm_up = max(1, args.steps // 5)
     step_s = _median([sum(r[warm_up:]) / len(r[warm_up:]) for r in runs["plain"]])
     # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary. The
     # runner spreads the checkpoint's work over the steps after it, one piece per step (the cut's
     # rows, the stores' syncs, the rest of the state): SPANNED steps carry it.
-    boundaries = [c for c in range(every, args.steps - SPANNED + 1, every) if c >= 8]
+    boundaries = list(range(every, args.steps - SPANNED + 1, every))
     stats = {run: {c: [_window_over_before(r, c) for r in rs] for c in boundaries} for run, rs in runs.items()}
     table = {run: {str(c): dict(mean=[m for m, _ in v], worst=[w for _, w in v],
                                 median_mean=_median([m for m, _ in v]), median_worst=_median([w for _, w in v]))
@@ -131,13 +138,15 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     ap.add_argument("--nproc", type=int, default=1, help="processes under torchrun (1: one process, in this one)")
     ap.add_argument("--runner", action="store_true", help="train through the runner (implied by --nproc > 1)")
-    ap.add_argument("--every", type=int, default=0, help="with --runner: steps between checkpoints (0: steps / 4)")
+    ap.add_argument("--every", type=int, default=0, help="with --runner: steps between checkpoints (0: steps / 4, at least 12)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="with --runner: runs with checkpoints and without, alternated, this many times each")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.smoke:
-        args.scale, args.steps = 1000, (16 if args.nproc > 1 or args.runner else 4)
-        args.every = 4 if args.nproc > 1 or args.runner else args.every
+        args.scale, args.steps = 1000, (28 if args.nproc > 1 or args.runner else 4)
+        args.every = 12 if args.nproc > 1 or args.runner else args.every
     if args.nproc > 1 or args.runner:
         return through_the_runner(args)
     sys.path.insert(0, REPO)

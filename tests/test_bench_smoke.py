@@ -21,5 +21,7 @@ def test_benchmark_smoke_runs(tmp_path, script):
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ERROR" not in done.stdout, done.stdout[-4000:]
+    if extra == ["--runner"]:  # a row for each checkpoint whose steps it compares
+        assert "\n| 12 | " in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does
         assert "| False |" not in done.stdout and "| True |" in done.stdout, done.stdout[-4000:]
