@@ -42,8 +42,8 @@ _CACHE_POLICIES = ("lfu", "lru")
 BACKENDS = ("mlkv", "rocksdb")  # the stores a table can sit on
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
 # A table's store updates half its log pages in place, not 0.9 (KVStore's default): the cache in
-# front of it takes the rows updated often, and the other half of the pages lets the store write
-# them a few at a time (one page at a time woke the flush thread for each: 2x its CPU, measured).
+# front of it takes the rows updated often, and with half its pages read-only the store's flush
+# writes several at a time (see KVStore::StartPage).
 _STORE_MUTABLE_FRACTION = 0.5
 
 

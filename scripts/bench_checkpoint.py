@@ -37,7 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPANNED = 4  # steps after a checkpoint whose worst is its cost through the runner (its work spans three)
@@ -63,9 +63,13 @@ def _runner_steps(args: argparse.Namespace, out: str, checkpoint_every: int, bat
     return [batch * args.nproc / r["samples_per_s"] for r in records]
 
 
-def _median(values: List[float]) -> float:
+def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+
+
+def _mean_after_warm_up(run: List[float], warm_up: int) -> float:
+    return sum(run[warm_up:]) / len(run[warm_up:])
 
 
 def _window_over_before(run: List[float], c: int) -> Tuple[float, float]:
@@ -93,17 +97,18 @@ def through_the_runner(args: argparse.Namespace) -> int:
             for run, checkpoint_every in order if repeat % 2 == 0 else order[::-1]:  # drift falls on both alike
                 runs[run].append(_runner_steps(args, os.path.join(work, f"{run}-{repeat}"), checkpoint_every, batch))
     warm_up = max(1, args.steps // 5)
-    step_s = _median([sum(r[warm_up:]) / len(r[warm_up:]) for r in runs["plain"]])
+    step_s = _median([_mean_after_warm_up(r, warm_up) for r in runs["plain"]])
     # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary. The
     # runner spreads the checkpoint's work over the steps after it, one piece per step (the cut's
     # rows, the stores' syncs, the rest of the state): SPANNED steps carry it.
     boundaries = list(range(every, args.steps - SPANNED + 1, every))
-    stats = {run: {c: [_window_over_before(r, c) for r in rs] for c in boundaries} for run, rs in runs.items()}
-    table = {run: {str(c): dict(mean=[m for m, _ in v], worst=[w for _, w in v],
-                                median_mean=_median([m for m, _ in v]), median_worst=_median([w for _, w in v]))
-                   for c, v in by_c.items()} for run, by_c in stats.items()}
+    table: Dict[str, Dict[int, Dict[str, Any]]] = {run: {} for run in runs}
+    for run, rs in runs.items():
+        for c in boundaries:
+            means, worsts = zip(*(_window_over_before(r, c) for r in rs))
+            table[run][c] = dict(mean=means, worst=worsts, median_mean=_median(means), median_worst=_median(worsts))
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, repeat=args.repeat, step_s=step_s,
-                  mean_checkpointed_run_over_plain=_median([sum(r[warm_up:]) / len(r[warm_up:]) for r in runs["checkpointed"]]) / step_s,
+                  mean_checkpointed_run_over_plain=_median([_mean_after_warm_up(r, warm_up) for r in runs["checkpointed"]]) / step_s,
                   spanned_steps_over_8_before=table["checkpointed"], the_same_without_checkpoints=table["plain"],
                   step_s_of_runs=runs)
     where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"
@@ -117,11 +122,11 @@ def through_the_runner(args: argparse.Namespace) -> int:
         cells = []
         for what in ("mean", "worst"):
             for run in ("checkpointed", "plain"):
-                row = table[run][str(c)]
+                row = table[run][c]
                 cells.append(f"{row['median_' + what]:.2f} ({' '.join(f'{v:.2f}' for v in row[what])})")
         print(f"| {c} | " + " | ".join(cells) + " |")
     for what in ("mean", "worst"):
-        on, off = ([table[run][str(c)]["median_" + what] for c in boundaries] for run in ("checkpointed", "plain"))
+        on, off = ([table[run][c]["median_" + what] for c in boundaries] for run in ("checkpointed", "plain"))
         if on:
             print(f"their {what}: at most {max(on):.2f}x, median {_median(on):.2f}x over {len(on)} checkpoints "
                   f"(without checkpoints: at most {max(off):.2f}x, median {_median(off):.2f}x)")
