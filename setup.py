@@ -72,8 +72,8 @@ setup(
     # torch is deliberately not listed: an unpinned torch requirement would pull the newest CUDA build.
     # The runner's needs are (the core imports torch alone; the TorchRec layer needs torchrec, which
     # scripts/setup.sh installs with its CPU fbgemm).
-    install_requires=["numpy", "pyyaml", "pydantic>=2,<3", "tqdm"],
+    install_requires=["numpy", "pyyaml", "pydantic>=2,<3", "tqdm", "pyarrow>=25", "torchdata==0.11.0"],
     extras_require={"torchrec": ["torchrec"], "test": ["pytest", "hypothesis"],
-                    "bench": ["matplotlib", "rocksdict", "lmdb"]},
+                    "bench": ["matplotlib", "rocksdict", "lmdb"], "tensorboard": ["tensorboard"]},
     zip_safe=False,
 )

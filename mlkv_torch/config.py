@@ -43,21 +43,37 @@ class SyntheticDataConfig(_Section):
 
 class CriteoDataConfig(_Section):
     """Criteo click logs: `tsv` files (converted once into `cache_dir`) or torchrec's `npy` day
-    prefixes (``<prefix>_dense.npy``, ``_sparse.npy``, ``_labels.npy``)."""
+    prefixes (``<prefix>_dense.npy``, ``_sparse.npy``, ``_labels.npy``).
+
+    `days` splits each TSV file into that many consecutive parts (Criteo Kaggle's one
+    ``train.txt``, as DLRM's preprocessing does); with no `eval` files, the last part of the
+    last file is held out for evaluation. `shuffle_window` (batches) shuffles the training rows
+    within windows of that many batches, and the windows' order, anew each epoch from `seed`.
+    """
 
     format: Literal["tsv", "npy"] = "tsv"
     train: List[str] = []
     eval: List[str] = []
+    days: Optional[int] = Field(None, ge=2)
     cardinalities: Union[Literal["criteo_kaggle"], List[int]] = "criteo_kaggle"
     scale: int = Field(1, gt=0)
-    cache_dir: Optional[str] = None  # default: <output_dir>/criteo_npy
+    cache_dir: Optional[str] = None  # default: $MLKV_CACHE_DIR/criteo, or ~/.cache/mlkv_torch/criteo
+    shuffle_window: int = Field(0, ge=0)
+    seed: int = 0
 
 
 class DataConfig(_Section):
+    """The data and its loader: `workers` threads make batches, `prefetch` batches wait ready;
+    "auto" (the default) picks and re-picks them from measured times within a CPU budget (the
+    cores torch's threads and the disk tables' prefetch thread leave) and `memory_budget_bytes`
+    for the batches in flight."""
+
     kind: Literal["synthetic", "criteo"] = "synthetic"
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
     criteo: CriteoDataConfig = CriteoDataConfig()
-    num_workers: int = Field(0, ge=0)
+    workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    prefetch: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    memory_budget_bytes: int = Field(256 << 20, gt=0)
 
 
 class StorageConfig(_Section):
@@ -97,6 +113,7 @@ class TrainConfig(_Section):
     # torch's intra-op threads: "auto" leaves one core of torch's default to the disk tables' I/O
     # threads when they look ahead (on few cores, sharing them costs more than the core gives)
     torch_threads: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    tensorboard: bool = False  # also write the metrics as TensorBoard scalars under output_dir/tensorboard
 
 
 class EvalConfig(_Section):
@@ -122,6 +139,8 @@ class ExperimentConfig(_Section):
             raise ValueError(f"model.over_arch must end with 1, got {self.model.over_arch}")
         if self.data.kind == "criteo" and not self.data.criteo.train:
             raise ValueError("data.criteo.train must list the training files")
+        if self.data.criteo.days is not None and self.data.criteo.format != "tsv":
+            raise ValueError("data.criteo.days splits TSV files: it needs data.criteo.format tsv")
         return self
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
 from .cut import PendingCut, read_json_record, sync_directory, write_json_record
+from .data.sources import batch_source, loader_tuner
 from .embedding import MemoryBudgetError
 from .ranks import all_gather_objects
 
@@ -36,7 +37,6 @@ __all__ = ["main", "run"]
 _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adagrad": optim_lib.RowWiseAdagrad,
                "adam": optim_lib.Adam}
 _BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbeddingBag backend
-_EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
 RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
@@ -61,78 +61,6 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
-class _SyntheticSource:
-    """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
-
-    def __init__(self, config: ExperimentConfig) -> None:
-        from .data import SyntheticCTR
-
-        data = config.data.synthetic
-        self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
-                                      num_dense=data.num_dense, zipf=data.zipf, effect_scale=data.effect_scale,
-                                      seed=data.seed)
-        self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.cardinalities
-        self.num_dense, self.batch_size, self.workers = data.num_dense, config.train.batch_size, config.data.num_workers
-
-    def _dataset(self, first_step: int, steps: int, rank: int, world: int):
-        from .data import SyntheticCTRDataset
-
-        # Each step takes one batch per rank; batches are numbered globally.
-        return SyntheticCTRDataset(self.generator, self.batch_size, num_batches=steps * world, rank=rank,
-                                   world_size=world, first_batch=first_step * world)
-
-    def train(self, first_step: int, steps: int, rank: int, world: int) -> Iterator[Any]:
-        from torch.utils.data import DataLoader
-
-        dataset = self._dataset(first_step, steps, rank, world)
-        return iter(DataLoader(dataset, batch_size=None, num_workers=self.workers) if self.workers else dataset)
-
-    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
-        dataset = self._dataset(_EVAL_FIRST_BATCH // world, batches, rank, world)
-        for number, batch in zip(dataset.batch_numbers(), dataset):
-            yield batch, self.generator.batch(number, self.batch_size)[3]
-
-
-class _CriteoSource:
-    """Criteo days (TSV, converted once, or torchrec's npy layout) through torchrec's datapipe."""
-
-    def __init__(self, config: ExperimentConfig) -> None:
-        from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
-
-        from .data.criteo import tsv_to_npy
-
-        criteo = config.data.criteo
-        cache = criteo.cache_dir or os.path.join(config.output_dir, "criteo_npy")
-        self.train_days = tsv_to_npy(criteo.train, cache) if criteo.format == "tsv" else list(criteo.train)
-        self.eval_days = tsv_to_npy(criteo.eval, cache) if criteo.format == "tsv" else list(criteo.eval)
-        self.feature_names = list(DEFAULT_CAT_NAMES)
-        self.cardinalities = cardinalities_of(criteo.cardinalities, criteo.scale)
-        self.num_dense, self.batch_size = INT_FEATURE_COUNT, config.train.batch_size
-
-    def train(self, first_step: int, steps: int, rank: int, world: int) -> Iterator[Any]:
-        from .data.criteo import criteo_batches
-
-        def epochs() -> Iterator[Any]:
-            while True:  # as many passes as the steps need
-                produced = False
-                for batch in criteo_batches(self.train_days, self.batch_size, self.cardinalities, rank, world):
-                    produced = True
-                    yield batch
-                if not produced:
-                    raise ConfigError(f"data.criteo.train holds fewer rows than one batch per rank "
-                                      f"({self.batch_size} x {world})")
-
-        return itertools.islice(epochs(), first_step, first_step + steps)
-
-    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
-        from .data.criteo import criteo_batches
-
-        if not self.eval_days:
-            return iter(())
-        days = criteo_batches(self.eval_days, self.batch_size, self.cardinalities, rank, world)
-        return ((batch, None) for batch in itertools.islice(days, batches))
-
-
 class _Experiment:
     """The model, data and optimizers of one run; `resume` reopens the tables an earlier run left."""
 
@@ -140,7 +68,7 @@ class _Experiment:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         self.config = config
-        self.source = _SyntheticSource(config) if config.data.kind == "synthetic" else _CriteoSource(config)
+        self.source = batch_source(config)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=[name])
                   for name, n in zip(self.source.feature_names, self.source.cardinalities)]
@@ -236,9 +164,14 @@ class _Experiment:
     def rank(self) -> int:
         return dist.get_rank() if self.distributed else 0
 
-    def loader(self, first_step: int, steps: int) -> Iterator[Any]:
-        """This rank's batches of steps [first_step, first_step + steps)."""
-        return self.source.train(first_step, steps, self.rank, self.world_size)
+    def loader(self, first_step: int, steps: int) -> Any:
+        """A BatchLoader of this rank's batches of steps [first_step, first_step + steps): step s
+        trains batch number s * world_size + rank on each rank."""
+        from .data.loader import BatchLoader
+
+        world = self.world_size
+        return BatchLoader(self.source.make_batch, first=first_step * world + self.rank, count=steps, stride=world,
+                           tuner=loader_tuner(self.config, torch_threads(self.config)))
 
     def hit_rate(self) -> Optional[float]:
         stats = self.collection.stats().values()
@@ -640,25 +573,33 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     if resume and main and os.path.exists(metrics_path):
         _drop_records_after(metrics_path, start_step)  # a killed run's steps past its checkpoint are trained again
     bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
+    board = _tensorboard(config) if main else None
+    train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
     with open(metrics_path if main else os.devnull, "a") as metrics:
         step = start_step
-        window_start, window_samples = time.perf_counter(), 0
+        window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
         while step < train.steps:
+            began = time.perf_counter()
             try:
                 loss, _, labels = pipeline.progress(data)
             except StopIteration:
                 break
+            train_s += time.perf_counter() - began
             step += 1
             experiment.boundaries.passed()
             samples += labels.numel() * world
             window_samples += labels.numel() * world
+            window_steps += 1
             record: Dict[str, Any] = {}
             if step % train.log_every == 0 or step == train.steps:
                 now = time.perf_counter()
                 rate = window_samples / max(now - window_start, 1e-9)
-                window_start, window_samples = now, 0
+                input_stats = data.stats()
+                record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth,
+                              input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
+                              input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
+                window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
                 hit_rate = experiment.hit_rate()
-                record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth)
                 if hit_rate is not None:
                     record["hit_rate"] = hit_rate
                 bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
@@ -669,10 +610,17 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             if record:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                if board is not None:
+                    for key, value in record.items():
+                        if key != "step" and isinstance(value, (int, float)):
+                            board.add_scalar(key, value, step)
             if train.checkpoint_every and step % train.checkpoint_every == 0:
                 experiment.save(step)
             bar.update(1)
     bar.close()
+    data.close()
+    if board is not None:
+        board.close()
     experiment.finish_save()
     elapsed = time.perf_counter() - started
     if hasattr(experiment.collection, "flush"):
@@ -694,12 +642,32 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
                "storage": config.storage.kind, "populate_s": populate_s,
-               "torch_threads": torch.get_num_threads()}
+               "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
     if main:
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=1)
     experiment.collection.close()
     return summary
+
+
+def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[str, Any]:
+    """The summary's input figures: the training steps' time (`train_s`, evaluations and the rest
+    left out), the share of it spent waiting for a batch (DS-Analyzer's data stall), the wait per
+    step, and what the loader chose."""
+    return {"train_seconds": train_s, "input_wait_share": stats["wait_s"] / train_s if train_s > 0 else 0.0,
+            "input_wait_ms": stats["wait_s"] * 1e3 / steps if steps else 0.0,
+            "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions")}}
+
+
+def _tensorboard(config: ExperimentConfig) -> Any:
+    """A SummaryWriter under output_dir/tensorboard when train.tensorboard is set, else None."""
+    if not config.train.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch's writer needs the tensorboard package
+        raise ConfigError(f"train.tensorboard needs the tensorboard package (pip install tensorboard): {e}") from e
+    return SummaryWriter(os.path.join(config.output_dir, "tensorboard"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

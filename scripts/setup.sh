@@ -54,7 +54,8 @@ else
   pip -c "$constraints" "tensordict==0.15.3" "torchmetrics==1.0.3" tqdm "pyre-extensions==0.0.32" "iopath==0.1.10"
 fi
 echo "[setup] installing tools for tests and benchmarks"
-pip -c "$constraints" numpy pyyaml "pydantic>=2,<3" matplotlib pytest hypothesis ninja rocksdict lmdb
+pip -c "$constraints" numpy pyyaml "pydantic>=2,<3" "pyarrow>=25" "torchdata==0.11.0" tensorboard matplotlib pytest \
+  hypothesis ninja rocksdict lmdb
 echo "[setup] building mlkv_torch (C++ extension, no build isolation so the installed torch is used)"
 pip -c "$constraints" --no-build-isolation -e .
 "$py" -c 'import mlkv_torch, torch; rocks = "with" if mlkv_torch._C.with_rocksdb else "without"

@@ -92,3 +92,9 @@ def put_model(store: KVStore, model: Dict[int, torch.Tensor], keys: Iterable[int
     store.put(torch.tensor(keys, dtype=torch.int64), values)
     for k, v in zip(keys, values):
         model[k] = v.clone()
+
+
+@pytest.fixture(autouse=True)
+def _converted_files_in_a_temporary_cache(tmp_path_factory, monkeypatch):
+    """Criteo files converted by a test go to a cache of its own, not the user's ~/.cache."""
+    monkeypatch.setenv("MLKV_CACHE_DIR", str(tmp_path_factory.mktemp("mlkv-cache")))

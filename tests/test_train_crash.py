@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,10 +62,10 @@ def _tables(out: Path):
     from mlkv_torch import optim
     from mlkv_torch.config import load_config
     from mlkv_torch.torchrec import DiskEmbeddingBagCollection
-    from mlkv_torch.train import _SyntheticSource
+    from mlkv_torch.data.sources import SyntheticSource
 
     config = load_config(QUICKSTART, [f"output_dir={out}", *OVERRIDES])
-    source = _SyntheticSource(config)
+    source = SyntheticSource(config)
     tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                  feature_names=[name]) for name, n in zip(source.feature_names, source.cardinalities)]
     ebc = DiskEmbeddingBagCollection(tables, path=out / "tables", optimizer=optim.RowWiseAdagrad(lr=config.train.lr),
@@ -98,6 +99,8 @@ def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_
     killed_at = []
     for _ in range(kills):
         resume = (crashed / "checkpoint.pt").exists()
+        if not resume and crashed.exists():  # killed before its first checkpoint: nothing to resume, start over
+            shutil.rmtree(crashed)
         child = subprocess.Popen(_command(crashed, resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
         start = _logged_lines(crashed)
         wait_for = rng.randrange(0, 8)  # steps logged by this start before the kill, then a random instant
@@ -112,8 +115,10 @@ def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_
         child.wait(timeout=60)
         killed_at.append(_logged_lines(crashed))
     assert killed_at, "no run was killed: the test exercised nothing"
-    done = subprocess.run(_command(crashed, resume=(crashed / "checkpoint.pt").exists()), capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
+    resume = (crashed / "checkpoint.pt").exists()
+    if not resume and crashed.exists():
+        shutil.rmtree(crashed)
+    done = subprocess.run(_command(crashed, resume=resume), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 
     expected, got = _losses(whole), _losses(crashed)

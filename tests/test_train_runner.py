@@ -53,6 +53,29 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
     assert [got[s] for s in range(11, 15)] == pytest.approx([expected[s] for s in range(11, 15)], rel=0, abs=0)
 
 
+def test_loader_settings_do_not_change_training_and_the_input_wait_is_reported(tmp_path):
+    common = [*SMALL, "train.steps=10", "train.log_every=2", "eval.every=1000", "train.tensorboard=true"]
+    auto = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'auto'}", *common]), progress=False)
+    fixed = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'fixed'}", "data.workers=3", "data.prefetch=1",
+                                         *common]), progress=False)
+    assert _losses(tmp_path / "auto") == _losses(tmp_path / "fixed")  # batches in order, whatever the threads
+    assert fixed["input"]["workers"] == 3 and fixed["input"]["prefetch"] == 1 and fixed["input"]["decisions"] == 0
+    assert auto["input"]["decisions"] == 1  # at the 8th batch
+    for summary in (auto, fixed):
+        assert 0 < summary["input_wait_share"] < 1  # the first batch is always waited for
+        assert 0 < summary["input_wait_ms"] * summary["steps"] / 1e3 < summary["seconds"]
+        assert summary["input"]["batch_bytes"] > 0 and summary["input"]["buffer_bytes"] > 0
+    records = [json.loads(line) for line in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["input_workers"] == 3 and r["input_wait_ms"] >= 0 for r in records if "loss" in r)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "auto" / "tensorboard"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("loss")}
+    assert losses == pytest.approx(_losses(tmp_path / "auto"), rel=1e-6)  # TensorBoard keeps float32
+    assert [e.step for e in events.Scalars("input_wait_ms")] == [2, 4, 6, 8, 10]
+
+
 def test_populated_tables_resume_twice_from_one_checkpoint(tmp_path):
     """Populating ends with a cut; a resumed run does not populate again, so a second resume from the
     same checkpoint (the first was killed before its next one) still finds the tables' cut."""
@@ -162,9 +185,23 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     _torchrun(tmp_path / "split", 10)
     pointer = json.loads((tmp_path / "split" / "checkpoint.latest").read_text())
     assert pointer["directory"] == "checkpoint-8" and {c["label"] for c in pointer["cuts"].values() if c} == {8}
-    _torchrun(tmp_path / "split", 12, "--resume", "data.num_workers=2")  # DataLoader workers: the same batches
+    _torchrun(tmp_path / "split", 12, "--resume", "data.workers=2", "data.prefetch=5")  # other loader settings: the same batches
     expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
+
+
+def test_torchrun_converts_each_criteo_file_once(tmp_path):
+    train_txt = tmp_path / "train.txt"
+    _write_criteo_tsv(train_txt, 3 * 400, 3)
+    criteo = ["data.kind=criteo", f"data.criteo.train=[{train_txt}]", "data.criteo.days=3",
+              f"data.criteo.cache_dir={tmp_path / 'cache'}", "train.checkpoint_every=100",
+              "data.criteo.cardinalities=[" + ",".join(["300"] * 26) + "]", "train.batch_size=64", "eval.batches=2"]
+    first = _torchrun(tmp_path / "first", 4, *criteo)
+    conversions = [line for line in first.stderr.splitlines() if line.startswith("[criteo] ") and "rows/s" in line]
+    assert len(conversions) == 1, first.stderr[-3000:]  # one rank converted, the other waited for it
+    second = _torchrun(tmp_path / "second", 4, *criteo)
+    assert "[criteo] " not in second.stderr  # found converted: training starts at once
+    assert _losses(tmp_path / "first") == _losses(tmp_path / "second")
 
 
 def _write_criteo_tsv(path: Path, rows: int, seed: int) -> None:
@@ -180,21 +217,22 @@ def _write_criteo_tsv(path: Path, rows: int, seed: int) -> None:
 
 
 def test_criteo_tsv_and_npy_days(tmp_path):
+    from mlkv_torch.data.criteo import convert
+
     _write_criteo_tsv(tmp_path / "day_0.tsv", 600, 0)
     _write_criteo_tsv(tmp_path / "day_1.tsv", 300, 1)
     training = ["data.kind=criteo", "data.criteo.cardinalities=[" + ",".join(["1000"] * 26) + "]", "train.steps=12",
                 "train.batch_size=64", "eval.every=6", "eval.batches=3", "storage.memory_budget_bytes=1048576",
-                "train.log_every=1"]
+                "train.log_every=1", f"data.criteo.cache_dir={tmp_path / 'cache'}"]
     tsv = [f"output_dir={tmp_path / 'tsv'}", f"data.criteo.train=[{tmp_path / 'day_0.tsv'}]",
            f"data.criteo.eval=[{tmp_path / 'day_1.tsv'}]", *training]
     summary = run(load_config(QUICKSTART, tsv), progress=False)
     assert summary["steps"] == 12 and summary["samples"] == 12 * 64  # 9 batches a pass: a second pass
     assert 0.0 <= summary["auc"] <= 1.0 and summary["oracle_auc"] is None
-    cache = tmp_path / "tsv" / "criteo_npy"
-    assert (cache / "day_0_sparse.npy").exists() and (cache / "day_1_labels.npy").exists()
-    # The converted days, read as torchrec's npy layout, train the same.
-    npy = [f"output_dir={tmp_path / 'npy'}", "data.criteo.format=npy", f"data.criteo.train=[{cache / 'day_0'}]",
-           f"data.criteo.eval=[{cache / 'day_1'}]", *training]
+    # The converted days (found in the cache, not converted again), read as torchrec's npy layout, train the same.
+    [[train_day], [eval_day]] = convert([str(tmp_path / "day_0.tsv"), str(tmp_path / "day_1.tsv")], str(tmp_path / "cache"))
+    npy = [f"output_dir={tmp_path / 'npy'}", "data.criteo.format=npy", f"data.criteo.train=[{train_day}]",
+           f"data.criteo.eval=[{eval_day}]", *training]
     again = run(load_config(QUICKSTART, npy), progress=False)
     assert _losses(tmp_path / "npy") == _losses(tmp_path / "tsv")
     assert again["auc"] == pytest.approx(summary["auc"])
@@ -203,6 +241,33 @@ def test_criteo_tsv_and_npy_days(tmp_path):
                                  f"data.criteo.train=[{tmp_path / 'nope.tsv'}]"])
     with pytest.raises(ConfigError, match=r"data\.criteo\.train must list"):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", "data.kind=criteo"])
+
+
+def test_criteo_kaggle_train_txt_split_into_days_shuffled_and_resumed(tmp_path):
+    """Kaggle's one train.txt: split into 7 days (the 7th evaluates), shuffled within windows, and a
+    resumed run trains the steps after its checkpoint as the uninterrupted run does."""
+    from mlkv_torch.data.criteo import cache_entry
+
+    train_txt = tmp_path / "train.txt"
+    _write_criteo_tsv(train_txt, 7 * 130, 2)
+    common = ["data.kind=criteo", f"data.criteo.train=[{train_txt}]", "data.criteo.days=7",
+              f"data.criteo.cache_dir={tmp_path / 'cache'}", "data.criteo.shuffle_window=3", "data.criteo.seed=5",
+              "data.criteo.cardinalities=[" + ",".join(["500"] * 26) + "]", "train.batch_size=32", "train.log_every=1",
+              "eval.every=1000", "eval.batches=8", "storage.memory_budget_bytes=1048576", "train.checkpoint_every=10"]
+    whole = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'whole'}", "train.steps=30", *common]),
+                progress=False)
+    assert whole["steps"] == 30 and whole["auc"] is not None  # 6 days of 130 rows: 24 batches an epoch
+    manifest = json.loads((Path(cache_entry(str(train_txt), str(tmp_path / "cache"), days=7)) / "manifest.json")
+                          .read_text())
+    assert [part["rows"] for part in manifest["parts"]] == [130] * 7
+    run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'split'}", "train.steps=20", *common]), progress=False)
+    run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'split'}", "train.steps=30", "data.workers=2", *common]),
+        resume=True, progress=False)
+    expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert sorted(got) == list(range(1, 31)) and got == expected  # the second epoch's shuffle too
+    unshuffled = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'plain'}", "train.steps=5", *common,
+                                              "data.criteo.shuffle_window=0"]), progress=False)
+    assert unshuffled["steps"] == 5 and _losses(tmp_path / "plain") != {s: expected[s] for s in range(1, 6)}
 
 
 @pytest.mark.parametrize("name", ["quickstart", "synthetic_large", "criteo_kaggle", "criteo_terabyte"])

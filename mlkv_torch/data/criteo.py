@@ -1,22 +1,67 @@
-"""Criteo Kaggle / Terabyte click logs through torchrec.datasets.criteo.
+"""Criteo Kaggle / Terabyte click logs: TSV files converted once into torchrec's npy layout.
 
-Two layouts:
-- ``npy``: torchrec's preprocessed files, ``<prefix>_dense.npy`` (float32 [rows, 13]),
-  ``<prefix>_sparse.npy`` ([rows, 26]) and ``<prefix>_labels.npy`` ([rows, 1]) per day;
-- ``tsv``: the raw logs (label, 13 integers, 26 hex categoricals per line), converted once into
-  the npy layout under a cache directory by torchrec's own converter.
+The npy layout is torchrec's (``BinaryCriteoUtils.tsv_to_npys`` with ``criteo_1tb``), bit for
+bit: per day prefix, ``<prefix>_dense.npy`` (float32 [rows, 13], ``log(x - min + 2)`` with the
+day's minimum over all 13 columns), ``<prefix>_sparse.npy`` (int64 [rows, 26], the hex values)
+and ``<prefix>_labels.npy`` (int32 [rows, 1]); missing values are 0. `convert` streams each TSV
+file (plain or gzip) through pyarrow in blocks, so memory stays bounded whatever its size; with
+``days=N`` one file (Kaggle's ``train.txt``) is split into N consecutive days as DLRM's
+preprocessing splits it, each day with its own minimum. A day whose dense values span more
+than int32 wraps in the shift exactly as torchrec's does.
 
-Batches come from torchrec's InMemoryBinaryCriteoIterDataPipe (memory-mapped, ids hashed into
-each table's rows, each rank its share).
+Converted once: each input's days live in ``<out_dir>/<stem>-<fingerprint>/``, keyed by the
+file's absolute path, size and mtime, the converter's version and the options. An entry is
+built in a hidden ``.partial`` sibling and renamed into place after its ``manifest.json`` is
+written and everything is fsynced; it is served only while the manifest matches and every file
+has its recorded size, else it is converted again. A per-entry ``flock`` makes concurrent
+callers (torchrun ranks, parallel experiments) wait for one conversion instead of repeating it.
+A new conversion removes the entries it supersedes (same path and options, older contents) and
+the partial directories of dead processes.
+
+Bad input is rejected, never skipped (see `criteo_tsv` for the format): CriteoFormatError names
+the file and the 1-based line; an empty file is an error (no rows); nothing half-written is
+left to be served.
+
+Command line::
+
+    python -m mlkv_torch.data.criteo convert FILE... --out DIR [--days N]
+    python -m mlkv_torch.data.criteo generate OUT --rows N [--seed S] [--cardinalities criteo_kaggle|N,N,...]
+        [--scale K]
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
 import os
-from typing import Iterator, List, Sequence, Tuple
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import BinaryIO, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["criteo_batches", "npy_files", "tsv_to_npy"]
+import numpy as np
+
+from ..cut import sync_directory
+from .criteo_tsv import (CAT_FEATURES, DEFAULT_BLOCK_SIZE, INT_FEATURES, CriteoBlock, CriteoFormatError, count_lines,
+                         read_blocks, write_tsv)
+
+__all__ = ["CONVERTER_VERSION", "CriteoConversion", "CriteoFormatError", "cache_entry", "convert", "convert_file",
+           "generate", "npy_files"]
+
+CONVERTER_VERSION = 1
+"""Part of every cache key: raise it when the converter's output changes, so old entries are not served."""
 
 _PARTS = ("dense", "sparse", "labels")
+_MANIFEST = "manifest.json"
+_PARTIAL = re.compile(r"^\.(?P<entry>.+)\.partial-(?P<host>.+)-(?P<pid>\d+)$")
+_DENSE_CHUNK_VALUES = 1 << 20
+_PROGRESS_SECONDS = 10.0
 
 
 def npy_files(prefixes: Sequence[str]) -> Tuple[List[str], List[str], List[str]]:
@@ -31,33 +76,457 @@ def npy_files(prefixes: Sequence[str]) -> Tuple[List[str], List[str], List[str]]
     return files
 
 
-def tsv_to_npy(tsv_paths: Sequence[str], cache_dir: str) -> List[str]:
-    """Converts each TSV file (once: converted files are kept) into the npy layout under
-    `cache_dir`; returns the day prefixes."""
-    from torchrec.datasets.criteo import BinaryCriteoUtils
+@dataclass(frozen=True)
+class CriteoConversion:
+    """One input's converted days.
 
-    os.makedirs(cache_dir, exist_ok=True)
-    prefixes = []
-    for tsv in tsv_paths:
-        if not os.path.isfile(tsv):
-            raise FileNotFoundError(f"Criteo TSV file {tsv!r} does not exist")
-        prefix = os.path.join(cache_dir, os.path.basename(tsv).rsplit(".", 1)[0])
-        outputs = [f"{prefix}_{part}.npy" for part in _PARTS]
-        if not all(os.path.isfile(p) for p in outputs):
-            partial = [p + ".partial.npy" for p in outputs]  # np.save keeps a name ending in .npy
-            BinaryCriteoUtils.tsv_to_npys(tsv, *partial, dataset_name="criteo_1tb")
-            for src, dst in zip(partial, outputs):
-                os.replace(src, dst)
-        prefixes.append(prefix)
-    return prefixes
+    Attributes:
+        source: the input's absolute path.
+        entry: the cache directory holding the days.
+        prefixes: the day prefixes, in order.
+        rows: the rows of each day.
+        seconds: the time `convert_file` took (the lookup alone when served from the cache).
+        converted: False when an earlier conversion was served.
+    """
+
+    source: str
+    entry: str
+    prefixes: List[str]
+    rows: List[int]
+    seconds: float
+    converted: bool
 
 
-def criteo_batches(prefixes: Sequence[str], batch_size: int, cardinalities: Sequence[int], rank: int,
-                   world_size: int) -> Iterator:
-    """One pass over the days' rows in torchrec Batches of `batch_size` (the last partial one dropped)."""
-    from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
+def convert(tsv_paths: Sequence[str], out_dir: str, days: Optional[int] = None,
+            progress: bool = False) -> List[List[str]]:
+    """Each input's day prefixes (one per file, or N per file with days=N), converting what is not
+    converted yet.
 
-    dense, sparse, labels = npy_files(prefixes)
-    return iter(InMemoryBinaryCriteoIterDataPipe(
-        "train", dense, sparse, labels, batch_size=batch_size, rank=rank, world_size=world_size, drop_last=True,
-        mmap_mode=True, hashes=list(cardinalities)))
+    Args:
+        tsv_paths: Criteo TSV files, plain or gzip.
+        out_dir: the cache directory (created if missing).
+        days: split each file into this many consecutive days (DLRM's split); None: one day per file.
+        progress: report conversions on stderr.
+
+    Returns:
+        Per input, its day prefixes (``npy_files`` gives their files).
+
+    Raises:
+        FileNotFoundError: an input does not exist.
+        CriteoFormatError: an input breaks the format (the message names the file and line).
+        OSError: `out_dir` cannot be written.
+
+    Example::
+
+        days = convert(["/data/criteo/train.txt"], "/scratch/criteo", days=7)[0]
+        dense, sparse, labels = npy_files(days)
+    """
+    return [convert_file(path, out_dir, days=days, progress=progress).prefixes for path in tsv_paths]
+
+
+def cache_entry(tsv_path: str, out_dir: str, days: Optional[int] = None) -> str:
+    """The directory that holds (or will hold) the file's conversion with these options; its lock
+    file is this path plus ``.lock``."""
+    return os.path.join(out_dir, _entry_name(_source_fingerprint(tsv_path, days)))
+
+
+def convert_file(tsv_path: str, out_dir: str, days: Optional[int] = None, progress: bool = False,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> CriteoConversion:
+    """One input's days, converted unless a valid entry for its current contents exists.
+
+    Args:
+        tsv_path: a Criteo TSV file, plain or gzip.
+        out_dir: the cache directory (created if missing).
+        days: split the file into this many consecutive days; None: one day.
+        progress: report the conversion on stderr.
+        block_size: bytes of text parsed at a time.
+    """
+    if days is not None and days < 1:
+        raise ValueError(f"days must be positive, got {days}")
+    started = time.perf_counter()
+    fingerprint = _source_fingerprint(tsv_path, days)
+    name = _entry_name(fingerprint)
+    entry = os.path.join(out_dir, name)
+    os.makedirs(out_dir, exist_ok=True)
+    with _exclusive_lock(entry + ".lock"):
+        manifest = _valid_manifest(entry, fingerprint)
+        converted = manifest is None
+        if converted:
+            manifest = _convert_entry(fingerprint, out_dir, name, block_size, progress)
+            _remove_superseded(out_dir, name, fingerprint)
+    seconds = time.perf_counter() - started
+    if progress and converted:
+        rows = sum(part["rows"] for part in manifest["parts"])
+        print(f"[criteo] {fingerprint['path']}: {rows} rows in {seconds:.1f} s ({rows / seconds:.0f} rows/s) "
+              f"-> {entry}", file=sys.stderr, flush=True)
+    return CriteoConversion(source=fingerprint["path"], entry=entry, seconds=seconds, converted=converted,
+                            prefixes=[os.path.join(entry, part["name"]) for part in manifest["parts"]],
+                            rows=[part["rows"] for part in manifest["parts"]])
+
+
+def _source_fingerprint(tsv_path: str, days: Optional[int]) -> Dict:
+    source = os.path.abspath(tsv_path)
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"Criteo TSV file {tsv_path!r} does not exist or is not a file")
+    stat = os.stat(source)
+    return {"path": source, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "converter_version": CONVERTER_VERSION, "days": days}
+
+
+def _entry_name(fingerprint: Dict) -> str:
+    stem = os.path.basename(fingerprint["path"])
+    stem = stem[:-3] if stem.endswith(".gz") else stem
+    stem = os.path.splitext(stem)[0].lstrip(".") or "criteo"  # a leading dot would hide the entry
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{stem}-{key}"
+
+
+def _day_names(fingerprint: Dict) -> List[str]:
+    if fingerprint["days"] is None:
+        return [_entry_name(fingerprint).rsplit("-", 1)[0]]
+    return [f"day_{i}" for i in range(fingerprint["days"])]
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: str) -> Iterator[None]:
+    """Holds an exclusive flock on `path`, created if missing; retried when the file was replaced
+    while waiting (a superseded entry's lock is unlinked by whoever removes the entry)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _valid_manifest(entry: str, fingerprint: Dict) -> Optional[Dict]:
+    """The entry's manifest if it describes this fingerprint and every file has its recorded size."""
+    try:
+        with open(os.path.join(entry, _MANIFEST)) as f:
+            manifest = json.load(f)
+        if manifest.get("source") != fingerprint or len(manifest["parts"]) != len(_day_names(fingerprint)):
+            return None
+        for part in manifest["parts"]:
+            for file, size in part["files"].items():
+                if os.path.getsize(os.path.join(entry, file)) != size:
+                    return None
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _convert_entry(fingerprint: Dict, out_dir: str, name: str, block_size: int, progress: bool) -> Dict:
+    """Converts the source into a partial directory and renames it to the entry; returns the manifest."""
+    entry = os.path.join(out_dir, name)
+    for stale in _partial_dirs(out_dir, entry_name=name):  # the lock is ours: any partial of this entry is dead
+        shutil.rmtree(stale, ignore_errors=True)
+    if os.path.exists(entry):
+        shutil.rmtree(entry)
+    partial = os.path.join(out_dir, f".{name}.partial-{socket.gethostname()}-{os.getpid()}")
+    os.mkdir(partial)
+    try:
+        started = time.perf_counter()
+        if progress:
+            print(f"[criteo] converting {fingerprint['path']} -> {entry}", file=sys.stderr, flush=True)
+        source = fingerprint["path"]
+        names = _day_names(fingerprint)
+        day_rows = None if fingerprint["days"] is None else _dlrm_day_rows(source, fingerprint["days"])
+        parts = _convert_days(source, partial, names, day_rows, block_size, progress)
+        if _source_fingerprint(source, fingerprint["days"]) != fingerprint:
+            raise RuntimeError(f"{source} changed while it was being converted")
+        manifest = {"source": fingerprint, "parts": parts, "seconds": round(time.perf_counter() - started, 3),
+                    "converted_by": {"host": socket.gethostname(), "pid": os.getpid()},
+                    "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(os.path.join(partial, _MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        sync_directory(partial)
+        os.rename(partial, entry)
+        sync_directory(out_dir)
+        return manifest
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _dlrm_day_rows(source: str, days: int) -> List[int]:
+    """Rows per day of DLRM's split (getCriteoAdData): equal parts, the first `extras` one row longer."""
+    total = count_lines(source)
+    if total == 0:
+        raise CriteoFormatError(f"{source}: no lines (an empty file)")
+    if total < days:
+        raise CriteoFormatError(f"{source}: {days} days need at least {days} lines, the file has {total}")
+    per_day, extras = divmod(total, days)
+    return [per_day + (day < extras) for day in range(days)]
+
+
+def _convert_days(source: str, directory: str, names: List[str], day_rows: Optional[List[int]], block_size: int,
+                  progress: bool) -> List[Dict]:
+    """Writes each day's npy files into `directory`; returns each day's manifest part."""
+    parts: List[Dict] = []
+    writers: List[_DayNpyWriter] = []
+    next_report = time.perf_counter() + _PROGRESS_SECONDS
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(lambda: writers and writers[-1].close())  # a failed day's files are closed too
+        blocks = cleanup.enter_context(contextlib.closing(read_blocks(source, block_size=block_size)))
+        for block in blocks:  # closing() stops the reader's thread when this loop fails
+            start = 0
+            while start < len(block):
+                if len(writers) == len(parts):
+                    if len(writers) == len(names):
+                        raise CriteoFormatError(f"{source}: line {block.first_line + start}: more lines than "
+                                                f"counted (a lone carriage return?)")
+                    writers.append(_DayNpyWriter(os.path.join(directory, names[len(writers)])))
+                writer = writers[-1]
+                room = len(block) if day_rows is None else day_rows[len(parts)] - writer.rows
+                end = min(len(block), start + room)
+                writer.append(block, start, end)
+                start = end
+                if day_rows is not None and writer.rows == day_rows[len(parts)]:
+                    parts.append(writer.finish())
+            if progress and time.perf_counter() > next_report:
+                print(f"[criteo] {source}: {block.first_line + len(block) - 1} lines", file=sys.stderr, flush=True)
+                next_report += _PROGRESS_SECONDS
+        if day_rows is None:
+            parts.append(writers[-1].finish())
+        elif len(parts) != len(names):
+            raise CriteoFormatError(f"{source}: fewer lines than counted ({sum(w.rows for w in writers)} of "
+                                    f"{sum(day_rows)})")
+    return parts
+
+
+class _DayNpyWriter:
+    """One day's three npy files, appended block by block; the headers are written last.
+
+    The dense file first holds the raw int32 values (as many bytes as the float32 ones), and
+    `finish` rewrites them in place as torchrec's log(x - min + 2), once the day's minimum is known.
+    """
+
+    _COLUMNS = {"dense": (np.float32, INT_FEATURES), "sparse": (np.int64, CAT_FEATURES), "labels": (np.int32, 1)}
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.rows = prefix, 0
+        self.dense_min: Optional[int] = None
+        self.header_bytes = len(_npy_header(np.float32, (0, INT_FEATURES)))
+        self.files: Dict[str, BinaryIO] = {}
+        for part in _PARTS:
+            self.files[part] = open(f"{prefix}_{part}.npy", "w+b")
+            self.files[part].seek(self.header_bytes)
+
+    def append(self, block: CriteoBlock, start: int, end: int) -> None:
+        if end <= start:
+            return
+        dense = block.dense[start:end]
+        low = int(dense.min())
+        self.dense_min = low if self.dense_min is None else min(self.dense_min, low)
+        self.files["dense"].write(np.ascontiguousarray(dense).data)
+        self.files["sparse"].write(np.ascontiguousarray(block.sparse[start:end]).data)
+        self.files["labels"].write(np.ascontiguousarray(block.labels[start:end]).data)
+        self.rows += end - start
+
+    def close(self) -> None:
+        """Closes the files, finished or not."""
+        for f in self.files.values():
+            f.close()
+
+    def finish(self) -> Dict:
+        """Transforms the dense values, writes the headers, fsyncs; returns the day's manifest part."""
+        self._log_dense_in_place()
+        files = {}
+        for part, f in self.files.items():
+            dtype, columns = self._COLUMNS[part]
+            header = _npy_header(dtype, (self.rows, columns))
+            if len(header) != self.header_bytes:
+                raise RuntimeError(f"npy header of {f.name} is {len(header)} bytes, {self.header_bytes} reserved")
+            f.seek(0)
+            f.write(header)
+            f.flush()
+            os.fsync(f.fileno())
+            files[os.path.basename(f.name)] = os.fstat(f.fileno()).st_size
+            f.close()
+        return {"name": os.path.basename(self.prefix), "rows": self.rows, "files": files}
+
+    def _log_dense_in_place(self) -> None:
+        f = self.files["dense"]
+        f.flush()
+        fd = f.fileno()
+        with np.errstate(over="ignore"):  # torchrec's int32 arithmetic, wrapping included
+            shift = np.int32(self.dense_min) - np.int32(2)
+        values = self.rows * INT_FEATURES
+        chunk = np.empty(_DENSE_CHUNK_VALUES, dtype=np.int32)
+        for first in range(0, values, _DENSE_CHUNK_VALUES):
+            count = min(_DENSE_CHUNK_VALUES, values - first)
+            offset = self.header_bytes + 4 * first
+            view = chunk[:count]
+            if os.preadv(fd, [view.data], offset) != 4 * count:
+                raise OSError(errno.EIO, f"short read of {f.name}")
+            view -= shift
+            os.pwrite(fd, np.log(view, dtype=np.float32).data, offset)
+
+
+def _npy_header(dtype, shape: Tuple[int, int]) -> bytes:
+    """The npy header np.save writes for a C-order array of `dtype` and `shape`."""
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def _partial_dirs(out_dir: str, entry_name: Optional[str] = None) -> Iterator[str]:
+    """Partial directories in `out_dir`: those of `entry_name`, or those of dead processes on this host."""
+    host = socket.gethostname()
+    for name in os.listdir(out_dir):
+        match = _PARTIAL.match(name)
+        if match is None:
+            continue
+        if entry_name is not None:
+            if match["entry"] == entry_name:
+                yield os.path.join(out_dir, name)
+        elif match["host"] == host and not _process_alive(int(match["pid"])):
+            yield os.path.join(out_dir, name)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_superseded(out_dir: str, name: str, fingerprint: Dict) -> None:
+    """Removes entries of the same source path and options with other contents, unless someone holds
+    their lock, and partial directories of dead processes."""
+    for other in os.listdir(out_dir):
+        path = os.path.join(out_dir, other)
+        if other == name or other.startswith(".") or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, _MANIFEST)) as f:
+                source = json.load(f)["source"]
+            superseded = source["path"] == fingerprint["path"] and source["days"] == fingerprint["days"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not superseded:
+            continue
+        lock = path + ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            os.unlink(lock)
+        finally:
+            os.close(fd)
+    for stale in _partial_dirs(out_dir):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+_MISSING_INT = 0.04
+_MISSING_CATEGORICAL = 0.03
+_MISSING_STREAM = 0x4D495353  # keeps the missing-value draws apart from SyntheticCTR's own streams
+_GENERATE_BLOCK_ROWS = 1 << 16
+
+
+def generate(path: str, rows: int, seed: int = 0, cardinalities: Optional[Sequence[int]] = None) -> int:
+    """Writes `rows` Criteo TSV lines drawn from SyntheticCTR's planted model; returns the rows.
+
+    Ids are SyntheticCTR's, as 8 lowercase hex digits (so ``value % cardinality`` is the id);
+    labels are its Bernoulli labels; integer feature j is ``floor(exp(2 x_j + 2))`` of its dense
+    normal x_j, minus 3 for feature 2 (which goes negative like Kaggle's I2). 4% of the integers
+    and 3% of the categoricals are missing (empty), drawn from `seed`. gzip when `path` ends in .gz.
+
+    Args:
+        path: the output file.
+        rows: lines to write (positive).
+        seed: the generator's seed.
+        cardinalities: ids per categorical feature, 26 of them (default Criteo Kaggle's).
+    """
+    from .synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCTR
+
+    if rows < 1:
+        raise ValueError(f"rows must be positive, got {rows}")
+    cardinalities = tuple(CRITEO_KAGGLE_CARDINALITIES if cardinalities is None else cardinalities)
+    if len(cardinalities) != CAT_FEATURES:
+        raise ValueError(f"Criteo has {CAT_FEATURES} categorical features, got {len(cardinalities)} cardinalities")
+    if max(cardinalities) >= 1 << 32:
+        raise ValueError("cardinalities must be below 2**32 (8 hex digits)")
+    model = SyntheticCTR(cardinalities=cardinalities, seed=seed)
+
+    def blocks():
+        for index, first in enumerate(range(0, rows, _GENERATE_BLOCK_ROWS)):
+            count = min(_GENERATE_BLOCK_ROWS, rows - first)
+            dense, ids, labels, _ = model.batch(index, count)
+            missing = np.random.default_rng([seed, index, _MISSING_STREAM])
+            ints = np.floor(np.exp(2.0 * dense.numpy() + 2.0)).astype(np.int32)
+            ints[:, 1] -= 3
+            yield (labels.numpy().astype(np.int32), ints, missing.random(ints.shape) < _MISSING_INT,
+                   ids.numpy().astype(np.uint32), missing.random(tuple(ids.shape)) < _MISSING_CATEGORICAL)
+
+    return write_tsv(path, blocks())
+
+
+def _cardinalities_argument(text: str, scale: int) -> Tuple[int, ...]:
+    from .synthetic import CRITEO_KAGGLE_CARDINALITIES
+
+    try:
+        base = CRITEO_KAGGLE_CARDINALITIES if text == "criteo_kaggle" else tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"--cardinalities must be criteo_kaggle or a comma-separated list of ints, got {text!r}")
+    if scale < 1:
+        raise ValueError(f"--scale must be positive, got {scale}")
+    return tuple(max(2, n // scale) for n in base)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status (2 on any error, reported on stderr)."""
+    parser = argparse.ArgumentParser(prog="python -m mlkv_torch.data.criteo", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    converting = commands.add_parser("convert", help="convert TSV files into torchrec's npy layout, once")
+    converting.add_argument("files", nargs="+", metavar="FILE")
+    converting.add_argument("--out", required=True, help="the cache directory")
+    converting.add_argument("--days", type=int, default=None, help="split each file into N consecutive days")
+    generating = commands.add_parser("generate", help="write a Criteo TSV file from the planted-model generator")
+    generating.add_argument("out", metavar="OUT", help="the file to write (gzip when it ends in .gz)")
+    generating.add_argument("--rows", type=int, required=True)
+    generating.add_argument("--seed", type=int, default=0)
+    generating.add_argument("--cardinalities", default="criteo_kaggle", help="criteo_kaggle or N,N,... (26 of them)")
+    generating.add_argument("--scale", type=int, default=1, help="divide every cardinality by K (at least 2 rows)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "convert":
+            for path in args.files:
+                done = convert_file(path, args.out, days=args.days, progress=True)
+                rows = sum(done.rows)
+                print("\n".join(done.prefixes))
+                rate = f"{rows / done.seconds:.0f} rows/s (converted)" if done.converted else "(cached)"
+                print(f"{rows} rows, {done.seconds:.2f} s, {rate}", flush=True)
+        else:
+            started = time.perf_counter()
+            rows = generate(args.out, args.rows, seed=args.seed,
+                            cardinalities=_cardinalities_argument(args.cardinalities, args.scale))
+            seconds = time.perf_counter() - started
+            print(f"{args.out}: {rows} rows, {seconds:.2f} s, {rows / seconds:.0f} rows/s", flush=True)
+    except (OSError, ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,8 +26,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..store import initial_rows
+from .batch import one_id_per_feature_batch
 
-__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "SyntheticCTR", "SyntheticCTRDataset"]
+__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "SyntheticCTR", "SyntheticCTRDataset", "synthetic_batch"]
 
 CRITEO_KAGGLE_CARDINALITIES: Tuple[int, ...] = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10,
@@ -172,13 +173,11 @@ class SyntheticCTRDataset(IterableDataset):
             b += step
 
     def __iter__(self):
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        names = self.generator.feature_names
         for b in self.batch_numbers():
-            dense, ids, labels, _ = self.generator.batch(b, self.batch_size)
-            sparse = KeyedJaggedTensor.from_lengths_sync(
-                keys=names, values=ids.t().reshape(-1),
-                lengths=torch.ones(len(names) * self.batch_size, dtype=torch.int64))
-            yield Batch(dense_features=dense, sparse_features=sparse, labels=labels)
+            yield synthetic_batch(self.generator, b, self.batch_size)
+
+
+def synthetic_batch(generator: SyntheticCTR, index: int, batch_size: int):
+    """Batch `index` of `generator` as a torchrec ``Batch`` (one id per feature)."""
+    dense, ids, labels, _ = generator.batch(index, batch_size)
+    return one_id_per_feature_batch(generator.feature_names, dense, ids, labels)

@@ -1,0 +1,135 @@
+"""CriteoBatches: batch number -> torchrec Batch over Criteo days in torchrec's npy layout.
+
+The days are memory-mapped and read as one sequence of rows; batch j of an epoch holds rows
+[j * batch_size, (j + 1) * batch_size) (the rows past the last whole batch are left out), and
+batch number n is batch n % batches_per_epoch of epoch n // batches_per_epoch. With a shuffle
+window of W batches, each epoch permutes the rows within every window of W consecutive batches
+and the order of the whole windows, seeded by (seed, epoch, window): the shuffle is
+reproducible, reads stay within a window's span of the files, and a batch is still a function
+of its number alone. Ids are hashed into each table's rows (``id % cardinality``) and the dense
+features are used as converted (torchrec's converter takes their log), as torchrec's
+InMemoryBinaryCriteoIterDataPipe does.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .batch import one_id_per_feature_batch
+from .criteo_tsv import CAT_FEATURES, INT_FEATURES
+
+__all__ = ["CriteoBatches"]
+
+
+def _day_arrays(prefix: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A day's dense, sparse and labels arrays, memory-mapped; ValueError names a file that does not fit."""
+    from .criteo import npy_files
+
+    dense_path, sparse_path, labels_path = (paths[0] for paths in npy_files([prefix]))
+    arrays = []
+    for path, columns in ((dense_path, INT_FEATURES), (sparse_path, CAT_FEATURES), (labels_path, 1)):
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise ValueError(f"Criteo npy file {path!r} cannot be read: {e}") from e
+        if array.ndim != 2 or array.shape[1] != columns:
+            raise ValueError(f"Criteo npy file {path!r} has shape {array.shape}, expected (rows, {columns})")
+        arrays.append(array)
+    if not arrays[0].shape[0] == arrays[1].shape[0] == arrays[2].shape[0]:
+        raise ValueError(f"Criteo day {prefix!r}: dense, sparse and labels have {arrays[0].shape[0]}, "
+                         f"{arrays[1].shape[0]} and {arrays[2].shape[0]} rows")
+    return arrays[0], arrays[1], arrays[2]
+
+
+class CriteoBatches:
+    """Numbered torchrec Batches over Criteo days (see the module's docstring).
+
+    Args:
+        prefixes: the days, as torchrec's npy prefixes (``<prefix>_dense.npy`` etc.).
+        batch_size: samples per batch.
+        cardinalities: rows of each of the 26 tables (ids are taken modulo them).
+        feature_names: the 26 sparse features' names (default torchrec's ``cat_0`` .. ``cat_25``).
+        shuffle_window: batches per shuffled window; 0 keeps the files' order.
+        seed: the shuffle's seed.
+    """
+
+    def __init__(self, prefixes: Sequence[str], batch_size: int, cardinalities: Sequence[int],
+                 feature_names: Sequence[str] = tuple(f"cat_{i}" for i in range(CAT_FEATURES)),
+                 shuffle_window: int = 0, seed: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if len(cardinalities) != CAT_FEATURES or min(cardinalities) < 1:
+            raise ValueError(f"cardinalities must be {CAT_FEATURES} positive counts, got {list(cardinalities)}")
+        if shuffle_window < 0:
+            raise ValueError(f"shuffle_window must be non-negative, got {shuffle_window}")
+        self._days = [_day_arrays(p) for p in prefixes]
+        self._day_starts = np.cumsum([0] + [len(d[0]) for d in self._days])
+        self.rows = int(self._day_starts[-1])
+        self.batch_size = batch_size
+        self.batches_per_epoch = self.rows // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"the Criteo days {list(prefixes)} hold {self.rows} rows, fewer than one batch "
+                             f"({batch_size})")
+        self._hashes = np.asarray(cardinalities, dtype=np.int64).reshape(1, CAT_FEATURES)
+        self.feature_names = list(feature_names)
+        self.shuffle_window, self.seed = shuffle_window, seed
+        self._permutations: dict = {}  # (epoch, window) -> that window's row permutation, the last few
+        self._lock = threading.Lock()
+
+    def __call__(self, number: int) -> Any:
+        """Batch `number` (any non-negative int: epochs repeat with their own shuffle)."""
+        rows = self.row_indices(number)
+        dense, sparse, labels = self._gather(rows)
+        ids = torch.from_numpy(sparse % self._hashes)
+        return one_id_per_feature_batch(self.feature_names, torch.from_numpy(dense), ids,
+                                        torch.from_numpy(labels.reshape(-1)))
+
+    def row_indices(self, number: int) -> np.ndarray:
+        """The rows (indices into the days' concatenation) of batch `number`, ascending when shuffled."""
+        if number < 0:
+            raise ValueError(f"batch numbers are non-negative, got {number}")
+        epoch, j = divmod(number, self.batches_per_epoch)
+        size = self.batch_size
+        if not self.shuffle_window:
+            return np.arange(j * size, (j + 1) * size, dtype=np.int64)
+        window_batches = self.shuffle_window
+        whole_windows = self.batches_per_epoch // window_batches
+        position, offset = divmod(j, window_batches)
+        window = position
+        if position < whole_windows:  # whole windows trade places; a short last one stays last
+            window = int(self._permutation(epoch, -1, whole_windows)[position])
+        in_window = min(window_batches, self.batches_per_epoch - window * window_batches)
+        permutation = self._permutation(epoch, window, in_window * size)
+        chosen = permutation[offset * size:(offset + 1) * size]
+        return np.sort(chosen) + window * window_batches * size
+
+    def _permutation(self, epoch: int, window: int, length: int) -> np.ndarray:
+        key = (epoch, window)
+        with self._lock:
+            permutation = self._permutations.get(key)
+        if permutation is None:
+            permutation = np.random.default_rng([self.seed, epoch, window + 1]).permutation(length)
+            with self._lock:
+                if len(self._permutations) >= 8:  # a worker per window at most, with room for the next
+                    self._permutations.pop(next(iter(self._permutations)))
+                self._permutations[key] = permutation
+        return permutation
+
+    def _gather(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The dense, sparse and labels rows at `rows` (ascending), read from the days they fall in."""
+        parts: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        bounds = np.searchsorted(rows, self._day_starts)
+        for day, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if lo == hi:
+                continue
+            local = rows[lo:hi] - self._day_starts[day]
+            dense, sparse, labels = self._days[day]
+            if local[-1] - local[0] + 1 == len(local):  # a contiguous run: a slice reads it in one go
+                index = slice(int(local[0]), int(local[-1]) + 1)
+                parts.append((dense[index], sparse[index], labels[index]))
+            else:
+                parts.append((dense[local], sparse[local], labels[local]))
+        return tuple(np.concatenate(p) for p in zip(*parts))  # copies: batches outlive the maps' pages

@@ -1,0 +1,113 @@
+"""The runner's data: an experiment's batches by number (synthetic or Criteo) and its loader's tuner.
+
+A source gives ``make_batch(number)`` for training (step s trains batch s * world_size + rank on
+each rank) and ``eval(batches, rank, world)`` for held-out batches, with the planted model's
+click probabilities where the data has them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Optional, Tuple, Union
+
+import torch
+
+from ..config import ConfigError, ExperimentConfig, cardinalities_of
+from .tuning import InputTuner
+
+__all__ = ["CriteoSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "loader_tuner"]
+
+_EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
+
+
+def loader_tuner(config: ExperimentConfig, torch_threads: int) -> InputTuner:
+    """The loader's InputTuner: data.workers and data.prefetch, within the cores that torch's
+    `torch_threads` and the disk tables' prefetch thread leave (at least one) and
+    data.memory_budget_bytes."""
+    looks_ahead = config.storage.kind != "memory" and config.pipeline.depth != 0
+    cpu_budget = max(1, (os.cpu_count() or 1) - torch_threads - int(looks_ahead))
+    return InputTuner(config.data.workers, config.data.prefetch, cpu_budget=cpu_budget,
+                      memory_budget_bytes=config.data.memory_budget_bytes)
+
+
+class SyntheticSource:
+    """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        from .synthetic import SyntheticCTR
+
+        data = config.data.synthetic
+        self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
+                                      num_dense=data.num_dense, zipf=data.zipf, effect_scale=data.effect_scale,
+                                      seed=data.seed)
+        self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.cardinalities
+        self.num_dense, self.batch_size = data.num_dense, config.train.batch_size
+
+    def make_batch(self, number: int) -> Any:
+        """Training batch `number`."""
+        from .synthetic import synthetic_batch
+
+        return synthetic_batch(self.generator, number, self.batch_size)
+
+    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        """This rank's share of `batches` held-out batches, each with its true click probabilities."""
+        for k in range(batches):
+            number = _EVAL_FIRST_BATCH + rank + world * k
+            yield self.make_batch(number), self.generator.batch(number, self.batch_size)[3]
+
+
+def criteo_cache_dir() -> str:
+    """Where converted Criteo files are kept when data.criteo.cache_dir is not set: shared by runs
+    and experiments, so each input is converted once ($MLKV_CACHE_DIR/criteo, or
+    ~/.cache/mlkv_torch/criteo)."""
+    root = os.environ.get("MLKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mlkv_torch")
+    return os.path.join(root, "criteo")
+
+
+class CriteoSource:
+    """Criteo days (TSV files, converted once, or torchrec's npy layout), batch by number."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        from .criteo import CriteoFormatError, convert
+        from .criteo_batches import CriteoBatches
+        from .criteo_tsv import INT_FEATURES
+
+        criteo = config.data.criteo
+        train_days, eval_days = list(criteo.train), list(criteo.eval)
+        if criteo.format == "tsv":
+            cache = criteo.cache_dir or criteo_cache_dir()
+            try:
+                # Conversions are reported on stderr; files already converted are used at once.
+                train_days = [p for parts in convert(criteo.train, cache, days=criteo.days, progress=True) for p in parts]
+                eval_days = [p for parts in convert(criteo.eval, cache, progress=True) for p in parts]
+            except (CriteoFormatError, OSError) as e:
+                raise ConfigError(f"data.criteo: {e}") from e
+            if criteo.days and not criteo.eval:
+                eval_days = [train_days.pop()]  # the last part is held out, as DLRM's split does
+        self.cardinalities = cardinalities_of(criteo.cardinalities, criteo.scale)
+        self.num_dense, self.batch_size = INT_FEATURES, config.train.batch_size
+        try:
+            self.train_batches = CriteoBatches(train_days, self.batch_size, self.cardinalities,
+                                               shuffle_window=criteo.shuffle_window, seed=criteo.seed)
+            self.eval_batches = CriteoBatches(eval_days, self.batch_size, self.cardinalities) if eval_days else None
+        except ValueError as e:
+            raise ConfigError(f"data.criteo: {e}") from e
+        self.feature_names = self.train_batches.feature_names
+
+    def make_batch(self, number: int) -> Any:
+        """Training batch `number` (epochs repeat, each with its own shuffle)."""
+        return self.train_batches(number)
+
+    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        """This rank's share of at most `batches` held-out batches (one pass), without probabilities."""
+        if self.eval_batches is None:
+            return
+        for k in range(batches):
+            number = rank + world * k
+            if number >= self.eval_batches.batches_per_epoch:
+                return
+            yield self.eval_batches(number), None
+
+
+def batch_source(config: ExperimentConfig) -> Union[SyntheticSource, CriteoSource]:
+    """The source of data.kind."""
+    return SyntheticSource(config) if config.data.kind == "synthetic" else CriteoSource(config)

@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Benchmarks the input side: Criteo conversion, the loader alone, and how long training waits.
+
+1. Conversion: a generated Criteo-format file of --rows rows (`python -m mlkv_torch.data.criteo
+   generate`) converted by `python -m mlkv_torch.data.criteo convert` (rows/s, peak RSS of the
+   process), beside torchrec's converter (`BinaryCriteoUtils.tsv_to_npys`) on its first
+   --reference-rows rows.
+2. The loader alone: samples/s of each shipped config's BatchLoader with its own tuning
+   (workers and prefetch "auto"), nothing consuming the batches; beside the trainer's samples/s.
+3. Stalls (DS-Analyzer's differential): every shipped config trained with every batch made
+   before training (in memory: the trainer's own rate, the loader's target); the quickstart and
+   a Criteo run (criteo_kaggle.yaml on the generated file split into 7 days) also with the
+   tuning off (one thread, one batch buffered) and on ("auto"). input_wait_share is the share of
+   the training steps' time spent waiting for a batch; samples/s count the training steps alone
+   (not the evaluation). The Criteo configs read the generated file.
+
+Each training run is a fresh process (this script with --child); ratios are against the same run's
+reference.
+
+    python scripts/bench_input.py [--rows 10000000] [--steps 200] [--out bench-out/bench_input.json] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte")
+STALL_RUNS = ("quickstart", "criteo_kaggle")
+SMOKE_CONFIGS = ("quickstart", "criteo_kaggle", "criteo_terabyte")  # synthetic, TSV and npy  # trained with the tuning off and on, besides in memory
+_SMALL_MODEL = ["model.embedding_dim=16", "model.dense_arch=[64,16]", "model.over_arch=[64,1]"]
+SMOKE = {"quickstart": ["data.synthetic.scale=1000", "train.batch_size=256"],
+         "synthetic_large": ["data.synthetic.scale=1000", "train.batch_size=256"],
+         "billion_rows": ["data.synthetic.scale=1000", "train.batch_size=256"],
+         "criteo_kaggle": ["train.batch_size=256", "data.criteo.scale=1000", *_SMALL_MODEL],
+         "criteo_terabyte": ["train.batch_size=256", "data.criteo.scale=1000", *_SMALL_MODEL]}
+
+
+def _timed_child(cmd: List[str], env: Optional[Dict[str, str]] = None) -> Tuple[float, int, str]:
+    """Runs `cmd`; returns (seconds, its peak RSS in bytes as it reported it (see `_module`), its
+    stdout); raises on failure."""
+    began = time.perf_counter()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    out, err = process.communicate()
+    seconds = time.perf_counter() - began
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({process.returncode}):\n{err[-3000:]}")
+    peak = 0
+    for line in err.splitlines():
+        if line.startswith("peak_rss_bytes="):
+            peak = int(line.split("=", 1)[1])
+    return seconds, peak, out
+
+
+_PEAK_WRAPPER = ("import runpy, sys, atexit\n"
+                 "def peak():\n"
+                 "    for line in open('/proc/self/status'):\n"
+                 "        if line.startswith('VmHWM:'): print(f'peak_rss_bytes={int(line.split()[1]) << 10}', file=sys.stderr)\n"
+                 "atexit.register(peak)\n"
+                 "sys.argv = sys.argv[1:]\n"
+                 "runpy.run_module(sys.argv[0], run_name='__main__')\n")
+
+
+def _module(module: str, *args: str) -> List[str]:
+    """A command running `python -m module args`, reporting its peak RSS on stderr at exit."""
+    return [sys.executable, "-c", _PEAK_WRAPPER, module, *args]
+
+
+def bench_conversion(work: str, rows: int, reference_rows: int) -> Dict[str, Any]:
+    tsv = os.path.join(work, "train.txt")
+    seconds, _, _ = _timed_child(_module("mlkv_torch.data.criteo", "generate", tsv, "--rows", str(rows)))
+    result: Dict[str, Any] = {"rows": rows, "generate_rows_per_s": rows / seconds, "bytes": os.path.getsize(tsv)}
+    seconds, peak, _ = _timed_child(_module("mlkv_torch.data.criteo", "convert", tsv, "--out",
+                                            os.path.join(work, "cache")))
+    result.update(convert_rows_per_s=rows / seconds, convert_s=seconds, convert_peak_rss_bytes=peak)
+    seconds, _, _ = _timed_child(_module("mlkv_torch.data.criteo", "convert", tsv, "--out",
+                                         os.path.join(work, "cache")))
+    result["converted_again_s"] = seconds  # found in the cache: no conversion
+    head = os.path.join(work, "head.tsv")
+    with open(tsv, "rb") as src, open(head, "wb") as dst:
+        for _, line in zip(range(reference_rows), src):
+            dst.write(line)
+    reference = ("import sys\nfrom torchrec.datasets.criteo import BinaryCriteoUtils\n"
+                 "BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ('_d.npy', '_s.npy', '_l.npy')))\n")
+    script = os.path.join(work, "reference.py")
+    with open(script, "w") as f:
+        f.write(reference)
+    seconds, peak, _ = _timed_child([sys.executable, "-c", _PEAK_WRAPPER.replace(
+        "runpy.run_module(sys.argv[0], run_name='__main__')", "runpy.run_path(sys.argv[0], run_name='__main__')"),
+        script, head, os.path.join(work, "reference")])
+    result.update(reference_rows=reference_rows, torchrec_rows_per_s=reference_rows / seconds,
+                  torchrec_peak_rss_bytes=peak)
+    os.remove(head)
+    return result
+
+
+def _criteo_overrides(tsv: str, cache: str) -> List[str]:
+    return [f"data.criteo.train=[{tsv}]", "data.criteo.days=7", f"data.criteo.cache_dir={cache}"]
+
+
+def _config_overrides(name: str, tsv: str, cache: str) -> List[str]:
+    if name == "criteo_kaggle":
+        return _criteo_overrides(tsv, cache)
+    if name == "criteo_terabyte":  # its format is npy: the generated file's converted days
+        sys.path.insert(0, REPO)
+        from mlkv_torch.data.criteo import convert
+
+        days = convert([tsv], cache, days=7)[0]
+        return [f"data.criteo.train=[{','.join(days[:-1])}]", f"data.criteo.eval=[{days[-1]}]"]
+    return []
+
+
+def child_loader(name: str, overrides: List[str], batches: int) -> Dict[str, Any]:
+    """The loader alone: samples/s of `batches` batches through the config's BatchLoader."""
+    from mlkv_torch.config import load_config
+    from mlkv_torch.data.loader import BatchLoader
+    from mlkv_torch.data.sources import batch_source, loader_tuner
+    from mlkv_torch.train import torch_threads
+
+    config = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), ["output_dir=/unused", *overrides])
+    source = batch_source(config)
+    loader = BatchLoader(source.make_batch, count=batches, tuner=loader_tuner(config, torch_threads(config)))
+    next(loader)  # threads started, first batch made
+    began = time.perf_counter()
+    delivered = sum(1 for _ in loader)
+    seconds = time.perf_counter() - began
+    return {"samples_per_s": delivered * config.train.batch_size / seconds, **loader.stats()}
+
+
+class PremadeBatches:
+    """Every batch of the run made before training starts (the trainer's rate with its input in memory)."""
+
+    def __init__(self, make_batch, first: int = 0, count: Optional[int] = None, stride: int = 1, tuner=None) -> None:
+        self._batches = [make_batch(first + i * stride) for i in range(count)]
+        self._next = 0
+
+    def __iter__(self) -> "PremadeBatches":
+        return self
+
+    def __next__(self) -> Any:
+        if self._next >= len(self._batches):
+            raise StopIteration
+        self._next += 1
+        return self._batches[self._next - 1]
+
+    def stats(self) -> Dict[str, Any]:
+        return {"wait_s": 0.0, "workers": 0, "prefetch": len(self._batches), "buffer_bytes": 0, "batch_bytes": 0,
+                "decisions": 0}
+
+    def close(self) -> None:
+        self._batches = []
+
+
+def child_train(name: str, overrides: List[str], in_memory: bool) -> Dict[str, Any]:
+    import mlkv_torch.data.loader as loader_module
+    from mlkv_torch.config import load_config
+    from mlkv_torch.train import run
+
+    if in_memory:
+        loader_module.BatchLoader = PremadeBatches  # the runner takes its loader from this module
+    return run(load_config(os.path.join(REPO, "configs", f"{name}.yaml"), overrides), progress=False)
+
+
+def _child(kind: str, *args: Any) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([kind, *args])]
+    _, _, out = _timed_child(cmd)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=10_000_000, help="rows of the generated Criteo-format file")
+    ap.add_argument("--reference-rows", type=int, default=1_000_000, help="rows given to torchrec's converter")
+    ap.add_argument("--steps", type=int, default=200, help="training steps of each stall run")
+    ap.add_argument("--short-steps", type=int, default=40,
+                    help="training steps of the in-memory runs of the configs without stall runs")
+    ap.add_argument("--batches", type=int, default=100, help="batches the loader alone delivers")
+    ap.add_argument("--out", default="bench-out/bench_input.json")
+    ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, REPO)
+    if args.child:
+        kind, *rest = json.loads(args.child)
+        result = child_loader(*rest) if kind == "loader" else child_train(*rest)
+        print(json.dumps(result))
+        return 0
+    if args.smoke:
+        args.rows, args.reference_rows, args.steps, args.short_steps, args.batches = 20_000, 2_000, 10, 4, 6
+    report: Dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-input-") as work:
+        conversion = report["conversion"] = bench_conversion(work, args.rows, args.reference_rows)
+        print(f"conversion of {conversion['rows']:,} rows ({conversion['bytes'] / 2**30:.2f} GiB): "
+              f"{conversion['convert_rows_per_s']:,.0f} rows/s, peak RSS {conversion['convert_peak_rss_bytes'] / 2**20:,.0f} MiB "
+              f"(torchrec's converter on {conversion['reference_rows']:,} rows: {conversion['torchrec_rows_per_s']:,.0f} rows/s, "
+              f"peak RSS {conversion['torchrec_peak_rss_bytes'] / 2**20:,.0f} MiB: "
+              f"{conversion['convert_rows_per_s'] / conversion['torchrec_rows_per_s']:.1f}x); converted again: "
+              f"{conversion['converted_again_s']:.2f} s; generated at {conversion['generate_rows_per_s']:,.0f} rows/s",
+              flush=True)
+        tsv, cache = os.path.join(work, "train.txt"), os.path.join(work, "cache")
+        runs: Dict[str, Dict[str, Any]] = {}
+        loaders: Dict[str, Any] = {}
+        variants = (("tuning off (1 thread, 1 buffered)", ["data.workers=1", "data.prefetch=1"], False),
+                    ("auto", [], False), ("in memory", [], True))
+        for name in (SMOKE_CONFIGS if args.smoke else SHIPPED):
+            steps = args.steps if name in STALL_RUNS else args.short_steps
+            overrides = [f"train.steps={steps}", f"eval.every={steps}", "eval.batches=2",
+                         *_config_overrides(name, tsv, cache), *(SMOKE[name] if args.smoke else [])]
+            for label, extra, in_memory in (variants if name in STALL_RUNS else variants[2:]):
+                out = os.path.join(work, f"{name}-{len(runs)}")
+                summary = _child("train", name, [f"output_dir={out}", *overrides, *extra], in_memory)
+                summary["train_samples_per_s"] = summary["samples"] / summary["train_seconds"]
+                runs[f"{name}, {label}"] = summary
+                print(f"{name}, {label}: {summary['train_samples_per_s']:,.0f} samples/s in the training steps, "
+                      f"input_wait_share {summary['input_wait_share']:.2%} ({summary['input_wait_ms']:.2f} ms a "
+                      f"step), loader {summary['input']['workers']} thread(s), {summary['input']['prefetch']} "
+                      f"buffered", flush=True)
+            alone = loaders[name] = _child("loader", name, overrides, args.batches)
+            trainer = runs[f"{name}, in memory"]["train_samples_per_s"]
+            alone["trainer_samples_per_s"] = trainer
+            print(f"loader alone, {name}: {alone['samples_per_s']:,.0f} samples/s with {alone['workers']} thread(s): "
+                  f"{alone['samples_per_s'] / trainer:.1f}x the trainer with its input in memory", flush=True)
+            if name == "criteo_terabyte":
+                shutil.rmtree(cache, ignore_errors=True)
+        report["stalls"], report["loader_alone"] = runs, loaders
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
