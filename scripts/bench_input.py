@@ -6,7 +6,8 @@
    process), beside torchrec's converter (`BinaryCriteoUtils.tsv_to_npys`) on its first
    --reference-rows rows.
 2. The loader alone: samples/s of each shipped config's BatchLoader with its own tuning
-   (workers and prefetch "auto"), nothing consuming the batches; beside the trainer's samples/s.
+   (workers and prefetch "auto"), nothing consuming the batches; beside the trainer's samples/s;
+   and the time to a first batch at batch 0 and at batch 10**9 (where a resumed run starts).
 3. Stalls (DS-Analyzer's differential): every shipped config trained with every batch made
    before training (in memory: the trainer's own rate, the loader's target); the quickstart and
    a Criteo run (criteo_kaggle.yaml on the generated file split into 7 days) also with the
@@ -34,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte")
 STALL_RUNS = ("quickstart", "criteo_kaggle")
+RESUMED_AT = 10 ** 9  # batch number of a run resumed late: its first batch costs what batch 0 costs
 SMOKE_CONFIGS = ("quickstart", "criteo_kaggle", "criteo_terabyte")  # synthetic, TSV and npy  # trained with the tuning off and on, besides in memory
 _SMALL_MODEL = ["model.embedding_dim=16", "model.dense_arch=[64,16]", "model.over_arch=[64,1]"]
 SMOKE = {"quickstart": ["data.synthetic.scale=1000", "train.batch_size=256"],
@@ -126,12 +128,22 @@ def child_loader(name: str, overrides: List[str], batches: int) -> Dict[str, Any
 
     config = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), ["output_dir=/unused", *overrides])
     source = batch_source(config)
-    loader = BatchLoader(source.make_batch, count=batches, tuner=loader_tuner(config, torch_threads(config)))
+    tuner = loader_tuner(config, torch_threads(config))
+    source.make_batch(0)  # imports and first touches out of the timings
+    first_batch_s = {}
+    for first in (0, RESUMED_AT):  # a run's start, and a run resumed that many batches in
+        began = time.perf_counter()
+        late = BatchLoader(source.make_batch, first=first, count=1, tuner=tuner)
+        next(late)
+        first_batch_s[str(first)] = time.perf_counter() - began
+        late.close()
+    loader = BatchLoader(source.make_batch, count=batches, tuner=tuner)
     next(loader)  # threads started, first batch made
     began = time.perf_counter()
     delivered = sum(1 for _ in loader)
     seconds = time.perf_counter() - began
-    return {"samples_per_s": delivered * config.train.batch_size / seconds, **loader.stats()}
+    return {"samples_per_s": delivered * config.train.batch_size / seconds, "first_batch_s": first_batch_s,
+            **loader.stats()}
 
 
 class PremadeBatches:
@@ -226,7 +238,9 @@ def main(argv: List[str]) -> int:
             trainer = runs[f"{name}, in memory"]["train_samples_per_s"]
             alone["trainer_samples_per_s"] = trainer
             print(f"loader alone, {name}: {alone['samples_per_s']:,.0f} samples/s with {alone['workers']} thread(s): "
-                  f"{alone['samples_per_s'] / trainer:.1f}x the trainer with its input in memory", flush=True)
+                  f"{alone['samples_per_s'] / trainer:.1f}x the trainer with its input in memory; first batch "
+                  f"{alone['first_batch_s']['0'] * 1e3:.1f} ms at batch 0, {alone['first_batch_s'][str(RESUMED_AT)] * 1e3:.1f} "
+                  f"ms at batch {RESUMED_AT:,} (a late resume)", flush=True)
             if name == "criteo_terabyte":
                 shutil.rmtree(cache, ignore_errors=True)
         report["stalls"], report["loader_alone"] = runs, loaders

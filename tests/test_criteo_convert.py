@@ -316,9 +316,11 @@ def test_command_line_generate_then_convert(tmp_path):
     assert _cli("convert", str(tmp_path / "gen.tsv.gz"), "--out", str(tmp_path / "out"),
                 "--days", "2").stdout.splitlines()[2].endswith("(cached)")
 
-    # The same seed writes the same file; rows through the API equal those through the CLI.
-    generate(str(tmp_path / "again.tsv"), 2500, seed=4, cardinalities=cardinalities)
-    assert (tmp_path / "again.tsv").read_bytes() == text
+    # The same seed writes the same file; rows through the API equal those through the CLI. A new
+    # directory is made, and the file appears only once whole.
+    generate(str(tmp_path / "new" / "again.tsv"), 2500, seed=4, cardinalities=cardinalities)
+    assert (tmp_path / "new" / "again.tsv").read_bytes() == text
+    assert os.listdir(tmp_path / "new") == ["again.tsv"]
 
 
 def test_command_line_errors_exit_2_with_the_reason_on_stderr(tmp_path):

@@ -452,7 +452,7 @@ def generate(path: str, rows: int, seed: int = 0, cardinalities: Optional[Sequen
     and 3% of the categoricals are missing (empty), drawn from `seed`. gzip when `path` ends in .gz.
 
     Args:
-        path: the output file.
+        path: the output file (its directory is created; the file appears whole or not at all).
         rows: lines to write (positive).
         seed: the generator's seed.
         cardinalities: ids per categorical feature, 26 of them (default Criteo Kaggle's).
@@ -478,7 +478,16 @@ def generate(path: str, rows: int, seed: int = 0, cardinalities: Optional[Sequen
             yield (labels.numpy().astype(np.int32), ints, missing.random(ints.shape) < _MISSING_INT,
                    ids.numpy().astype(np.uint32), missing.random(tuple(ids.shape)) < _MISSING_CATEGORICAL)
 
-    return write_tsv(path, blocks())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = path + ".partial"  # a killed run leaves no file of the final name to be converted
+    try:
+        written = write_tsv(partial, blocks(), compress=path.endswith(".gz"))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+        raise
+    os.replace(partial, path)
+    return written
 
 
 def _cardinalities_argument(text: str, scale: int) -> Tuple[int, ...]:
