@@ -59,7 +59,7 @@ class CriteoDataConfig(_Section):
     scale: int = Field(1, gt=0)
     cache_dir: Optional[str] = None  # default: $MLKV_CACHE_DIR/criteo, or ~/.cache/mlkv_torch/criteo
     shuffle_window: int = Field(0, ge=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
 
 class DataConfig(_Section):
@@ -129,6 +129,11 @@ class ExperimentConfig(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     output_dir: str
+
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether the run's disk tables read ahead on a prefetch thread of their own."""
+        return self.storage.kind != "memory" and self.pipeline.depth != 0
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":

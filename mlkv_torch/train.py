@@ -529,8 +529,7 @@ def torch_threads(config: ExperimentConfig) -> int:
     if config.train.torch_threads != "auto":
         return config.train.torch_threads
     threads = torch.get_num_threads()
-    looks_ahead = config.storage.kind != "memory" and config.pipeline.depth != 0
-    return max(1, threads - 1) if looks_ahead else threads
+    return max(1, threads - 1) if config.looks_ahead else threads
 
 
 def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, Any]:
@@ -575,50 +574,52 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     board = _tensorboard(config) if main else None
     train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
-    with open(metrics_path if main else os.devnull, "a") as metrics:
-        step = start_step
-        window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
-        while step < train.steps:
-            began = time.perf_counter()
-            try:
-                loss, _, labels = pipeline.progress(data)
-            except StopIteration:
-                break
-            train_s += time.perf_counter() - began
-            step += 1
-            experiment.boundaries.passed()
-            samples += labels.numel() * world
-            window_samples += labels.numel() * world
-            window_steps += 1
-            record: Dict[str, Any] = {}
-            if step % train.log_every == 0 or step == train.steps:
-                now = time.perf_counter()
-                rate = window_samples / max(now - window_start, 1e-9)
-                input_stats = data.stats()
-                record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth,
-                              input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
-                              input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
-                window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
-                hit_rate = experiment.hit_rate()
-                if hit_rate is not None:
-                    record["hit_rate"] = hit_rate
-                bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
-                                hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
-            if step % config.eval.every == 0 or step == train.steps:
-                evaluation = experiment.evaluate()
-                record.update(step=step, **{f"eval_{k}": v for k, v in evaluation.items()})
-            if record:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                if board is not None:
-                    for key, value in record.items():
-                        if key != "step" and isinstance(value, (int, float)):
-                            board.add_scalar(key, value, step)
-            if train.checkpoint_every and step % train.checkpoint_every == 0:
-                experiment.save(step)
-            bar.update(1)
+    try:
+        with open(metrics_path if main else os.devnull, "a") as metrics:
+            step = start_step
+            window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
+            while step < train.steps:
+                began = time.perf_counter()
+                try:
+                    loss, _, labels = pipeline.progress(data)
+                except StopIteration:
+                    break
+                train_s += time.perf_counter() - began
+                step += 1
+                experiment.boundaries.passed()
+                samples += labels.numel() * world
+                window_samples += labels.numel() * world
+                window_steps += 1
+                record: Dict[str, Any] = {}
+                if step % train.log_every == 0 or step == train.steps:
+                    now = time.perf_counter()
+                    rate = window_samples / max(now - window_start, 1e-9)
+                    input_stats = data.stats()
+                    record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth,
+                                  input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
+                                  input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
+                    window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
+                    hit_rate = experiment.hit_rate()
+                    if hit_rate is not None:
+                        record["hit_rate"] = hit_rate
+                    bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
+                                    hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
+                if step % config.eval.every == 0 or step == train.steps:
+                    evaluation = experiment.evaluate()
+                    record.update(step=step, **{f"eval_{k}": v for k, v in evaluation.items()})
+                if record:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                    if board is not None:
+                        for key, value in record.items():
+                            if key != "step" and isinstance(value, (int, float)):
+                                board.add_scalar(key, value, step)
+                if train.checkpoint_every and step % train.checkpoint_every == 0:
+                    experiment.save(step)
+                bar.update(1)
+    finally:
+        data.close()  # its threads stop, also when a step fails
     bar.close()
-    data.close()
     if board is not None:
         board.close()
     experiment.finish_save()

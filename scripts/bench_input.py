@@ -34,9 +34,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte")
-STALL_RUNS = ("quickstart", "criteo_kaggle")
-RESUMED_AT = 10 ** 9  # batch number of a run resumed late: its first batch costs what batch 0 costs
-SMOKE_CONFIGS = ("quickstart", "criteo_kaggle", "criteo_terabyte")  # synthetic, TSV and npy  # trained with the tuning off and on, besides in memory
+STALL_RUNS = ("quickstart", "criteo_kaggle")  # trained with the tuning off and on, besides in memory
+RESUMED_AT = 10 ** 9  # the batch number where a run resumed late starts
+SMOKE_CONFIGS = ("quickstart", "criteo_kaggle", "criteo_terabyte")  # synthetic, TSV and npy
 _SMALL_MODEL = ["model.embedding_dim=16", "model.dense_arch=[64,16]", "model.over_arch=[64,1]"]
 SMOKE = {"quickstart": ["data.synthetic.scale=1000", "train.batch_size=256"],
          "synthetic_large": ["data.synthetic.scale=1000", "train.batch_size=256"],

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -166,22 +167,81 @@ def test_a_damaged_entry_is_converted_again(tmp_path, damage):
     _assert_same_arrays(again.prefixes[0], _torchrec_arrays(source, tmp_path / "torchrec"))
 
 
-def test_partial_directories_of_dead_processes_are_removed(tmp_path):
+_HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_partial_directories_nobody_writes_are_removed(tmp_path):
     source = _write(tmp_path / "day.tsv", _lines(100))
     out = tmp_path / "out"
     out.mkdir()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    import socket
     name = Path(cache_entry(str(source), str(out))).name
-    own = out / f".{name}.partial-{socket.gethostname()}-{dead.pid}"  # a killed conversion of this entry
-    other = out / f".other-0123456789ab.partial-{socket.gethostname()}-{dead.pid}"
-    alive = out / f".other-0123456789ab.partial-{socket.gethostname()}-{os.getpid()}"
-    for path in (own, other, alive):
+    own = out / f".{name}.partial-otherhost-17"  # a killed conversion of this entry
+    dead = out / ".dead-0123456789ab.partial-otherhost-18"  # of another entry, whose lock nobody holds
+    alive = out / ".alive-0123456789ab.partial-otherhost-19"  # being written: its converter holds the lock
+    for path in (own, dead, alive):
         path.mkdir()
         (path / "day_dense.npy").write_bytes(b"half")
-    done = convert_file(str(source), str(out))
-    assert done.converted and not own.exists() and not other.exists() and alive.exists()
+    writer = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out / "alive-0123456789ab.lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "held"
+        done = convert_file(str(source), str(out))
+    finally:
+        writer.communicate("")
+    assert done.converted and not own.exists() and not dead.exists() and alive.exists()
+
+
+def test_an_entry_held_by_a_reader_is_not_removed_when_its_input_changes(tmp_path):
+    source = _write(tmp_path / "day.tsv", _lines(200))
+    out = tmp_path / "out"
+    read = convert_file(str(source), str(out), hold=True)
+    _write(source, _lines(201, seed=9))  # changed while a run reads the first conversion
+    changed = convert_file(str(source), str(out))
+    assert changed.converted and Path(read.entry).exists()  # still readable: not removed under the reader
+    assert np.load(read.prefixes[0] + "_dense.npy").shape == (200, 13)
+    read.release()
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    again = convert_file(str(source), str(out))  # supersedes both earlier entries: neither is held now
+    assert again.converted and _entries(out) == [Path(again.entry).name]
+
+
+def test_an_entry_held_by_a_reader_is_served_to_others_at_once(tmp_path):
+    source = _write(tmp_path / "day.tsv", _lines(200))
+    out = tmp_path / "out"
+    held = convert_file(str(source), str(out), hold=True)  # a run reading it (another rank, another experiment)
+    served = []
+    other = threading.Thread(target=lambda: served.append(convert_file(str(source), str(out), hold=True)),
+                             daemon=True)
+    other.start()
+    other.join(timeout=30)
+    assert not other.is_alive(), "a second reader waited for the first to finish"
+    assert not served[0].converted and served[0].prefixes == held.prefixes
+    held.release()
+    served[0].release()
+
+
+def test_the_dense_log_is_taken_chunk_by_chunk(tmp_path, monkeypatch):
+    import mlkv_torch.data.criteo as criteo
+
+    monkeypatch.setattr(criteo, "_DENSE_CHUNK_VALUES", 1000)  # 2000 rows of 13 values: 26 chunks, one partial
+    source = _write(tmp_path / "day.tsv", _lines(2000))
+    done = convert_file(str(source), str(tmp_path / "out"))
+    _assert_same_arrays(done.prefixes[0], _torchrec_arrays(source, tmp_path / "torchrec"))
+
+
+def test_a_file_without_line_ends_is_refused_before_it_is_read_whole(tmp_path):
+    source = tmp_path / "blob.tsv"
+    source.write_bytes(b"7" * (4 << 20))  # 4 MiB and no line end: not a Criteo file
+    with pytest.raises(CriteoFormatError, match=r"blob\.tsv: line 1: .*longer than 65536 bytes"):
+        convert_file(str(source), str(tmp_path / "out"))
+    assert not [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
 
 
 _CONVERT_AND_REPORT = """

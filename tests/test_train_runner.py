@@ -192,16 +192,18 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
 
 def test_torchrun_converts_each_criteo_file_once(tmp_path):
     train_txt = tmp_path / "train.txt"
-    _write_criteo_tsv(train_txt, 3 * 400, 3)
+    _write_criteo_tsv(train_txt, 3 * 450, 3)  # the evaluation day: 7 batches of 64, one more for rank 0 than 1
     criteo = ["data.kind=criteo", f"data.criteo.train=[{train_txt}]", "data.criteo.days=3",
-              f"data.criteo.cache_dir={tmp_path / 'cache'}", "train.checkpoint_every=100",
-              "data.criteo.cardinalities=[" + ",".join(["300"] * 26) + "]", "train.batch_size=64", "eval.batches=2"]
+              f"data.criteo.cache_dir={tmp_path / 'cache'}", "train.checkpoint_every=100", "eval.every=4",
+              "data.criteo.cardinalities=[" + ",".join(["300"] * 26) + "]", "train.batch_size=64", "eval.batches=10"]
     first = _torchrun(tmp_path / "first", 4, *criteo)
     conversions = [line for line in first.stderr.splitlines() if line.startswith("[criteo] ") and "rows/s" in line]
     assert len(conversions) == 1, first.stderr[-3000:]  # one rank converted, the other waited for it
     second = _torchrun(tmp_path / "second", 4, *criteo)
     assert "[criteo] " not in second.stderr  # found converted: training starts at once
     assert _losses(tmp_path / "first") == _losses(tmp_path / "second")
+    summary = json.loads((tmp_path / "first" / "summary.json").read_text())
+    assert summary["auc"] is not None  # as many evaluation batches on each rank: 3, not 4 and 3
 
 
 def _write_criteo_tsv(path: Path, rows: int, seed: int) -> None:

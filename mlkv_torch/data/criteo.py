@@ -87,6 +87,8 @@ class CriteoConversion:
         rows: the rows of each day.
         seconds: the time `convert_file` took (the lookup alone when served from the cache).
         converted: False when an earlier conversion was served.
+        held_lock: with ``hold=True``, the descriptor of the shared lock that keeps the entry from
+            being removed as superseded while it is read; `release` lets it go.
     """
 
     source: str
@@ -95,6 +97,13 @@ class CriteoConversion:
     rows: List[int]
     seconds: float
     converted: bool
+    held_lock: Optional[int] = None
+
+    def release(self) -> None:
+        """Lets the entry go (with ``hold=True``; the process's exit does the same)."""
+        if self.held_lock is not None:
+            os.close(self.held_lock)
+            object.__setattr__(self, "held_lock", None)
 
 
 def convert(tsv_paths: Sequence[str], out_dir: str, days: Optional[int] = None,
@@ -131,7 +140,7 @@ def cache_entry(tsv_path: str, out_dir: str, days: Optional[int] = None) -> str:
 
 
 def convert_file(tsv_path: str, out_dir: str, days: Optional[int] = None, progress: bool = False,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> CriteoConversion:
+                 block_size: int = DEFAULT_BLOCK_SIZE, hold: bool = False) -> CriteoConversion:
     """One input's days, converted unless a valid entry for its current contents exists.
 
     Args:
@@ -140,6 +149,8 @@ def convert_file(tsv_path: str, out_dir: str, days: Optional[int] = None, progre
         days: split the file into this many consecutive days; None: one day.
         progress: report the conversion on stderr.
         block_size: bytes of text parsed at a time.
+        hold: return holding a shared lock on the entry (`CriteoConversion.release`), so that a
+            conversion of a changed input elsewhere does not remove it while it is read.
     """
     if days is not None and days < 1:
         raise ValueError(f"days must be positive, got {days}")
@@ -148,12 +159,23 @@ def convert_file(tsv_path: str, out_dir: str, days: Optional[int] = None, progre
     name = _entry_name(fingerprint)
     entry = os.path.join(out_dir, name)
     os.makedirs(out_dir, exist_ok=True)
-    with _exclusive_lock(entry + ".lock"):
+    # Readers of a valid entry share its lock (a run holds it while it reads); converting takes it alone.
+    converted, held = False, None
+    while True:
+        held = _lock_file(entry + ".lock", fcntl.LOCK_SH)
         manifest = _valid_manifest(entry, fingerprint)
-        converted = manifest is None
-        if converted:
-            manifest = _convert_entry(fingerprint, out_dir, name, block_size, progress)
-            _remove_superseded(out_dir, name, fingerprint)
+        if manifest is not None:
+            if not hold:
+                os.close(held)
+                held = None
+            break
+        os.close(held)
+        held = None
+        with _exclusive_lock(entry + ".lock"):
+            if _valid_manifest(entry, fingerprint) is None:  # nobody converted it meanwhile
+                _convert_entry(fingerprint, out_dir, name, block_size, progress)
+                converted = True
+                _remove_superseded(out_dir, name, fingerprint)
     seconds = time.perf_counter() - started
     if progress and converted:
         rows = sum(part["rows"] for part in manifest["parts"])
@@ -161,7 +183,7 @@ def convert_file(tsv_path: str, out_dir: str, days: Optional[int] = None, progre
               f"-> {entry}", file=sys.stderr, flush=True)
     return CriteoConversion(source=fingerprint["path"], entry=entry, seconds=seconds, converted=converted,
                             prefixes=[os.path.join(entry, part["name"]) for part in manifest["parts"]],
-                            rows=[part["rows"] for part in manifest["parts"]])
+                            rows=[part["rows"] for part in manifest["parts"]], held_lock=held)
 
 
 def _source_fingerprint(tsv_path: str, days: Optional[int]) -> Dict:
@@ -187,19 +209,27 @@ def _day_names(fingerprint: Dict) -> List[str]:
     return [f"day_{i}" for i in range(fingerprint["days"])]
 
 
-@contextlib.contextmanager
-def _exclusive_lock(path: str) -> Iterator[None]:
-    """Holds an exclusive flock on `path`, created if missing; retried when the file was replaced
-    while waiting (a superseded entry's lock is unlinked by whoever removes the entry)."""
+def _lock_file(path: str, mode: int) -> int:
+    """An open descriptor of `path` (created if missing) holding flock `mode`; retried when the file
+    was replaced while waiting (a superseded entry's lock is unlinked by whoever removes the entry)."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
+                return fd
         except FileNotFoundError:
             pass
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: str) -> Iterator[None]:
+    """Holds an exclusive flock on `path` (see `_lock_file`)."""
+    fd = _lock_file(path, fcntl.LOCK_EX)
     try:
         yield
     finally:
@@ -218,8 +248,8 @@ def _valid_manifest(entry: str, fingerprint: Dict) -> Optional[Dict]:
                 if os.path.getsize(os.path.join(entry, file)) != size:
                     return None
         return manifest
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # other errors (EMFILE, EACCES, ESTALE) say nothing of the entry: they are raised
 
 
 def _convert_entry(fingerprint: Dict, out_dir: str, name: str, block_size: int, progress: bool) -> Dict:
@@ -317,9 +347,13 @@ class _DayNpyWriter:
         self.dense_min: Optional[int] = None
         self.header_bytes = len(_npy_header(np.float32, (0, INT_FEATURES)))
         self.files: Dict[str, BinaryIO] = {}
-        for part in _PARTS:
-            self.files[part] = open(f"{prefix}_{part}.npy", "w+b")
-            self.files[part].seek(self.header_bytes)
+        try:
+            for part in _PARTS:
+                self.files[part] = open(f"{prefix}_{part}.npy", "w+b")
+                self.files[part].seek(self.header_bytes)
+        except BaseException:
+            self.close()
+            raise
 
     def append(self, block: CriteoBlock, start: int, end: int) -> None:
         if end <= start:
@@ -383,8 +417,8 @@ def _npy_header(dtype, shape: Tuple[int, int]) -> bytes:
 
 
 def _partial_dirs(out_dir: str, entry_name: Optional[str] = None) -> Iterator[str]:
-    """Partial directories in `out_dir`: those of `entry_name`, or those of dead processes on this host."""
-    host = socket.gethostname()
+    """Partial directories in `out_dir`: those of `entry_name`, or those nobody is writing (their
+    converter holds its entry's lock while it writes; pids are no evidence across containers)."""
     for name in os.listdir(out_dir):
         match = _PARTIAL.match(name)
         if match is None:
@@ -392,18 +426,15 @@ def _partial_dirs(out_dir: str, entry_name: Optional[str] = None) -> Iterator[st
         if entry_name is not None:
             if match["entry"] == entry_name:
                 yield os.path.join(out_dir, name)
-        elif match["host"] == host and not _process_alive(int(match["pid"])):
-            yield os.path.join(out_dir, name)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+            continue
+        fd = os.open(os.path.join(out_dir, match["entry"] + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # being written
+        finally:
+            os.close(fd)
+        yield os.path.join(out_dir, name)
 
 
 def _remove_superseded(out_dir: str, name: str, fingerprint: Dict) -> None:

@@ -42,6 +42,7 @@ and larger blocks are no faster."""
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _READ_CHUNK = 16 << 20
+_MAX_LINE_BYTES = 64 << 10
 _COLUMN_NAMES = [f"f{i}" for i in range(FIELDS)]
 _INT_PATTERN = re.compile(rb" *-?[0-9]+ *")
 _HEX_PATTERN = re.compile(rb"[0-9a-fA-F]{1,16}")
@@ -369,15 +370,24 @@ def _lines(path: str, first: int, last: Optional[int] = None) -> Iterator[Tuple[
                 if line + newlines < first:
                     line += newlines
                     pending = chunk[chunk.rfind(b"\n") + 1:] if newlines else pending + chunk
+                    _check_line_length(line, pending)
                     continue
             parts = (pending + chunk).split(b"\n")
             pending = parts.pop()
+            _check_line_length(line + len(parts), pending)
             for text in parts:
                 if line >= first:
                     yield line, text
                 line += 1
                 if last is not None and line > last:
                     return
+
+
+def _check_line_length(line: int, text: bytes) -> None:
+    """Refuses a line past _MAX_LINE_BYTES before it is read whole (a file with no line ends)."""
+    if len(text) > _MAX_LINE_BYTES:
+        raise _UnreadableLine(line, f"longer than {_MAX_LINE_BYTES} bytes (a Criteo line has about 250: "
+                                    f"is this a Criteo TSV file?)")
 
 
 def _locate_bad_line(path: str, first: int, limit: int = 1 << 22) -> Tuple[int, Optional[str]]:

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -98,6 +98,7 @@ class BatchLoader:
         self._tuner = tuner or InputTuner(1, 2)
         self._choice = self._tuner.initial()
         self._node: Optional[Iterator[Any]] = None
+        self._nodes: List[Any] = []  # torchdata nodes whose threads make the batches
         self._made = _MakeTimes()
         self._delivered = 0
         self._next_decision = _FIRST_DECISION
@@ -145,14 +146,17 @@ class BatchLoader:
 
     def _build(self) -> Iterator[Any]:
         """torchdata nodes that make the batches from the next undelivered number on."""
-        from torchdata.nodes import IterableWrapper, Loader, ParallelMapper, Prefetcher
+        from torchdata.nodes import IterableWrapper, ParallelMapper, Prefetcher
 
         start = self._first + self._delivered * self._stride
         numbers = itertools.count(start, self._stride) if self._count is None else \
             range(start, self._first + self._count * self._stride, self._stride)
         mapped = ParallelMapper(IterableWrapper(numbers), self._timed, num_workers=self._choice.workers,
                                 in_order=True, method="thread")
-        return iter(Loader(Prefetcher(mapped, prefetch_factor=self._choice.prefetch)))
+        prefetched = Prefetcher(mapped, prefetch_factor=self._choice.prefetch)
+        prefetched.reset()
+        self._nodes = [prefetched, mapped]  # the consumer's end first: the order they are stopped in
+        return prefetched
 
     def _decide(self) -> None:
         self._next_decision = min(2 * self._next_decision, self._next_decision + _DECISION_PERIOD)
@@ -169,7 +173,7 @@ class BatchLoader:
         choice = self._tuner.decide(self._choice, window)
         if choice != self._choice:
             self._choice = choice
-            self._node = None  # dropped, its threads stop; the next batch comes from new ones
+            self._stop()  # the next batch comes from new nodes
 
     def stats(self) -> Dict[str, Any]:
         """What the loader did and measured.
@@ -190,4 +194,16 @@ class BatchLoader:
 
     def close(self) -> None:
         """Stops the worker threads (the loader delivers nothing more)."""
-        self._node = None
+        self._stop()
+
+    def _stop(self) -> None:
+        """Stops the nodes' threads now and drops their batches: torchdata 0.11 would stop them only
+        once the cycle collector reaches its iterators, holding their batches until then."""
+        for node in self._nodes:
+            part = node
+            while part is not None:  # a node's iterator, and the iterator's own, own the threads
+                shutdown = getattr(part, "_shutdown", None)
+                if callable(shutdown):
+                    shutdown()
+                part = getattr(part, "_it", None)
+        self._nodes, self._node = [], None

@@ -21,10 +21,11 @@ _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training nev
 
 def loader_tuner(config: ExperimentConfig, torch_threads: int) -> InputTuner:
     """The loader's InputTuner: data.workers and data.prefetch, within the cores that torch's
-    `torch_threads` and the disk tables' prefetch thread leave (at least one) and
+    `torch_threads` and the disk tables' prefetch thread leave (at least one) of this process's
+    share of the cores it may run on (under torchrun, the processes of a node share them) and
     data.memory_budget_bytes."""
-    looks_ahead = config.storage.kind != "memory" and config.pipeline.depth != 0
-    cpu_budget = max(1, (os.cpu_count() or 1) - torch_threads - int(looks_ahead))
+    cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cpu_budget = max(1, cores - torch_threads - int(config.looks_ahead))
     return InputTuner(config.data.workers, config.data.prefetch, cpu_budget=cpu_budget,
                       memory_budget_bytes=config.data.memory_budget_bytes)
 
@@ -67,7 +68,7 @@ class CriteoSource:
     """Criteo days (TSV files, converted once, or torchrec's npy layout), batch by number."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from .criteo import CriteoFormatError, convert
+        from .criteo import CriteoFormatError, convert_file
         from .criteo_batches import CriteoBatches
         from .criteo_tsv import INT_FEATURES
 
@@ -76,10 +77,14 @@ class CriteoSource:
         if criteo.format == "tsv":
             cache = criteo.cache_dir or criteo_cache_dir()
             try:
-                # Conversions are reported on stderr; files already converted are used at once.
-                train_days = [p for parts in convert(criteo.train, cache, days=criteo.days, progress=True) for p in parts]
-                eval_days = [p for parts in convert(criteo.eval, cache, progress=True) for p in parts]
-            except (CriteoFormatError, OSError) as e:
+                # Conversions are reported on stderr; files already converted are used at once. The
+                # entries are held while this process reads them (see convert_file).
+                self._conversions = [convert_file(path, cache, days=criteo.days, progress=True, hold=True)
+                                     for path in criteo.train]
+                train_days = [p for conversion in self._conversions for p in conversion.prefixes]
+                self._conversions += [convert_file(path, cache, progress=True, hold=True) for path in criteo.eval]
+                eval_days = [p for conversion in self._conversions[len(criteo.train):] for p in conversion.prefixes]
+            except (CriteoFormatError, OSError, RuntimeError) as e:
                 raise ConfigError(f"data.criteo: {e}") from e
             if criteo.days and not criteo.eval:
                 eval_days = [train_days.pop()]  # the last part is held out, as DLRM's split does
@@ -89,7 +94,7 @@ class CriteoSource:
             self.train_batches = CriteoBatches(train_days, self.batch_size, self.cardinalities,
                                                shuffle_window=criteo.shuffle_window, seed=criteo.seed)
             self.eval_batches = CriteoBatches(eval_days, self.batch_size, self.cardinalities) if eval_days else None
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise ConfigError(f"data.criteo: {e}") from e
         self.feature_names = self.train_batches.feature_names
 
@@ -98,14 +103,12 @@ class CriteoSource:
         return self.train_batches(number)
 
     def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
-        """This rank's share of at most `batches` held-out batches (one pass), without probabilities."""
+        """At most `batches` held-out batches for this rank (one pass over the evaluation days, as
+        many on every rank: under DMP each batch is a collective), without probabilities."""
         if self.eval_batches is None:
             return
-        for k in range(batches):
-            number = rank + world * k
-            if number >= self.eval_batches.batches_per_epoch:
-                return
-            yield self.eval_batches(number), None
+        for k in range(min(batches, self.eval_batches.batches_per_epoch // world)):
+            yield self.eval_batches(rank + world * k), None
 
 
 def batch_source(config: ExperimentConfig) -> Union[SyntheticSource, CriteoSource]:

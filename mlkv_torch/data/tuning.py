@@ -65,7 +65,7 @@ class InputTuner:
         prefetch: a fixed buffer depth (batches), or "auto".
         cpu_budget: the most threads "auto" uses (at least 1).
         memory_budget_bytes: the most bytes the batches in flight (made, being made and
-            buffered) may hold under "auto".
+            buffered) may hold under "auto", as long as one thread and one buffered batch fit.
     """
 
     def __init__(self, workers: Union[int, Auto] = "auto", prefetch: Union[int, Auto] = "auto",
@@ -99,7 +99,9 @@ class InputTuner:
                 workers = max(workers, current.workers + 1)
             elif workers < current.workers and window.wait_share > _WAIT_TARGET / 2:
                 workers = current.workers  # fewer only while training clearly does not wait
-            workers = min(workers, self.cpu_budget)
+            # Each thread holds up to two batches, and one more must fit the buffer.
+            affordable_workers = (self.memory_budget_bytes // max(window.batch_bytes, 1) - 1) // 2
+            workers = max(1, min(workers, self.cpu_budget, affordable_workers))
         else:
             workers = self.workers
         prefetch = current.prefetch
