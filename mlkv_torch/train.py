@@ -17,6 +17,8 @@ import copy
 import itertools
 import json
 import os
+import pickle
+import re
 import sys
 import threading
 import time
@@ -39,6 +41,7 @@ _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adag
 _BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbeddingBag backend
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
+_CHECKPOINT_DIRECTORY = re.compile(r"checkpoint-[0-9]+")  # under torchrun, what checkpoint.latest may name
 RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
 
 
@@ -83,7 +86,7 @@ class _Experiment:
         # One process resumes from a cut: the checkpoint names the one its tables reopen at.
         self._resumed: Optional[Dict[str, Any]] = None
         if resume and not self.distributed and os.path.exists(self.checkpoint_path()):
-            self._resumed = torch.load(self.checkpoint_path(), weights_only=False)
+            self._resumed = _load_checkpoint(self.checkpoint_path())
             if "cut" not in self._resumed:
                 raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
                                   f"row, not a cut of the tables); resume it with that version")
@@ -354,6 +357,10 @@ class _Experiment:
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it points at a copy "
                               f"of every row, not at cuts of the tables); resume it with that version") from e
+        # The pointer names the directory that a later checkpoint removes: only one of ours.
+        if not isinstance(directory, str) or not _CHECKPOINT_DIRECTORY.fullmatch(directory):
+            raise ConfigError(f"{self.checkpoint_path()} names directory {directory!r}, not a checkpoint-<step> "
+                              f"directory of this run: refusing to use it")
         return (os.path.join(self.config.output_dir, directory),
                 {int(rank): cut for rank, cut in cuts.items() if cut is not None})
 
@@ -361,7 +368,7 @@ class _Experiment:
         if self.distributed:
             from .torchrec import disk_tables_left_out
 
-            saved = torch.load(os.path.join(self._latest_sharded()[0], f"rank{self.rank}.pt"), weights_only=False)
+            saved = _load_checkpoint(os.path.join(self._latest_sharded()[0], f"rank{self.rank}.pt"))
             if saved["world_size"] != self.world_size:
                 raise ConfigError(f"{self.checkpoint_path()} was written by {saved['world_size']} processes: resume "
                                   f"it with as many (each one's tables and state belong to its place in the plan)")
@@ -420,6 +427,17 @@ class _StepBoundaries:
         finally:
             with self._changed:
                 self._released -= 1
+
+
+def _load_checkpoint(path: str) -> Any:
+    """A checkpoint file's state, loaded with torch's weights-only unpickler (tensors and plain values:
+    a file that holds anything else could run code as it loads, so it is refused)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[0]
+        raise ConfigError(f"{path} holds objects other than tensors and plain values, which could run code as "
+                          f"they load: refusing to load it ({reason})") from e
 
 
 def _drop_records_after(metrics_path: str, step: int) -> None:

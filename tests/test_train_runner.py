@@ -76,6 +76,46 @@ def test_loader_settings_do_not_change_training_and_the_input_wait_is_reported(t
     assert [e.step for e in events.Scalars("input_wait_ms")] == [2, 4, 6, 8, 10]
 
 
+class _RunsCode:
+    """Unpickling it runs a command: what a checkpoint from an untrusted place could hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (subprocess.call, (["touch", str(self.marker)],))
+
+
+def test_a_checkpoint_holding_code_is_refused(tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    out.mkdir()
+    torch.save({"step": 3, "dense": {}, "cut": None, "payload": _RunsCode(marker)}, out / "checkpoint.pt")
+    config = load_config(QUICKSTART, [f"output_dir={out}", *SMALL])
+    with pytest.raises(ConfigError, match=r"checkpoint\.pt holds objects other than tensors and plain values"):
+        run(config, resume=True, progress=False)
+    assert not marker.exists()  # refused before anything in it ran
+
+
+def test_a_torchrun_pointer_naming_another_directory_is_refused(tmp_path):
+    from mlkv_torch.train import _Experiment
+
+    out = tmp_path / "run"
+    out.mkdir()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "precious").write_text("x")
+    for directory in ("/", "../keep", str(keep), "checkpoint-8/../../keep", 8):
+        (out / "checkpoint.latest").write_text(json.dumps({"directory": directory, "cuts": {}}))
+        experiment = _Experiment.__new__(_Experiment)  # only the pointer's reading, not a whole run
+        experiment.config = load_config(QUICKSTART, [f"output_dir={out}", *SMALL])
+        experiment.distributed = True
+        with pytest.raises(ConfigError, match=r"not a checkpoint-<step> directory of this run"):
+            experiment._latest_sharded()
+    assert (keep / "precious").exists()
+    (out / "checkpoint.latest").write_text(json.dumps({"directory": "checkpoint-8", "cuts": {"0": None}}))
+    assert experiment._latest_sharded() == (str(out / "checkpoint-8"), {})
+
+
 def test_populated_tables_resume_twice_from_one_checkpoint(tmp_path):
     """Populating ends with a cut; a resumed run does not populate again, so a second resume from the
     same checkpoint (the first was killed before its next one) still finds the tables' cut."""
