@@ -58,7 +58,7 @@ def test_forward_equals_embedding_bag_collection(tmp_path, weighted):
         features = kjt(step, weighted=weighted)
         ours, theirs = disk(features), ebc(features)
         assert ours.keys() == theirs.keys()  # the shared f2 reads f2@t1 and f2@t2
-        torch.testing.assert_close(ours.values(), theirs.values())
+        torch.testing.assert_close(ours.values(), theirs.values(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("ours, reference", [
@@ -121,11 +121,11 @@ def test_state_dict_moves_between_the_two_collections(tmp_path):
     assert set(disk.state_dict()) == set(ebc.state_dict())  # embedding_bags.<table>.weight
     disk.load_state_dict(ebc.state_dict())
     features = kjt(7)
-    torch.testing.assert_close(disk(features).values(), ebc(features).values())
+    torch.testing.assert_close(disk(features).values(), ebc(features).values(), rtol=0, atol=0)
     (disk(features).values() ** 2).sum().backward()  # trains on disk
     back = EmbeddingBagCollection(tables())
     back.load_state_dict(disk.state_dict())
-    torch.testing.assert_close(back(features).values(), disk(features).values())
+    torch.testing.assert_close(back(features).values(), disk(features).values(), rtol=0, atol=0)
 
 
 def test_state_dict_keys_a_table_does_not_have_are_unexpected_as_in_embedding_bag_collection(tmp_path):
@@ -170,10 +170,11 @@ def test_the_fused_optimizers_state_dict_carries_the_tables_optimizer_state(tmp_
 def test_a_collection_open_on_a_device_refuses_to_move(tmp_path):
     # Its caches stay where they were opened: moving only the anchors would leave outputs behind.
     disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "t", memory_budget_bytes=1 << 20)
+    before = disk(kjt(0)).values()
     with pytest.raises(ValueError, match="open on cpu and cannot move"):
         disk.to("meta")
     disk.to("cpu")  # where it is: nothing moves
-    torch.testing.assert_close(disk(kjt(0)).values(), disk(kjt(0)).values())
+    torch.testing.assert_close(disk(kjt(0)).values(), before, rtol=0, atol=0)  # the refused move left it whole
     disk.close()
 
 
@@ -197,8 +198,8 @@ def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_
     torch.manual_seed(4)
     reopened = initial("a", reopen=True)  # the seed recorded in its directory, not the generator's
     for t in first:
-        torch.testing.assert_close(same[t], first[t])
-        torch.testing.assert_close(reopened[t], first[t])
+        torch.testing.assert_close(same[t], first[t], rtol=0, atol=0)
+        torch.testing.assert_close(reopened[t], first[t], rtol=0, atol=0)
         assert not torch.equal(moved_on[t], first[t])
     disk = DiskEmbeddingBagCollection(tables(), path=tmp_path / "a", memory_budget_bytes=1 << 20,
                                       optimizer=optim.SGD(lr=0.1))
@@ -332,8 +333,8 @@ def test_arguments_and_inputs_as_embedding_bag_collection(tmp_path):
         lengths=torch.cat([torch.ones(6, dtype=torch.int64), base.lengths()]))
     ours, theirs = disk(extra), ebc(extra)
     assert ours.keys() == theirs.keys()
-    torch.testing.assert_close(ours.values(), theirs.values())
-    torch.testing.assert_close(ours.values(), disk(base).values())
+    torch.testing.assert_close(ours.values(), theirs.values(), rtol=0, atol=0)
+    torch.testing.assert_close(ours.values(), disk(base).values(), rtol=0, atol=0)
     # No tables: an empty collection, as EmbeddingBagCollection([]) builds; it pools nothing.
     empty = DiskEmbeddingBagCollection([], path=tmp_path / "empty")
     assert len(empty.embedding_bags) == 0 and EmbeddingBagCollection([]).embedding_bag_configs() == []
@@ -352,11 +353,11 @@ def test_weight_reads_rows_by_index_as_embedding_bag_collection(tmp_path):
         assert ours.shape == theirs.shape and ours.size(1) == DIM and len(ours) == theirs.shape[0]
         assert ours.dtype == theirs.dtype and ours.dim() == 2 and ours.numel() == theirs.numel()
         ids = torch.tensor([0, 7, 3, 7, theirs.shape[0] - 1])
-        torch.testing.assert_close(ours[ids], theirs[ids])
-        torch.testing.assert_close(ours[[1, 2]], theirs[[1, 2]])
-        torch.testing.assert_close(ours[5:40:3], theirs[5:40:3])
-        torch.testing.assert_close(ours[-1], theirs[-1])
-        torch.testing.assert_close(ours.to_dense(), theirs)
+        torch.testing.assert_close(ours[ids], theirs[ids], rtol=0, atol=0)
+        torch.testing.assert_close(ours[[1, 2]], theirs[[1, 2]], rtol=0, atol=0)
+        torch.testing.assert_close(ours[5:40:3], theirs[5:40:3], rtol=0, atol=0)
+        torch.testing.assert_close(ours[-1], theirs[-1], rtol=0, atol=0)
+        torch.testing.assert_close(ours.to_dense(), theirs, rtol=0, atol=0)
     with pytest.raises(IndexError, match="out of range"):
         disk.embedding_bags["t1"].weight[80]
     with pytest.raises(ValueError, match="out of range"):
@@ -412,7 +413,7 @@ def test_built_on_the_meta_device_it_opens_nothing_until_to_empty(tmp_path):
     model.to_empty(device="cpu")
     assert ebc.device == torch.device("cpu") and (path / "t0").is_dir()
     direct = DiskEmbeddingBagCollection(tables(), path=tmp_path / "direct", optimizer=optim.SGD(lr=0.1), seed=3)
-    torch.testing.assert_close(ebc(kjt(1)).values(), direct(kjt(1)).values())  # the same initial rows
+    torch.testing.assert_close(ebc(kjt(1)).values(), direct(kjt(1)).values(), rtol=0, atol=0)  # the same initial rows
     assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.1
     for collection in (ebc, direct):
         collection.close()
@@ -431,7 +432,7 @@ def test_symbolic_tracing_keeps_the_collection_as_one_call(tmp_path, trace):
     assert len(calls) == 1
     dense = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(traced(dense, kjt(3)), model(dense, kjt(3)))
+        torch.testing.assert_close(traced(dense, kjt(3)), model(dense, kjt(3)), rtol=0, atol=0)
     # and the traced model trains the tables: a step through it changes the rows it looked up
     before = disk.embedding_bags["t0"].export_rows(torch.arange(500))
     traced(dense, kjt(4)).sum().backward()
@@ -447,7 +448,7 @@ def test_initial_rows_follow_the_tables_init_fn_range_or_normal_and_another_init
                                 weight_init_min=-0.5, weight_init_max=0.5)
     disk = DiskEmbeddingBagCollection([config], path=tmp_path / "a", optimizer=optim.SGD(lr=0.1), seed=2)
     rows = disk.embedding_bags["t"].weight[:]
-    torch.testing.assert_close(rows, initial_rows(torch.arange(2000), DIM, seed=table_seed(2, "t"), low=-0.5, high=0.5))
+    torch.testing.assert_close(rows, initial_rows(torch.arange(2000), DIM, seed=table_seed(2, "t"), low=-0.5, high=0.5), rtol=0, atol=0)
     assert -0.5 <= float(rows.min()) and float(rows.max()) < 0.5 and abs(float(rows.std()) - 0.5 / 3 ** 0.5) < 0.01
     disk.close()
     # TorchRec users write init_fn=partial(torch.nn.init.normal_, ...): honoured, row by row from (seed, id)
@@ -456,12 +457,12 @@ def test_initial_rows_follow_the_tables_init_fn_range_or_normal_and_another_init
     disk = DiskEmbeddingBagCollection([normal], path=tmp_path / "n", optimizer=optim.SGD(lr=0.1), seed=3)
     rows = disk.embedding_bags["n"].weight[:]
     torch.testing.assert_close(rows, initial_rows(torch.arange(20_000), DIM, seed=table_seed(3, "n"), mean=0.25,
-                                                  std=1.5))
+                                                  std=1.5), rtol=0, atol=0)
     assert abs(float(rows.mean()) - 0.25) < 0.02 and abs(float(rows.std()) - 1.5) < 0.02
     ebc = EmbeddingBagCollection([normal])  # the same distribution as TorchRec's table
     assert abs(float(ebc.embedding_bags["n"].weight.std()) - float(rows.std())) < 0.03
     disk.reset_parameters()  # back to the same normal rows
-    torch.testing.assert_close(disk.embedding_bags["n"].weight[:], rows)
+    torch.testing.assert_close(disk.embedding_bags["n"].weight[:], rows, rtol=0, atol=0)
     disk.close()
     uniform = EmbeddingBagConfig(name="u", num_embeddings=100, embedding_dim=DIM, feature_names=["f"],
                                  init_fn=functools.partial(torch.nn.init.uniform_, a=-2.0, b=-1.0))
@@ -533,5 +534,5 @@ def test_one_kjt_feeds_a_memory_collection_and_a_disk_collection(tmp_path):
     for step in range(3):
         features = kjt(step)
         both = torch.cat([memory(features).values(), disk(features).values()], dim=1)
-        torch.testing.assert_close(both, reference(features).values())
+        torch.testing.assert_close(both, reference(features).values(), rtol=0, atol=0)
     disk.close()
