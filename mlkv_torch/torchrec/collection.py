@@ -154,7 +154,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 f"{torch.distributed.get_world_size()} ranks. Under DistributedModelParallel build the model with "
                 f"EmbeddingBagCollection(tables, device=torch.device('meta')) and pass "
                 f"DiskEmbeddingBagCollectionSharder(storage_dir) (and DiskAwarePlanner) to DistributedModelParallel: "
-                f"it shards the tables and puts on disk those that do not fit (README, 'Many processes').")
+                f"it shards the tables and puts on disk those that do not fit (docs/torchrec.md, 'Many processes').")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be distinct, got {names}")
