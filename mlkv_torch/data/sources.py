@@ -79,11 +79,11 @@ class CriteoSource:
             try:
                 # Conversions are reported on stderr; files already converted are used at once. The
                 # entries are held while this process reads them (see convert_file).
-                self._conversions = [convert_file(path, cache, days=criteo.days, progress=True, hold=True)
-                                     for path in criteo.train]
-                train_days = [p for conversion in self._conversions for p in conversion.prefixes]
-                self._conversions += [convert_file(path, cache, progress=True, hold=True) for path in criteo.eval]
-                eval_days = [p for conversion in self._conversions[len(criteo.train):] for p in conversion.prefixes]
+                train = [convert_file(path, cache, days=criteo.days, progress=True, hold=True) for path in criteo.train]
+                evaluation = [convert_file(path, cache, progress=True, hold=True) for path in criteo.eval]
+                self._conversions = train + evaluation
+                train_days = [p for conversion in train for p in conversion.prefixes]
+                eval_days = [p for conversion in evaluation for p in conversion.prefixes]
             except (CriteoFormatError, OSError, RuntimeError) as e:
                 raise ConfigError(f"data.criteo: {e}") from e
             if criteo.days and not criteo.eval:
