@@ -59,16 +59,17 @@ inline float AdamStepScale(const OptimizerSpec& s, int64_t step) {
 
 // Element j of one step of rule K: `weights` [dim] (float, or a 16-bit type with float
 // conversions), `state` the row's floats, `grad` the coalesced gradient row; `row_scale` is
-// RowWiseAdagrad's step size for the row (RowWiseAdagradScale). The operations follow the torch
-// reference of each rule in order, so float32 results agree to rounding (see mlkv_torch/optim.py).
+// RowWiseAdagrad's step size for the row (RowWiseAdagradScale). The operations follow the reference
+// of each rule in order, and fuse a multiply-add where its CPU kernel does (torch's add with alpha
+// and addcmul run as FMAs), so float32 results are equal to the bit (see mlkv_torch/optim.py).
 template <OptimizerKind K, typename W>
 MLKV_HOST_DEVICE inline void UpdateElement(const OptimizerSpec& s, float adam_scale, float row_scale, W* weights,
                                            float* state, const float* grad, int64_t dim, int64_t j) {
   if constexpr (K == OptimizerKind::kSGD) {
-    weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * grad[j]);
+    weights[j] = static_cast<W>(fmaf(-s.lr, grad[j], static_cast<float>(weights[j])));
   } else if constexpr (K == OptimizerKind::kAdagrad) {
-    state[j] += grad[j] * grad[j];
-    weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * (grad[j] / (sqrtf(state[j]) + s.eps)));
+    state[j] = fmaf(grad[j], grad[j], state[j]);
+    weights[j] = static_cast<W>(static_cast<float>(weights[j]) - s.lr * grad[j] / (sqrtf(state[j]) + s.eps));
   } else if constexpr (K == OptimizerKind::kRowWiseAdagrad) {
     weights[j] = static_cast<W>(static_cast<float>(weights[j]) - grad[j] * row_scale);
   } else {

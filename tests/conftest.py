@@ -24,6 +24,17 @@ HAS_PROMOTE = "promote_hot_reads" in inspect.signature(KVStore.__init__).paramet
 NO_PROMOTE = {"promote_hot_reads": False} if HAS_PROMOTE else {}
 
 
+def rounding_tolerance(steps: int, lr: float, step_bound: float) -> Dict[str, float]:
+    """assert_close's tolerances between rows trained by our rule and by a reference that rounds some
+    operations differently. torch's CPU sqrt is not correctly rounded (1 ulp off for 0.7% of float32
+    values, measured); fbgemm adds Adagrad's eps in double and sums row-wise squares in SIMD lanes;
+    torch's coalesce and autograd sum a repeated id's gradients in their own order. Each step then
+    differs by a few (4) roundings of the update, at most lr * step_bound, and of the row: over
+    `steps` steps, 4 * 2^-24 * steps of each. Where the computation is the same, compare exactly."""
+    unit = 4 * 2**-24 * steps
+    return {"rtol": unit, "atol": unit * lr * step_bound}
+
+
 def rows_for(keys: torch.Tensor, tag: int, dim: int = DIM, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Deterministic rows that encode (key, tag); identical bits in every process."""
     keys = torch.as_tensor(keys, dtype=torch.int64)

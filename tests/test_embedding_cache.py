@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
-from test_disk_embedding_bag import DIM, NUM, batch, make, reference_like
+from conftest import rounding_tolerance
+from test_disk_embedding_bag import DIM, NUM, STEP_BOUNDS, batch, make, reference_like
 
 
 def zipf_batches(count, ids_per_batch, num, exponent=1.05, seed=0):
@@ -23,10 +24,10 @@ def test_staleness_bound_is_exact_with_a_held_applier(tmp_path):
     emb._cache.pause_applier(True)
     first = emb(ids, offsets)
     first.sum().backward()  # update 1 queued, held
-    torch.testing.assert_close(emb(ids, offsets), first)  # misses 1 update: allowed
+    torch.testing.assert_close(emb(ids, offsets), first, rtol=0, atol=0)  # misses 1 update: allowed
     emb(ids, offsets).sum().backward()  # update 2 queued
     third = emb(ids, offsets)  # misses 2 updates: allowed at staleness 2
-    torch.testing.assert_close(third, first)
+    torch.testing.assert_close(third, first, rtol=0, atol=0)
     assert emb.stats()["max_staleness"] == 2 and emb.stats()["pending_updates"] == 2
     third.sum().backward()  # update 3 queued: a read now would miss 3
     with pytest.raises(RuntimeError, match="paused"):
@@ -37,7 +38,7 @@ def test_staleness_bound_is_exact_with_a_held_applier(tmp_path):
     assert emb.stats()["max_staleness"] == 2
     emb.flush()
     # sum of one bag: each row's gradient is 1 per step, whatever it read; no update is lost.
-    torch.testing.assert_close(emb.export_rows(ids), before - 3 * 0.5)
+    torch.testing.assert_close(emb.export_rows(ids), before - 0.5 - 0.5 - 0.5, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("staleness", [1, 4])
@@ -56,7 +57,9 @@ def test_asynchronous_updates_lose_nothing_and_respect_the_bound(tmp_path, stale
         assert emb.stats()["max_staleness"] <= staleness
     emb.flush()
     assert emb.stats()["pending_updates"] == 0
-    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach())
+    # torch's coalesce sums a repeated id's gradients in its own order
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach(),
+                               **rounding_tolerance(40, 0.3, STEP_BOUNDS["sgd"]))
 
 
 def test_frequency_admission_beats_lru_on_zipf(tmp_path):
@@ -116,7 +119,7 @@ def test_half_precision_tables(tmp_path, dtype):
     ids, offsets, _ = batch(0)
     out = emb(ids, offsets)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref(ids, offsets))
+    torch.testing.assert_close(out, ref(ids, offsets), rtol=0, atol=0)
     # Training follows the float32 reference within the weights' precision.
     ref32 = torch.nn.EmbeddingBag(NUM, DIM, mode="sum", sparse=True, _weight=weights.float())
     opt32 = torch.optim.SGD(ref32.parameters(), lr=0.3)
@@ -204,7 +207,9 @@ def test_threads_training_one_table_lose_no_update(tmp_path):
         ref_opt.zero_grad()
         (ref(ids, offsets) * target).sum().backward()
         ref_opt.step()
-    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach())
+    # the threads' updates of a row land in another order than the reference's, each rounded
+    torch.testing.assert_close(emb.export_rows(torch.arange(NUM)), ref.weight.detach(),
+                               **rounding_tolerance(24, 0.1, STEP_BOUNDS["sgd"]))
 
 
 FULL_DISK_CHILD = """
@@ -261,7 +266,7 @@ from mlkv_torch import DiskEmbeddingBag, optim
 emb = DiskEmbeddingBag(1_000_000, 32, path=sys.argv[1], cache_rows=256, memory_budget_bytes=256 << 10,
                        optimizer=optim.SGD(lr=0.1), cache_policy="lru")  # LRU admits all: dirty rows get evicted
 start = emb.export_rows(torch.arange(20000))
-count = torch.zeros(20000)
+expected = start.clone()
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 for step in range(400):
@@ -271,9 +276,9 @@ for step in range(400):
     except OSError as e:
         print("ERROR", e)
         break
-    count[ids] += 1
+    expected[ids] -= 0.1  # one rounding a step, as the fused rule's
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-torch.testing.assert_close(emb.export_rows(torch.arange(20000)), start - 0.1 * count.unsqueeze(1))
+torch.testing.assert_close(emb.export_rows(torch.arange(20000)), expected, rtol=0, atol=0)
 print("INTACT")
 sys.stdout.flush()
 os._exit(0)
@@ -312,7 +317,7 @@ def test_exit_without_close_writes_the_cache_back(tmp_path):
     emb = DiskEmbeddingBag(1000, 8, path=path, cache_rows=100, memory_budget_bytes=1 << 20, reopen=True)
     expected = torch.load(saved)
     expected[0] -= 1.0  # the update queued at exit was applied and written back
-    torch.testing.assert_close(emb.export_rows(torch.tensor([3, 4])), expected)
+    torch.testing.assert_close(emb.export_rows(torch.tensor([3, 4])), expected, rtol=0, atol=0)
 
 
 def test_a_billion_row_table_opens_at_once(tmp_path):
@@ -355,14 +360,15 @@ def test_a_fetch_reads_the_few_rows_a_later_lookahead_holds_itself(tmp_path):
     for _ in range(4):  # the cache fills with rows seen four times: a row seen once is kept out
         emb(torch.arange(64), offsets).sum().backward()
     wanted = torch.tensor([101, 150_001])
-    expected = emb.export_rows(wanted).sum(0, keepdim=True)
+    rows = emb.export_rows(wanted)
+    expected = rows.sum(0, keepdim=True)
     rejected = emb.stats()["rejected"]
     emb.lookahead(torch.arange(0, num, 4))  # 50,000 rows, none of the batch's
     emb.lookahead(torch.arange(1, num, 4))  # queued behind it: 50,000 rows, 2 of them the batch's
     out = emb(wanted, offsets)
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert emb.stats()["prefetch_wait_ms"] == 0  # with the old rule it waited for 100,000 reads
     assert emb.stats()["rejected"] == rejected + 2
     out.sum().backward()  # each row: -0.5 per element, written back outside the cache
-    torch.testing.assert_close(emb(wanted, offsets), expected - 2 * 0.5)
+    torch.testing.assert_close(emb(wanted, offsets), (rows - 0.5).sum(0, keepdim=True), rtol=0, atol=0)
     emb.close()

@@ -121,11 +121,11 @@ def test_same_weights_give_the_same_outputs_and_training_losses(tmp_path, model)
             o.step()
             outputs.append(out.detach())
             losses.append(loss.detach())
-        torch.testing.assert_close(outputs[1], outputs[0], msg=f"{model}, step {step}: outputs")
-        torch.testing.assert_close(losses[1], losses[0], msg=f"{model}, step {step}: loss")
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0, msg=f"{model}, step {step}: outputs")
+        torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0, msg=f"{model}, step {step}: loss")
     trained = reference.state_dict()
     for key, value in ours.state_dict().items():  # the tables' rows too, read back from disk
-        torch.testing.assert_close(value, trained[key], msg=key)
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -146,7 +146,7 @@ def test_symbolic_tracing_keeps_the_model_working(tmp_path, model):
             loss.backward()
             o.step()
             losses.append(loss.detach())
-        torch.testing.assert_close(losses[1], losses[0], msg=f"{model}, step {step}")
+        torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0, msg=f"{model}, step {step}")
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -162,4 +162,4 @@ def test_built_on_the_meta_device_it_equals_the_model_once_materialised(tmp_path
     ours.load_state_dict(reference.state_dict())
     for step in range(2):
         dense, sparse, _ = batch(step)
-        torch.testing.assert_close(ours(dense, sparse), reference(dense, sparse))
+        torch.testing.assert_close(ours(dense, sparse), reference(dense, sparse), rtol=0, atol=0)

@@ -4,6 +4,7 @@ small staging area and write-back buffer, and look-ahead, loses no update."""
 import pytest
 import torch
 
+from conftest import rounding_tolerance
 from mlkv_torch import optim
 from mlkv_torch.embedding import DiskTable, DiskTableBatch
 
@@ -59,7 +60,10 @@ def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness, device):
     for counter in ("cache_hits", "cache_misses"):
         assert sum(t[counter] for t in per_table) == stats[counter]
     for t, ref in enumerate(references):
-        torch.testing.assert_close(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))), ref.weight.detach())
+        # torch's coalesce sums a repeated id's gradients in its own order; a row's gradient is at
+        # most 25 in size (bags of 4 ids, |target| <= 5, an id repeated within a feature's values)
+        torch.testing.assert_close(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))), ref.weight.detach(),
+                                   **rounding_tolerance(40, 0.2, 25.0))
     batch.close()
 
 
@@ -104,7 +108,7 @@ def test_a_table_holding_rows_reopens_only_when_asked_and_loses_nothing(tmp_path
     with pytest.raises(FileExistsError, match=r"'t' at .*/t \(10 rows\): the directory holds rows .*reopen=True"):
         DiskTableBatch(spec, DIM)
     reopened = DiskTableBatch(spec, DIM, reopen=True)  # the refusal touched nothing
-    torch.testing.assert_close(reopened.read_rows(0, torch.arange(100)), trained)
+    torch.testing.assert_close(reopened.read_rows(0, torch.arange(100)), trained, rtol=0, atol=0)
     reopened.close()
 
 
@@ -115,7 +119,7 @@ def test_a_reopened_table_keeps_the_seed_it_was_created_with(tmp_path):
     first.close()
     drawn = DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=99, seed_drawn=True)], DIM, reopen=True)
     assert drawn.tables[0].seed == 11
-    torch.testing.assert_close(drawn.read_rows(0, torch.arange(1000)), rows)
+    torch.testing.assert_close(drawn.read_rows(0, torch.arange(1000)), rows, rtol=0, atol=0)
     drawn.close()
     with pytest.raises(ValueError, match=r"'t' at .* was created with seed 11, not 99"):
         DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=99)], DIM, reopen=True)

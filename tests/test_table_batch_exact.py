@@ -19,6 +19,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper  # noq
 from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
+from conftest import rounding_tolerance  # noqa: E402
 from mlkv_torch import initial_rows, optim  # noqa: E402
 from mlkv_torch.torchrec import DiskEmbeddingBagCollection  # noqa: E402
 from mlkv_torch.torchrec.tables import table_seed  # noqa: E402
@@ -26,6 +27,8 @@ from mlkv_torch.torchrec.tables import table_seed  # noqa: E402
 DIM, DENSE, BATCH, STEPS = 8, 4, 16, 25
 ROWS = {"t0": 400, "t1": 60, "t2": 250, "t3": 7}
 LR = 0.05
+# A step's update over lr is at most 1 (Adagrad) or sqrt(DIM) (row-wise Adagrad); None: computed alike.
+STEP_BOUNDS = {"sgd": None, "adagrad": 1.0, "rowwise_adagrad": DIM ** 0.5}
 OPTIMIZERS = {
     "sgd": (optim.SGD(lr=LR), {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}),
     "adagrad": (optim.Adagrad(lr=LR, eps=1e-8), {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR,
@@ -69,7 +72,14 @@ def batches():
     return out
 
 
-def torchrec_losses(fused_params):
+def local(sharded):
+    (shard,) = sharded.local_shards()  # one rank, table-wise: the whole table
+    return shard.tensor.detach().clone()
+
+
+def torchrec_training(fused_params):
+    """Trains DLRM under DistributedModelParallel with TorchRec's fused kernel: the losses, and per
+    table the trained rows and optimizer state (fbgemm's momentum1, absent for SGD)."""
     model = dlrm(EmbeddingBagCollection(configs(), device=torch.device("meta")))
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     plan = EmbeddingShardingPlanner(
@@ -85,7 +95,14 @@ def torchrec_losses(fused_params):
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=LR))
     opt = CombinedOptimizer([dmp.fused_optimizer, dense])
-    return train(dmp, opt, batches())
+    losses = train(dmp, opt, batches())
+    state, fused_state = dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]
+    tables = {}
+    for name in ROWS:
+        key = f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"
+        momentum = fused_state[key].get(f"{name}.momentum1")
+        tables[name] = (local(state[key]), None if momentum is None else local(momentum).reshape(ROWS[name], -1))
+    return losses, tables
 
 
 def train(model, opt, data, lookahead=None, depth=0):
@@ -105,7 +122,7 @@ def train(model, opt, data, lookahead=None, depth=0):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_path, optimizer, cache):
     ours, fused_params = OPTIMIZERS[optimizer]
-    expected = torchrec_losses(fused_params)
+    expected, expected_tables = torchrec_training(fused_params)
     cache_rows = {"none": 0, "part": 60, "all": sum(ROWS.values())}[cache]
     collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=ours,
                                             cache_rows=cache_rows, memory_budget_bytes=1 << 20, seed=0)
@@ -114,19 +131,35 @@ def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_pa
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
     data = batches()
     losses = train(model, opt, data, collection.lookahead, depth=2 if cache == "part" else 0)
-    torch.testing.assert_close(losses, expected)
+    # One rule in the same operation order, and each row's gradient summed over its ids in the
+    # order fbgemm sums them: the computation is the same, so the results are equal to the bit.
+    torch.testing.assert_close(losses, expected, rtol=0, atol=0)
     stats = collection.stats()
     if cache == "part":  # rows went through the cache, the store and the staging area
         assert sum(s["evictions"] for s in stats.values()) > 0
         assert sum(s["prefetch_hits"] for s in stats.values()) > 0
-    trained = {name: bag.export_rows(torch.arange(ROWS[name])) for name, bag in collection.embedding_bags.items()}
+    trained = {name: bag.export_rows(torch.arange(ROWS[name]), include_state=True)
+               for name, bag in collection.embedding_bags.items()}
+    # SGD's rows are equal to the bit. fbgemm's Adagrad adds eps in double and its row-wise Adagrad sums
+    # squares in SIMD lanes: their rows and state differ in rounding (conftest.rounding_tolerance).
+    bound = STEP_BOUNDS[optimizer]
+    tolerance = dict(rtol=0, atol=0) if bound is None else rounding_tolerance(STEPS, LR, bound)
+    for name, (rows, state) in trained.items():
+        expected_rows, expected_state = expected_tables[name]
+        torch.testing.assert_close(rows, expected_rows, **tolerance, msg=f"table {name}'s rows")
+        if expected_state is not None:  # sums of squared gradients, whose roundings scale with the largest
+            unit = 0 if bound is None else tolerance["rtol"]
+            torch.testing.assert_close(state, expected_state, rtol=unit, atol=unit * float(expected_state.max()),
+                                       msg=f"table {name}'s optimizer state")
     collection.close()
     # Reopened, every table holds what training left: cached rows were written back, evicted ones
     # went through the write-back buffer.
     reopened = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=ours,
                                           cache_rows=cache_rows, memory_budget_bytes=1 << 20, reopen=True)
     for name, bag in reopened.embedding_bags.items():
-        torch.testing.assert_close(bag.export_rows(torch.arange(ROWS[name])), trained[name])
+        rows, state = bag.export_rows(torch.arange(ROWS[name]), include_state=True)
+        torch.testing.assert_close(rows, trained[name][0], rtol=0, atol=0)
+        torch.testing.assert_close(state, trained[name][1], rtol=0, atol=0)
     reopened.close()
 
 
@@ -179,19 +212,19 @@ def test_dlrm_with_adam_on_the_disk_kernel_equals_sparse_adam(tmp_path, cache):
                                             cache_rows=cache_rows, memory_budget_bytes=1 << 20, seed=0)
     model = dlrm(collection)
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
-    torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected)
+    torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected, rtol=0, atol=0)
     collection.close()
 
 
 def test_one_rank_dmp_without_the_disk_sharder_trains_the_collection_as_it_is(process_group, tmp_path):
     # DistributedModelParallel with its default sharders leaves the collection unsharded (one rank:
     # it is the whole model); it trains as in one process, and DMP's fused_optimizer carries its tables.
-    expected = torchrec_losses(OPTIMIZERS["sgd"][1])
+    expected, _ = torchrec_training(OPTIMIZERS["sgd"][1])
     collection = DiskEmbeddingBagCollection(configs(), path=tmp_path / "tables", optimizer=optim.SGD(lr=LR),
                                             memory_budget_bytes=1 << 20, seed=0)
     dmp = DistributedModelParallel(dlrm(collection), device=torch.device("cpu"))
     assert dmp.module.sparse_arch.embedding_bag_collection is collection
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=LR))
-    torch.testing.assert_close(train(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), batches()), expected)
+    torch.testing.assert_close(train(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), batches()), expected, rtol=0, atol=0)
     collection.close()
