@@ -5,6 +5,7 @@
 // Status becomes a typed Python exception.
 #include <torch/extension.h>
 
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_set>
@@ -441,7 +442,7 @@ void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double be
 using TableArgs = std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, bool, double, double, int64_t>;
 
 std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& tables, int64_t capacity, int64_t dim,
-                                                int64_t weight_type, int64_t kind, double lr, double eps, double beta1,
+                                                int64_t weight_type, int64_t kind, double eps, double beta1,
                                                 double beta2, std::vector<float> initial_state,
                                                 const std::string& policy, int64_t staleness, const std::string& device,
                                                 int64_t staging_rows, int64_t write_back_rows) {
@@ -459,7 +460,8 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
   o.dim = dim;
   TORCH_CHECK_VALUE(weight_type >= 0 && weight_type <= 3, "unknown weight type ", weight_type);
   o.weight_type = static_cast<mlkv::WeightType>(weight_type);
-  o.optimizer = MakeSpec(kind, lr, eps, beta1, beta2);
+  // Each update carries its learning rate (a schedule changes it between steps): the cache keeps none.
+  o.optimizer = MakeSpec(kind, std::numeric_limits<double>::quiet_NaN(), eps, beta1, beta2);
   o.initial_state = std::move(initial_state);
   if (policy == "lfu") {
     o.policy = mlkv::CachePolicy::kLfu;
@@ -642,7 +644,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<EmbeddingCache>(m, "EmbeddingCache")
       .def(py::init(&MakeCache), py::arg("tables"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
-           py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
+           py::arg("kind"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
            py::arg("policy"), py::arg("staleness"), py::arg("device"), py::arg("staging_rows") = 4096,
            py::arg("write_back_rows") = 4096)
       .def("unique_keys", &EmbeddingCache::UniqueKeys, nogil)

@@ -529,7 +529,7 @@ class DiskTableBatch:
             self.cache = _C.EmbeddingCache(
                 [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
                  for t, store in zip(self.tables, self.stores)],
-                self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.hyperparameters(),
+                self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.rule_constants(),
                 optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
                 self.staging_rows, self.write_back_rows)
         except BaseException:

@@ -33,9 +33,14 @@ class SparseOptimizer:
 
     kind: int = -1  # the rule's number in csrc/row_ops.h (OptimizerKind)
 
+    def rule_constants(self) -> Tuple[float, float, float]:
+        """(eps, beta1, beta2): what the fused rule keeps for the life of a table (the learning rate
+        comes with each step, as a schedule sets it)."""
+        return (getattr(self, "eps", 0.0), *getattr(self, "betas", (0.0, 0.0)))
+
     def hyperparameters(self) -> Tuple[float, float, float, float]:
         """(lr, eps, beta1, beta2) as the fused rule takes them."""
-        return (self.lr, getattr(self, "eps", 0.0), *getattr(self, "betas", (0.0, 0.0)))  # type: ignore[attr-defined]
+        return (self.lr, *self.rule_constants())  # type: ignore[attr-defined]
 
     def state_dim(self, dim: int) -> int:
         """Optimizer state elements kept per row beside its `dim` weights."""
