@@ -4,27 +4,33 @@ import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
-from mlkv_torch.embedding import host_memory_for_all_rows
+from mlkv_torch.embedding import host_memory_for_all_rows, least_host_memory
 
 from conftest import rounding_tolerance
 
 NUM, DIM = 300, 32
-STORE_BYTES = 16 << 10  # the store's 4 log pages: far below the touched rows, so the disk path runs
 CACHES = {"none": 0, "tiny": 8, "medium": 100, "whole": NUM}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def row_bytes_of(optimizer, dim: int = DIM, itemsize: int = 4) -> int:
+    state = optimizer.state_dim(dim) if isinstance(optimizer, optim.SparseOptimizer) else 0
+    return 4 * (-(-dim * itemsize // 4) + state)
 
 
 def budget_for(cache_rows: int, optimizer, dim: int = DIM, itemsize: int = 4) -> int:
     """The smallest memory budget that holds a cache of `cache_rows` rows (with its index), the
     staging area and write-back buffer, and the store's smallest log: the disk path runs."""
-    state = optimizer.state_dim(dim) if isinstance(optimizer, optim.SparseOptimizer) else 0
-    return host_memory_for_all_rows(1, cache_rows, 4 * (-(-dim * itemsize // 4) + state))
+    return host_memory_for_all_rows(1, cache_rows, row_bytes_of(optimizer, dim, itemsize))
 
 
 def make(tmp_path, name="t", cache_rows=0, device="cpu", **kwargs):
     itemsize = kwargs.get("dtype", torch.float32).itemsize
-    kwargs.setdefault("memory_budget_bytes", STORE_BYTES if device != "cpu" else
-                      budget_for(cache_rows, kwargs.get("optimizer") or optim.SGD(), itemsize=itemsize))
+    optimizer = kwargs.get("optimizer") or optim.SGD()
+    # On a GPU the cache is in device memory: the least host budget leaves the store its smallest
+    # log (4 pages, far below the touched rows), so the disk path runs there too.
+    kwargs.setdefault("memory_budget_bytes", least_host_memory(1, NUM, row_bytes_of(optimizer, itemsize=itemsize))
+                      if device != "cpu" else budget_for(cache_rows, optimizer, itemsize=itemsize))
     kwargs.setdefault("seed", 0)  # bags built alike start alike
     return DiskEmbeddingBag(NUM, DIM, path=tmp_path / name, cache_rows=cache_rows, device=device, **kwargs)
 
