@@ -73,7 +73,7 @@ setup(
     # The runner's needs are (the core imports torch alone; the TorchRec layer needs torchrec, which
     # scripts/setup.sh installs with its CPU fbgemm).
     install_requires=["numpy", "pyyaml", "pydantic>=2,<3", "tqdm", "pyarrow>=25", "torchdata==0.11.0"],
-    extras_require={"torchrec": ["torchrec"], "test": ["pytest", "hypothesis"],
+    extras_require={"torchrec": ["torchrec"], "test": ["pytest", "hypothesis", "tensorboard", "torchrec"],
                     "bench": ["matplotlib", "rocksdict", "lmdb"], "tensorboard": ["tensorboard"]},
     zip_safe=False,
 )

@@ -124,14 +124,31 @@ def test_path_of_wrong_type(tmp_path):
         KVStore(123, DIM, **SMALL_OPTIONS)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+NOT_WRITABLE_CHILD = """
+import os, sys
+from mlkv_torch import KVStore
+try:
+    KVStore(os.path.join(sys.argv[1], "store"), 8, memory_budget_bytes=32 << 10)
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
 def test_path_not_writable(tmp_path):
+    import subprocess
+    import sys
+
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o500)
+    # Root writes anywhere: as root the child runs without the capability to override permissions.
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
     try:
-        with pytest.raises(ValueError):
-            KVStore(str(parent / "store"), DIM, **SMALL_OPTIONS)
+        run = subprocess.run([*drop, sys.executable, "-c", NOT_WRITABLE_CHILD, str(parent)], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert "REFUSED" in run.stdout and str(parent) in run.stdout, run.stdout + run.stderr
+        assert not (parent / "store").exists()
     finally:
         parent.chmod(0o700)
 
