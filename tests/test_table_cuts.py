@@ -1,5 +1,5 @@
 """Cuts of a DiskEmbeddingBagCollection: after a SIGKILL at any point (while training past the cut,
-or half-way through the next cut), ``reopen=True`` brings every table back to the last committed
+half-way through the next cut, or with every store checkpointed past it), ``reopen=True`` brings every table back to the last committed
 cut exactly (rows, optimizer state, Adam's step), never a mix; real child processes, real stores."""
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ CHILD = SETUP + textwrap.dedent(
         train(ebc, 12, 30)
     if scenario == "half":  # the next cut reaches the first kernel's stores only
         ebc._batches[0].checkpoint()
+    if scenario == "stores":  # every store checkpoints past the cut; the collection's record is not written
+        for kernel in ebc._batches:
+            kernel.checkpoint()
     print("READY", flush=True)
     sys.stdin.read()
     """
@@ -106,7 +109,7 @@ def assert_tables_equal(got, expected, at_step: int) -> None:
         assert got[name][2] == steps == at_step, name
 
 
-@pytest.mark.parametrize("scenario", ["training", "half"])
+@pytest.mark.parametrize("scenario", ["training", "half", "stores"])
 def test_killed_after_a_cut_reopens_exactly_at_it(tmp_path, scenario):
     path, expected = run_child(tmp_path, scenario)
     assert read_cut(path)["label"] == 12

@@ -76,6 +76,15 @@ def _tables(out: Path):
         ebc.close()
 
 
+def _next_command(out: Path):
+    """The command that goes on with a killed run: --resume from its checkpoint, or from scratch
+    (its output removed) when it was killed before its first."""
+    resume = (out / "checkpoint.pt").exists()
+    if not resume and out.exists():
+        shutil.rmtree(out)
+    return _command(out, resume)
+
+
 def _run_patched(program: str, out: Path) -> subprocess.CompletedProcess:
     """The runner's command line, run by `program` (which patches the runner, then calls its main)."""
     return subprocess.run([sys.executable, "-c", program, *_command(out, resume=False)[3:]], capture_output=True,
@@ -98,10 +107,7 @@ def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_
     kills = int(os.environ.get("MLKV_CRASH_KILLS", "6"))
     killed_at = []
     for _ in range(kills):
-        resume = (crashed / "checkpoint.pt").exists()
-        if not resume and crashed.exists():  # killed before its first checkpoint: nothing to resume, start over
-            shutil.rmtree(crashed)
-        child = subprocess.Popen(_command(crashed, resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+        child = subprocess.Popen(_next_command(crashed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
         start = _logged_lines(crashed)
         wait_for = rng.randrange(0, 8)  # steps logged by this start before the kill, then a random instant
         deadline = time.monotonic() + 300
@@ -115,10 +121,7 @@ def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_
         child.wait(timeout=60)
         killed_at.append(_logged_lines(crashed))
     assert killed_at, "no run was killed: the test exercised nothing"
-    resume = (crashed / "checkpoint.pt").exists()
-    if not resume and crashed.exists():
-        shutil.rmtree(crashed)
-    done = subprocess.run(_command(crashed, resume=resume), capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(_next_command(crashed), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 
     _assert_ends_as(crashed, whole, f"killed at logged lines {killed_at}")
@@ -195,19 +198,13 @@ def test_killed_at_chosen_points_and_resumed_ends_as_the_uninterrupted_run(tmp_p
     plan = [(point, rng.randrange(1, 9) if point == "step" else rng.randrange(1, 4)) for point in points]
     crashed = tmp_path / "crashed"
     for point, nth in plan:
-        resume = (crashed / "checkpoint.pt").exists()
-        if not resume and crashed.exists():  # killed before its first checkpoint: nothing to resume, start over
-            shutil.rmtree(crashed)
-        command = _command(crashed, resume)
+        command = _next_command(crashed)
         done = subprocess.run([sys.executable, "-c", KILLED_AT_RUN, point, str(nth), *command[3:]], capture_output=True,
                               text=True, timeout=600, cwd=REPO)
         if done.returncode == 0:  # it finished before reaching its point: that is the end
             break
         assert done.returncode == -signal.SIGKILL, f"{point} #{nth}: {done.stderr[-3000:]}"
-    resume = (crashed / "checkpoint.pt").exists()
-    if not resume and crashed.exists():
-        shutil.rmtree(crashed)
-    done = subprocess.run(_command(crashed, resume=resume), capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(_next_command(crashed), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_ends_as(crashed, whole, f"killed at {plan}")
 
