@@ -65,8 +65,10 @@ def SPARSE_ADAM(params):
     (optim.Adagrad(lr=0.1, eps=1e-10, initial_accumulator_value=0.1),
      lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10, initial_accumulator_value=0.1), 1.0),
     (optim.Adagrad(lr=0.05), lambda p: torch.optim.Adagrad(p, lr=0.05), 1.0),
+    # an eps that counts beside sqrt(sum g^2): a rule that misplaced it would show
+    (optim.Adagrad(lr=0.05, eps=0.1), lambda p: torch.optim.Adagrad(p, lr=0.05, eps=0.1), 1.0),
     (optim.Adam(lr=0.01, betas=(0.8, 0.99), eps=1e-8), SPARSE_ADAM, 2.0),
-], ids=["sgd", "adagrad-init", "adagrad", "adam"])
+], ids=["sgd", "adagrad-init", "adagrad", "adagrad-eps", "adam"])
 def test_rule_matches_torch_optimizer(ours, reference, step_bound):
     initial = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(0))
     tolerance = dict(rtol=0, atol=0) if step_bound is None else rounding_tolerance(STEPS, ours.lr, step_bound)
