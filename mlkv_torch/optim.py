@@ -14,6 +14,12 @@ trains.
 - Adagrad: ``torch.optim.Adagrad`` (lr_decay 0, no weight decay).
 - RowWiseAdagrad: FBGEMM's EXACT_ROWWISE_ADAGRAD (one accumulator per row).
 - Adam: ``torch.optim.SparseAdam`` (its step count is per table, not per row).
+
+Each rule does the reference's operations in its order and fuses a multiply-add
+where the reference's CPU kernel does, so SGD's rows equal TorchRec's fused
+kernel and ``torch.optim.SGD`` to the bit. The others agree to rounding:
+torch's CPU ``sqrt`` is not correctly rounded, fbgemm adds Adagrad's eps in
+double and sums row-wise squares in SIMD lanes (docs/testing.md, "How exact").
 """
 from __future__ import annotations
 

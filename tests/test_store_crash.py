@@ -262,7 +262,7 @@ def _with_the_nth_call_failing(tmp_path, call: str, nth: int, path: str, *child_
     script.write_text(SYNC_FAILS_CHILD)
     run = subprocess.run(["strace", "-f", "-o", os.devnull, "-e", f"trace={call}",
                           "-e", f"inject={call}:error=EIO:when={nth}", sys.executable, str(script), path, *child_args],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=child_env())
     if run.returncode != 0 and "ptrace" in run.stderr:
         pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
     return run
