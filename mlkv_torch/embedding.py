@@ -30,6 +30,7 @@ from torch import nn
 
 from . import _C
 from . import optim as optim_lib
+from .checks import is_int
 from .cut import CutPart, PendingCut, check_cut, read_cut, read_json_record, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
@@ -449,11 +450,11 @@ class DiskTableBatch:
                  staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False,
                  cut: Optional[Dict[str, Any]] = None) -> None:
         for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
                             ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if not tables:
             raise ValueError("a table batch needs at least one table")
@@ -731,7 +732,7 @@ class DiskRows:
         if isinstance(index, slice):  # the slice's ids alone, not an arange over the whole table
             ids = range(n)[index]
             return self._table.export_rows(torch.arange(ids.start, ids.stop, ids.step))
-        if isinstance(index, int) and not isinstance(index, bool):
+        if is_int(index):
             if not -n <= index < n:
                 raise IndexError(f"index {index} is out of range for a table of {n} rows")
             return self._table.export_rows(torch.tensor([index % n]))[0]
@@ -889,7 +890,7 @@ class DiskEmbeddingBag(nn.Module):
 
     @steps.setter
     def steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"steps must be a non-negative int, got {value!r}")
         self._batch.step = value
 

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checks import is_int
+
 __all__ = ["LookaheadPipeline"]
 
 _ADAPT_EVERY = 8  # steps between readings of the prefetch latency (and choices of the auto depth)
@@ -75,7 +77,7 @@ class LookaheadPipeline:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, depth: Union[int, str] = 1,
                  max_depth: int = 8) -> None:
-        if depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        if depth != "auto" and (not is_int(depth) or depth < 0):
             raise ValueError(f"depth must be a non-negative int or 'auto', got {depth!r}")
         if max_depth < 1:
             raise ValueError(f"max_depth must be positive, got {max_depth}")

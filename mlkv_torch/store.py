@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
+from .checks import is_int
 
 CorruptionError = _C.CorruptionError
 """A record or file on disk fails its checksum or is truncated; the message names the file."""
@@ -54,7 +55,7 @@ def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = 
         low = -high
     if dtype not in _ELEMENT_TYPES:
         raise TypeError(f"dtype must be one of {list(_ELEMENT_TYPES)}, got {dtype}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if not is_int(dim):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(ids, dtype=torch.int64)
@@ -83,7 +84,7 @@ class _RowStore:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         for name, value in (("dim", dim), ("memory_budget_bytes", memory_budget_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
@@ -244,11 +245,11 @@ class KVStore(_RowStore):
         checkpoint: Optional[int] = None,
     ) -> None:
         self._open(path, dim, dtype, memory_budget_bytes)
-        if checkpoint is not None and (isinstance(checkpoint, bool) or not isinstance(checkpoint, int) or checkpoint <= 0):
+        if checkpoint is not None and (not is_int(checkpoint) or checkpoint <= 0):
             raise ValueError(f"checkpoint must be a positive int (a number checkpoint() returned), got {checkpoint!r}")
         for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes), ("page_bytes", page_bytes),
                             ("io_depth", io_depth), ("io_threads", io_threads)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if io_engine not in _IO_ENGINES:
             raise ValueError(f"io_engine must be one of {_IO_ENGINES}, got {io_engine!r}")
@@ -301,7 +302,7 @@ class KVStore(_RowStore):
         the log is read sequentially, a few MiB at a time, where `get` reads a 4 KiB block per
         row (for a table larger than memory, ~15x less I/O than reading it key by key). A row
         written during the scan may come twice (the newer last); at rest each comes once."""
-        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0:
+        if not is_int(chunk_rows) or chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         cursor = 0
         while cursor >= 0:
@@ -337,7 +338,7 @@ class KVStore(_RowStore):
         this is called, each new checkpoint replaces the latest and keeps the committed one, which
         the owner's record still names. Kept in memory only: after a crash, open the store at the
         checkpoint the record names. ValueError for a sequence that is not the latest."""
-        if isinstance(sequence, bool) or not isinstance(sequence, int):
+        if not is_int(sequence):
             raise TypeError(f"sequence must be an int, got {type(sequence).__name__}")
         self._check_open()
         self._store.commit_checkpoint(sequence)

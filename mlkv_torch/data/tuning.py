@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
+from ..checks import is_int
+
 __all__ = ["InputChoice", "InputTuner", "InputWindow"]
 
 _HEADROOM = 1.5  # batch production must outpace training by this factor
@@ -71,7 +73,7 @@ class InputTuner:
     def __init__(self, workers: Union[int, Auto] = "auto", prefetch: Union[int, Auto] = "auto",
                  cpu_budget: int = 1, memory_budget_bytes: int = 256 << 20) -> None:
         for name, value in (("workers", workers), ("prefetch", prefetch)):
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value != "auto" and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}")
         if cpu_budget < 1:
             raise ValueError(f"cpu_budget must be at least 1, got {cpu_budget}")
