@@ -12,7 +12,7 @@ Measured, in rows/s:
   for each: load (sequential keys), batched get and batched put (overwrite)
   with uniform and Zipf(1.1) keys.
   Disk-bound: uniform random gets on a fresh mlkv store with direct I/O, as
-  4 KiB blocks/s against fio's randread-4k-qd64 IOPS (shared/tools/fio-limits.sh),
+  4 KiB blocks/s against fio's randread-4k-qd64 IOPS (scripts/disk_limits.py),
   for io_engine uring/threads and several io_depths.
   Memory: peak RSS of the mlkv 10x run (its own process) over the RSS right
   after the imports, against budget + index + 200 MiB.
@@ -49,6 +49,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import disk_limits  # scripts/ is on the path of a script run from it
+
 DIM = 64
 VALUE_BYTES = DIM * 4
 ZIPF_S = 1.1
@@ -56,7 +58,6 @@ BASE_ROWS = 4093  # the value table row i draws from; see values_for()
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-FIO_SCRIPT = os.path.normpath(os.path.join(REPO, "..", "shared", "tools", "fio-limits.sh"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -732,8 +733,8 @@ def main() -> int:
     ap.add_argument("--pool-batches", type=int, default=16, help="distinct key batches per pattern")
     ap.add_argument("--dir", default="/tmp/mlkv-bench")
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--fio", help="a saved output of shared/tools/fio-limits.sh")
-    ap.add_argument("--run-fio", action="store_true", help="run shared/tools/fio-limits.sh on --dir first")
+    ap.add_argument("--fio", help="a saved output of scripts/disk_limits.py")
+    ap.add_argument("--run-fio", action="store_true", help="run scripts/disk_limits.py on --dir first")
     ap.add_argument("--fio-seconds", type=int, default=5)
     ap.add_argument("--systems", default="mlkv,rocksdb,lmdb")
     ap.add_argument("--depths", default="1,64,128", help="io_depths of the disk-bound sweep (uring)")
@@ -792,11 +793,13 @@ def main() -> int:
             fio_text, fio_src = f.read(), args.fio
     elif args.run_fio:
         fio_dir = os.path.join(args.dir, "fio")
-        log(f"# running {FIO_SCRIPT} {fio_dir} {args.fio_seconds} ...")
-        p = subprocess.run(["bash", FIO_SCRIPT, fio_dir, str(args.fio_seconds)], capture_output=True, text=True)
-        fio_text, fio_src = p.stdout, f"{FIO_SCRIPT} {fio_dir} {args.fio_seconds}"
-        if p.returncode != 0:
-            log(f"# fio-limits.sh failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+        log(f"# running scripts/disk_limits.py {fio_dir} --seconds {args.fio_seconds} ...")
+        fio_src = f"scripts/disk_limits.py {fio_dir} --seconds {args.fio_seconds}"
+        try:
+            fio_text = disk_limits.measure(fio_dir, args.fio_seconds)
+        except RuntimeError as e:
+            fio_text = ""
+            log(f"# disk_limits.py failed: {e}")
     fio = parse_fio(fio_text or "")
     if fio_text:
         log("# fio-limits (" + fio_src + "):")
