@@ -81,6 +81,7 @@ setup(
     name="mlkv-torch",
     version="0.1.0",
     description="Larger-than-memory embedding tables for PyTorch and TorchRec, on a log-structured disk store",
+    license="BSD-3-Clause",
     packages=find_packages(include=["mlkv_torch", "mlkv_torch.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
