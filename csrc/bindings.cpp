@@ -47,12 +47,9 @@ void Check(const Status& st, const std::vector<int64_t>* missing = nullptr) {
       throw py::key_error(msg.str());
     }
     case Status::Code::kInvalidArgument:
-    case Status::Code::kBusy:
-      throw py::value_error(st.message());
-    case Status::Code::kCorruption:
-      throw CorruptionException(st.message());
-    default:
-      throw StoreIOException(st.message());
+    case Status::Code::kBusy: throw py::value_error(st.message());
+    case Status::Code::kCorruption: throw CorruptionException(st.message());
+    default: throw StoreIOException(st.message());
   }
 }
 
@@ -96,7 +93,8 @@ class RowStoreHandle {
     Status st;
     {
       py::gil_scoped_release release;
-      st = rows_->Lookup(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), out.data_ptr(), found.data_ptr<bool>());
+      st = rows_->Lookup(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), out.data_ptr(),
+                         found.data_ptr<bool>());
     }
     Check(st);
     return found;
@@ -116,11 +114,11 @@ class RowStoreHandle {
 class Store : public RowStoreHandle {
  public:
   Store(const std::string& path, int64_t dim, int64_t element_type, int64_t memory_budget_bytes, int64_t expected_keys,
-        int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth, const std::string& io_engine,
-        int64_t io_threads, bool direct_io, double compaction_ratio, bool promote_hot_reads, bool cut_checkpoints,
-        int64_t checkpoint_sequence) {
-    TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 && page_bytes >= 0 &&
-                          io_depth > 0 && io_threads > 0,
+        int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth,
+        const std::string& io_engine, int64_t io_threads, bool direct_io, double compaction_ratio,
+        bool promote_hot_reads, bool cut_checkpoints, int64_t checkpoint_sequence) {
+    TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 &&
+                          page_bytes >= 0 && io_depth > 0 && io_threads > 0,
                       "store sizes must be positive");
     // 32-bit options: a larger value is refused by name, not cut to its low bits.
     const auto u32 = [](int64_t value, const char* name) {
@@ -229,7 +227,8 @@ class Store : public RowStoreHandle {
       std::memcpy(key_tensor.data_ptr<int64_t>(), keys.data(), keys.size() * sizeof(int64_t));
       std::memcpy(value_tensor.data_ptr<uint8_t>(), values.data(), values.size());
     }
-    return py::make_tuple(key_tensor, value_tensor, at == mlkv::KVStore::kScanDone ? int64_t{-1} : static_cast<int64_t>(at));
+    return py::make_tuple(key_tensor, value_tensor,
+                          at == mlkv::KVStore::kScanDone ? int64_t{-1} : static_cast<int64_t>(at));
   }
 
   int64_t Checkpoint() {
@@ -238,7 +237,9 @@ class Store : public RowStoreHandle {
     return static_cast<int64_t>(sequence);
   }
 
-  void BeginCheckpoint() { Check(Unlocked([&] { return store_->BeginCheckpoint(); })); }
+  void BeginCheckpoint() {
+    Check(Unlocked([&] { return store_->BeginCheckpoint(); }));
+  }
 
   int64_t FinishCheckpoint() {
     uint64_t sequence = 0;
@@ -302,8 +303,8 @@ class RocksStore : public RowStoreHandle {
     std::unique_ptr<mlkv::RocksRowStore> store;
     {
       py::gil_scoped_release release;
-      st = mlkv::RocksRowStore::Open(path, static_cast<uint32_t>(value_bytes), static_cast<uint64_t>(memory_budget_bytes),
-                                     direct_io, &store);
+      st = mlkv::RocksRowStore::Open(path, static_cast<uint32_t>(value_bytes),
+                                     static_cast<uint64_t>(memory_budget_bytes), direct_io, &store);
     }
     Check(st);
     store_ = std::move(store);
@@ -423,17 +424,19 @@ void ApplyOptimizer(int64_t kind, double lr, double eps, double beta1, double be
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&weights, &state, &grads}) {
     TORCH_CHECK_VALUE(t->scalar_type() == torch::kFloat32 && t->device().is_cpu() && t->dim() == 2 && t->size(0) == n &&
                           (t->size(1) == 0 || t->stride(1) == 1),
-                      "weights, state and grads must be 2-D float32 CPU tensors of ", n, " rows with unit column stride");
+                      "weights, state and grads must be 2-D float32 CPU tensors of ", n,
+                      " rows with unit column stride");
   }
-  TORCH_CHECK_VALUE(grads.size(1) == dim && state.size(1) == mlkv::StateColumns(spec.kind, dim),
-                    "grads must be [n, ", dim, "] and state [n, ", mlkv::StateColumns(spec.kind, dim), "]");
+  TORCH_CHECK_VALUE(grads.size(1) == dim && state.size(1) == mlkv::StateColumns(spec.kind, dim), "grads must be [n, ",
+                    dim, "] and state [n, ", mlkv::StateColumns(spec.kind, dim), "]");
   TORCH_CHECK_VALUE(spec.kind != mlkv::OptimizerKind::kAdam || step >= 1, "step counts from 1, got ", step);
   const float adam_scale = spec.kind == mlkv::OptimizerKind::kAdam ? mlkv::AdamStepScale(spec, step) : 0.f;
   float* w = weights.data_ptr<float>();
   float* st = state.data_ptr<float>();
   const float* g = grads.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
-    mlkv::UpdateRow<float>(spec, adam_scale, w + i * weights.stride(0), st + i * state.stride(0), g + i * grads.stride(0), dim);
+    mlkv::UpdateRow<float>(spec, adam_scale, w + i * weights.stride(0), st + i * state.stride(0),
+                           g + i * grads.stride(0), dim);
   }
 }
 
@@ -450,7 +453,8 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
   for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column] : tables) {
     TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
     TORCH_CHECK_VALUE(first_column >= 0, "table '", name, "': first_column must be non-negative, got ", first_column);
-    cache_tables.push_back({name, store->rows(),
+    cache_tables.push_back({name,
+                            store->rows(),
                             {static_cast<uint64_t>(seed), static_cast<float>(a), static_cast<float>(normal ? b : b - a),
                              first_column, normal},
                             num_embeddings});
@@ -575,15 +579,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &Store::Stats)
       .def("size", &Store::Size)
       .def("closed", &Store::Closed)
-      .def_static("destroy", [](const std::string& path) { Check(mlkv::KVStore::Destroy(path)); }, py::arg("path"),
-                  py::call_guard<py::gil_scoped_release>())
-      .def_static("minimum_memory_bytes",
-                  [](const std::string& path) {
-                    uint64_t bytes = 0;
-                    Check(mlkv::KVStore::MinimumMemoryBytes(path, &bytes));
-                    return bytes;
-                  },
-                  py::arg("path"), py::call_guard<py::gil_scoped_release>());
+      .def_static(
+          "destroy", [](const std::string& path) { Check(mlkv::KVStore::Destroy(path)); }, py::arg("path"),
+          py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "minimum_memory_bytes",
+          [](const std::string& path) {
+            uint64_t bytes = 0;
+            Check(mlkv::KVStore::MinimumMemoryBytes(path, &bytes));
+            return bytes;
+          },
+          py::arg("path"), py::call_guard<py::gil_scoped_release>());
 
 #ifdef MLKV_WITH_ROCKSDB
   py::class_<RocksStore, RowStoreHandle>(m, "RocksStore")

@@ -10,9 +10,7 @@ namespace mlkv {
 
 namespace {
 
-cudaStream_t StreamOf(const torch::Device& device) {
-  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
-}
+cudaStream_t StreamOf(const torch::Device& device) { return c10::cuda::getCurrentCUDAStream(device.index()).stream(); }
 
 void CheckLaunch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "the CUDA kernel ", what, " failed: ", cudaGetErrorString(err));
@@ -20,8 +18,8 @@ void CheckLaunch(cudaError_t err, const char* what) {
 
 // A host tensor in pinned memory, copied to the device without blocking the host.
 torch::Tensor ToDevice(const std::vector<int64_t>& values, const torch::Device& device) {
-  torch::Tensor host =
-      torch::empty({static_cast<int64_t>(values.size())}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
+  torch::Tensor host = torch::empty({static_cast<int64_t>(values.size())},
+                                    torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
   std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
   return host.to(device, /*non_blocking=*/true);
 }
@@ -52,9 +50,15 @@ torch::Tensor DeviceIndex::BatchKeys(const torch::Tensor& values, const std::vec
   const torch::Tensor on_device = ToDevice(features, device_);
   torch::Tensor keys = torch::empty_like(values);
   const int64_t f = static_cast<int64_t>(feature_counts.size());
-  const BatchKeysArgs args{values.data_ptr<int64_t>(), values.numel(), on_device.data_ptr<int64_t>(),
-                           on_device.data_ptr<int64_t>() + f, f, table_rows_.data_ptr<int64_t>(), table_shift_,
-                           keys.data_ptr<int64_t>(), counters.data_ptr<int64_t>()};
+  const BatchKeysArgs args{values.data_ptr<int64_t>(),
+                           values.numel(),
+                           on_device.data_ptr<int64_t>(),
+                           on_device.data_ptr<int64_t>() + f,
+                           f,
+                           table_rows_.data_ptr<int64_t>(),
+                           table_shift_,
+                           keys.data_ptr<int64_t>(),
+                           counters.data_ptr<int64_t>()};
   CheckLaunch(LaunchBatchKeys(args, StreamOf(device_)), "BatchKeys");
   return keys;
 }

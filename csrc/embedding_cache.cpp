@@ -26,8 +26,9 @@ void ThrowIfError(const Status& st) {
 }
 
 void CheckIds(const torch::Tensor& ids) {
-  TORCH_CHECK_VALUE(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
-                    "ids must be a contiguous 1-D int64 CPU tensor");
+  TORCH_CHECK_VALUE(
+      ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
+      "ids must be a contiguous 1-D int64 CPU tensor");
 }
 
 template <typename F>
@@ -109,8 +110,10 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
     sketch_mask_ = width - 1;
   }
   age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
-  TORCH_CHECK_VALUE(opt_.staging_rows > 0 && opt_.write_back_rows > 0, "staging_rows and write_back_rows must be "
-                    "positive, got ", opt_.staging_rows, " and ", opt_.write_back_rows);
+  TORCH_CHECK_VALUE(opt_.staging_rows > 0 && opt_.write_back_rows > 0,
+                    "staging_rows and write_back_rows must be "
+                    "positive, got ",
+                    opt_.staging_rows, " and ", opt_.write_back_rows);
   const int64_t staged_capacity = opt_.staging_rows;
   staged_rows_.reset(new float[static_cast<size_t>(staged_capacity * row_words_)]);
   staged_free_.resize(static_cast<size_t>(staged_capacity));
@@ -132,8 +135,9 @@ int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
                           sizeof(decltype(slot_dirty_)::value_type) + sizeof(decltype(slot_epoch_)::value_type) +
                           sizeof(decltype(cut_slot_)::value_type) + sizeof(decltype(free_slots_)::value_type);
   const size_t index = IdMap::BytesFor(cap);
-  const size_t policy = std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
-                                 cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
+  const size_t policy =
+      std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
+               cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
   return static_cast<int64_t>(cap * per_slot + index + policy);
 }
 
@@ -169,7 +173,8 @@ EmbeddingCache::~EmbeddingCache() {
     writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
     if (write_back_.size() + cut_write_back_.size() > 0) {
       std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
-                   write_back_.size() + cut_write_back_.size(), tables_[0].store->path().c_str(), write_error_.ToString().c_str());
+                   write_back_.size() + cut_write_back_.size(), tables_[0].store->path().c_str(),
+                   write_error_.ToString().c_str());
     }
   }
   writer_cv_.notify_all();
@@ -225,7 +230,7 @@ void EmbeddingCache::CheckFeatures(int64_t n, const std::vector<int64_t>& featur
 }
 
 std::vector<EmbeddingCache::TableBatch> EmbeddingCache::SplitByTable(const int64_t* keys, size_t n,
-                                                                   int64_t* only) const {
+                                                                     int64_t* only) const {
   *only = n ? TableOf(keys[0]) : 0;
   size_t i = 0;
   while (i < n && TableOf(keys[i]) == *only) ++i;
@@ -427,8 +432,8 @@ void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int6
   DispatchWeightType(opt_.weight_type, [&](auto zero) {
     using W = decltype(zero);
     for (int64_t i = 0; i < n; ++i) {
-      UpdateRow<W>(spec, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_,
-                   grads + i * opt_.dim, opt_.dim);
+      UpdateRow<W>(spec, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_, grads + i * opt_.dim,
+                   opt_.dim);
     }
   });
 }
@@ -554,10 +559,9 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
     if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_, /*read_ahead=*/false);
   }
   if (!admitted_slots.empty()) {
-    CopyRowsToSlots(admitted_slots,
-                    admitted_rows.size() == static_cast<size_t>(m)
-                        ? missed_rows
-                        : missed_rows.index_select(0, torch::tensor(admitted_rows, torch::kInt64)));
+    CopyRowsToSlots(admitted_slots, admitted_rows.size() == static_cast<size_t>(m)
+                                        ? missed_rows
+                                        : missed_rows.index_select(0, torch::tensor(admitted_rows, torch::kInt64)));
   }
 
   if (on_host_) {
@@ -587,15 +591,15 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
       }
     }
     if (!outside_pos.empty()) {
-      torch::Tensor rows = missed_rows.index_select(0, torch::tensor(outside_rows, torch::kInt64)).narrow(1, 0, weight_words_);
+      torch::Tensor rows =
+          missed_rows.index_select(0, torch::tensor(outside_rows, torch::kInt64)).narrow(1, 0, weight_words_);
       out.index_copy_(0, torch::tensor(outside_pos, torch::kInt64).to(device_), rows.to(device_));
     }
   }
   return out;
 }
 
-void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
-                                      std::unique_lock<std::mutex>* lock) {
+void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock) {
   // Staged copies and rows waiting in the write-back buffer are the newest; the rest come from
   // the stores, read without the lock (the applier, the writer and the prefetcher go on meanwhile).
   std::vector<int64_t> read_pos, read_keys;
@@ -679,9 +683,8 @@ void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
   CheckWriterNotPaused();
   const auto began = std::chrono::steady_clock::now();
   writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] {
-    return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok();
-  });
+  written_cv_.wait(lock,
+                   [&] { return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok(); });
   ++stats_.write_back_waits;
   stats_.write_back_wait_us +=
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - began).count();
@@ -777,10 +780,9 @@ void EmbeddingCache::Apply(const Update& u) {
   } else {
     if (!cached_pos.empty()) {
       const torch::Tensor pos = torch::tensor(cached_pos, torch::kInt64).to(device_);
-      const torch::Tensor slot_index =
-          torch::from_blob(const_cast<int32_t*>(cached_slots.data()), {static_cast<int64_t>(cached_slots.size())},
-                           torch::kInt32)
-              .to(device_);
+      const torch::Tensor slot_index = torch::from_blob(const_cast<int32_t*>(cached_slots.data()),
+                                                        {static_cast<int64_t>(cached_slots.size())}, torch::kInt32)
+                                           .to(device_);
       UpdateSlotsOnDevice(slot_index, u.grads.index_select(0, pos), u);
     }
     if (m > 0) {
@@ -804,8 +806,7 @@ void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const flo
   WriteBehind(keys, static_cast<size_t>(m), data);
 }
 
-void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads,
-                                         const Update& u) {
+void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u) {
 #ifdef MLKV_WITH_CUDA
   // Temporaries may die before the kernel runs: the caching allocator orders their reuse on this stream.
   const torch::Tensor g = grads.contiguous();
@@ -1029,7 +1030,8 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   float* dst = out.data_ptr<float>();
   torch::Tensor cached = SlotRowsToHost(cached_slots);
   for (size_t k = 0; k < cached_pos.size(); ++k) {
-    std::memcpy(dst + cached_pos[k] * row_words_, cached.data_ptr<float>() + k * row_words_, row_words_ * sizeof(float));
+    std::memcpy(dst + cached_pos[k] * row_words_, cached.data_ptr<float>() + k * row_words_,
+                row_words_ * sizeof(float));
   }
   // Not from the staging area: reading rows out must not take staged copies away from a fetch.
   std::vector<int64_t> store_pos, store_ids;
@@ -1064,7 +1066,8 @@ void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& ro
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   // Ids repeat at most harmlessly: the last row written for an id wins in both places.
-  if (!cached_pos.empty()) CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
+  if (!cached_pos.empty())
+    CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
   // The rest through the write-back buffer, a buffer's worth at a time, so an import of many rows
   // holds no more of them in memory than training does.
   const float* data = rows.data_ptr<float>();
@@ -1197,14 +1200,16 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(prefetch_mu_);
   prefetched_cv_.wait(lock, [&] { return prefetch_done_ >= needed || prefetch_stopping_; });
-  lookahead_wait_us_ += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
+  lookahead_wait_us_ +=
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 bool EmbeddingCache::Stage(int64_t id, const float* row, bool read_ahead) {
   if (staged_free_.empty()) {
     // Full: entries no fetch took within the last kStagedFetches fetches are not coming back.
     for (size_t e = 0; e < staged_id_.size(); ++e) {
-      if (staged_id_[e] >= 0 && epoch_ - staged_epoch_[e] > kStagedFetches) Unstage(staged_id_[e], static_cast<int32_t>(e));
+      if (staged_id_[e] >= 0 && epoch_ - staged_epoch_[e] > kStagedFetches)
+        Unstage(staged_id_[e], static_cast<int32_t>(e));
     }
     if (staged_free_.empty()) return false;
   }

@@ -99,8 +99,7 @@ struct CacheOptions {
 struct CacheStats {
   int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, admitted = 0, rejected = 0, evictions = 0,
           written_back = 0, updates_applied = 0, rows_updated = 0, queued_updates = 0, pending_rows = 0,
-          max_staleness = 0, cached_rows = 0, waits = 0, lookahead_rows = 0, lookahead_hits = 0,
-          lookahead_dropped = 0;
+          max_staleness = 0, cached_rows = 0, waits = 0, lookahead_rows = 0, lookahead_hits = 0, lookahead_dropped = 0;
   // Prefetch timing: the latency of a lookahead (queued -> rows staged), a moving average over
   // recent requests, and the total time fetches waited for prefetches still in flight.
   double lookahead_latency_us = 0;
@@ -115,8 +114,7 @@ struct CacheStats {
 
 // The counters of CacheStats that belong to one table of the cache.
 struct TableCounters {
-  int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, cached_rows = 0, lookahead_hits = 0,
-          written_back = 0;
+  int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, cached_rows = 0, lookahead_hits = 0, written_back = 0;
 };
 
 class EmbeddingCache {
@@ -179,10 +177,10 @@ class EmbeddingCache {
   // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
   // updates and takes every dirty row and every row on its way to the stores as the cut's; it
   // returns at once. The writer thread then puts the cut's rows, before any row written after
-  // the boundary, and begins every table's store checkpoint; FinishCut makes them durable. A host slot of the cut that is about to
-  // change (an update, an eviction) first copies its cut value aside (copy on write), so the cut
-  // costs memory only for the rows training changes while it is written; on CUDA the cut's rows
-  // are copied to the host at the boundary. One cut at a time.
+  // the boundary, and begins every table's store checkpoint; FinishCut makes them durable. A host slot of the cut that
+  // is about to change (an update, an eviction) first copies its cut value aside (copy on write), so the cut costs
+  // memory only for the rows training changes while it is written; on CUDA the cut's rows are copied to the host at the
+  // boundary. One cut at a time.
   void BeginCut();
   // Waits for the cut begun last and returns each table's store checkpoint (0: the store keeps
   // no numbered checkpoints); raises what failed (a full disk: the stores keep their previous
@@ -396,7 +394,8 @@ class EmbeddingCache {
   Status cut_error_;
   Status write_error_;  // the writer's last failure; it writes again when a call asks (write_retry_)
   bool write_retry_ = false;
-  int64_t write_attempts_ = 0;  // batches the writer tried to put  // rows the buffer may hold before a fetch waits for the writer
+  int64_t write_attempts_ =
+      0;  // batches the writer tried to put  // rows the buffer may hold before a fetch waits for the writer
   std::condition_variable writer_cv_, written_cv_;  // with mu_
   bool writer_stopping_ = false;
   std::thread writer_;

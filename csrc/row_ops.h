@@ -142,7 +142,8 @@ struct RowInit {
 };
 
 inline void InitialRow(const RowInit& init, int64_t id, int64_t dim, float* out) {
-  const uint64_t row_part = (init.seed * 0x9E3779B97F4A7C15ull) ^ SplitMix64(static_cast<uint64_t>(id) + 0xD1B54A32D192ED03ull);
+  const uint64_t row_part =
+      (init.seed * 0x9E3779B97F4A7C15ull) ^ SplitMix64(static_cast<uint64_t>(id) + 0xD1B54A32D192ED03ull);
   for (int64_t j = 0; j < dim; ++j) {
     const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j + init.first_column) * 0x8CB92BA72F3D8DD7ull);
     const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // 24 random bits, in [0, 1)

@@ -86,8 +86,8 @@ unsigned BlocksFor(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) 
 
 cudaError_t LaunchBatchKeys(const BatchKeysArgs& a, cudaStream_t stream) {
   if (a.n == 0) return cudaSuccess;
-  BatchKeysKernel<<<BlocksFor(a.n), kThreads, 0, stream>>>(a.values, a.n, a.feature_ends, a.feature_tables,
-                                                           a.features, a.table_rows, a.table_shift, a.keys,
+  BatchKeysKernel<<<BlocksFor(a.n), kThreads, 0, stream>>>(a.values, a.n, a.feature_ends, a.feature_tables, a.features,
+                                                           a.table_rows, a.table_shift, a.keys,
                                                            reinterpret_cast<Counter*>(a.counters));
   return cudaGetLastError();
 }

@@ -25,7 +25,8 @@ struct Float64InWords {
     hi = static_cast<uint32_t>(static_cast<unsigned long long>(bits) >> 32);
   }
   __device__ explicit operator float() const {
-    return static_cast<float>(__longlong_as_double(static_cast<long long>((static_cast<unsigned long long>(hi) << 32) | lo)));
+    return static_cast<float>(
+        __longlong_as_double(static_cast<long long>((static_cast<unsigned long long>(hi) << 32) | lo)));
   }
 };
 

@@ -32,7 +32,8 @@ def check_cut(record: Any, where: str) -> Dict[str, Any]:
         record.get("label") is None or isinstance(record.get("label"), int))
     if ok:
         for entry in record["tables"].values():
-            checkpoint, step = (entry.get("checkpoint", -1), entry.get("step")) if isinstance(entry, dict) else (-1, None)
+            checkpoint, step = (entry.get("checkpoint", -1),
+                                entry.get("step")) if isinstance(entry, dict) else (-1, None)
             if not (checkpoint is None or (isinstance(checkpoint, int) and checkpoint > 0)) \
                     or not isinstance(step, int) or step < 0:
                 ok = False
@@ -141,7 +142,8 @@ class PendingCut:
                         tables.update(part.finish())
                     recorded = read_cut(self.directory)
                     if self.label is None and recorded is not None and recorded["tables"] == tables:
-                        record = recorded  # nothing changed since that cut (closing after one): it stands, label and all
+                        # nothing changed since that cut (closing after one): it stands, label and all
+                        record = recorded
                     else:
                         os.makedirs(self.directory, exist_ok=True)
                         record = {"label": self.label, "tables": tables}

@@ -86,7 +86,8 @@ class _PooledLookup(torch.autograd.Function):
             if all(trains):
                 batch.update_on_device(unique, slots, version, outside, grads)
             elif any(trains):  # some tables frozen: their rows keep their values
-                keep = torch.tensor(trains, device=unique.device).index_select(0, unique >> _C.EmbeddingCache.table_shift)
+                keep = torch.tensor(trains, device=unique.device).index_select(
+                    0, unique >> _C.EmbeddingCache.table_shift)
                 batch.update_on_device(unique[keep], slots[keep], version, -1, grads[keep])
         elif all(trains):
             batch.queue_update(unique, grads)
@@ -335,7 +336,8 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
                                        lambda r: cache_host_bytes(r, row_bytes))
     left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes) - buffers
     if left < num_tables * log_floor:
-        raise MemoryBudgetError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes (rows and "
+        raise MemoryBudgetError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes "
+                         "(rows and "
                          f"their index) and the staging area and write-back buffer {buffers} of the "
                          f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
                          f"{log_floor} of them for its log ({num_tables} tables)")
@@ -967,7 +969,8 @@ class DiskEmbeddingBag(nn.Module):
 
     def _read_all(self, weights: bool, state: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         n = self.num_embeddings
-        nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0) + (4 * self.state_dim if state else 0))
+        nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0)
+                      + (4 * self.state_dim if state else 0))
         where = self._store.path if nbytes > self.memory_budget_bytes else None
         weight_out = _empty_rows((n, self.embedding_dim), self.dtype, where) if weights else None
         state_out = _empty_rows((n, self.state_dim), torch.float32, where) if state else None
@@ -1107,12 +1110,14 @@ class DiskEmbeddingBag(nn.Module):
         elif ids.dim() == 1:
             if offsets is None:
                 raise ValueError("offsets are required when input is 1-D")
-            if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) or offsets.dim() != 1:
+            if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+                    or offsets.dim() != 1:
                 raise TypeError("offsets must be a 1-D int64 or int32 tensor")
             offsets = offsets.to(device="cpu", dtype=torch.int64)
             if offsets.numel() and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any())
                                     or int(offsets[-1]) > ids.numel()):
-                raise ValueError(f"offsets must start at 0, not decrease, and not exceed the input length {ids.numel()}")
+                raise ValueError("offsets must start at 0, not decrease, and not exceed the input length "
+                                 f"{ids.numel()}")
             if not self.include_last_offset:
                 offsets = torch.cat([offsets, torch.tensor([ids.numel()], dtype=torch.int64)])
             elif offsets.numel() == 0 or int(offsets[-1]) != ids.numel():
@@ -1125,7 +1130,8 @@ class DiskEmbeddingBag(nn.Module):
             if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
                 raise TypeError("per_sample_weights must be a floating-point tensor")
             if tuple(per_sample_weights.shape) != (ids.numel(),):
-                raise ValueError(f"per_sample_weights must have the input's shape, got {tuple(per_sample_weights.shape)}")
+                raise ValueError("per_sample_weights must have the input's shape, got "
+                                 f"{tuple(per_sample_weights.shape)}")
         ids = ids.contiguous()
         return self._batch.pool(ids, [ids.numel()], [self._table], offsets, per_sample_weights)
 

@@ -247,7 +247,8 @@ class KVStore(_RowStore):
         self._open(path, dim, dtype, memory_budget_bytes)
         if checkpoint is not None and (not is_int(checkpoint) or checkpoint <= 0):
             raise ValueError(f"checkpoint must be a positive int (a number checkpoint() returned), got {checkpoint!r}")
-        for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes), ("page_bytes", page_bytes),
+        for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes),
+                            ("page_bytes", page_bytes),
                             ("io_depth", io_depth), ("io_threads", io_threads)):
             if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")

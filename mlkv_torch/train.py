@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import optim as optim_lib
-from .config import ConfigError, ExperimentConfig, cardinalities_of, load_config
+from .config import ConfigError, ExperimentConfig, load_config
 from .cut import PendingCut, read_json_record, sync_directory, write_json_record
 from .data.sources import batch_source, loader_tuner
 from .embedding import MemoryBudgetError
@@ -148,7 +148,8 @@ class _Experiment:
         self.model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
         self.collection = self.model.module.model.sparse_arch.embedding_bag_collection
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(self.model.named_parameters())),
-                                      lambda params: torch.optim.Adagrad(params, lr=config.train.dense_lr or config.train.lr))
+                                      lambda params: torch.optim.Adagrad(params,
+                                                                         lr=config.train.dense_lr or config.train.lr))
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
 
     def populate(self) -> int:
@@ -572,7 +573,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
         rows = experiment.populate()
         populate_s = time.perf_counter() - began
         if experiment.is_main:
-            print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores before training in {populate_s:.1f} s", flush=True)
+            print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores "
+                  f"before training in {populate_s:.1f} s", flush=True)
     start_step = 0
     if resume:
         if not os.path.exists(experiment.checkpoint_path()):
@@ -654,7 +656,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 return json.load(f)
         if not evaluation:
             evaluation = experiment.evaluate()
-    summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
+    summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed,
+               "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,

@@ -86,7 +86,8 @@ def measure(rows: int, work: str, steps: int, smoke: bool) -> Dict[str, Any]:
                   samples_per_s=summary["samples_per_s"], peak_rss_bytes=summary["peak_rss_bytes"],
                   disk_bytes=summary["disk_bytes"], auc=summary["auc"])
     result["disk_bytes_per_stored_row"] = result["disk_bytes"] / max(1, result["rows_stored"])
-    result["big_table_disk_bytes_per_stored_row"] = result["big_table_disk_bytes"] / max(1, result["big_table_rows_stored"])
+    result["big_table_disk_bytes_per_stored_row"] = result["big_table_disk_bytes"] / max(
+        1, result["big_table_rows_stored"])
     return result
 
 
@@ -109,7 +110,8 @@ def main(argv: List[str]) -> int:
         reference, measured = (measure(rows, work, args.steps, args.smoke) for rows in args.rows)
     ratio = dict(peak_rss=measured["peak_rss_bytes"] / reference["peak_rss_bytes"],
                  samples_per_s=measured["samples_per_s"] / reference["samples_per_s"],
-                 disk_bytes_per_stored_row=measured["disk_bytes_per_stored_row"] / reference["disk_bytes_per_stored_row"],
+                 disk_bytes_per_stored_row=measured["disk_bytes_per_stored_row"]
+                 / reference["disk_bytes_per_stored_row"],
                  reopen=measured["reopen_s"] / reference["reopen_s"])
     print(f"{args.steps} steps; the big table at {reference['table_rows']:,} rows (reference) and "
           f"{measured['table_rows']:,} rows; page cache dropped before reopening: {measured['page_cache_dropped']}")

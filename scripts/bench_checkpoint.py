@@ -26,7 +26,8 @@ steps after it against the median of the 8 steps before it in the same run (a sh
 drifts between runs and within one), the median over the repeats; and the same for the same steps
 of the runs without checkpoints, which is the noise of such a comparison.
 
-    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]] [--smoke]
+    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]]
+        [--smoke]
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _runner_steps(args: argparse.Namespace, out: str, checkpoint_every: int, bat
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                   str(args.nproc)] if args.nproc > 1 else [])
     done = subprocess.run(launch + ["-m", "mlkv_torch.train", os.path.join(REPO, "configs", "quickstart.yaml"),
-                                    f"output_dir={out}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
+                                    f"output_dir={out}", f"data.synthetic.scale={args.scale}",
+                                    f"train.steps={args.steps}",
                                     f"train.batch_size={batch}", "train.log_every=1", f"eval.every={10 * args.steps}",
                                     f"train.checkpoint_every={checkpoint_every or 'null'}", "storage.populate=true",
                                     "--no-progress"],
@@ -65,7 +67,8 @@ def _runner_steps(args: argparse.Namespace, out: str, checkpoint_every: int, bat
 
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
-    return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
+                                                                + ordered[len(ordered) // 2]) / 2
 
 
 def _mean_after_warm_up(run: List[float], warm_up: int) -> float:
@@ -108,11 +111,13 @@ def through_the_runner(args: argparse.Namespace) -> int:
             means, worsts = zip(*(_window_over_before(r, c) for r in rs))
             table[run][c] = dict(mean=means, worst=worsts, median_mean=_median(means), median_worst=_median(worsts))
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, repeat=args.repeat, step_s=step_s,
-                  mean_checkpointed_run_over_plain=_median([_mean_after_warm_up(r, warm_up) for r in runs["checkpointed"]]) / step_s,
+                  mean_checkpointed_run_over_plain=_median([_mean_after_warm_up(r, warm_up)
+                                                            for r in runs["checkpointed"]]) / step_s,
                   spanned_steps_over_8_before=table["checkpointed"], the_same_without_checkpoints=table["plain"],
                   step_s_of_runs=runs)
     where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"
-    print(f"{where}; a step {step_s * 1e3:.1f} ms without checkpoints (median of {args.repeat} runs' mean after warm-up); "
+    print(f"{where}; a step {step_s * 1e3:.1f} ms without checkpoints (median of {args.repeat} runs' mean "
+          "after warm-up); "
           f"the runs with checkpoints every {every} steps: {result['mean_checkpointed_run_over_plain']:.2f}x")
     print(f"The {SPANNED} steps after each checkpoint against the median of the 8 steps before it, the median of "
           f"{args.repeat} runs (each run's in brackets); without checkpoints: the same steps of the runs without.")
@@ -143,7 +148,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     ap.add_argument("--nproc", type=int, default=1, help="processes under torchrun (1: one process, in this one)")
     ap.add_argument("--runner", action="store_true", help="train through the runner (implied by --nproc > 1)")
-    ap.add_argument("--every", type=int, default=0, help="with --runner: steps between checkpoints (0: steps / 4, at least 12)")
+    ap.add_argument("--every", type=int, default=0,
+                    help="with --runner: steps between checkpoints (0: steps / 4, at least 12)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="with --runner: runs with checkpoints and without, alternated, this many times each")
     args = ap.parse_args(argv)
@@ -189,7 +195,8 @@ def main(argv: List[str]) -> int:
         experiment.save(args.steps)  # begins the cut, returns; checkpoint.pt follows in the background
         boundary_s = time.perf_counter() - began
         during: List[float] = []
-        while experiment._saving is not None and experiment._saving.is_alive() and len(during) < most_steps_while_writing:
+        while experiment._saving is not None and experiment._saving.is_alive() \
+                and len(during) < most_steps_while_writing:
             during.append(step())
         experiment.finish_save()
         background_write_s = time.perf_counter() - began
@@ -203,7 +210,8 @@ def main(argv: List[str]) -> int:
 
         bags = experiment.collection.embedding_bags
         began = time.perf_counter()
-        torch.save({name: bag.snapshot(include_state=True) for name, bag in bags.items()}, os.path.join(work, "full.pt"))
+        torch.save({name: bag.snapshot(include_state=True) for name, bag in bags.items()},
+                   os.path.join(work, "full.pt"))
         full_copy_s = time.perf_counter() - began
         os.unlink(os.path.join(work, "full.pt"))
 
@@ -222,12 +230,14 @@ def main(argv: List[str]) -> int:
         reopened.collection.close()
 
     first = boundary_s + (during[0] if during else step_s)  # the step the checkpoint falls in
-    result: Dict[str, Any] = dict(rows=rows, torch_threads=torch.get_num_threads(), steps=args.steps, step_s=step_s, boundary_stall_s=boundary_s,
+    result: Dict[str, Any] = dict(rows=rows, torch_threads=torch.get_num_threads(), steps=args.steps, step_s=step_s,
+                                  boundary_stall_s=boundary_s,
                                   background_write_s=background_write_s, steps_while_writing=len(during),
                                   step_times_while_writing_s=during,
                                   first_step_with_background_cut_over_step=first / step_s,
                                   worst_step_while_writing_over_step=max([first] + during) / step_s,
-                                  mean_step_while_writing_over_step=(sum(during) / len(during) / step_s) if during else None,
+                                  mean_step_while_writing_over_step=(sum(during) / len(during)
+                                                                     / step_s) if during else None,
                                   sync_cut_s=sync_cut_s, full_copy_s=full_copy_s,
                                   per_row_reads_s=per_row_s, reopen_s=reopen_s,
                                   step_with_sync_cut_over_step=(step_s + sync_cut_s) / step_s,
@@ -237,9 +247,11 @@ def main(argv: List[str]) -> int:
     print("| checkpoint | seconds | the worst step while it is taken, x a step |")
     print("|---|---:|---:|")
     print(f"| background cut (now): {boundary_s * 1e3:.1f} ms at the boundary, written over {len(during)} steps "
-          f"({background_write_s:.3f} s) | {background_write_s:.3f} | {result['worst_step_while_writing_over_step']:.2f} |")
+          f"({background_write_s:.3f} s) | {background_write_s:.3f} | "
+          f"{result['worst_step_while_writing_over_step']:.2f} |")
     print(f"| synchronous cut | {sync_cut_s:.3f} | {result['step_with_sync_cut_over_step']:.2f} |")
-    print(f"| full copy (before cuts), rows read by scan | {full_copy_s:.3f} | {result['step_with_full_copy_over_step']:.2f} |")
+    print(f"| full copy (before cuts), rows read by scan | {full_copy_s:.3f} | "
+          f"{result['step_with_full_copy_over_step']:.2f} |")
     print(f"| every row read key by key (before the scan) | {per_row_s:.3f} | {(step_s + per_row_s) / step_s:.2f} |")
     if during:
         print("steps while the cut is written, x a step: " + " ".join(f"{t / step_s:.2f}" for t in during))

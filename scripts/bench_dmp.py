@@ -14,7 +14,8 @@ every table and on the dense part. Ids per feature are Zipf(`--zipf`) over the t
 Plans (both by DiskAwarePlanner, 2 ranks, table-wise):
   memory   a host-memory cap above the model: every table keeps TorchRec's fused kernel;
   mixed    a host-memory cap per rank of `--budget` (10%) of the tables' bytes over the
-           ranks (plus 8 MiB for the dense part and inputs): the planner moves the tables that do not fit to disk, each with
+           ranks (plus 8 MiB for the dense part and inputs): the planner moves the tables that do not fit to disk,
+           each with
            `--memory-fraction` of its bytes as cache and store log.
 Both start from the same initial rows (mlkv_torch.initial_rows), which also writes every row
 of the disk tables to their stores, so misses read the disk. Each plan runs `--warmup`
@@ -168,7 +169,7 @@ def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> 
     losses = []
 
     def step(batch) -> None:
-        train_step(dmp, opt, batch, losses)
+        train_step(dmp, opt, batch, losses)  # noqa: F821 (deleted below, once training is over)
 
     for batch in batches[:args.warmup]:
         step(batch)

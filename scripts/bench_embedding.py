@@ -320,12 +320,14 @@ def run_config(name: str, make: Callable[[], Any], wl: Workload, warmup: int, ba
         ids = wl.ids_in(warmup, batches)
         res.update(ids=ids, seconds=wall, rows_per_s=ids / wall, ms_per_batch=1e3 * wall / batches,
                    batch_ms=batch_ms, batch_ms_median=sorted(batch_ms)[len(batch_ms) // 2], batch_ms_max=max(batch_ms),
-                   cpu_cores=cpu / wall, other_cores_busy=other_busy, phase_ms_per_batch={k: 1e3 * v / batches for k, v in times.items()},
+                   cpu_cores=cpu / wall, other_cores_busy=other_busy,
+                   phase_ms_per_batch={k: 1e3 * v / batches for k, v in times.items()},
                    rss_mib=proc_status_kib("VmRSS") / 1024)
         if after:
             d = counter_deltas(before, after)
             looked_up = d["cache_hits"] + d["cache_misses"]
-            res.update(counters=d, gauges={k: v for k, v in after.items() if k in GAUGES}, cache_rows=after["cache_rows"], hit_rate=d["cache_hits"] / max(1, looked_up),
+            res.update(counters=d, gauges={k: v for k, v in after.items() if k in GAUGES},
+                       cache_rows=after["cache_rows"], hit_rate=d["cache_hits"] / max(1, looked_up),
                        hit_rate_since_open=after["hit_rate"], io_engine=after.get("io_engine"),
                        oracle_hit_rate=wl.oracle_hit_rate(warmup, batches, after["cache_rows"]),
                        seen_before_rate=wl.seen_before_rate(warmup, batches),
@@ -620,7 +622,8 @@ def main() -> int:
         work = populated if args.reopen_same_store else os.path.join(root, "table")
         smallest = int(table_bytes * fractions[-1])
 
-        def disk_run(fraction: float, lookahead: bool, policy_name: str = "lfu", long_run: bool = False) -> Dict[str, Any]:
+        def disk_run(fraction: float, lookahead: bool, policy_name: str = "lfu",
+                     long_run: bool = False) -> Dict[str, Any]:
             """One DiskEmbeddingBag configuration on a copy of the populated store: every configuration
             starts from the same files (closing a table writes its hot rows into the log's in-memory tail,
             which would warm the store for the next one)."""

@@ -97,7 +97,8 @@ def make_batches(args: argparse.Namespace, rows_per_table: int, count: int, devi
         ranks_drawn = torch.searchsorted(cdf, torch.rand(args.tables, per_feature, generator=g, dtype=torch.float64))
         values = torch.cat([scatter[t][ranks_drawn[t].clamp_max_(rows_per_table - 1)] for t in range(args.tables)])
         target = torch.randn(args.tables * args.batch, args.dim, generator=g)
-        batches.append(Batch(values.pin_memory() if pin else values, (values + base).pin_memory() if pin else values + base,
+        batches.append(Batch(values.pin_memory() if pin else values,
+                             (values + base).pin_memory() if pin else values + base,
                              offsets.pin_memory() if pin else offsets, target.to(device)))
     return batches
 
@@ -279,7 +280,8 @@ def main(argv: List[str]) -> int:
     log("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         log(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['ratio']:.2f} | "
-            f"{r.get('hit_rate', 1.0):.3f} | {r.get('store_reads_per_step', 0):,.0f} | {r['copies_h2d_per_step']:.1f} | "
+            f"{r.get('hit_rate', 1.0):.3f} | {r.get('store_reads_per_step', 0):,.0f} | "
+            f"{r['copies_h2d_per_step']:.1f} | "
             f"{r['copies_d2h_per_step']:.1f} | {r['syncs_per_step']:.1f} | {r.get('losses_equal', '-')} |")
     for r in results:
         log(f"{r['config']}: top host ops (ms/step) {r['top_cpu_ops_ms_per_step']}")

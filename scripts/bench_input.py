@@ -64,7 +64,8 @@ def _timed_child(cmd: List[str], env: Optional[Dict[str, str]] = None) -> Tuple[
 _PEAK_WRAPPER = ("import runpy, sys, atexit\n"
                  "def peak():\n"
                  "    for line in open('/proc/self/status'):\n"
-                 "        if line.startswith('VmHWM:'): print(f'peak_rss_bytes={int(line.split()[1]) << 10}', file=sys.stderr)\n"
+                 "        if line.startswith('VmHWM:'): print(f'peak_rss_bytes={int(line.split()[1]) << 10}',"
+                 " file=sys.stderr)\n"
                  "atexit.register(peak)\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_module(sys.argv[0], run_name='__main__')\n")
@@ -90,7 +91,8 @@ def bench_conversion(work: str, rows: int, reference_rows: int) -> Dict[str, Any
         for _, line in zip(range(reference_rows), src):
             dst.write(line)
     reference = ("import sys\nfrom torchrec.datasets.criteo import BinaryCriteoUtils\n"
-                 "BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ('_d.npy', '_s.npy', '_l.npy')))\n")
+                 "BinaryCriteoUtils.tsv_to_npys(sys.argv[1], *(sys.argv[2] + s for s in ('_d.npy', '_s.npy', "
+                 "'_l.npy')))\n")
     script = os.path.join(work, "reference.py")
     with open(script, "w") as f:
         f.write(reference)
@@ -210,8 +212,10 @@ def main(argv: List[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-input-") as work:
         conversion = report["conversion"] = bench_conversion(work, args.rows, args.reference_rows)
         print(f"conversion of {conversion['rows']:,} rows ({conversion['bytes'] / 2**30:.2f} GiB): "
-              f"{conversion['convert_rows_per_s']:,.0f} rows/s, peak RSS {conversion['convert_peak_rss_bytes'] / 2**20:,.0f} MiB "
-              f"(torchrec's converter on {conversion['reference_rows']:,} rows: {conversion['torchrec_rows_per_s']:,.0f} rows/s, "
+              f"{conversion['convert_rows_per_s']:,.0f} rows/s, peak RSS "
+              f"{conversion['convert_peak_rss_bytes'] / 2**20:,.0f} MiB "
+              f"(torchrec's converter on {conversion['reference_rows']:,} rows: "
+              f"{conversion['torchrec_rows_per_s']:,.0f} rows/s, "
               f"peak RSS {conversion['torchrec_peak_rss_bytes'] / 2**20:,.0f} MiB: "
               f"{conversion['convert_rows_per_s'] / conversion['torchrec_rows_per_s']:.1f}x); converted again: "
               f"{conversion['converted_again_s']:.2f} s; generated at {conversion['generate_rows_per_s']:,.0f} rows/s",
@@ -239,7 +243,8 @@ def main(argv: List[str]) -> int:
             alone["trainer_samples_per_s"] = trainer
             print(f"loader alone, {name}: {alone['samples_per_s']:,.0f} samples/s with {alone['workers']} thread(s): "
                   f"{alone['samples_per_s'] / trainer:.1f}x the trainer with its input in memory; first batch "
-                  f"{alone['first_batch_s']['0'] * 1e3:.1f} ms at batch 0, {alone['first_batch_s'][str(RESUMED_AT)] * 1e3:.1f} "
+                  f"{alone['first_batch_s']['0'] * 1e3:.1f} ms at batch 0, "
+                  f"{alone['first_batch_s'][str(RESUMED_AT)] * 1e3:.1f} "
                   f"ms at batch {RESUMED_AT:,} (a late resume)", flush=True)
             if name == "criteo_terabyte":
                 shutil.rmtree(cache, ignore_errors=True)

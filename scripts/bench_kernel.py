@@ -287,9 +287,12 @@ def main(argv: List[str]) -> int:
     for r in results:
         if "budget_mib" in r:
             growth = r["peak_rss_mib"] - r["rss_before_build_mib"]
-            print(f"{r['config']}, memory (MiB): budget {r['budget_mib']:,.0f} (cache {r['cache_mib']:,.0f}, staging and "
-                  f"write-back {r['buffers_mib']:,.0f}, store logs {r['store_logs_mib']:,.0f}); store indexes {r['store_indexes_mib']:,.0f} beside it; peak RSS "
-                  f"{r['peak_rss_mib']:,.0f}; {r['rss_before_build_mib']:,.0f} before the tables were built (and populated), "
+            print(f"{r['config']}, memory (MiB): budget {r['budget_mib']:,.0f} (cache {r['cache_mib']:,.0f}, "
+                  "staging and "
+                  f"write-back {r['buffers_mib']:,.0f}, store logs {r['store_logs_mib']:,.0f}); "
+                  f"store indexes {r['store_indexes_mib']:,.0f} beside it; peak RSS "
+                  f"{r['peak_rss_mib']:,.0f}; {r['rss_before_build_mib']:,.0f} before the tables were built "
+                  "(and populated), "
                   f"{r['rss_at_start_mib']:,.0f} after: they and training added {growth:,.0f}, the budget + indexes + "
                   f"{growth - r['budget_mib'] - r['store_indexes_mib']:,.0f}")
     first_seen = first_time_ids_per_step(batches, args.warmup)

@@ -87,7 +87,8 @@ def measure(rows: int, work: str, read_seconds: float) -> Dict[str, Any]:
             drop_caches()
             in_order = timed_reads(store, torch.arange(rows), read_seconds)
             drop_caches()
-            shuffled = timed_reads(store, torch.randperm(rows, generator=torch.Generator().manual_seed(1)), read_seconds)
+            shuffled = timed_reads(store, torch.randperm(rows, generator=torch.Generator().manual_seed(1)),
+                                   read_seconds)
             result.update(scan_s=scan_s, scan_rows_per_s=rows / scan_s, get_in_key_order_rows_per_s=in_order,
                           get_random_rows_per_s=shuffled, get_in_key_order_table_s=rows / in_order,
                           get_random_table_s=rows / shuffled)
@@ -116,7 +117,8 @@ def main(argv: List[str]) -> int:
           "get in random order s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['rows']:,} | {r['disk_bytes'] / 1e6:.0f} | {r['reopen_with_index_image_s']:.2f} ({r['reopen_with_index_image_loaded_image']}) | "
+        print(f"| {r['rows']:,} | {r['disk_bytes'] / 1e6:.0f} | {r['reopen_with_index_image_s']:.2f} "
+              f"({r['reopen_with_index_image_loaded_image']}) | "
               f"{r['reopen_log_scan_s']:.2f} | {r['scan_s']:.2f} | {r['get_in_key_order_table_s']:.1f} | "
               f"{r['get_random_table_s']:.1f} |")
     print("(get times: the whole table at the rate measured over at most --read-seconds)")

@@ -973,7 +973,8 @@ def main() -> int:
         log("")
         log(f"## disk-bound uniform get, mlkv direct_io, fresh store (reopened), {args.rows} rows, budget "
             f"{budget_big / MiB:.1f} MiB, batch {args.batch}, lookahead off")
-        log(f"   fio randread-4k-qd64 IOPS = {fio_iops if fio_iops else 'n/a (no fio figures: pass --fio or --run-fio)'}"
+        log("   fio randread-4k-qd64 IOPS = "
+            f"{fio_iops if fio_iops else 'n/a (no fio figures: pass --fio or --run-fio)'}"
             + (f", qd1 IOPS = {fio['randread-4k-qd1']['IOPS']:.0f}" if 'randread-4k-qd1' in fio else ""))
         log(f"{'engine':>8} {'depth':>6} {'rows/s':>10} {'4KiB reads/s':>13} {'of fio qd64':>12} "
             f"{'in memory':>10} {'cpu cores':>10}")

@@ -56,7 +56,8 @@ def main() -> None:
             dt = time.perf_counter() - t
             after = store.stats()
             torch.testing.assert_close(rows, values[batch], rtol=0, atol=0)
-            print(f"get     65,536 {name:8s} keys in {dt * 1e3:6.1f} ms: {after['memory_hits'] - before['memory_hits']:,} "
+            print(f"get     65,536 {name:8s} keys in {dt * 1e3:6.1f} ms: "
+                  f"{after['memory_hits'] - before['memory_hits']:,} "
                   f"from memory, {after['disk_rows'] - before['disk_rows']:,} from disk; all equal to what was written")
 
         batch = torch.randint(0, args.rows, (4096,), generator=g)

@@ -164,7 +164,8 @@ def main() -> None:
         set_initial_rows(dmp)
         for step in range(SAVE_AT):
             train_step(dmp, opt, step)
-        dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=os.path.join(out_dir, "checkpoint"))
+        dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()},
+                 checkpoint_id=os.path.join(out_dir, "checkpoint"))
         dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)  # the job dies here: no close, no flush
     elif phase == "resume":

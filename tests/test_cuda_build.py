@@ -10,7 +10,8 @@ import pytest
 from torch.utils.cpp_extension import include_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NVCC = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
+NVCC = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+                                if "CUDA_HOME" in os.environ else None)
 
 
 @pytest.mark.skipif(NVCC is None or not os.path.exists(NVCC), reason="nvcc is not installed")

@@ -210,7 +210,8 @@ def test_a_table_reopens_with_a_smaller_budget_than_it_was_created_with(tmp_path
     big.close()
     least = KVStore.minimum_memory_bytes(tmp_path / "t")
     assert least == 4 << 20
-    # Reopened with 6 MiB, where a new store's log would get an eighth: this one keeps its four pages, within the budget.
+    # Reopened with 6 MiB, where a new store's log would get an eighth: this one keeps its four pages,
+    # within the budget.
     budget = 6 << 20
     small = make(tmp_path, optimizer=optim.Adagrad(lr=0.5), memory_budget_bytes=budget, reopen=True)
     log_bytes = small.stats()["log_memory_bytes"]
@@ -227,7 +228,8 @@ def test_a_table_reopens_with_a_smaller_budget_than_it_was_created_with(tmp_path
         ref_opt.zero_grad()
         (ref(ids, offsets) * target).sum().backward()
         ref_opt.step()
-    torch.testing.assert_close(small.export_rows(torch.arange(NUM)), ref.weight.detach(), **rounding_tolerance(8, 0.5, 1.0))
+    torch.testing.assert_close(small.export_rows(torch.arange(NUM)), ref.weight.detach(),
+                               **rounding_tolerance(8, 0.5, 1.0))
     small.close()
     with pytest.raises(ValueError, match="log pages of the budget it was created with.*use at least"):
         make(tmp_path, optimizer=optim.Adagrad(lr=0.5), memory_budget_bytes=least, reopen=True)
@@ -298,7 +300,8 @@ def test_the_budget_holds_the_staging_area_and_the_write_back_buffer(tmp_path):
                          for staging in (None, 200 * row))
     assert explicit.staging_rows == 200 and default.staging_rows > 200
     assert explicit.write_back_rows == default.write_back_rows
-    assert buffer_host_bytes(default.staging_rows, 0, row) <= budget // 8 < buffer_host_bytes(default.staging_rows + 1, 0, row)
+    assert buffer_host_bytes(default.staging_rows, 0, row) <= budget // 8 < \
+        buffer_host_bytes(default.staging_rows + 1, 0, row)
     assert explicit.cache_rows >= default.cache_rows
     emb = DiskEmbeddingBag(NUM, DIM, path=tmp_path / "explicit", optimizer=optim.Adagrad(), memory_budget_bytes=budget,
                            staging_bytes=200 * row)

@@ -28,7 +28,8 @@ def test_one_process_example_trains(tmp_path):
 
 def test_dmp_example_puts_the_large_tables_on_disk_and_trains(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(EXAMPLES / "dmp.py"), str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+                           str(EXAMPLES / "dmp.py"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "tables on disk: ['t0', 't1']" in done.stdout, done.stdout[-3000:]
     first, last = _losses(done.stdout)

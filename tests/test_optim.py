@@ -72,7 +72,8 @@ def SPARSE_ADAM(params):
 def test_rule_matches_torch_optimizer(ours, reference, step_bound):
     initial = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(0))
     tolerance = dict(rtol=0, atol=0) if step_bound is None else rounding_tolerance(STEPS, ours.lr, step_bound)
-    torch.testing.assert_close(run_rows(ours, initial, sparse=reference is SPARSE_ADAM), run_reference(reference, initial),
+    torch.testing.assert_close(run_rows(ours, initial, sparse=reference is SPARSE_ADAM),
+                               run_reference(reference, initial),
                                **tolerance)
 
 
@@ -103,7 +104,8 @@ def test_state_layout_and_validation():
     assert optim.Adagrad().state_dim(16) == 16
     assert optim.RowWiseAdagrad().state_dim(16) == 1
     assert optim.Adam().state_dim(16) == 32
-    torch.testing.assert_close(optim.Adagrad(initial_accumulator_value=0.5).initial_state(2, 3), torch.full((2, 3), 0.5), rtol=0, atol=0)
+    torch.testing.assert_close(optim.Adagrad(initial_accumulator_value=0.5).initial_state(2, 3),
+                               torch.full((2, 3), 0.5), rtol=0, atol=0)
     with pytest.raises(ValueError, match="lr"):
         optim.SGD(lr=0)
     with pytest.raises(ValueError, match="betas"):

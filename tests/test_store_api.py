@@ -9,7 +9,8 @@ import torch
 import mlkv_torch
 from mlkv_torch import KVStore
 
-from conftest import DIM, HAS_PROMOTE, NO_PROMOTE, SMALL_OPTIONS, assert_reopens_equal, assert_store_equals, put_model, rows_for
+from conftest import (DIM, HAS_PROMOTE, NO_PROMOTE, SMALL_OPTIONS, assert_reopens_equal, assert_store_equals, put_model,
+                      rows_for)
 
 URING = mlkv_torch._C.uring_available()
 ENGINES = ["threads", pytest.param("uring", marks=pytest.mark.skipif(not URING, reason="no io_uring here"))]

@@ -169,7 +169,7 @@ def states_after(last: int):
     model = {}
     checkpoints, after_put = [dict(model)], [None]
     for i in range(1, last + 2):
-        put_keys, delete_keys = batch(i)
+        put_keys, delete_keys = batch(i)  # noqa: F821 (exec(BATCH_SRC) defines it)
         model.update(zip(put_keys, rows_for(torch.tensor(put_keys), i)))
         after_put.append(dict(model))
         for k in delete_keys:
@@ -255,7 +255,8 @@ def test_copy_of_open_store_holds_its_checkpoint(tmp_path):
         store.close()
 
 
-def _with_the_nth_call_failing(tmp_path, call: str, nth: int, path: str, *child_args: str) -> subprocess.CompletedProcess:
+def _with_the_nth_call_failing(tmp_path, call: str, nth: int, path: str,
+                               *child_args: str) -> subprocess.CompletedProcess:
     """Runs SYNC_FAILS_CHILD on `path` with the nth `call` (a system call) failing with EIO, by
     strace's fault injection; skips the test where strace cannot trace."""
     script = tmp_path / "child.py"

@@ -31,7 +31,8 @@ def test_tables_in_one_small_cache_lose_no_update(tmp_path, staleness, device):
     # read, so every schedule of asynchronous updates must end at the reference weights.
     batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
                            optimizer=optim.SGD(lr=0.2), cache_rows=48, memory_budget_bytes=1 << 20,
-                           staleness=staleness, staging_bytes=0, device=device)  # the smallest staging and write-back buffer
+                           staleness=staleness, staging_bytes=0,  # the smallest staging and write-back buffer
+                           device=device)
     references = [torch.nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in ROWS]
     for t, ref in enumerate(references):
         ref.weight.data.copy_(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))))

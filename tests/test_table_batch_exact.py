@@ -226,5 +226,6 @@ def test_one_rank_dmp_without_the_disk_sharder_trains_the_collection_as_it_is(pr
     assert dmp.module.sparse_arch.embedding_bag_collection is collection
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=LR))
-    torch.testing.assert_close(train(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), batches()), expected, rtol=0, atol=0)
+    torch.testing.assert_close(train(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), batches()), expected,
+                               rtol=0, atol=0)
     collection.close()

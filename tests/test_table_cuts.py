@@ -1,5 +1,6 @@
 """Cuts of a DiskEmbeddingBagCollection: after a SIGKILL at any point (while training past the cut,
-half-way through the next cut, or with every store checkpointed past it), ``reopen=True`` brings every table back to the last committed
+half-way through the next cut, or with every store checkpointed past it), ``reopen=True`` brings every table back
+to the last committed
 cut exactly (rows, optimizer state, Adam's step), never a mix; real child processes, real stores."""
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ SETUP = textwrap.dedent(
         g = torch.Generator().manual_seed(step)
         lengths = torch.randint(0, 4, (3 * 16,), generator=g)
         n = int(lengths.sum())
-        values = torch.cat([torch.randint(0, 3000, (n,), generator=g) % torch.tensor([3000, 500, 2000]).repeat_interleave(
+        values = torch.cat([torch.randint(0, 3000, (n,), generator=g)
+                            % torch.tensor([3000, 500, 2000]).repeat_interleave(
             torch.stack([lengths[i * 16:(i + 1) * 16].sum() for i in range(3)]))])
         return KeyedJaggedTensor(keys=["fa", "fb", "fc"], values=values, lengths=lengths)
 
@@ -214,7 +216,8 @@ BACKGROUND_CHILD = SETUP + textwrap.dedent(
         while not all(kernel.cache.cut_sealed for kernel in ebc._batches):
             time.sleep(0.005)
         def writes():
-            return sum(s["appends"] + s["in_place_updates"] for k in ebc._batches for s in map(lambda st: st.stats(), k.stores))
+            return sum(s["appends"] + s["in_place_updates"]
+                       for k in ebc._batches for s in map(lambda st: st.stats(), k.stores))
         before = writes()
         train(ebc, 16, 30)
         for _ in range(3000):  # the writer puts the rows evicted meanwhile

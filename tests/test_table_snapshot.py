@@ -168,6 +168,7 @@ def test_a_snapshot_that_finds_no_space_raises_and_loses_nothing(tmp_path):
         table.close()
         print("INTACT")
     """)
-    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "t")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "t")], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERROR" in out.stdout and "snapshot" in out.stdout and "INTACT" in out.stdout, out.stdout

@@ -43,7 +43,8 @@ def kjt(step, batch=6, weighted=False):
 
 
 def disk_copy_of(ebc, tmp_path, **kwargs):
-    disk = DiskEmbeddingBagCollection(ebc.embedding_bag_configs(), path=tmp_path / "tables", memory_budget_bytes=1 << 20,
+    disk = DiskEmbeddingBagCollection(ebc.embedding_bag_configs(), path=tmp_path / "tables",
+                                      memory_budget_bytes=1 << 20,
                                       cache_rows=200, is_weighted=ebc.is_weighted(), **kwargs)
     for name, bag in ebc.embedding_bags.items():
         disk.embedding_bags[name].import_rows(torch.arange(bag.num_embeddings), bag.weight.detach())
@@ -253,7 +254,8 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
     # each layout its least first, then traffic 1 + 1 against 4: the wide layout gets twice the rest the other gets
     least_small = least_host_memory(2, 200_100, small._batch.row_bytes)
     least_wide = least_host_memory(1, 200_000, wide._batch.row_bytes)
-    assert wide.memory_budget_bytes - least_wide == pytest.approx(2 * (small.memory_budget_bytes - least_small), rel=1e-6)
+    assert wide.memory_budget_bytes - least_wide == pytest.approx(2 * (small.memory_budget_bytes - least_small),
+                                                                  rel=1e-6)
     # A budget below the layouts' least is refused with the least that opens them, not raised silently.
     with pytest.raises(MemoryBudgetError, match=f"use at least {least_small + least_wide}$"):
         DiskEmbeddingBagCollection(configs, path=tmp_path / "tiny", memory_budget_bytes=least_small + least_wide - 1)
@@ -464,7 +466,8 @@ def test_initial_rows_follow_the_tables_init_fn_range_or_normal_and_another_init
                                 weight_init_min=-0.5, weight_init_max=0.5)
     disk = DiskEmbeddingBagCollection([config], path=tmp_path / "a", optimizer=optim.SGD(lr=0.1), seed=2)
     rows = disk.embedding_bags["t"].weight[:]
-    torch.testing.assert_close(rows, initial_rows(torch.arange(2000), DIM, seed=table_seed(2, "t"), low=-0.5, high=0.5), rtol=0, atol=0)
+    torch.testing.assert_close(rows, initial_rows(torch.arange(2000), DIM, seed=table_seed(2, "t"), low=-0.5, high=0.5),
+                               rtol=0, atol=0)
     assert -0.5 <= float(rows.min()) and float(rows.max()) < 0.5 and abs(float(rows.std()) - 0.5 / 3 ** 0.5) < 0.01
     disk.close()
     # TorchRec users write init_fn=partial(torch.nn.init.normal_, ...): honoured, row by row from (seed, id)

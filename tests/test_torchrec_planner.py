@@ -79,7 +79,8 @@ def test_a_planner_that_knows_no_disk_kernel_keeps_every_table_in_memory_and_say
 
     sharder = DiskEmbeddingBagCollectionSharder("/nonexistent/not-used-by-planning", optimizer=optim.SGD(lr=0.1))
     topology = Topology(world_size=2, compute_device="cpu", ddr_cap=64 << 30)
-    with pytest.warns(UserWarning, match=r"every table stays in memory.*DiskAwarePlanner.*plan=planner.collective_plan"):
+    with pytest.warns(UserWarning,
+                      match=r"every table stays in memory.*DiskAwarePlanner.*plan=planner.collective_plan"):
         plan = EmbeddingShardingPlanner(topology=topology, batch_size=128).plan(ebc, [sharder])
     assert plan.plan[""] and all(ps.compute_kernel != DISK_KERNEL for ps in plan.plan[""].values())
     assert _on_disk(_plan(ebc, 100 * MiB)) == ["t1", "t3"]  # the disk-aware planner still offers it
@@ -95,8 +96,10 @@ def test_storage_estimate_of_a_disk_shard(ebc):
                                                           memory_fraction=0.05).options
     sharder = DiskEmbeddingBagCollectionSharder("/x", optimizer=optim.RowWiseAdagrad(lr=0.1))
     with planning_with_disk():  # what DiskAwarePlanner plans inside: the sharder offers its disk kernel
-        options = EmbeddingEnumerator(topology=topology, batch_size=128, estimator=[estimator]).enumerate(ebc, [sharder])
-    disk = [o for o in options if o.name == "t3" and o.compute_kernel == DISK_KERNEL and o.sharding_type == "table_wise"]
+        options = EmbeddingEnumerator(topology=topology, batch_size=128,
+                                      estimator=[estimator]).enumerate(ebc, [sharder])
+    disk = [o for o in options
+            if o.name == "t3" and o.compute_kernel == DISK_KERNEL and o.sharding_type == "table_wise"]
     assert disk, "the sharder must offer the disk kernel for table-wise sharding"
     storage = disk[0].shards[0].storage
     per_row = row_bytes(16, torch.float32, optim.RowWiseAdagrad())  # 16 weights + 1 accumulator

@@ -241,7 +241,8 @@ def test_a_full_disk_stops_the_run_and_resume_goes_back_to_its_last_checkpoint(t
     assert done.returncode == 0, done.stderr[-3000:]
     assert _losses(out) == _losses(whole)
     for key in ("steps", "auc", "logloss"):
-        assert json.loads((out / "summary.json").read_text())[key] == json.loads((whole / "summary.json").read_text())[key]
+        assert json.loads((out / "summary.json").read_text())[key] == json.loads(
+            (whole / "summary.json").read_text())[key]
 
 
 # The runner failing with an exception two steps after its checkpoint at step 6: the cut is written

@@ -147,7 +147,8 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
     assert made["steps"] == 6 and made["auc"] == pytest.approx(finished["auc"], abs=1e-6)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["auc"] == made["auc"]
     # Not resumed: the tables are refused, the way on named first.
-    with pytest.raises(ConfigError, match=r"^output_dir .* already holds an earlier run's tables: continue it with --resume"):
+    with pytest.raises(ConfigError,
+                       match=r"^output_dir .* already holds an earlier run's tables: continue it with --resume"):
         run(cfg, progress=False)
 
 
@@ -176,7 +177,8 @@ def test_an_output_dir_that_cannot_be_made_is_a_config_error(tmp_path):
 def test_a_budget_too_small_for_the_tables_is_a_config_error(tmp_path):
     small_budget = [o for o in SMALL if not o.startswith("storage.memory_budget_bytes")]
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", *small_budget, "storage.memory_budget_bytes=65536"])
-    with pytest.raises(ConfigError, match=r"storage\.memory_budget_bytes: memory_budget_bytes=65536 .* use at least \d+$"):
+    with pytest.raises(ConfigError,
+                       match=r"storage\.memory_budget_bytes: memory_budget_bytes=65536 .* use at least \d+$"):
         run(config, progress=False)
 
 
@@ -188,7 +190,8 @@ def test_a_checkpoint_of_another_model_names_only_the_keys_that_differ():
     with pytest.raises(ConfigError, match=r"at model: the checkpoint lacks \['tables\.t_1\.weight'\]; the checkpoint "
                                           r"has \['tables\.t_2\.weight'\], which this model does not$"):
         _restored(target, saved)
-    restored = _restored({"model": {"dense.weight": torch.zeros(2)}, "step": 0}, {"model": {"dense.weight": torch.ones(2)}, "step": 8})
+    restored = _restored({"model": {"dense.weight": torch.zeros(2)}, "step": 0},
+                         {"model": {"dense.weight": torch.ones(2)}, "step": 8})
     assert restored["step"] == 8 and torch.equal(restored["model"]["dense.weight"], torch.ones(2))
 
 
@@ -225,7 +228,8 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     _torchrun(tmp_path / "split", 10)
     pointer = json.loads((tmp_path / "split" / "checkpoint.latest").read_text())
     assert pointer["directory"] == "checkpoint-8" and {c["label"] for c in pointer["cuts"].values() if c} == {8}
-    _torchrun(tmp_path / "split", 12, "--resume", "data.workers=2", "data.prefetch=5")  # other loader settings: the same batches
+    # other loader settings: the same batches
+    _torchrun(tmp_path / "split", 12, "--resume", "data.workers=2", "data.prefetch=5")
     expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
 
@@ -272,7 +276,8 @@ def test_criteo_tsv_and_npy_days(tmp_path):
     assert summary["steps"] == 12 and summary["samples"] == 12 * 64  # 9 batches a pass: a second pass
     assert 0.0 <= summary["auc"] <= 1.0 and summary["oracle_auc"] is None
     # The converted days (found in the cache, not converted again), read as torchrec's npy layout, train the same.
-    [[train_day], [eval_day]] = convert([str(tmp_path / "day_0.tsv"), str(tmp_path / "day_1.tsv")], str(tmp_path / "cache"))
+    [[train_day], [eval_day]] = convert([str(tmp_path / "day_0.tsv"), str(tmp_path / "day_1.tsv")],
+                                        str(tmp_path / "cache"))
     npy = [f"output_dir={tmp_path / 'npy'}", "data.criteo.format=npy", f"data.criteo.train=[{train_day}]",
            f"data.criteo.eval=[{eval_day}]", *training]
     again = run(load_config(QUICKSTART, npy), progress=False)

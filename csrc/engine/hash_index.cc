@@ -90,7 +90,8 @@ void HashIndex::Prefetch(const Where& w) const {
   __builtin_prefetch(&buckets_[w.alternate]);
 }
 
-bool HashIndex::FindEntry(const Where& w, Bucket** bucket, int* slot, uint32_t* link_of_bucket, uint64_t* chain_home) const {
+bool HashIndex::FindEntry(const Where& w, Bucket** bucket, int* slot, uint32_t* link_of_bucket,
+                          uint64_t* chain_home) const {
   for (int side = 0; side < 2; ++side) {
     const uint64_t home = side == 0 ? w.home : w.alternate;
     const uint32_t hi = w.hi_fp | (side ? kAlternateBit : 0);

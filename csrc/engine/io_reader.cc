@@ -44,17 +44,26 @@ class UringRing {
     bool single = p.features & IORING_FEAT_SINGLE_MMAP;
     if (single) sq_bytes_ = cq_bytes_ = std::max(sq_bytes_, cq_bytes_);
     sq_ptr_ = mmap(nullptr, sq_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, IORING_OFF_SQ_RING);
-    if (sq_ptr_ == MAP_FAILED) { sq_ptr_ = nullptr; return Status::IOError("io_uring mmap of the submission ring failed"); }
+    if (sq_ptr_ == MAP_FAILED) {
+      sq_ptr_ = nullptr;
+      return Status::IOError("io_uring mmap of the submission ring failed");
+    }
     if (single) {
       cq_ptr_ = sq_ptr_;
     } else {
       cq_ptr_ = mmap(nullptr, cq_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, IORING_OFF_CQ_RING);
-      if (cq_ptr_ == MAP_FAILED) { cq_ptr_ = nullptr; return Status::IOError("io_uring mmap of the completion ring failed"); }
+      if (cq_ptr_ == MAP_FAILED) {
+        cq_ptr_ = nullptr;
+        return Status::IOError("io_uring mmap of the completion ring failed");
+      }
     }
     sqes_bytes_ = p.sq_entries * sizeof(io_uring_sqe);
     sqes_ = static_cast<io_uring_sqe*>(
         mmap(nullptr, sqes_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, IORING_OFF_SQES));
-    if (sqes_ == MAP_FAILED) { sqes_ = nullptr; return Status::IOError("io_uring mmap of the entries failed"); }
+    if (sqes_ == MAP_FAILED) {
+      sqes_ = nullptr;
+      return Status::IOError("io_uring mmap of the entries failed");
+    }
     auto* sq = static_cast<uint8_t*>(sq_ptr_);
     auto* cq = static_cast<uint8_t*>(cq_ptr_);
     sq_head_ = reinterpret_cast<unsigned*>(sq + p.sq_off.head);
@@ -179,7 +188,8 @@ class UringReader : public BlockReader {
     MLKV_RETURN_IF_ERROR(st);
     // A short read (a read that crossed end of file) is finished with pread.
     for (size_t i = 0; i < n; ++i) {
-      if (reqs[i].result >= 0 && static_cast<uint64_t>(reqs[i].result) < reqs[i].length) reqs[i].result = PreadFully(reqs[i]);
+      if (reqs[i].result >= 0 && static_cast<uint64_t>(reqs[i].result) < reqs[i].length)
+        reqs[i].result = PreadFully(reqs[i]);
     }
     return Status::OK();
   }
@@ -228,7 +238,10 @@ class ThreadPoolReader : public BlockReader {
     job.finished += mine;
     job_done_.wait(lock, [&] { return job.finished == job.n && job.active == 0; });
     for (size_t k = 0; k < jobs_.size(); ++k) {
-      if (jobs_[k] == &job) { jobs_.erase(jobs_.begin() + static_cast<long>(k)); break; }
+      if (jobs_[k] == &job) {
+        jobs_.erase(jobs_.begin() + static_cast<long>(k));
+        break;
+      }
     }
     return Status::OK();
   }
@@ -261,7 +274,10 @@ class ThreadPoolReader : public BlockReader {
       if (stopping_) return;
       Job* job = nullptr;
       for (Job* j : jobs_) {
-        if (j->next.load() < j->n) { job = j; break; }
+        if (j->next.load() < j->n) {
+          job = j;
+          break;
+        }
       }
       if (!job) continue;
       ++job->active;
@@ -337,13 +353,16 @@ bool UringAvailable() {
 }
 
 Status BlockReader::Create(IoEngine engine, uint32_t depth, uint32_t threads, std::unique_ptr<BlockReader>* out) {
-  if (depth == 0 || depth > 4096) return Status::InvalidArgument("io_depth must be in [1, 4096], got " + std::to_string(depth));
+  if (depth == 0 || depth > 4096)
+    return Status::InvalidArgument("io_depth must be in [1, 4096], got " + std::to_string(depth));
   if (engine == IoEngine::kAuto) engine = UringAvailable() ? IoEngine::kUring : IoEngine::kThreads;
   if (engine == IoEngine::kUring) {
-    if (!UringAvailable()) return Status::InvalidArgument("io_engine='uring' requested but this kernel refuses io_uring_setup");
+    if (!UringAvailable())
+      return Status::InvalidArgument("io_engine='uring' requested but this kernel refuses io_uring_setup");
     out->reset(new UringReader(depth));
   } else {
-    if (threads == 0 || threads > 1024) return Status::InvalidArgument("io_threads must be in [1, 1024], got " + std::to_string(threads));
+    if (threads == 0 || threads > 1024)
+      return Status::InvalidArgument("io_threads must be in [1, 1024], got " + std::to_string(threads));
     try {
       out->reset(new SharedPoolReader(SharedPoolReader::PoolOf(threads)));
     } catch (const std::exception& e) {

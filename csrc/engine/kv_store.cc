@@ -165,17 +165,20 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   }
   mutable_pages_ = static_cast<uint64_t>(static_cast<double>(num_frames_) * options_.mutable_fraction);
   mutable_pages_ = std::min(std::max<uint64_t>(mutable_pages_, 1), num_frames_ - 1);
-  flush_batch_pages_ = std::max<uint64_t>(1, std::min((num_frames_ - mutable_pages_) / 2, kFlushWriteBytes / page_bytes_));
+  flush_batch_pages_ =
+      std::max<uint64_t>(1, std::min((num_frames_ - mutable_pages_) / 2, kFlushWriteBytes / page_bytes_));
   div_records_per_page_ = FastDivisor(records_per_page_);
   div_records_per_unit_ = FastDivisor(records_per_unit_);
   div_num_frames_ = FastDivisor(num_frames_);
-  pages_per_segment_ = pages_per_segment ? pages_per_segment : std::max<uint64_t>(1, options_.segment_bytes / page_bytes_);
+  pages_per_segment_ =
+      pages_per_segment ? pages_per_segment : std::max<uint64_t>(1, options_.segment_bytes / page_bytes_);
   // Anonymous memory: zeroed, resident only once touched, and 2 MiB-aligned so
   // the kernel can use huge pages (random row reads would otherwise miss the
   // TLB on almost every row).
   const uint64_t frame_bytes = RoundUp(num_frames_ * page_bytes_, kHugePageBytes);
   frames_mapped_bytes_ = frame_bytes + kHugePageBytes;
-  void* mapping = mmap(nullptr, frames_mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* mapping =
+      mmap(nullptr, frames_mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (mapping == MAP_FAILED) {
     return Status::IOError("cannot map " + std::to_string(frame_bytes) + " bytes of log pages: " + ErrnoText(errno));
   }
@@ -198,10 +201,6 @@ std::string KVStore::SegmentPath(uint64_t segment) const {
   std::snprintf(name, sizeof(name), "/segment-%010" PRIu64 ".log", segment);
   return path_ + name;
 }
-
-
-
-
 
 uint64_t KVStore::OffsetInPage(uint64_t slot) const {
   const uint64_t i = div_records_per_page_.Mod(slot);
@@ -239,14 +238,16 @@ Status KVStore::VerifyRecord(const uint8_t* rec, const std::string& file, uint64
     return Status::Corruption(file + ": record at byte offset " + std::to_string(offset) + " (key " +
                               std::to_string(h.key) + ") fails its checksum");
   }
-  if (h.key < 0) return Status::Corruption(file + ": record at byte offset " + std::to_string(offset) + " has a negative key");
+  if (h.key < 0)
+    return Status::Corruption(file + ": record at byte offset " + std::to_string(offset) + " has a negative key");
   return Status::OK();
 }
 
 Status KVStore::CheckKeys(const int64_t* keys, size_t n) const {
   for (size_t i = 0; i < n; ++i) {
     if (keys[i] < 0) {
-      return Status::InvalidArgument("keys must be non-negative; keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]));
+      return Status::InvalidArgument("keys must be non-negative; keys[" + std::to_string(i) +
+                                     "] = " + std::to_string(keys[i]));
     }
   }
   return Status::OK();
@@ -284,8 +285,10 @@ Status KVStore::SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<Segm
     file->fd = open(file->path.c_str(), flags, 0644);
   }
   if (file->fd < 0) {
-    if (mode == OpenMode::kMustExist && errno == ENOENT) return Status::Corruption("segment file " + file->path + " is missing");
-    if (mode == OpenMode::kMayVanish && errno == ENOENT) return Status::Busy("segment file " + file->path + " was compacted away");
+    if (mode == OpenMode::kMustExist && errno == ENOENT)
+      return Status::Corruption("segment file " + file->path + " is missing");
+    if (mode == OpenMode::kMayVanish && errno == ENOENT)
+      return Status::Busy("segment file " + file->path + " was compacted away");
     return Status::IOError("opening " + file->path + ": " + ErrnoText(errno));
   }
   open_order_.push_front(segment);
@@ -305,7 +308,6 @@ void KVStore::ForgetSegment(uint64_t segment) {
   open_order_.erase(it->second.second);
   open_files_.erase(it);
 }
-
 
 Status KVStore::WritePages(uint64_t first_page, uint64_t count) {
   std::shared_ptr<SegmentFile> file;
@@ -340,10 +342,9 @@ void KVStore::FlushPending() {
     // A run of pages in one write: each write wakes this thread, and a wake-up takes a core from
     // training (a cut's burst of page-at-a-time writes cost its step 1.5-2x). A run stays within
     // a segment and within the frame ring, where the pages lie side by side.
-    const uint64_t count = std::min({flush_target_page_ - page, kFlushPagesPerTurn - written,
-                                     std::max<uint64_t>(1, kFlushWriteBytes / page_bytes_),
-                                     pages_per_segment_ - page % pages_per_segment_,
-                                     num_frames_ - div_num_frames_.Mod(page)});
+    const uint64_t count = std::min(
+        {flush_target_page_ - page, kFlushPagesPerTurn - written, std::max<uint64_t>(1, kFlushWriteBytes / page_bytes_),
+         pages_per_segment_ - page % pages_per_segment_, num_frames_ - div_num_frames_.Mod(page)});
     lock.unlock();
     // The pages are read-only, and their frames are not reused before they are written: no lock needed.
     Status st;
@@ -460,7 +461,8 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     constexpr size_t kAhead = 8;
     HashIndex::Where ring[kAhead];
-    for (size_t i = done; i < std::min(end, done + kAhead); ++i) index_.Prefetch(ring[i % kAhead] = index_.Locate(keys[i]));
+    for (size_t i = done; i < std::min(end, done + kAhead); ++i)
+      index_.Prefetch(ring[i % kAhead] = index_.Locate(keys[i]));
     for (size_t i = done; i < end; ++i) {
       const HashIndex::Where where = ring[i % kAhead];
       if (i + kAhead < end) index_.Prefetch(ring[i % kAhead] = index_.Locate(keys[i + kAhead]));
@@ -572,7 +574,8 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       }
     }
     memory_hits_ += hits;
-    if (missing && !missing->empty()) return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
+    if (missing && !missing->empty())
+      return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
   }
   MLKV_RETURN_IF_ERROR(ReadFromDisk(keys, reads, out));
   if (options_.promote_hot_reads) QueuePromotions(keys, reads, out);
@@ -633,7 +636,8 @@ Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads
       if (req.result < 0) return Status::IOError("reading " + file + ": " + ErrnoText(static_cast<int>(-req.result)));
       if (static_cast<uint64_t>(req.result) < req.length) {
         return Status::Corruption(file + " is truncated: a read at byte offset " + std::to_string(req.offset) +
-                                  " returned " + std::to_string(req.result) + " of " + std::to_string(req.length) + " bytes");
+                                  " returned " + std::to_string(req.result) + " of " + std::to_string(req.length) +
+                                  " bytes");
       }
       const uint64_t in_unit = (r.slot % records_per_unit_) * record_bytes_;
       const uint8_t* rec = req.buffer + in_unit;
@@ -759,7 +763,8 @@ Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const ui
     const uint64_t fresh = tail_;
     if (!index_.UpdateIf(keys[i], slots[i], fresh)) continue;
     uint64_t appended;
-    Status st = values_only ? Append(keys[i], 0, rows + i * stride, &appended) : AppendRecord(rows + i * stride, &appended);
+    Status st =
+        values_only ? Append(keys[i], 0, rows + i * stride, &appended) : AppendRecord(rows + i * stride, &appended);
     if (!st.ok()) {
       index_.UpdateIf(keys[i], fresh, slots[i]);
       return st;
@@ -794,14 +799,13 @@ Status KVStore::Flush() {
   return st;
 }
 
-
 Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>* keys, std::vector<uint8_t>* values) {
   constexpr uint64_t kReadBytes = 4ull << 20;  // one sequential read
   if (*cursor == kScanDone) return Status::OK();
   const size_t first_row = keys->size();
   // Takes the live rows of `pages` consecutive pages from `data` (page `first_page` first); mu_ held.
-  auto take_live = [&](const uint8_t* data, uint64_t first_page, uint64_t pages, uint64_t tail,
-                       const std::string& file, uint64_t file_offset) -> Status {
+  auto take_live = [&](const uint8_t* data, uint64_t first_page, uint64_t pages, uint64_t tail, const std::string& file,
+                       uint64_t file_offset) -> Status {
     for (uint64_t p = 0; p < pages; ++p) {
       const uint8_t* page = data + p * page_bytes_;
       const uint64_t first_slot = (first_page + p) * records_per_page_;
@@ -858,12 +862,6 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
   return Status::OK();
 }
 
-
-
-
-
-
-
 Status KVStore::Destroy(const std::string& path) {
   DIR* dir = opendir(path.c_str());
   if (!dir) return errno == ENOENT ? Status::OK() : Status::IOError("opening " + path + ": " + ErrnoText(errno));
@@ -889,9 +887,8 @@ Status KVStore::Destroy(const std::string& path) {
   closedir(dir);
   Status st;
   // CHECKPOINT goes first: a crash part-way leaves no checkpoint naming files already gone.
-  std::sort(doomed.begin(), doomed.end(), [](const std::string& a, const std::string& b) {
-    return (a == "CHECKPOINT") > (b == "CHECKPOINT");
-  });
+  std::sort(doomed.begin(), doomed.end(),
+            [](const std::string& a, const std::string& b) { return (a == "CHECKPOINT") > (b == "CHECKPOINT"); });
   for (const std::string& name : doomed) {
     if (unlink((path + "/" + name).c_str()) != 0 && errno != ENOENT && st.ok()) {
       st = Status::IOError("removing " + path + "/" + name + ": " + ErrnoText(errno));
@@ -1002,7 +999,8 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
       for (uint64_t s = first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
       int64_t reclaimed = 0;
       end = first;
-      while (end < full_end && 2 * reclaimed < garbage) reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
+      while (end < full_end && 2 * reclaimed < garbage)
+        reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
     }
   }
   if (end <= first) return Status::OK();
@@ -1033,7 +1031,8 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
       const uint64_t first_slot = page * records_per_page_;
       for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
         // Verify before the liveness check: a damaged key must not make a live row look dead.
-        MLKV_RETURN_IF_ERROR(VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
+        MLKV_RETURN_IF_ERROR(
+            VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
       }
       {
         std::shared_lock<std::shared_mutex> lock(mu_);
@@ -1164,7 +1163,8 @@ StoreStats KVStore::Stats() const {
   struct stat st;
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
   if (slots_per_segment) {
-    for (uint64_t seg = std::min(begin_, previous_begin_) / slots_per_segment; seg <= SegmentOfPage(read_only_page_); ++seg) {
+    for (uint64_t seg = std::min(begin_, previous_begin_) / slots_per_segment; seg <= SegmentOfPage(read_only_page_);
+         ++seg) {
       if (stat(SegmentPath(seg).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
     }
   }

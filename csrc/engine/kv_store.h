@@ -370,25 +370,27 @@ class KVStore : public RowStore {
   std::unique_ptr<BlockReader> reader_;
   uint64_t begin_ = 0;           // first slot still in the log
   uint64_t head_page_ = 0;       // first page in memory
-  uint64_t read_only_page_ = 0;  // first mutable page; pages below it go to segment files (those below flushed_page_ are there)
+  uint64_t read_only_page_ =
+      0;  // first mutable page; pages below it go to segment files (those below flushed_page_ are there)
   uint64_t tail_ = 0;            // next slot to append
   uint64_t checkpoint_sequence_ = 0;
   std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
   bool latest_committed_ = true;      // the owner committed the latest (CommitCheckpoint)
   uint64_t previous_sequence_ = 0;    // the checkpoint kept beside it, still recoverable: the
-                                      // committed one (with cuts), CHECKPOINT.previous on disk
+                                    // committed one (with cuts), CHECKPOINT.previous on disk
   // The index images the latest and the previous checkpoint name (0: none); the latest's, when
   // sound, covers the log below image_flushed_, and the next checkpoint may name it too.
   uint64_t image_sequence_ = 0, previous_image_sequence_ = 0, image_flushed_ = 0;
   bool image_sound_ = false;
-  uint64_t previous_begin_ = 0;       // its first slot: segments from here on stay
-  uint64_t changes_ = 0;              // appends and in-place writes, ever
+  uint64_t previous_begin_ = 0;  // its first slot: segments from here on stay
+  uint64_t changes_ = 0;  // appends and in-place writes, ever
   uint64_t checkpointed_changes_ = 0, checkpointed_begin_ = 0;  // at the latest checkpoint
   mutable std::mutex files_mu_;
   mutable std::list<uint64_t> open_order_;  // most recently used first
-  mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>> open_files_;
+  mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>>
+      open_files_;
   mutable std::atomic<size_t> max_open_files_{256};  // shrinks when the process runs short of descriptors
-  std::vector<uint64_t> dirty_segments_;   // written since the last checkpoint; guarded by flush_mu_
+  std::vector<uint64_t> dirty_segments_;  // written since the last checkpoint; guarded by flush_mu_
   // A segment's failed sync, kept: after a failed writeback the kernel may drop the pages and a
   // second sync succeed without them, so no later checkpoint may count on them. Guarded by flush_mu_.
   Status segment_sync_error_;
@@ -408,7 +410,7 @@ class KVStore : public RowStore {
   std::mutex close_mu_;  // one Close at a time
   std::mutex checkpoint_mu_;  // one checkpoint at a time; taken before mu_, after compaction_mu_
   std::condition_variable begun_cv_;  // with checkpoint_mu_: begun_ was finished
-  BegunCheckpoint begun_;             // guarded by checkpoint_mu_; its files by whoever finishes it
+  BegunCheckpoint begun_;  // guarded by checkpoint_mu_; its files by whoever finishes it
   std::mutex lookahead_mu_;
   std::condition_variable lookahead_idle_;
   std::deque<CopyJob> lookahead_queue_;
@@ -416,7 +418,7 @@ class KVStore : public RowStore {
   bool lookahead_scheduled_ = false;  // a RunCopies task is queued or running on the copy executor
   Status lookahead_error_;
 
-  std::mutex compaction_mu_;        // one compaction at a time
+  std::mutex compaction_mu_;  // one compaction at a time
   std::mutex compaction_state_mu_;  // guards the fields below; never held while taking mu_
   std::condition_variable compaction_idle_;
   bool compaction_requested_ = false, compaction_running_ = false, compaction_stop_ = false;
@@ -425,7 +427,7 @@ class KVStore : public RowStore {
 
   std::mutex flush_mu_;  // never held while taking mu_
   std::condition_variable flushed_cv_;
-  uint64_t flush_target_page_ = 0;         // pages below are read-only, to be written
+  uint64_t flush_target_page_ = 0;  // pages below are read-only, to be written
   std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
   Status flush_error_;
   bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor

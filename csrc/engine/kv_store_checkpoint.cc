@@ -354,7 +354,8 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
   image_flushed_ = written.image_flushed;
   image_sound_ = written.image != 0;
   for (uint64_t old : {old_latest, old_previous != old_latest ? old_previous : 0}) {
-    if (old && old != image_sequence_ && old != previous_image_sequence_) obsolete->files.push_back(IndexImagePath(old));
+    if (old && old != image_sequence_ && old != previous_image_sequence_)
+      obsolete->files.push_back(IndexImagePath(old));
   }
   // Compacted segments go once neither kept checkpoint starts at or before them. A compaction
   // that finished while the files were written moved begin_ past written.begin: its segments

@@ -31,7 +31,8 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
   // The counts size the index before the checksum can be checked: the file must hold exactly the
   // regions they name, so a damaged count is refused here, not allocated.
   const bool sized = st.ok() && header.buckets <= HashIndex::kMaxBuckets &&
-                     header.overflow <= HashIndex::kMaxOverflowBuckets && header.free <= HashIndex::kMaxOverflowBuckets &&
+                     header.overflow <= HashIndex::kMaxOverflowBuckets &&
+                     header.free <= HashIndex::kMaxOverflowBuckets &&
                      FileSize(fd) == sizeof(header) + (header.buckets + header.overflow) * HashIndex::kBucketBytes +
                                          header.free * sizeof(uint32_t);
   bool reset = false;
@@ -82,7 +83,8 @@ Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* recor
                                                         std::to_string(sizeof(meta)));
   close(fd);
   MLKV_RETURN_IF_ERROR(st);
-  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
+  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 ||
+      meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
     return Status::Corruption(file + " fails its checksum");
   }
   if (meta.format_version != kFormatVersion) {
@@ -136,10 +138,10 @@ Status KVStore::Recover() {
   const uint64_t wanted = options_.checkpoint_sequence;
   if (wanted != 0 && wanted != meta.sequence) {
     if (wanted != older.sequence) {
-      return Status::InvalidArgument(
-          "store at " + path_ + " has checkpoints " + std::to_string(older.sequence) + " and " +
-          std::to_string(meta.sequence) + ", not checkpoint " + std::to_string(wanted) +
-          " that was asked for: it has moved past that cut, or never reached it");
+      return Status::InvalidArgument("store at " + path_ + " has checkpoints " + std::to_string(older.sequence) +
+                                     " and " + std::to_string(meta.sequence) + ", not checkpoint " +
+                                     std::to_string(wanted) +
+                                     " that was asked for: it has moved past that cut, or never reached it");
     }
     meta = older;
   }
@@ -149,8 +151,8 @@ Status KVStore::Recover() {
   }
   if (meta.element_type != static_cast<uint32_t>(options_.element_type)) {
     static const char* names[] = {"?", "float32", "float16", "bfloat16"};
-    return Status::InvalidArgument("store at " + path_ + " holds " + names[meta.element_type & 3] + " rows, opened with " +
-                                   names[static_cast<uint32_t>(options_.element_type) & 3]);
+    return Status::InvalidArgument("store at " + path_ + " holds " + names[meta.element_type & 3] +
+                                   " rows, opened with " + names[static_cast<uint32_t>(options_.element_type) & 3]);
   }
   MLKV_RETURN_IF_ERROR(ComputeLayout(meta.page_bytes, meta.pages_per_segment));
   if (meta.record_bytes != record_bytes_) return Status::Corruption(meta_path + " has an inconsistent record size");
@@ -193,8 +195,7 @@ Status KVStore::Recover() {
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
     MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
     const uint64_t first_slot = std::max(page * records_per_page_, replay_from);
-    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path,
-                                   offset));
+    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path, offset));
   }
   head_page_ = read_only_page_ = flushed_page;
   flushed_page_ = flush_target_page_ = flushed_page;
@@ -209,7 +210,8 @@ Status KVStore::Recover() {
       st = StartPage(page);
       const uint64_t offset = (page - flushed_page) * page_bytes_;
       if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
-      const uint64_t first_slot = page * records_per_page_, end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
+      const uint64_t first_slot = page * records_per_page_,
+                     end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
       // The pages that were mutable at the checkpoint are replayed whatever the image.
       if (st.ok()) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
     }
@@ -218,9 +220,10 @@ Status KVStore::Recover() {
   }
   tail_ = meta.tail;
   if (index_.size() != meta.rows) {
-    return Status::Corruption("recovered " + std::to_string(index_.size()) + " rows from " + path_ +
-                              (recovered_from_index_image_ ? " (through " + IndexImagePath(image_sequence_) + ")" : "") +
-                              ", its CHECKPOINT says " + std::to_string(meta.rows));
+    return Status::Corruption(
+        "recovered " + std::to_string(index_.size()) + " rows from " + path_ +
+        (recovered_from_index_image_ ? " (through " + IndexImagePath(image_sequence_) + ")" : "") +
+        ", its CHECKPOINT says " + std::to_string(meta.rows));
   }
   if (recovered_from_index_image_) {
     // Every row the image names in segments compacted since was copied to the log replayed over

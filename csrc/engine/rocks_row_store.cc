@@ -64,8 +64,8 @@ rocksdb::Options MakeOptions(uint64_t memory_budget_bytes, bool direct_io,
 
 }  // namespace
 
-Status RocksRowStore::Open(const std::string& path, uint32_t value_bytes, uint64_t memory_budget_bytes,
-                           bool direct_io, std::unique_ptr<RocksRowStore>* out) {
+Status RocksRowStore::Open(const std::string& path, uint32_t value_bytes, uint64_t memory_budget_bytes, bool direct_io,
+                           std::unique_ptr<RocksRowStore>* out) {
   if (value_bytes == 0) return Status::InvalidArgument("rows must have at least one byte");
   std::error_code error;
   std::filesystem::create_directories(path, error);
@@ -78,7 +78,8 @@ Status RocksRowStore::Open(const std::string& path, uint32_t value_bytes, uint64
   store->direct_io_ = direct_io;
   if (!s.ok() && direct_io && (s.IsInvalidArgument() || s.IsNotSupported() || s.IsIOError())) {
     // A file system without O_DIRECT (tmpfs): read through the page cache instead.
-    rocksdb::Status buffered = rocksdb::DB::Open(MakeOptions(memory_budget_bytes, false, store->statistics_), path, &db);
+    rocksdb::Status buffered =
+        rocksdb::DB::Open(MakeOptions(memory_budget_bytes, false, store->statistics_), path, &db);
     if (buffered.ok()) store->direct_io_ = false;
     s = buffered.ok() ? buffered : s;
   }
@@ -88,12 +89,14 @@ Status RocksRowStore::Open(const std::string& path, uint32_t value_bytes, uint64
   s = db->Get(rocksdb::ReadOptions(), kWidthKey, &width);
   if (s.IsNotFound()) {
     const uint32_t w = value_bytes;
-    MLKV_RETURN_IF_ERROR(FromRocks(db->Put(rocksdb::WriteOptions(), kWidthKey,
-                                           rocksdb::Slice(reinterpret_cast<const char*>(&w), sizeof(w))), path));
+    MLKV_RETURN_IF_ERROR(FromRocks(
+        db->Put(rocksdb::WriteOptions(), kWidthKey, rocksdb::Slice(reinterpret_cast<const char*>(&w), sizeof(w))),
+        path));
   } else {
     MLKV_RETURN_IF_ERROR(FromRocks(s, path));
     uint32_t stored = 0;
-    if (width.size() != sizeof(stored)) return Status::Corruption("rocksdb at " + path + ": its row width record is damaged");
+    if (width.size() != sizeof(stored))
+      return Status::Corruption("rocksdb at " + path + ": its row width record is damaged");
     std::memcpy(&stored, width.data(), sizeof(stored));
     if (stored != value_bytes) {
       return Status::InvalidArgument("rocksdb at " + path + " holds rows of " + std::to_string(stored) +
@@ -118,7 +121,8 @@ Status RocksRowStore::Put(const int64_t* keys, size_t n, const void* values) {
   for (size_t i = 0; i < n; ++i) {
     if (keys[i] < 0) return Status::InvalidArgument("keys must be non-negative, got " + std::to_string(keys[i]));
     EncodeKey(keys[i], key);
-    MLKV_RETURN_IF_ERROR(FromRocks(batch.Put(rocksdb::Slice(key, 8), rocksdb::Slice(rows + i * value_bytes_, value_bytes_)), path_));
+    MLKV_RETURN_IF_ERROR(
+        FromRocks(batch.Put(rocksdb::Slice(key, 8), rocksdb::Slice(rows + i * value_bytes_, value_bytes_)), path_));
   }
   rocksdb::WriteOptions write;
   write.disableWAL = true;

@@ -36,10 +36,10 @@ inline std::string Status::ToString() const {
   return std::string(names[static_cast<int>(code_)]) + ": " + message_;
 }
 
-#define MLKV_RETURN_IF_ERROR(expr)          \
-  do {                                      \
-    ::mlkv::Status _st = (expr);            \
-    if (!_st.ok()) return _st;              \
+#define MLKV_RETURN_IF_ERROR(expr) \
+  do {                             \
+    ::mlkv::Status _st = (expr);   \
+    if (!_st.ok()) return _st;     \
   } while (0)
 
 }  // namespace mlkv

@@ -20,14 +20,14 @@ using mlkv::Status;
 namespace {
 
 int failures = 0;
-#define EXPECT(cond, ...)                                              \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      ++failures;                                                      \
+#define EXPECT(cond, ...)                                                      \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      ++failures;                                                              \
       std::fprintf(stderr, "%s:%d: expected %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                               \
-      std::fprintf(stderr, "\n");                                      \
-    }                                                                  \
+      std::fprintf(stderr, __VA_ARGS__);                                       \
+      std::fprintf(stderr, "\n");                                              \
+    }                                                                          \
   } while (0)
 
 constexpr uint32_t kDim = 8;
@@ -76,13 +76,15 @@ void ModelTest(const std::string& path, uint32_t seed) {
       EXPECT(st.ok(), "put: %s", st.ToString().c_str());
     } else if (op < 70) {
       std::vector<int64_t> present;
-      for (int64_t k : keys) if (model.count(k)) present.push_back(k);
+      for (int64_t k : keys)
+        if (model.count(k)) present.push_back(k);
       std::vector<float> out(present.size() * kDim);
       std::vector<int64_t> missing;
       Status st = store->Get(present.data(), present.size(), out.data(), &missing);
       EXPECT(st.ok(), "get: %s", st.ToString().c_str());
       for (size_t i = 0; i < present.size() && st.ok(); ++i) {
-        EXPECT(std::memcmp(&out[i * kDim], model[present[i]].data(), kDim * 4) == 0, "key %lld differs", (long long)present[i]);
+        EXPECT(std::memcmp(&out[i * kDim], model[present[i]].data(), kDim * 4) == 0, "key %lld differs",
+               (long long)present[i]);
       }
     } else if (op < 80) {
       uint64_t deleted = 0;
@@ -104,7 +106,8 @@ void ModelTest(const std::string& path, uint32_t seed) {
       store.reset();
       store = MustOpen(path, o);
     }
-    EXPECT(store->Size() == model.size(), "size %llu vs %zu at step %d", (unsigned long long)store->Size(), model.size(), step);
+    EXPECT(store->Size() == model.size(), "size %llu vs %zu at step %d", (unsigned long long)store->Size(),
+           model.size(), step);
   }
   EXPECT(store->Stats().disk_rows > 0, "the disk path never ran");
   EXPECT(store->Close().ok(), "final close");
@@ -152,7 +155,11 @@ void ConcurrencyTest(const std::string& path, double mutable_fraction) {
         std::vector<float> out(keys.size() * kDim);
         std::vector<int64_t> missing;
         Status st = store->Get(keys.data(), keys.size(), out.data(), &missing);
-        if (!st.ok()) { std::fprintf(stderr, "get: %s\n", st.ToString().c_str()); ++torn; continue; }
+        if (!st.ok()) {
+          std::fprintf(stderr, "get: %s\n", st.ToString().c_str());
+          ++torn;
+          continue;
+        }
         for (size_t i = 0; i < keys.size(); ++i) {
           // A row must be some whole version written for its key.
           float base = out[i * kDim];

@@ -89,7 +89,8 @@ class InputTuner:
 
     def initial(self) -> InputChoice:
         """The settings before anything is measured."""
-        return InputChoice(1 if self.workers == "auto" else self.workers, 2 if self.prefetch == "auto" else self.prefetch)
+        return InputChoice(1 if self.workers == "auto" else self.workers,
+                           2 if self.prefetch == "auto" else self.prefetch)
 
     def decide(self, current: InputChoice, window: InputWindow) -> InputChoice:
         """The settings for what follows `window`, measured under `current`."""

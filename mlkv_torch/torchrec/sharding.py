@@ -197,7 +197,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         budgets: Dict[Layout, int] = defaultdict(int)
         for i, table in enumerate(self._shards):
             if table.pooling not in POOLING_MODES:
-                raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported on disk (SUM or MEAN)")
+                raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported on disk "
+                                 "(SUM or MEAN)")
             if table.data_type not in DATA_TYPES:
                 raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported on disk")
             row_offset, _ = self._offsets(table)
@@ -616,7 +617,8 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         kernels = list(self.disk_kernels())
         if not kernels:
             return None
-        return PendingCut(kernels[0].rank_dir, label, [part for kernel in kernels for part in kernel.begin_checkpoint()])
+        return PendingCut(kernels[0].rank_dir, label,
+                          [part for kernel in kernels for part in kernel.begin_checkpoint()])
 
     def checkpoint(self, label: Optional[int] = None) -> Optional[Dict[str, Any]]:
         """A cut of this rank's disk tables (`begin_checkpoint`), committed before this returns; its
@@ -688,7 +690,8 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             warnings.warn("DiskEmbeddingBagCollectionSharder: this plan comes from a planner that does not know the "
                           "disk kernel (DistributedModelParallel's default when no plan= is passed): every table stays "
                           "in memory. To put tables on disk, plan with mlkv_torch.torchrec.DiskAwarePlanner("
-                          "topology=Topology(world_size, compute_device, ddr_cap=<host memory per rank>), ...) and pass "
+                          "topology=Topology(world_size, compute_device, ddr_cap=<host memory per rank>), ...) "
+                          "and pass "
                           "plan=planner.collective_plan(model, [sharder]) to DistributedModelParallel", stacklevel=2)
         return kernels
 
