@@ -1,0 +1,33 @@
+"""The house style holds: ruff (pyproject.toml) over the Python, clang-format (.clang-format) over
+the C++ and CUDA. scripts/setup.sh installs both at the versions the code was checked with."""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} is not installed (scripts/setup.sh installs it)")
+    return path
+
+
+def test_ruff_is_clean():
+    run = subprocess.run([tool("ruff"), "check", "mlkv_torch", "scripts", "tests"], cwd=REPO, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
+
+
+def test_cpp_is_formatted():
+    sources = [f for pattern in ("csrc/**/*.cpp", "csrc/**/*.cc", "csrc/**/*.h", "cuda/*.cu", "cuda/*.h")
+               for f in glob.glob(os.path.join(REPO, pattern), recursive=True)]
+    assert sources
+    run = subprocess.run([tool("clang-format"), "--dry-run", "-Werror", *sources], cwd=REPO, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
