@@ -649,10 +649,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using mlkv::EmbeddingCache;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<EmbeddingCache>(m, "EmbeddingCache")
-      .def(py::init(&MakeCache), py::arg("tables"), py::arg("capacity"), py::arg("dim"), py::arg("weight_type"),
-           py::arg("kind"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"), py::arg("initial_state"),
-           py::arg("policy"), py::arg("staleness"), py::arg("device"), py::arg("staging_rows") = 4096,
-           py::arg("write_back_rows") = 4096)
+      // Named arguments only: fourteen numbers in a row are too easy to swap.
+      .def(py::init(&MakeCache), py::arg("tables"), py::kw_only(), py::arg("capacity"), py::arg("dim"),
+           py::arg("weight_type"), py::arg("kind"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"),
+           py::arg("initial_state"), py::arg("policy"), py::arg("staleness"), py::arg("device"),
+           py::arg("staging_rows") = 4096, py::arg("write_back_rows") = 4096)
       .def("unique_keys", &EmbeddingCache::UniqueKeys, nogil)
       .def("fetch", &EmbeddingCache::Fetch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)

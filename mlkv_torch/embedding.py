@@ -529,12 +529,15 @@ class DiskTableBatch:
             self.tables = _settle_reopened(self.tables, self.stores, reopen or cut is not None)
             if at_cut:
                 self.step = max(entry["step"] for entry in at_cut)
+            eps, beta1, beta2 = optimizer.rule_constants()
             self.cache = _C.EmbeddingCache(
                 [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
                  for t, store in zip(self.tables, self.stores)],
-                self.cache_rows, embedding_dim, _WEIGHT_TYPES[dtype], optimizer.kind, *optimizer.rule_constants(),
-                optimizer.initial_state(1, embedding_dim).flatten().tolist(), cache_policy, staleness, str(device),
-                self.staging_rows, self.write_back_rows)
+                capacity=self.cache_rows, dim=embedding_dim, weight_type=_WEIGHT_TYPES[dtype], kind=optimizer.kind,
+                eps=eps, beta1=beta1, beta2=beta2,
+                initial_state=optimizer.initial_state(1, embedding_dim).flatten().tolist(), policy=cache_policy,
+                staleness=staleness, device=str(device), staging_rows=self.staging_rows,
+                write_back_rows=self.write_back_rows)
         except BaseException:
             for store in self.stores:
                 store.close()
