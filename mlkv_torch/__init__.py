@@ -4,7 +4,8 @@ The core (KVStore) needs only torch; TorchRec integration lives in
 ``mlkv_torch.torchrec``.
 """
 from . import optim
-from .embedding import DiskEmbeddingBag, MemoryBudgetError
+from .embedding import DiskEmbeddingBag
+from .memory_budget import MemoryBudgetError
 from .pipeline import LookaheadPipeline
 from .store import CorruptionError, KVStore, RocksDBStore, initial_rows
 

@@ -31,7 +31,7 @@ from . import optim as optim_lib
 from .config import ConfigError, ExperimentConfig, load_config
 from .cut import PendingCut, read_json_record, sync_directory, write_json_record
 from .data.sources import batch_source, loader_tuner
-from .embedding import MemoryBudgetError
+from .memory_budget import MemoryBudgetError
 from .ranks import all_gather_objects
 
 __all__ = ["main", "run"]

@@ -192,7 +192,7 @@ def memory_of(collection) -> Dict[str, float]:
     """MiB of what the collection holds by its own count: the cache (rows, optimizer state and what
     the cache keeps beside them), the staging area and write-back buffer, the stores' in-memory
     logs and their indexes (16 bytes a row, beside the budget)."""
-    from mlkv_torch.embedding import buffer_host_bytes, cache_host_bytes
+    from mlkv_torch.memory_budget import buffer_host_bytes, cache_host_bytes
 
     stats = collection.stats().values()
     return {"cache_mib": sum(cache_host_bytes(b.cache_rows, b.row_bytes) for b in collection._batches) / 2**20,
@@ -228,7 +228,7 @@ def _counters(collection) -> Dict[str, int]:
 def main(argv: List[str]) -> int:
     import torch.distributed as dist
 
-    from mlkv_torch.embedding import host_memory_for_all_rows
+    from mlkv_torch.memory_budget import host_memory_for_all_rows
 
     args = parse_args(argv)
     if args.threads:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
-from mlkv_torch.embedding import host_memory_for_all_rows, least_host_memory
+from mlkv_torch.memory_budget import host_memory_for_all_rows, least_host_memory
 
 from conftest import rounding_tolerance
 
@@ -195,7 +195,7 @@ def test_reopen_and_independent_tables(tmp_path):
 
 def test_a_table_reopens_with_a_smaller_budget_than_it_was_created_with(tmp_path):
     from mlkv_torch import KVStore
-    from mlkv_torch.embedding import cache_host_bytes, buffer_host_bytes
+    from mlkv_torch.memory_budget import cache_host_bytes, buffer_host_bytes
 
     # Created with 64 MiB: the store's log has 1 MiB pages and keeps four in memory, whatever the budget after.
     big = make(tmp_path, optimizer=optim.Adagrad(lr=0.5), memory_budget_bytes=64 << 20)
@@ -287,7 +287,7 @@ def test_bad_configuration(tmp_path):
 
 
 def test_the_budget_holds_the_staging_area_and_the_write_back_buffer(tmp_path):
-    from mlkv_torch.embedding import buffer_host_bytes, split_host_memory
+    from mlkv_torch.memory_budget import buffer_host_bytes, split_host_memory
 
     row = 4 * (DIM + optim.Adagrad().state_dim(DIM))
     smallest = budget_for(0, optim.Adagrad())

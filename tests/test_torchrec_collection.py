@@ -235,8 +235,8 @@ def test_split_budget_follows_traffic_and_caps_at_need():
 
 
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
-    from mlkv_torch.embedding import (MemoryBudgetError, buffer_host_bytes, cache_host_bytes, host_memory_for_all_rows,
-                                      least_host_memory, split_host_memory)
+    from mlkv_torch.memory_budget import (MemoryBudgetError, buffer_host_bytes, cache_host_bytes,
+                                          host_memory_for_all_rows, least_host_memory, split_host_memory)
 
     for tables_in_kernel, rows, width in ((1, 10, 36), (26, 3_376_254, 64), (3, 500_000, 68)):  # the rule, inverted
         budget = host_memory_for_all_rows(tables_in_kernel, rows, width)

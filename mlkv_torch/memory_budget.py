@@ -1,0 +1,146 @@
+"""The memory-budget rule of a table batch: how one host budget is split between the hot cache,
+the staging area, the write-back buffer and the stores' in-memory logs, and the least budgets
+that hold a given cache (`split_host_memory` is the rule; the rest are searched from it)."""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from . import _C
+from .store import KVStore
+
+__all__ = ["MemoryBudgetError", "HostMemorySplit", "split_host_memory", "cache_host_bytes", "buffer_host_bytes",
+           "host_memory_for_all_rows", "least_host_memory", "stores_min_bytes"]
+
+_STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
+
+
+class MemoryBudgetError(ValueError):
+    """memory_budget_bytes cannot hold what the tables need beside their cache (the message says
+    the least that can): a configuration error, which the experiment runner reports as one."""
+
+
+class HostMemorySplit(NamedTuple):
+    """How a table batch spends its host memory budget (`split_host_memory`)."""
+    cache_rows: int       # rows of the hot cache (in device memory on a GPU)
+    log_bytes: int        # each table's store log in memory
+    staging_rows: int     # rows of the staging area: rows read ahead, rows kept out of the cache
+    write_back_rows: int  # rows the write-back buffer holds before a fetch waits for the writer
+
+
+def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
+                      cache_rows: Optional[int] = None, staging_bytes: Optional[int] = None,
+                      store_min_bytes: int = 0) -> HostMemorySplit:
+    """The budget rule of a table batch: one budget bounds the cache, the staging area, the
+    write-back buffer and the stores' in-memory logs together.
+
+    The staging area holds what a look-ahead reads for the batches ahead (and rows the policy kept
+    out until their update): an eighth of the budget (`staging_bytes`, when given, sets its bytes
+    of rows instead). The write-back buffer only smooths the writer's work: a thirty-second. Each
+    holds at most 32 MiB of rows and at least 64 rows; their bytes count their index and entry
+    state (`buffer_host_bytes`). The stores' logs only buffer writes (the cache serves the hot
+    rows), so they share an eighth, each at least the store's minimum (`store_min_bytes` when larger:
+    a reopened store keeps the page size of its first budget). The cache (on the CPU)
+    takes the rest, never more rows than the tables have: its rows and what it keeps beside them
+    (`cache_host_bytes`). On a GPU the cache lives in device memory and the rest of the host
+    budget goes to the logs. An explicit `cache_rows` (at most the tables' rows: more would hold
+    nothing more) must leave the others their minimum."""
+    if cache_rows is not None:
+        cache_rows = min(cache_rows, total_rows)  # a cache larger than the tables would hold nothing more
+    most_buffer_rows = max(_BUFFER_MIN_ROWS, _BUFFER_MAX_BYTES // row_bytes)
+    if staging_bytes is not None:
+        staging_rows = max(_BUFFER_MIN_ROWS, staging_bytes // row_bytes)
+    else:
+        staging_rows = _most_rows_within(memory_budget_bytes // _STAGING_SHARE, _BUFFER_MIN_ROWS, most_buffer_rows,
+                                         lambda r: buffer_host_bytes(r, 0, row_bytes))
+    write_back_rows = _most_rows_within(memory_budget_bytes // _WRITE_BACK_SHARE, _BUFFER_MIN_ROWS, most_buffer_rows,
+                                        lambda r: buffer_host_bytes(0, r, row_bytes))
+    buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes)
+    store_floor = max(_STORE_MIN_BYTES, store_min_bytes)
+    log_floor = max(store_floor, memory_budget_bytes // (8 * num_tables))
+    if num_tables * store_floor + buffers > memory_budget_bytes:
+        why = ("; a reopened store keeps the log pages of the budget it was created with"
+               if store_min_bytes > _STORE_MIN_BYTES else "")
+        raise MemoryBudgetError(f"memory_budget_bytes={memory_budget_bytes} cannot hold the stores' logs "
+                                f"({num_tables} tables, each at least {store_floor} bytes{why}) beside the staging "
+                                f"area and write-back buffer ({buffers} bytes); use at least "
+                                f"{num_tables * store_floor + buffers}")
+    if not on_host:
+        log_bytes = max(store_floor, (memory_budget_bytes - buffers) // num_tables)
+        rows = min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows
+        return HostMemorySplit(rows, log_bytes, staging_rows, write_back_rows)
+    if cache_rows is None:
+        cache_rows = _most_rows_within(memory_budget_bytes - num_tables * log_floor - buffers, 0, total_rows,
+                                       lambda r: cache_host_bytes(r, row_bytes))
+    left = memory_budget_bytes - cache_host_bytes(cache_rows, row_bytes) - buffers
+    if left < num_tables * log_floor:
+        raise MemoryBudgetError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes "
+                         "(rows and "
+                         f"their index) and the staging area and write-back buffer {buffers} of the "
+                         f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
+                         f"{log_floor} of them for its log ({num_tables} tables)")
+    return HostMemorySplit(cache_rows, max(log_floor, left // num_tables), staging_rows, write_back_rows)
+
+
+_STAGING_SHARE = 8            # the staging area: an eighth of the budget,
+_WRITE_BACK_SHARE = 32        # the write-back buffer: a thirty-second,
+_BUFFER_MAX_BYTES = 32 << 20  # each at most this many bytes of rows,
+_BUFFER_MIN_ROWS = 64         # and at least this many rows
+
+
+def _most_rows_within(limit_bytes: int, low: int, high: int, bytes_of: Callable[[int], int]) -> int:
+    """The most rows in [low, high] whose `bytes_of` fits `limit_bytes` (`low` when none does):
+    bytes grow with the rows, in steps where an index doubles, so it is searched, not divided."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if bytes_of(middle) <= limit_bytes else (low, middle - 1)
+    return low
+
+
+def cache_host_bytes(cache_rows: int, row_bytes: int) -> int:
+    """Host memory of a CPU cache of `cache_rows` rows: the rows, and the key -> slot index, slot
+    state and policy counters the cache keeps beside them (C++'s own count)."""
+    return cache_rows * row_bytes + _C.cache_bytes_beside_rows(cache_rows)
+
+
+def buffer_host_bytes(staging_rows: int, write_back_rows: int, row_bytes: int) -> int:
+    """Host memory of a cache's staging area and write-back buffer holding these many rows (C++'s
+    own count: rows, index, per-entry state)."""
+    return _C.cache_buffer_bytes(staging_rows, write_back_rows, row_bytes // 4)
+
+
+def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:
+    """The smallest budget with which `split_host_memory` caches every row (the same rule, searched)."""
+    return _least_budget(num_tables, total_rows, row_bytes, store_min_bytes, cached_rows=total_rows)
+
+
+def least_host_memory(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:
+    """The smallest budget `split_host_memory` accepts for these tables: the stores' least logs
+    (`store_min_bytes` for reopened ones) and the smallest staging area and write-back buffer,
+    with a cache of no rows (the same rule, searched)."""
+    return _least_budget(num_tables, total_rows, row_bytes, store_min_bytes, cached_rows=0)
+
+
+def stores_min_bytes(paths: Sequence[str], backend: str = "mlkv") -> int:
+    """The least log memory any of the stores at `paths` opens with: a table reopened with a smaller
+    budget than it was created with keeps its log's page size (`KVStore.minimum_memory_bytes`).
+    0 where none is there yet, and for RocksDB."""
+    return 0 if backend == "rocksdb" else max((KVStore.minimum_memory_bytes(p) for p in paths), default=0)
+
+
+def _least_budget(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int, cached_rows: int) -> int:
+    """The smallest budget `split_host_memory` accepts with a cache of at least `cached_rows` rows.
+    The rule's shares grow with the budget, so the answer lies between the stores' least logs plus
+    those rows and twice that plus the largest buffers."""
+    def enough(budget: int) -> bool:
+        try:
+            return split_host_memory(budget, num_tables, total_rows, row_bytes, True,
+                                     store_min_bytes=store_min_bytes).cache_rows >= cached_rows
+        except MemoryBudgetError:
+            return False
+    low = cache_host_bytes(cached_rows, row_bytes) + num_tables * max(_STORE_MIN_BYTES, store_min_bytes)
+    largest = _BUFFER_MAX_BYTES // row_bytes + 1
+    high = 2 * low + buffer_host_bytes(largest, largest, row_bytes)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if enough(middle) else (middle + 1, high)
+    return low
