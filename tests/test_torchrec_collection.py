@@ -423,8 +423,20 @@ def test_built_on_the_meta_device_it_opens_nothing_until_to_empty(tmp_path):
                  over_arch_layer_sizes=[16, 1], dense_device=torch.device("meta"))
     assert not path.exists()  # no store opened, no rows allocated
     assert model.state_dict()["sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"].is_meta
+    # Forward there gives shapes alone, as EmbeddingBagCollection's on meta: the same keys and shape,
+    # also through the model.
+    ours, theirs = ebc(kjt(0)), EmbeddingBagCollection(tables(), device=torch.device("meta"))(kjt(0))
+    assert ours.values().is_meta and ours.values().shape == theirs.values().shape
+    assert ours.keys() == theirs.keys() and ours.length_per_key() == theirs.length_per_key()
+    in_model = DLRM(embedding_bag_collection=DiskEmbeddingBagCollection(  # DLRM reads unshared features
+        tables(shared=False), device=torch.device("meta"), path=tmp_path / "m", optimizer=optim.SGD(lr=0.1)),
+        dense_in_features=4, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
+        dense_device=torch.device("meta"))
+    logits = in_model(torch.empty(6, 4, device="meta"), kjt(0))
+    assert logits.is_meta and logits.shape == (6, 1)
+    assert not path.exists() and not (tmp_path / "m").exists()
     with pytest.raises(RuntimeError, match="meta device: materialise it with to_empty"):
-        ebc(kjt(0))
+        ebc.fused_optimizer
     with pytest.raises(RuntimeError, match=r"embedding_bags\.t0\.weight: the collection is on the meta device, .*"
                                            r"call to_empty\(device=\.\.\.\) first"):
         ebc.load_state_dict(EmbeddingBagCollection(tables()).state_dict())
@@ -455,6 +467,12 @@ def test_symbolic_tracing_keeps_the_collection_as_one_call(tmp_path, trace):
     before = disk.embedding_bags["t0"].export_rows(torch.arange(500))
     traced(dense, kjt(4)).sum().backward()
     assert not torch.equal(disk.embedding_bags["t0"].export_rows(torch.arange(500)), before)
+    # The collection traced as the root itself (as TorchRec traces an EmbeddingBagCollection).
+    alone = (torch.fx.symbolic_trace if trace == "torch.fx" else torchrec.fx.symbolic_trace)(disk)
+    with torch.no_grad():
+        got, expected = alone(kjt(5)), disk(kjt(5))
+    assert got.keys() == expected.keys()
+    torch.testing.assert_close(got.values(), expected.values(), rtol=0, atol=0)
     disk.close()
 
 

@@ -352,11 +352,21 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
         if isinstance(features, torch.fx.Proxy):
             # Traced (torch.fx, TorchRec's tracer): the collection is one call in the graph, run as is
-            # (a leaf), as the lookup depends on the ids' values.
+            # (a leaf), as the lookup depends on the ids' values. Traced as the root itself, it has no
+            # path: the graph calls its lookup, which it keeps.
             tracer = features.tracer
-            return tracer.create_proxy("call_module", tracer.path_of_module(self), (features,), {})
+            path = tracer.path_of_module(self)
+            if path:
+                return tracer.create_proxy("call_module", path, (features,), {})
+            return tracer.create_proxy("call_function", self._pool, (features,), {})
+        return self._pool(features)
+
+    def _pool(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        if self._device.type == "meta":  # shapes alone, as EmbeddingBagCollection gives there: nothing is read
+            return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
+                               values=torch.empty(features.stride(), sum(self._lengths_per_embedding), device="meta"))
         self._check_materialised()
         self._adopt_optimizer_in_backward()
         missing = sorted(self._known_features - set(features.keys()))
