@@ -93,7 +93,7 @@ struct CacheOptions {
   // Rows of the lookahead staging area, and of the write-back buffer before a fetch waits for the
   // writer (each at least 1); the memory budget counts both (HostBytesOfBuffers).
   int64_t staging_rows = 4096;
-  int64_t write_back_rows = 4096;
+  int64_t write_back_rows = 4096;  // rows the buffer may hold before a fetch waits for the writer
 };
 
 struct CacheStats {
@@ -394,8 +394,7 @@ class EmbeddingCache {
   Status cut_error_;
   Status write_error_;  // the writer's last failure; it writes again when a call asks (write_retry_)
   bool write_retry_ = false;
-  int64_t write_attempts_ =
-      0;  // batches the writer tried to put  // rows the buffer may hold before a fetch waits for the writer
+  int64_t write_attempts_ = 0;  // batches the writer tried to put
   std::condition_variable writer_cv_, written_cv_;  // with mu_
   bool writer_stopping_ = false;
   std::thread writer_;

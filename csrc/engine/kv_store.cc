@@ -453,8 +453,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
   const auto* vals = static_cast<const uint8_t*>(values);
   StallForCompaction();
   // In chunks whose appends reuse only frames already written: the wait for the disk happens
-  // without the lock, not in StartPage under it, where every get of the store would wait too
-  // (a cut's puts made training's gets wait 50-125 ms a step that way).
+  // without the lock, not in StartPage under it, where every get of the store would wait too.
   for (size_t done = 0; done < n;) {
     const size_t end = done + MakeAppendRoom(n - done);
     std::unique_lock<std::shared_mutex> lock(mu_);

@@ -71,8 +71,8 @@ struct IndexImageHeader {
 };
 static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
 // The header's words its checksum covers: sequence, the counts and flushed (a later checkpoint's
-// replay starts at flushed). Images from builds that covered the counts alone fail it, and the
-// log is scanned instead.
+// replay starts at flushed). An image whose checksum does not match is not trusted: the log is
+// scanned instead.
 constexpr size_t kIndexImageCheckedWords = 6;
 static_assert(offsetof(IndexImageHeader, flushed) - offsetof(IndexImageHeader, sequence) ==
                   (kIndexImageCheckedWords - 1) * sizeof(uint64_t),
