@@ -33,6 +33,7 @@ from . import optim as optim_lib
 from .checks import is_int
 from .memory_budget import (HostMemorySplit, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,  # noqa: F401
                             host_memory_for_all_rows, least_host_memory, split_host_memory, stores_min_bytes)
+from .row_layout import row_bytes, weight_words
 from .cut import CutPart, PendingCut, check_cut, read_cut, read_json_record, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
@@ -364,8 +365,8 @@ class DiskTableBatch:
         self.device = device
         self.memory_budget_bytes = memory_budget_bytes
         self.state_dim = optimizer.state_dim(embedding_dim)
-        self.weight_words = -(-embedding_dim * dtype.itemsize // 4)  # 32-bit words of a row's weights
-        self.row_bytes = 4 * (self.weight_words + self.state_dim)
+        self.weight_words = weight_words(embedding_dim, dtype)
+        self.row_bytes = row_bytes(embedding_dim, dtype, optimizer)
         store_min_bytes = stores_min_bytes([t.path for t in self.tables], backend)
         self.cache_rows, log_bytes, self.staging_rows, self.write_back_rows = split_host_memory(
             memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,

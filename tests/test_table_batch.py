@@ -7,6 +7,7 @@ import torch
 from conftest import rounding_tolerance
 from mlkv_torch import optim
 from mlkv_torch.embedding import DiskTable, DiskTableBatch
+from mlkv_torch.row_layout import row_words, weight_words
 
 ROWS = [700, 40, 300]
 DIM = 8
@@ -127,3 +128,16 @@ def test_a_reopened_table_keeps_the_seed_it_was_created_with(tmp_path):
     (tmp_path / "t" / "TABLE.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"TABLE.json is unreadable or corrupted"):
         DiskTableBatch([DiskTable("t", 1000, str(tmp_path / "t"), seed=11)], DIM, reopen=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("optimizer", [optim.SGD(), optim.Adagrad(), optim.RowWiseAdagrad(), optim.Adam()],
+                         ids=["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_the_row_layout_is_the_one_the_cache_uses(tmp_path, dtype, optimizer):
+    # Python sizes budgets and stores by mlkv_torch.row_layout; the C++ cache lays rows out itself.
+    for dim in (1, 3, 8):
+        batch = DiskTableBatch([DiskTable("t", 10, str(tmp_path / f"t{dim}"))], dim, optimizer=optimizer,
+                               memory_budget_bytes=1 << 20, dtype=dtype)
+        assert batch.cache.weight_words == weight_words(dim, dtype)
+        assert batch.cache.row_words == row_words(dim, dtype, optimizer)
+        batch.close()

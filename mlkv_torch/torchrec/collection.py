@@ -19,7 +19,8 @@ from ..memory_budget import MemoryBudgetError, host_memory_for_all_rows, least_h
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
 from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting, select_features,
-                     initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
+                     initial_distribution_of, optimizer_from_fused_params, table_seed)
+from ..row_layout import row_bytes
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]
 

@@ -34,7 +34,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from .. import optim as optim_lib
 from .sharding import (DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, planning_with_disk,
                        resolve_optimizer, shard_memory_budget)
-from .tables import row_bytes
+from ..row_layout import row_bytes
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
 

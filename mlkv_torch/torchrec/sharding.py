@@ -59,7 +59,8 @@ from .. import optim as optim_lib
 from ..cut import CutPart, PendingCut, read_cut, write_cut
 from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
-                     fused_params_of, initial_distribution_of, optimizer_from_fused_params, row_bytes, table_seed)
+                     fused_params_of, initial_distribution_of, optimizer_from_fused_params, table_seed)
+from ..row_layout import row_bytes
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
            "ShardedDiskEmbeddingBagCollection", "disk_tables_left_out", "resolve_optimizer", "shard_memory_budget"]

@@ -83,11 +83,6 @@ def table_seed(seed: int, table_name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(table_name.encode())) & 0x7FFFFFFF
 
 
-def row_bytes(embedding_dim: int, dtype: torch.dtype, optimizer: optim_lib.SparseOptimizer) -> int:
-    """Bytes of one stored row: the weights (padded to 32-bit words) and the float32 optimizer state."""
-    return 4 * (-(-embedding_dim * dtype.itemsize // 4) + optimizer.state_dim(embedding_dim))
-
-
 def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJaggedTensor:
     """The features at `positions` of a KeyedJaggedTensor with one batch size for every feature,
     in that order (a feature may be left out or repeated).
