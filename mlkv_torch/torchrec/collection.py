@@ -18,7 +18,7 @@ from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_tab
 from ..memory_budget import MemoryBudgetError, host_memory_for_all_rows, least_host_memory, stores_min_bytes
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
-from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting, select_features,
+from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting, TableOptimizerState, select_features,
                      initial_distribution_of, optimizer_from_fused_params, table_seed)
 from ..row_layout import row_bytes
 
@@ -52,22 +52,12 @@ def split_budget(budget: int, needs: List[int], traffic: List[float], least: Opt
     return shares
 
 
-class _TableOptimizerState:
-    """One table's optimizer state in TorchRec's stateful protocol: KeyedOptimizer.state_dict() calls
-    `state_dict()` ({"rows": [num_embeddings, state columns] read from the store, "step": the steps
-    its kernel took, which Adam's bias correction uses}), load_state_dict() calls
-    `load_state_dict()` (written back). So `fused_optimizer.state_dict()` carries what
-    `torch.optim.Adagrad` over an EmbeddingBagCollection's weights would."""
-
-    def __init__(self, bag: DiskEmbeddingBag) -> None:
-        self._bag = bag
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"rows": self._bag.state_snapshot(), "step": self._bag.steps}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._bag.restore(state=state["rows"])
-        self._bag.steps = int(state["step"])
+def _optimizer_state_of(bag: DiskEmbeddingBag) -> TableOptimizerState:
+    """A table's optimizer state for the fused optimizer's state_dict (TableOptimizerState)."""
+    def write(rows: torch.Tensor, step: int) -> None:
+        bag.restore(state=rows)
+        bag.steps = step
+    return TableOptimizerState(bag.state_snapshot, lambda: bag.steps, write)
 
 
 class _TableOnMeta(nn.Module):
@@ -258,7 +248,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             write_cut(self._opening["path"], cut)  # the newer cut the stores went back from is gone
         self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
         # Tables with optimizer state keep it in the optimizer's state_dict, as the sharded kernel does.
-        state = {bags[t.name]._anchor: {f"{t.name}.optimizer_state": _TableOptimizerState(bags[t.name])}
+        state = {bags[t.name]._anchor: {f"{t.name}.optimizer_state": _optimizer_state_of(bags[t.name])}
                  for t in tables if bags[t.name].state_dim}
         self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, state,
                                                    self._lr)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import warnings
 from collections import defaultdict
@@ -59,7 +60,8 @@ from .. import optim as optim_lib
 from ..cut import CutPart, PendingCut, read_cut, write_cut
 from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
-                     fused_params_of, initial_distribution_of, optimizer_from_fused_params, table_seed)
+                     TableOptimizerState, disk_tables_in_state_dict, disk_tables_left_out, fused_params_of,
+                     initial_distribution_of, optimizer_from_fused_params, table_seed)
 from ..row_layout import row_bytes
 
 __all__ = ["DISK_KERNEL", "DiskEmbeddingBagCollectionSharder", "DiskEmbeddingKernel", "DiskTableOptions",
@@ -93,24 +95,6 @@ def planning_with_disk() -> Iterator[None]:
         yield
     finally:
         _planning_with_disk.reset(token)
-
-
-_disk_tables_in_state_dict: contextvars.ContextVar[bool] = contextvars.ContextVar("disk_tables_in_state_dict",
-                                                                                 default=True)
-
-
-@contextlib.contextmanager
-def disk_tables_left_out() -> Iterator[None]:
-    """Within it, ``state_dict()`` of a sharded model and of its optimizer leaves the disk tables'
-    rows and optimizer state out (only their step counts stay), and ``load_state_dict()`` does
-    not miss them: a training checkpoint that holds them in cuts of their own
-    (`ShardedDiskEmbeddingBagCollection.checkpoint`) saves the rest with
-    torch.distributed.checkpoint, and copies no row."""
-    token = _disk_tables_in_state_dict.set(False)
-    try:
-        yield
-    finally:
-        _disk_tables_in_state_dict.reset(token)
 
 
 @dataclass(frozen=True)
@@ -153,26 +137,6 @@ def resolve_optimizer(fused_params: Optional[Dict[str, Any]], table: str, option
     """A disk table's optimizer: from TorchRec's fused parameters (where apply_optimizer_in_backward
     and the sharder's fused_params arrive), else the sharder's rule, else TorchRec's default SGD."""
     return optimizer_from_fused_params(fused_params, table) or options.optimizer or optim_lib.SGD()
-
-
-class _ShardOptimizerState:
-    """The optimizer state of one table's shards on this rank, in TorchRec's stateful protocol:
-    KeyedOptimizer.state_dict() calls `state_dict()` ({"rows": a ShardedTensor [rows, state
-    columns] read from the stores, "step": the table's step count, which Adam's bias correction
-    uses}) and load_state_dict() calls `load_state_dict()` (written back to them)."""
-
-    def __init__(self, kernel: "DiskEmbeddingKernel", table: str) -> None:
-        self._kernel, self._table = kernel, table
-
-    def state_dict(self) -> Dict[str, Any]:
-        if not _disk_tables_in_state_dict.get():  # the rows are in a cut (disk_tables_left_out)
-            return {"step": self._kernel.step_of(self._table)}
-        return {"rows": self._kernel.optimizer_state(self._table), "step": self._kernel.step_of(self._table)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if "rows" not in state:  # saved with disk_tables_left_out: the tables reopened at their cut
-            return
-        self._kernel.load_optimizer_state(self._table, state["rows"], int(state["step"]))
 
 
 class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
@@ -247,7 +211,9 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         for table, bag in zip(self._shards, self.bags):
             self._bags_by_table[table.name].append((table, bag))
         params = {f"{name}.weight": shards[0][1]._anchor for name, shards in self._bags_by_table.items()}
-        state = {shards[0][1]._anchor: {f"{name}.optimizer_state": _ShardOptimizerState(self, name)}
+        state = {shards[0][1]._anchor: {f"{name}.optimizer_state": TableOptimizerState(
+            functools.partial(self.optimizer_state, name), functools.partial(self.step_of, name),
+            functools.partial(self.load_optimizer_state, name))}
                  for name, shards in self._bags_by_table.items() if shards[0][1].state_dim}
         self._optimizer = DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
 
@@ -301,7 +267,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     def flush(self) -> None:
         # TorchRec flushes every lookup before a state_dict; one that leaves the disk tables out
         # must not write them back (nor wait for a cut being written).
-        if not _disk_tables_in_state_dict.get():
+        if not disk_tables_in_state_dict():
             return
         for batch in self._batches:
             batch.flush()
@@ -568,7 +534,7 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     @staticmethod
     def _disk_tables_to_state_dict(module: "ShardedDiskEmbeddingBagCollection", destination: Dict[str, Any],
                                    prefix: str, local_metadata: Dict[str, Any]) -> None:
-        if not _disk_tables_in_state_dict.get():  # nor what the base module put under their names
+        if not disk_tables_in_state_dict():  # nor what the base module put under their names
             for table in module._disk_table_names:
                 destination.pop(f"{prefix}embedding_bags.{table}.weight", None)
             return
@@ -587,7 +553,7 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         kernels = {table: kernel for kernel in module.disk_kernels() for table in kernel.table_names}
         for table in module._disk_table_names:
             key = f"{prefix}embedding_bags.{table}.weight"
-            if not _disk_tables_in_state_dict.get():  # the tables reopened at their cut
+            if not disk_tables_in_state_dict():  # the tables reopened at their cut
                 module._skip_missing_weight_key.append(key)
                 continue
             if key not in state_dict:

@@ -4,11 +4,13 @@ table-batched kernels (KernelRouting), and how TorchRec's fused optimizer parame
 mlkv_torch.optim."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import warnings
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -23,6 +25,53 @@ from ..embedding import DiskTableBatch
 POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 MIN_TABLE_BUDGET = 64 << 10  # a table's share never drops below the store's few pages
+
+
+_disk_tables_in_state_dict: contextvars.ContextVar[bool] = contextvars.ContextVar("disk_tables_in_state_dict",
+                                                                                 default=True)
+
+
+@contextlib.contextmanager
+def disk_tables_left_out() -> Iterator[None]:
+    """Within it, ``state_dict()`` of a sharded model and of its optimizer leaves the disk tables'
+    rows and optimizer state out (only their step counts stay), and ``load_state_dict()`` does
+    not miss them: a training checkpoint that holds them in cuts of their own
+    (`ShardedDiskEmbeddingBagCollection.checkpoint`) saves the rest with
+    torch.distributed.checkpoint, and copies no row."""
+    token = _disk_tables_in_state_dict.set(False)
+    try:
+        yield
+    finally:
+        _disk_tables_in_state_dict.reset(token)
+
+
+def disk_tables_in_state_dict() -> bool:
+    """False within `disk_tables_left_out`."""
+    return _disk_tables_in_state_dict.get()
+
+
+class TableOptimizerState:
+    """One table's optimizer state in TorchRec's stateful protocol, for a collection's table and a
+    rank's shards of one alike: KeyedOptimizer.state_dict() calls `state_dict()` ({"rows": the
+    state rows read from the stores (a ShardedTensor for shards), "step": the steps its kernel took,
+    which Adam's bias correction uses}); load_state_dict() calls `load_state_dict()` (written back).
+    So `fused_optimizer.state_dict()` carries what ``torch.optim.Adagrad`` over an
+    EmbeddingBagCollection's weights would. Within `disk_tables_left_out` only the step is carried
+    (the rows are in a cut)."""
+
+    def __init__(self, read_rows: Callable[[], Any], read_step: Callable[[], int],
+                 write: Callable[[Any, int], None]) -> None:
+        self._read_rows, self._read_step, self._write = read_rows, read_step, write
+
+    def state_dict(self) -> Dict[str, Any]:
+        if not disk_tables_in_state_dict():
+            return {"step": self._read_step()}
+        return {"rows": self._read_rows(), "step": self._read_step()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "rows" not in state:  # saved within disk_tables_left_out: the tables reopened at their cut
+            return
+        self._write(state["rows"], int(state["step"]))
 
 
 class DiskFusedOptimizer(FusedOptimizer):
