@@ -6,7 +6,8 @@ import torch
 
 from conftest import rounding_tolerance
 from mlkv_torch import optim
-from mlkv_torch.embedding import DiskTable, DiskTableBatch
+from mlkv_torch.disk_table import DiskTable
+from mlkv_torch.table_batch import DiskTableBatch
 from mlkv_torch.row_layout import row_words, weight_words
 
 ROWS = [700, 40, 300]

@@ -7,7 +7,8 @@ import os
 import torch
 
 from mlkv_torch import KVStore, optim
-from mlkv_torch.embedding import DiskTable, DiskTableBatch
+from mlkv_torch.disk_table import DiskTable
+from mlkv_torch.table_batch import DiskTableBatch
 
 
 def mlkv_threads() -> collections.Counter:

@@ -14,7 +14,9 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch, destroy_table, directory_path, draw_seed
+from ..disk_table import DiskTable, destroy_table, directory_path, draw_seed
+from ..embedding import DiskEmbeddingBag
+from ..table_batch import DiskTableBatch
 from ..memory_budget import MemoryBudgetError, host_memory_for_all_rows, least_host_memory, stores_min_bytes
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore

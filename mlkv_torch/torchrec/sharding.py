@@ -58,7 +58,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
 from ..cut import CutPart, PendingCut, read_cut, write_cut
-from ..embedding import BACKENDS, DiskEmbeddingBag, DiskTable, DiskTableBatch, draw_seed
+from ..disk_table import DiskTable, draw_seed
+from ..embedding import DiskEmbeddingBag
+from ..table_batch import BACKENDS, DiskTableBatch
 from .tables import (DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, DiskFusedOptimizer, KernelRouting,
                      TableOptimizerState, disk_tables_in_state_dict, disk_tables_left_out, fused_params_of,
                      initial_distribution_of, optimizer_from_fused_params, table_seed)

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.optim.fused import FusedOptimizer
 
 from .. import optim as optim_lib
-from ..embedding import DiskTableBatch
+from ..table_batch import DiskTableBatch
 
 POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}

@@ -1,0 +1,424 @@
+"""The table-batched disk kernel: DiskTableBatch (the tables of one row layout, one cache, one
+lookup and one optimizer pass a batch) and its autograd glue."""
+from __future__ import annotations
+
+import atexit
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _C
+from . import optim as optim_lib
+from .checks import is_int
+from .cut import CutPart, check_cut
+from .disk_table import DiskTable, _settle_reopened
+from .memory_budget import split_host_memory, stores_min_bytes
+from .row_layout import row_bytes, weight_words
+from .store import KVStore, RocksDBStore
+
+_MODES = ("sum", "mean")
+_WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_CACHE_POLICIES = ("lfu", "lru")
+BACKENDS = ("mlkv", "rocksdb")  # the stores a table can sit on
+# A table's store updates half its log pages in place, not 0.9 (KVStore's default): the cache in
+# front of it takes the rows updated often, and with half its pages read-only the store's flush
+# writes several at a time (see KVStore::StartPage).
+_STORE_MUTABLE_FRACTION = 0.5
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Autograd glue of the table-batched lookup: pools the fetched rows of every feature in one
+    ``embedding_bag`` call; backward computes one gradient row per distinct key and queues the
+    batch's fused optimizer step. `anchors` (one empty parameter per table) make backward run
+    even when no other input needs a gradient, and say which tables train: under no_grad, or
+    with a table frozen, its rows are not updated."""
+
+    @staticmethod
+    def forward(ctx: Any, batch: "DiskTableBatch", unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+                weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
+                device_lookup: Optional[Tuple[torch.Tensor, int, int]], *anchors: torch.Tensor) -> torch.Tensor:
+        out = F.embedding_bag(inverse, weights, offsets, mode=batch.mode, per_sample_weights=per_sample_weights,
+                              include_last_offset=True)
+        ctx.batch = batch
+        ctx.device_lookup = device_lookup  # (slots, index version, rows not cached) of a device lookup
+        psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[5]
+        ctx.save_for_backward(unique, inverse, offsets, weights if psw_needs_grad else None, per_sample_weights)
+        ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        batch: DiskTableBatch = ctx.batch
+        unique, inverse, offsets, weights, per_sample_weights = ctx.saved_tensors
+        if grad_out.device.type == "cpu":
+            grads, grad_psw = _C.bag_backward(grad_out, offsets, inverse, unique.numel(), batch.mode == "mean",
+                                              per_sample_weights, weights)
+        else:
+            grads, grad_psw = _bag_backward_torch(grad_out, offsets, inverse, unique.numel(), batch.mode == "mean",
+                                                  per_sample_weights, weights)
+        if grad_psw is not None:
+            grad_psw = grad_psw.to(per_sample_weights.dtype)
+        trains = ctx.needs_input_grad[7:]
+        if ctx.device_lookup is not None:
+            slots, version, outside = ctx.device_lookup
+            if all(trains):
+                batch.update_on_device(unique, slots, version, outside, grads)
+            elif any(trains):  # some tables frozen: their rows keep their values
+                keep = torch.tensor(trains, device=unique.device).index_select(
+                    0, unique >> _C.EmbeddingCache.table_shift)
+                batch.update_on_device(unique[keep], slots[keep], version, -1, grads[keep])
+        elif all(trains):
+            batch.queue_update(unique, grads)
+        elif any(trains):  # some tables frozen (requires_grad_(False)): their rows keep their values
+            keep = torch.tensor(trains).index_select(0, unique >> _C.EmbeddingCache.table_shift)
+            if bool(keep.any()):
+                batch.queue_update(unique[keep].contiguous(), grads[keep.to(grads.device)])
+        # A training table's anchor gets its (empty) gradient: data-parallel wrappers (DDP) expect
+        # every parameter that takes part in the forward to receive one.
+        anchor_grads = tuple(torch.zeros(shape, dtype=dtype, device=device) if train else None
+                             for train, (shape, dtype, device) in zip(trains, ctx.anchors))
+        return (None, None, None, None, None, grad_psw, None) + anchor_grads
+
+
+_OPEN_BATCHES: "weakref.WeakSet[DiskTableBatch]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_tables() -> None:
+    """At interpreter exit, close tables still open: their cached rows reach the stores, and the
+    cache's threads stop before the interpreter and torch tear down."""
+    for batch in list(_OPEN_BATCHES):
+        try:
+            batch.close()
+        except Exception as e:  # exiting anyway: say what was lost
+            warnings.warn(f"closing {', '.join(s.path for s in batch.stores)} at exit failed: {e}")
+
+
+def _bag_backward_torch(grad_out: torch.Tensor, offsets: torch.Tensor, inverse: torch.Tensor, distinct: int, mean: bool,
+                        per_sample_weights: Optional[torch.Tensor], weights: Optional[torch.Tensor]
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """_C.bag_backward in torch ops, for devices other than the CPU."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                     output_size=inverse.numel())  # known: no synchronisation
+    per_id = grad_out.to(torch.float32).index_select(0, bag_of)  # d out[bag] / d weight row, per input position
+    grad_psw = None
+    if weights is not None:
+        grad_psw = (per_id * weights.index_select(0, inverse).to(torch.float32)).sum(1)
+    if mean:
+        per_id = per_id / lengths.index_select(0, bag_of).unsqueeze(1).to(torch.float32)
+    elif per_sample_weights is not None:
+        per_id = per_id * per_sample_weights.to(torch.float32).unsqueeze(1)
+    grads = torch.zeros(distinct, grad_out.shape[1], dtype=torch.float32, device=per_id.device)
+    return grads.index_add_(0, inverse, per_id), grad_psw
+
+
+def _cache_init(table: DiskTable) -> Tuple[bool, float, float]:
+    """The (normal, a, b) a cache table's initial rows take (see EmbeddingCache's table tuple)."""
+    kind, a, b = table.initial_distribution()
+    return kind == "normal", a, b
+
+
+def _as_int64(ids: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what} must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    # To a GPU without blocking (from pinned memory the copy overlaps); to the host, blocking.
+    return ids.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
+
+
+def _as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
+    return _as_int64(ids, what, torch.device("cpu"))  # the cache's index lives on the host
+
+
+class DiskTableBatch:
+    """The table-batched disk kernel: tables of one row layout (dim, weight type, optimizer,
+    pooling) behind one hot cache, as FBGEMM's table-batched embeddings are.
+
+    A batch of every table's features is deduplicated, fetched (misses read from each table's
+    store in one batched read per table), pooled in one ``embedding_bag`` call and updated by one
+    fused optimizer pass over its distinct rows; one applier and one prefetch thread serve all the
+    tables. A cached row of table t, id i, is keyed ``(t << table_shift) | i``, so admission and
+    eviction weigh every table's rows against each other by frequency.
+
+    DiskEmbeddingBag is the one-table case; DiskEmbeddingBagCollection and the sharded disk kernel
+    build one batch per row layout and view each table as a DiskEmbeddingBag.
+
+    Args:
+        tables: the tables (each its own store directory).
+        embedding_dim: elements per row.
+        mode: "sum" or "mean".
+        optimizer: a `mlkv_torch.optim` rule, shared by the tables.
+        cache_rows: rows of the hot cache on `device`, for all tables; default by `split_host_memory`.
+        memory_budget_bytes: host memory for rows, for all tables (`split_host_memory`).
+        staleness: updates a forward may miss per row (0: exact).
+        dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
+        device: where the cache, the pooling and the output live (CPU or CUDA).
+        cache_policy: "lfu" (frequency-based admission) or "lru".
+        staging_bytes: bytes of rows for the staging area (rows read ahead, rows the policy kept out
+            until their update), inside the budget; default an eighth of the budget
+            (`split_host_memory`).
+        backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
+        reopen: continue from the rows and optimizer state that the tables' directories hold
+            from an earlier run; without it, a directory holding rows is refused
+            (FileExistsError), so a second run of a script never continues silently.
+        cut: reopen every table at this cut (a record `checkpoint` returned, `mlkv_torch.cut`):
+            each store at the checkpoint it names, the optimizer at its step. ValueError names a
+            table whose store has moved past it or is missing from it.
+    """
+
+    def __init__(self, tables: Sequence[DiskTable], embedding_dim: int, *, mode: str = "sum",
+                 optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
+                 memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[str, torch.device]] = None, cache_policy: str = "lfu",
+                 staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False,
+                 cut: Optional[Dict[str, Any]] = None) -> None:
+        for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
+            if not is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
+                            ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
+            if not is_int(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not tables:
+            raise ValueError("a table batch needs at least one table")
+        for t in tables:
+            if isinstance(t.num_embeddings, bool) or not isinstance(t.num_embeddings, int) or t.num_embeddings <= 0:
+                raise ValueError(f"num_embeddings must be a positive int, got {t.num_embeddings!r}")
+            if isinstance(t.first_column, bool) or not isinstance(t.first_column, int) or t.first_column < 0:
+                raise ValueError(f"first_column must be a non-negative int, got {t.first_column!r}")
+            if t.init is not None and (len(t.init) != 3 or t.init[0] not in ("uniform", "normal")):
+                raise ValueError(f"table {t.name!r}: init must be ('uniform', low, high) or ('normal', mean, std), "
+                                 f"got {t.init!r}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if dtype not in _WEIGHT_TYPES:
+            raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
+        if cache_policy not in _CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        optimizer = optimizer if optimizer is not None else optim_lib.SGD()
+        if not isinstance(optimizer, optim_lib.SparseOptimizer):
+            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.tables = list(tables)
+        self._closed_by_close = False  # set by close(): every operation refuses from then on
+        self.embedding_dim = embedding_dim
+        self.mode = mode
+        self.optimizer = optimizer
+        self.lr = float(optimizer.lr)
+        self.staleness = staleness
+        self.dtype = dtype
+        self.device = device
+        self.memory_budget_bytes = memory_budget_bytes
+        self.state_dim = optimizer.state_dim(embedding_dim)
+        self.weight_words = weight_words(embedding_dim, dtype)
+        self.row_bytes = row_bytes(embedding_dim, dtype, optimizer)
+        store_min_bytes = stores_min_bytes([t.path for t in self.tables], backend)
+        self.cache_rows, log_bytes, self.staging_rows, self.write_back_rows = split_host_memory(
+            memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,
+            device.type == "cpu", cache_rows, staging_bytes, store_min_bytes)
+        self.step = 0
+        self.backend = backend
+        # One empty parameter per table: autograd runs backward through it and tells which tables train.
+        # [0, dim]: TorchRec's row-wise optimizers (apply_optimizer_in_backward) build on it without failing.
+        self.anchors = [nn.Parameter(torch.empty(0, embedding_dim)) for _ in self.tables]
+        at_cut = self._entries_at(cut) if cut is not None else None
+        self.stores: List[Union[KVStore, RocksDBStore]] = []
+        try:
+            for i, t in enumerate(self.tables):
+                if backend == "rocksdb":
+                    self.stores.append(RocksDBStore(t.path, self.weight_words + self.state_dim, torch.float32,
+                                                    log_bytes))
+                    continue
+                checkpoint = at_cut[i]["checkpoint"] if at_cut else None
+                try:
+                    # Cut checkpoints: the store moves only when its tables' owner takes a cut.
+                    self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
+                                               expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22),
+                                               mutable_fraction=_STORE_MUTABLE_FRACTION, cut_checkpoints=True,
+                                               checkpoint=checkpoint))
+                except ValueError as e:
+                    if checkpoint is None:
+                        raise
+                    raise ValueError(f"table {t.name!r} cannot reopen at the cut {cut.get('label')!r} (its store's "
+                                     f"checkpoint {checkpoint}): {e}") from e
+            self.tables = _settle_reopened(self.tables, self.stores, reopen or cut is not None)
+            if at_cut:
+                self.step = max(entry["step"] for entry in at_cut)
+            eps, beta1, beta2 = optimizer.rule_constants()
+            self.cache = _C.EmbeddingCache(
+                [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
+                 for t, store in zip(self.tables, self.stores)],
+                capacity=self.cache_rows, dim=embedding_dim, weight_type=_WEIGHT_TYPES[dtype], kind=optimizer.kind,
+                eps=eps, beta1=beta1, beta2=beta2,
+                initial_state=optimizer.initial_state(1, embedding_dim).flatten().tolist(), policy=cache_policy,
+                staleness=staleness, device=str(device), staging_rows=self.staging_rows,
+                write_back_rows=self.write_back_rows)
+        except BaseException:
+            for store in self.stores:
+                store.close()
+            raise
+        _OPEN_BATCHES.add(self)
+
+    def _entries_at(self, cut: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Each table's entry in a cut record, in table order; ValueError names the tables it lacks."""
+        check_cut(cut, "cut")
+        missing = [t.name for t in self.tables if t.name not in cut["tables"]]
+        if missing:
+            raise ValueError(f"the cut {cut.get('label')!r} records tables {sorted(cut['tables'])}, not {missing}")
+        return [cut["tables"][t.name] for t in self.tables]
+
+    def begin_checkpoint(self) -> CutPart:
+        """Begins this batch's part of a cut at the current step boundary and returns at once: queued
+        updates are applied and the cut's rows set aside; the cache's writer thread then writes them
+        and checkpoints every store while training goes on (rows changed meanwhile reach the stores
+        after the checkpoints). The part's `finish` waits for that and returns each table's
+        {"checkpoint": store checkpoint, "step": optimizer step}, by table name; it raises what
+        failed (a full disk), and can be called again after a failed write. Whoever owns the tables
+        records the result (`mlkv_torch.cut.write_cut`), then calls the part's `commit`; until then
+        each store keeps the checkpoint last committed, and a cut begun next replaces this one."""
+        if self.cache.cut_pending:  # one begun earlier and never finished (its wait raised): its rows go first
+            self.cache.finish_cut(superseded=True)  # never committed: the stores keep the committed cut beside the next
+        self.cache.begin_cut()
+        step = self.step
+        written: List[int] = []
+
+        def finish() -> Dict[str, Dict[str, Optional[int]]]:
+            written[:] = self.cache.finish_cut()
+            return {t.name: {"checkpoint": sequence or None, "step": step} for t, sequence in zip(self.tables, written)}
+
+        def commit() -> None:
+            for store, sequence in zip(self.stores, written):
+                if sequence and isinstance(store, KVStore):
+                    store.commit_checkpoint(sequence)
+        return CutPart(finish, commit)
+
+    def checkpoint(self) -> Dict[str, Dict[str, Optional[int]]]:
+        """This batch's part of a cut, taken and written before this returns (`begin_checkpoint`);
+        not committed: the caller records it and commits it (`CutPart.commit`), or it is replaced."""
+        return self.begin_checkpoint().finish()
+
+    # ---- keys -------------------------------------------------------------------------------------
+    def keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """The cache keys of rows `ids` (int64 CPU) of table `table`; an id outside the table raises."""
+        if not 0 <= table < len(self.tables):
+            raise ValueError(f"table {table} of {len(self.tables)}")
+        n = self.tables[table].num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"id {bad} is out of range [0, {n}) of table {self.tables[table].name!r}")
+        return ids | (table << _C.EmbeddingCache.table_shift) if table else ids
+
+    def unique_keys(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Distinct keys of a batch of features (`values` feature after feature, feature_counts[f] ids
+        of table feature_tables[f]) and each value's index among them; an id out of its table's range
+        raises ValueError naming the table."""
+        return self.cache.unique_keys(_as_int64_cpu(values, "ids").reshape(-1).contiguous(), feature_counts,
+                                      feature_tables)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def pool(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int], offsets: torch.Tensor,
+             per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
+        over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
+        anchor (`anchors[t]`) requires a gradient."""
+        self._check_open()
+        device_lookup = None
+        if self.device.type == "cuda":  # keyed, deduplicated and looked up on the device
+            values = _as_int64(values, "ids", self.device).reshape(-1).contiguous()
+            unique, inverse, words, slots, version, outside = self.cache.lookup_on_device(values, feature_counts,
+                                                                                         feature_tables)
+            device_lookup = (slots, version, outside)
+        else:
+            unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
+            words = self.cache.fetch(unique)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
+        return _PooledLookup.apply(self, unique, inverse.to(self.device), offsets.to(self.device, non_blocking=True),
+                                   self.weights_of(words), per_sample_weights, device_lookup, *self.anchors)
+
+    def queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
+        """Queues one optimizer step (at the current `lr`) for distinct keys `unique`."""
+        self._check_open()
+        self.step += 1
+        self.cache.queue_update(unique, grads.contiguous(), self.step, self.lr)
+
+    def update_on_device(self, unique: torch.Tensor, slots: torch.Tensor, version: int, outside: int,
+                         grads: torch.Tensor) -> None:
+        """One optimizer step (at the current `lr`) for the distinct keys of a device lookup, on
+        their slots (CUDA): `outside` of them (-1: unknown) are not cached."""
+        self._check_open()
+        self.step += 1
+        self.cache.update_on_device(unique, slots, version, outside, grads.contiguous(), self.step, self.lr)
+
+    def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> None:
+        """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once."""
+        self._check_open()
+        self.cache.lookahead(self.unique_keys(values, feature_counts, feature_tables)[0])
+
+    # ---- rows -------------------------------------------------------------------------------------
+    def weights_of(self, words: torch.Tensor) -> torch.Tensor:
+        """[n, dim] weights of `dtype`, viewed in rows of 32-bit words."""
+        if self.dtype == torch.float32:
+            return words[:, : self.embedding_dim]
+        return words.view(self.dtype)[:, : self.embedding_dim]
+
+    def read_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """Current full rows (weights' words, then state) [n, row words] float32 of table `table`."""
+        self._check_open()
+        return self.cache.read_rows(self.keys(table, ids))
+
+    def write_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._check_open()
+        self.cache.write_rows(self.keys(table, ids), rows)
+
+    def synchronize(self) -> None:
+        self.cache.drain()
+
+    def flush(self) -> None:
+        """Applies queued updates and writes every changed row to the stores."""
+        self.cache.write_back()
+        for store in self.stores:
+            store.flush()
+
+    def stats(self, table: int) -> Dict[str, Any]:
+        """Table `table`'s store counters and its part of the cache's (hits, misses, store reads,
+        cached rows), beside the counters the tables share (pending updates, staleness, prefetch
+        timing)."""
+        cache = dict(self.cache.stats(), **self.cache.table_stats()[table])
+        looked_up = cache["cache_hits"] + cache["cache_misses"]
+        return dict(self.stores[table].stats(), **cache, cache_rows=self.cache_rows, step=self.step,
+                    hit_rate=cache["cache_hits"] / looked_up if looked_up else 0.0)
+
+    @property
+    def closed(self) -> bool:
+        return all(store.closed for store in self.stores)
+
+    def _check_open(self) -> None:
+        # Checked here, not by each store: rows still cached would be read (and written, then lost)
+        # after the stores closed.
+        if self._closed_by_close:
+            names = ", ".join(repr(t.name) for t in self.tables)
+            raise ValueError(f"table{'s' if len(self.tables) > 1 else ''} {names} "
+                             f"{'are' if len(self.tables) > 1 else 'is'} closed")
+
+    def close(self) -> None:
+        """Applies queued updates, writes the cache back, checkpoints the stores and releases their directories."""
+        if self.closed:
+            return
+        self._closed_by_close = True
+        try:
+            self.cache.close()
+        finally:
+            for store in self.stores:
+                store.close()
