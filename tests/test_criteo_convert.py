@@ -227,6 +227,34 @@ def test_an_entry_held_by_a_reader_is_served_to_others_at_once(tmp_path):
     served[0].release()
 
 
+def test_a_rank_that_found_the_entry_unconverted_while_another_converted_it_does_not_wait_forever(tmp_path,
+                                                                                                  monkeypatch):
+    # Under torchrun: rank 1 finds the entry unconverted and goes to convert it; rank 0 converts it
+    # first and keeps its shared lock for the run. Rank 1 must then find it converted, not wait for
+    # the lock alone (once a deadlock: rank 0 waited in a collective for rank 1).
+    import mlkv_torch.data.criteo as criteo
+
+    source = _write(tmp_path / "day.tsv", _lines(200))
+    out = tmp_path / "out"
+    held = convert_file(str(source), str(out), hold=True)  # rank 0: converted, reading it
+    valid, seen = criteo._valid_manifest, []
+
+    def unconverted_at_first(entry, fingerprint):  # rank 1's first check ran before rank 0's conversion
+        seen.append(entry)
+        return None if len(seen) == 1 else valid(entry, fingerprint)
+
+    monkeypatch.setattr(criteo, "_valid_manifest", unconverted_at_first)
+    served = []
+    other = threading.Thread(target=lambda: served.append(convert_file(str(source), str(out), hold=True)),
+                             daemon=True)
+    other.start()
+    other.join(timeout=30)
+    assert not other.is_alive(), "it waited for the lock alone while the converter read the entry"
+    assert not served[0].converted and served[0].prefixes == held.prefixes
+    held.release()
+    served[0].release()
+
+
 def test_the_dense_log_is_taken_chunk_by_chunk(tmp_path, monkeypatch):
     import mlkv_torch.data.criteo as criteo
 

@@ -171,11 +171,20 @@ def convert_file(tsv_path: str, out_dir: str, days: Optional[int] = None, progre
             break
         os.close(held)
         held = None
-        with _exclusive_lock(entry + ".lock"):
+        # Converting takes the lock alone, without waiting: a process converting it holds it (the
+        # shared wait above then waits for it to finish), and one that found the entry valid after
+        # a conversion keeps its share for its whole run, so a blocking wait here could be forever.
+        exclusive = _try_lock_file(entry + ".lock", fcntl.LOCK_EX)
+        if exclusive is None:
+            time.sleep(_RETRY_SECONDS)
+            continue
+        try:
             if _valid_manifest(entry, fingerprint) is None:  # nobody converted it meanwhile
                 _convert_entry(fingerprint, out_dir, name, block_size, progress)
                 converted = True
                 _remove_superseded(out_dir, name, fingerprint)
+        finally:
+            os.close(exclusive)
     seconds = time.perf_counter() - started
     if progress and converted:
         rows = sum(part["rows"] for part in manifest["parts"])
@@ -226,14 +235,15 @@ def _lock_file(path: str, mode: int) -> int:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def _exclusive_lock(path: str) -> Iterator[None]:
-    """Holds an exclusive flock on `path` (see `_lock_file`)."""
-    fd = _lock_file(path, fcntl.LOCK_EX)
+_RETRY_SECONDS = 0.05  # between a failed try of the exclusive lock and the next shared check
+
+
+def _try_lock_file(path: str, mode: int) -> Optional[int]:
+    """`_lock_file` without waiting: None when another process holds a conflicting lock."""
     try:
-        yield
-    finally:
-        os.close(fd)
+        return _lock_file(path, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return None
 
 
 def _valid_manifest(entry: str, fingerprint: Dict) -> Optional[Dict]:
