@@ -212,15 +212,21 @@ def test_an_entry_held_by_a_reader_is_not_removed_when_its_input_changes(tmp_pat
     assert again.converted and _entries(out) == [Path(again.entry).name]
 
 
-def test_an_entry_held_by_a_reader_is_served_to_others_at_once(tmp_path):
-    source = _write(tmp_path / "day.tsv", _lines(200))
-    out = tmp_path / "out"
-    held = convert_file(str(source), str(out), hold=True)  # a run reading it (another rank, another experiment)
+def _converting_in_a_thread(source: Path, out: Path):
+    """convert_file(hold=True) run on a thread (another reader), given 30 s: (the thread, its result)."""
     served = []
     other = threading.Thread(target=lambda: served.append(convert_file(str(source), str(out), hold=True)),
                              daemon=True)
     other.start()
     other.join(timeout=30)
+    return other, served
+
+
+def test_an_entry_held_by_a_reader_is_served_to_others_at_once(tmp_path):
+    source = _write(tmp_path / "day.tsv", _lines(200))
+    out = tmp_path / "out"
+    held = convert_file(str(source), str(out), hold=True)  # a run reading it (another rank, another experiment)
+    other, served = _converting_in_a_thread(source, out)
     assert not other.is_alive(), "a second reader waited for the first to finish"
     assert not served[0].converted and served[0].prefixes == held.prefixes
     held.release()
@@ -244,11 +250,7 @@ def test_a_rank_that_found_the_entry_unconverted_while_another_converted_it_does
         return None if len(seen) == 1 else valid(entry, fingerprint)
 
     monkeypatch.setattr(criteo, "_valid_manifest", unconverted_at_first)
-    served = []
-    other = threading.Thread(target=lambda: served.append(convert_file(str(source), str(out), hold=True)),
-                             daemon=True)
-    other.start()
-    other.join(timeout=30)
+    other, served = _converting_in_a_thread(source, out)
     assert not other.is_alive(), "it waited for the lock alone while the converter read the entry"
     assert not served[0].converted and served[0].prefixes == held.prefixes
     held.release()
