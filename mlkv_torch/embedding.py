@@ -32,7 +32,7 @@ from .table_batch import DiskTableBatch, _as_int64_cpu
 from .disk_table import TABLE_RECORD, destroy_table  # noqa: F401
 from .memory_budget import (HostMemorySplit, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,  # noqa: F401
                             host_memory_for_all_rows, least_host_memory, split_host_memory, stores_min_bytes)
-from .table_batch import _CACHE_POLICIES, _MODES, _WEIGHT_TYPES, BACKENDS  # noqa: F401
+from .table_batch import BACKENDS  # noqa: F401
 
 __all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "HostMemorySplit", "host_memory_for_all_rows",
            "split_host_memory"]
