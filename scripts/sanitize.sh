@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Builds the torch-free engine with its stress test under AddressSanitizer +
-# UndefinedBehaviorSanitizer and under ThreadSanitizer, and runs both.
-# Usage: scripts/sanitize.sh [asan|tsan|all]   (needs only g++)
+# The torch-free C++ (the engine, and the cache's parts that need no torch) checked three ways:
+#   asan     each stress program under AddressSanitizer + UndefinedBehaviorSanitizer
+#   tsan     each stress program under ThreadSanitizer
+#   threads  clang's thread-safety analysis of the lock annotations (-Wthread-safety as errors)
+# Usage: scripts/sanitize.sh [asan|tsan|threads|all]   (needs g++; threads needs clang++)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which=${1:-all}
 out=${TMPDIR:-/tmp}/mlkv-sanitize
 mkdir -p "$out"
-srcs="csrc/engine/*.cc csrc/tests/store_stress.cc"
-build_and_run() {  # name flags...
+# Sources each stress program is built from besides its own file in csrc/tests/.
+torch_free_srcs="csrc/engine/*.cc"
+stress_programs=(store_stress)
+build_and_run() {  # sanitizer flags...
   local name=$1; shift
-  g++ -std=c++17 -g -O1 -fno-omit-frame-pointer -Icsrc "$@" $srcs -o "$out/store_stress_$name" -lpthread
-  echo "== $name"
-  "$out/store_stress_$name" "$out/data-$name"
+  local program
+  for program in "${stress_programs[@]}"; do
+    g++ -std=c++17 -g -O1 -fno-omit-frame-pointer -Icsrc "$@" $torch_free_srcs "csrc/tests/$program.cc" \
+      -o "$out/${program}_$name" -lpthread
+    echo "== $program $name"
+    "$out/${program}_$name" "$out/data-$program-$name"
+  done
 }
 if [[ $which == asan || $which == all ]]; then
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
@@ -20,4 +28,11 @@ if [[ $which == asan || $which == all ]]; then
 fi
 if [[ $which == tsan || $which == all ]]; then
   TSAN_OPTIONS=halt_on_error=1 build_and_run tsan -fsanitize=thread
+fi
+if [[ $which == threads || $which == all ]]; then
+  echo "== thread-safety analysis"
+  for src in $torch_free_srcs csrc/tests/*.cc; do
+    clang++ -std=c++17 -fsyntax-only -Icsrc -Wthread-safety -Werror=thread-safety "$src"
+  done
+  echo "thread-safety analysis: clean"
 fi

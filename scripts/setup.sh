@@ -13,6 +13,8 @@ TORCH_CPU_VERSION=2.13.0
 
 apt_packages=()
 command -v g++ >/dev/null 2>&1 || apt_packages+=(g++)
+# clang checks the lock annotations (scripts/sanitize.sh threads); g++ builds everything.
+command -v clang++ >/dev/null 2>&1 || apt_packages+=(clang)
 # RocksDB's headers and library: the rocksdb storage kind (the offloading baseline) is built with them.
 [[ -e /usr/include/rocksdb/db.h || ${MLKV_WITHOUT_ROCKSDB:-0} == 1 ]] || apt_packages+=(librocksdb-dev)
 if ((${#apt_packages[@]})); then

@@ -1,4 +1,5 @@
-"""The torch-free engine under AddressSanitizer/UBSan and ThreadSanitizer.
+"""The torch-free engine under AddressSanitizer/UBSan and ThreadSanitizer, and its lock annotations
+under clang's thread-safety analysis.
 
 Runs scripts/sanitize.sh, which builds csrc/engine with csrc/tests/store_stress.cc
 (random operation sequences against std::unordered_map, then concurrent readers,
@@ -23,3 +24,13 @@ def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
     assert result.returncode == 0, output[-4000:]
     assert "5 passed, 0 failed" in output
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
+
+
+@pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ (scripts/setup.sh installs it)")
+def test_lock_annotations_hold_under_clang_thread_safety_analysis(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "sanitize.sh"), "threads"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "thread-safety analysis: clean" in output
