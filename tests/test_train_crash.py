@@ -149,6 +149,7 @@ def _assert_ends_as(crashed: Path, whole: Path, how: str) -> None:
 KILLED_AT_RUN = """
 import os, signal, sys
 from mlkv_torch import cut, train
+from mlkv_torch.train import checkpoints
 from mlkv_torch.pipeline import LookaheadPipeline
 point, nth = sys.argv[1], int(sys.argv[2])
 reached = 0
@@ -174,15 +175,15 @@ def after(name, f):
     return patched
 
 def partial_written(state, path):  # checkpoint.pt's new version written, not yet renamed into place
-    train.torch.save(state, path + ".partial")
+    checkpoints.torch.save(state, path + ".partial")
     reach("checkpoint written, not renamed")
     save_whole(state, path)
 
-save_whole = train._save_whole
+save_whole = checkpoints.save_whole
 LookaheadPipeline.progress = before("step", LookaheadPipeline.progress)
-train._Experiment._save_local = after("cut begun", train._Experiment._save_local)
+train.Experiment._save_local = after("cut begun", train.Experiment._save_local)
 cut.PendingCut.wait = after("cut synced", cut.PendingCut.wait)
-train._save_whole = partial_written
+checkpoints.save_whole = partial_written
 cut.PendingCut.commit = before("checkpoint renamed, stores not told", cut.PendingCut.commit)
 sys.exit(train.main(sys.argv[3:]))
 """
@@ -214,7 +215,7 @@ def test_killed_at_chosen_points_and_resumed_ends_as_the_uninterrupted_run(tmp_p
 FULL_DISK_RUN = """
 import resource, signal, sys
 from mlkv_torch import train
-save = train._Experiment.save
+save = train.Experiment.save
 
 def save_then_fill_the_disk(self, step):
     save(self, step)
@@ -223,7 +224,7 @@ def save_then_fill_the_disk(self, step):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-train._Experiment.save = save_then_fill_the_disk
+train.Experiment.save = save_then_fill_the_disk
 sys.exit(train.main(sys.argv[1:]))
 """
 

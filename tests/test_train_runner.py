@@ -97,7 +97,7 @@ def test_a_checkpoint_holding_code_is_refused(tmp_path):
 
 
 def test_a_torchrun_pointer_naming_another_directory_is_refused(tmp_path):
-    from mlkv_torch.train import _Experiment
+    from mlkv_torch.train import Experiment
 
     out = tmp_path / "run"
     out.mkdir()
@@ -106,7 +106,7 @@ def test_a_torchrun_pointer_naming_another_directory_is_refused(tmp_path):
     (keep / "precious").write_text("x")
     for directory in ("/", "../keep", str(keep), "checkpoint-8/../../keep", 8):
         (out / "checkpoint.latest").write_text(json.dumps({"directory": directory, "cuts": {}}))
-        experiment = _Experiment.__new__(_Experiment)  # only the pointer's reading, not a whole run
+        experiment = Experiment.__new__(Experiment)  # only the pointer's reading, not a whole run
         experiment.config = load_config(QUICKSTART, [f"output_dir={out}", *SMALL])
         experiment.distributed = True
         with pytest.raises(ConfigError, match=r"not a checkpoint-<step> directory of this run"):
@@ -183,7 +183,7 @@ def test_a_budget_too_small_for_the_tables_is_a_config_error(tmp_path):
 
 
 def test_a_checkpoint_of_another_model_names_only_the_keys_that_differ():
-    from mlkv_torch.train import _restored
+    from mlkv_torch.train.checkpoints import restored as _restored
 
     target = {"model": {"dense.weight": torch.zeros(2), "tables.t_1.weight": torch.zeros(2)}, "step": 0}
     saved = {"model": {"dense.weight": torch.ones(2), "tables.t_2.weight": torch.ones(2)}, "step": 8}

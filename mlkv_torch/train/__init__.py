@@ -1,0 +1,18 @@
+"""Trains and evaluates DLRM from a YAML experiment.
+
+    python -m mlkv_torch.train CONFIG [dotted.key=value ...] [--resume]
+    torchrun --nproc_per_node N -m mlkv_torch.train CONFIG ...   # DistributedModelParallel, gloo on CPU
+
+Writes to ``output_dir``: ``metrics.jsonl`` (a line every ``train.log_every`` steps and at
+each evaluation), ``summary.json`` at the end (samples_per_s, auc, logloss, steps,
+peak_rss_bytes, disk_bytes, ...), and checkpoints every ``train.checkpoint_every`` steps
+(``--resume`` continues from the latest). A progress bar shows samples/s, loss and the disk
+tables' hit rate.
+"""
+from .cli import RUNNER_BACKEND, main
+from .experiment import Experiment, torch_threads
+from .loop import run
+
+_Experiment = Experiment  # the name benchmarks written before the package use
+
+__all__ = ["Experiment", "RUNNER_BACKEND", "main", "run", "torch_threads"]

@@ -1,0 +1,68 @@
+"""`python -m mlkv_torch.train`: the runner's command line, in one process or under torchrun."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from ..config import ConfigError, load_config
+from .loop import run
+
+_DESCRIPTION = "Trains and evaluates DLRM from a YAML experiment."
+
+RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
+
+
+def _leave_process_group(quiesce: bool) -> None:
+    """Leaves the process group; after a finished run (`quiesce`), once no gloo worker thread still
+    holds a tensor made in Python.
+
+    A worker lets go of a finished collective a moment after the rank resumed; if the interpreter
+    is already exiting by then, freeing its tensors needs the GIL and the process aborts
+    ("terminate called without an active exception", see ranks.py). Collecting first frees what
+    the run left, and a barrier (which holds no tensors) runs after every earlier collective. A
+    failed rank leaves at once: a barrier would wait for ranks still in their steps.
+    """
+    try:
+        if quiesce:
+            gc.collect()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlkv_torch.train", description=_DESCRIPTION)
+    parser.add_argument("config", help="the experiment's YAML file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=200")
+    parser.add_argument("--resume", action="store_true", help="continue from output_dir's latest checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_intermixed_args(argv)  # overrides and options in any order
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by torchrun
+    if distributed:
+        # gloo even on a CUDA host: the runner keeps the model, the plan and the collectives on the
+        # CPU (NCCL would refuse their CPU tensors).
+        dist.init_process_group(RUNNER_BACKEND)
+    finished = False
+    try:
+        summary = run(config, resume=args.resume, progress=not args.no_progress)
+        finished = True
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if distributed:
+            _leave_process_group(quiesce=finished)
+    if not distributed or int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary, indent=1))
+    return 0

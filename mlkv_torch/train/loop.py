@@ -1,0 +1,200 @@
+"""The training loop of the runner: `run` trains and evaluates one experiment and writes its
+metrics, checkpoints and summary."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, ExperimentConfig
+from . import checkpoints
+from .experiment import Experiment, torch_threads
+
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def _disk_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:
+    """Runs one experiment; returns the summary (also written to output_dir/summary.json).
+
+    Storage kind `memory` uses TorchRec's fused in-memory kernels, which come through
+    DistributedModelParallel: in one process, a one-process gloo group is made for it.
+    """
+    own_group = config.storage.kind == "memory" and not (dist.is_available() and dist.is_initialized())
+    if own_group:
+        os.makedirs(config.output_dir, exist_ok=True)
+        rendezvous = os.path.join(config.output_dir, ".process_group")
+        if os.path.exists(rendezvous):
+            os.remove(rendezvous)  # a FileStore left by an earlier run would be read as this one's
+        dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads(config))
+    try:
+        return _run(config, resume, progress)
+    finally:
+        torch.set_num_threads(threads)
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, Any]:
+    from tqdm import tqdm
+
+    from ..pipeline import LookaheadPipeline
+
+    try:
+        os.makedirs(config.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output_dir {config.output_dir!r} cannot be created: {e.strerror or e}") from e
+    try:
+        experiment = Experiment(config, resume)
+    except FileExistsError as e:  # an earlier run's tables: say first how the runner continues from them
+        raise ConfigError(f"output_dir {config.output_dir!r} already holds an earlier run's tables: continue it with "
+                          f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
+    populate_s = 0.0
+    # A resumed run's tables hold their rows already; populating again would also take a cut past
+    # the one its checkpoint names.
+    if config.storage.populate and not resume:
+        began = time.perf_counter()
+        rows = experiment.populate()
+        populate_s = time.perf_counter() - began
+        if experiment.is_main:
+            print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores "
+                  f"before training in {populate_s:.1f} s", flush=True)
+    start_step = 0
+    if resume:
+        if not os.path.exists(experiment.checkpoint_path()):
+            raise ConfigError(f"--resume: no checkpoint at {experiment.checkpoint_path()}")
+        start_step = experiment.load()
+    train = config.train
+    pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth)
+    data = experiment.loader(start_step, train.steps - start_step)
+    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+    evaluation: Dict[str, float] = {}
+    started = time.perf_counter()
+    samples = 0
+    main = experiment.is_main  # under torchrun, rank 0 reports for all
+    world = experiment.world_size
+    if resume and main and os.path.exists(metrics_path):
+        # A killed run's steps past its checkpoint are trained again.
+        checkpoints.drop_records_after(metrics_path, start_step)
+    bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
+    board = _tensorboard(config) if main else None
+    train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
+    try:
+        with open(metrics_path if main else os.devnull, "a") as metrics:
+            step = start_step
+            window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
+            while step < train.steps:
+                began = time.perf_counter()
+                try:
+                    loss, _, labels = pipeline.progress(data)
+                except StopIteration:
+                    break
+                train_s += time.perf_counter() - began
+                step += 1
+                experiment.boundaries.passed()
+                samples += labels.numel() * world
+                window_samples += labels.numel() * world
+                window_steps += 1
+                record: Dict[str, Any] = {}
+                if step % train.log_every == 0 or step == train.steps:
+                    now = time.perf_counter()
+                    rate = window_samples / max(now - window_start, 1e-9)
+                    input_stats = data.stats()
+                    record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth,
+                                  input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
+                                  input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
+                    window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
+                    hit_rate = experiment.hit_rate()
+                    if hit_rate is not None:
+                        record["hit_rate"] = hit_rate
+                    bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
+                                    hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
+                if step % config.eval.every == 0 or step == train.steps:
+                    evaluation = experiment.evaluate()
+                    record.update(step=step, **{f"eval_{k}": v for k, v in evaluation.items()})
+                if record:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                    if board is not None:
+                        for key, value in record.items():
+                            if key != "step" and isinstance(value, (int, float)):
+                                board.add_scalar(key, value, step)
+                if train.checkpoint_every and step % train.checkpoint_every == 0:
+                    experiment.save(step)
+                bar.update(1)
+    finally:
+        data.close()  # its threads stop, also when a step fails
+    bar.close()
+    if board is not None:
+        board.close()
+    experiment.finish_save()
+    elapsed = time.perf_counter() - started
+    if hasattr(experiment.collection, "flush"):
+        experiment.collection.flush()
+    summary_path = os.path.join(config.output_dir, "summary.json")
+    if step == start_step and start_step > 0:
+        # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
+        # train. A finished run's summary stays; otherwise the checkpointed model is evaluated.
+        if os.path.exists(summary_path):
+            experiment.collection.close()
+            with open(summary_path) as f:
+                return json.load(f)
+        if not evaluation:
+            evaluation = experiment.evaluate()
+    summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed,
+               "samples_per_s": samples / max(elapsed, 1e-9),
+               "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
+               "oracle_auc": evaluation.get("oracle_auc"),
+               "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
+               "peak_rss_bytes": _peak_rss_bytes(),
+               "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
+               "storage": config.storage.kind, "populate_s": populate_s,
+               "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
+    if main:
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=1)
+    experiment.collection.close()
+    return summary
+
+
+def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[str, Any]:
+    """The summary's input figures: the training steps' time (`train_s`, evaluations and the rest
+    left out), the share of it spent waiting for a batch (DS-Analyzer's data stall), the wait per
+    step, and what the loader chose."""
+    return {"train_seconds": train_s, "input_wait_share": stats["wait_s"] / train_s if train_s > 0 else 0.0,
+            "input_wait_ms": stats["wait_s"] * 1e3 / steps if steps else 0.0,
+            "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions")}}
+
+
+def _tensorboard(config: ExperimentConfig) -> Any:
+    """A SummaryWriter under output_dir/tensorboard when train.tensorboard is set, else None."""
+    if not config.train.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch's writer needs the tensorboard package
+        raise ConfigError(f"train.tensorboard needs the tensorboard package (pip install tensorboard): {e}") from e
+    return SummaryWriter(os.path.join(config.output_dir, "tensorboard"))
