@@ -90,7 +90,7 @@ class DiskTable:
         return initial_rows(ids, dim, seed=self.seed, dtype=dtype, first_column=self.first_column, **params)
 
 
-def _settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore, RocksDBStore]], reopen: bool
+def settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore, RocksDBStore]], reopen: bool
                      ) -> List[DiskTable]:
     """The tables as their directories have them. A directory that holds rows from an earlier run
     is reopened only when `reopen` says so; a reopened table keeps the seed it was created with (its

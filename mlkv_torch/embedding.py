@@ -27,7 +27,7 @@ from .checks import is_int
 from .cut import PendingCut, read_cut
 from .disk_table import DiskTable, directory_path, draw_seed
 from .store import KVStore
-from .table_batch import DiskTableBatch, _as_int64_cpu
+from .table_batch import DiskTableBatch, as_int64_cpu
 # Names that moved to their own modules, still importable from here.
 from .disk_table import TABLE_RECORD, destroy_table  # noqa: F401
 from .memory_budget import (HostMemorySplit, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,  # noqa: F401
@@ -263,13 +263,13 @@ class DiskEmbeddingBag(nn.Module):
         """Current weights [n, dim] (of `dtype`, on the CPU) of these rows, every queued update applied;
         with `include_state`, also their optimizer state [n, state_dim] (float32), from the same read."""
         words = self._batch.weight_words
-        rows = self._batch.read_rows(self._table, _as_int64_cpu(ids, "ids").reshape(-1).contiguous())
+        rows = self._batch.read_rows(self._table, as_int64_cpu(ids, "ids").reshape(-1).contiguous())
         weights = self._batch.weights_of(rows[:, :words].contiguous()).clone()
         return (weights, rows[:, words:].clone()) if include_state else weights
 
     def import_rows(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
         """Sets these rows' weights and optimizer state (default: the state of a row never updated)."""
-        ids = _as_int64_cpu(ids, "ids").reshape(-1).contiguous()
+        ids = as_int64_cpu(ids, "ids").reshape(-1).contiguous()
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must be a tensor of shape [{ids.numel()}, {self.embedding_dim}]")
         if state is not None and (not isinstance(state, torch.Tensor)
@@ -287,7 +287,7 @@ class DiskEmbeddingBag(nn.Module):
 
     def lookahead(self, input: torch.Tensor) -> None:
         """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""
-        ids = _as_int64_cpu(input, "ids").reshape(-1).contiguous()
+        ids = as_int64_cpu(input, "ids").reshape(-1).contiguous()
         self._batch.lookahead(ids, [ids.numel()], [self._table])
 
     @property
@@ -455,7 +455,7 @@ class DiskEmbeddingBag(nn.Module):
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pools rows per bag, with torch.nn.EmbeddingBag's conventions; returns [bags, dim]."""
-        ids = _as_int64_cpu(input, "ids")  # unique_keys checks the range in its pass
+        ids = as_int64_cpu(input, "ids")  # unique_keys checks the range in its pass
         if ids.dim() == 2:
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D (fixed-length bags)")

@@ -15,7 +15,7 @@ from . import _C
 from . import optim as optim_lib
 from .checks import is_int
 from .cut import CutPart, check_cut
-from .disk_table import DiskTable, _settle_reopened
+from .disk_table import DiskTable, settle_reopened
 from .memory_budget import split_host_memory, stores_min_bytes
 from .row_layout import row_bytes, weight_words
 from .store import KVStore, RocksDBStore
@@ -130,7 +130,8 @@ def _as_int64(ids: torch.Tensor, what: str, device: torch.device) -> torch.Tenso
     return ids.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
 
 
-def _as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
+def as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
+    """`ids` as an int64 CPU tensor; TypeError naming `what` for another dtype."""
     return _as_int64(ids, what, torch.device("cpu"))  # the cache's index lives on the host
 
 
@@ -186,9 +187,9 @@ class DiskTableBatch:
         if not tables:
             raise ValueError("a table batch needs at least one table")
         for t in tables:
-            if isinstance(t.num_embeddings, bool) or not isinstance(t.num_embeddings, int) or t.num_embeddings <= 0:
+            if not is_int(t.num_embeddings) or t.num_embeddings <= 0:
                 raise ValueError(f"num_embeddings must be a positive int, got {t.num_embeddings!r}")
-            if isinstance(t.first_column, bool) or not isinstance(t.first_column, int) or t.first_column < 0:
+            if not is_int(t.first_column) or t.first_column < 0:
                 raise ValueError(f"first_column must be a non-negative int, got {t.first_column!r}")
             if t.init is not None and (len(t.init) != 3 or t.init[0] not in ("uniform", "normal")):
                 raise ValueError(f"table {t.name!r}: init must be ('uniform', low, high) or ('normal', mean, std), "
@@ -251,7 +252,7 @@ class DiskTableBatch:
                         raise
                     raise ValueError(f"table {t.name!r} cannot reopen at the cut {cut.get('label')!r} (its store's "
                                      f"checkpoint {checkpoint}): {e}") from e
-            self.tables = _settle_reopened(self.tables, self.stores, reopen or cut is not None)
+            self.tables = settle_reopened(self.tables, self.stores, reopen or cut is not None)
             if at_cut:
                 self.step = max(entry["step"] for entry in at_cut)
             eps, beta1, beta2 = optimizer.rule_constants()
@@ -323,7 +324,7 @@ class DiskTableBatch:
         """Distinct keys of a batch of features (`values` feature after feature, feature_counts[f] ids
         of table feature_tables[f]) and each value's index among them; an id out of its table's range
         raises ValueError naming the table."""
-        return self.cache.unique_keys(_as_int64_cpu(values, "ids").reshape(-1).contiguous(), feature_counts,
+        return self.cache.unique_keys(as_int64_cpu(values, "ids").reshape(-1).contiguous(), feature_counts,
                                       feature_tables)
 
     # ---- the step ---------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_disk_table_shards_are_placed_in_host_memory_whatever_the_plan(tmp_path)
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
     from torch.distributed._shard.sharding_spec import ShardMetadata
 
-    from mlkv_torch.torchrec.sharding import on_host
+    from mlkv_torch.torchrec.kernel import on_host
 
     on_cuda = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[4, 3], placement="rank:0/cuda:0")
     host = on_host(on_cuda)

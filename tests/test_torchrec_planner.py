@@ -16,9 +16,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 from mlkv_torch import optim  # noqa: E402
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder  # noqa: E402
 from mlkv_torch.torchrec.planner import DISK_SPACE_AMPLIFICATION  # noqa: E402
-from mlkv_torch.torchrec.sharding import planning_with_disk, shard_memory_budget  # noqa: E402
+from mlkv_torch.torchrec.kernel import shard_memory_budget  # noqa: E402
+from mlkv_torch.torchrec.sharded_collection import planning_with_disk  # noqa: E402
 from mlkv_torch.row_layout import row_bytes  # noqa: E402
-from mlkv_torch.torchrec.tables import fused_params_of, optimizer_from_fused_params  # noqa: E402
+from mlkv_torch.torchrec.fused_optimizer import fused_params_of, optimizer_from_fused_params  # noqa: E402
 
 MiB = 1 << 20
 # 64 KB, 128 MB, 3.2 MB and 512 MB of float32 weights.

@@ -8,8 +8,9 @@ Importing this module needs torchrec; the core package (`mlkv_torch`) does not.
 """
 from .collection import DiskEmbeddingBagCollection
 from .planner import DiskAwarePerfEstimator, DiskAwarePlanner, DiskAwareStorageEstimator
-from .sharding import (DISK_KERNEL, DiskEmbeddingBagCollectionSharder, ShardedDiskEmbeddingBagCollection,
-                       disk_tables_left_out)
+from .kernel import DISK_KERNEL
+from .sharded_collection import DiskEmbeddingBagCollectionSharder, ShardedDiskEmbeddingBagCollection
+from .state_dicts import disk_tables_left_out
 
 __all__ = ["DiskEmbeddingBagCollection", "DiskEmbeddingBagCollectionSharder", "ShardedDiskEmbeddingBagCollection",
            "DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator", "DISK_KERNEL",

@@ -20,8 +20,9 @@ from ..table_batch import DiskTableBatch
 from ..memory_budget import MemoryBudgetError, host_memory_for_all_rows, least_host_memory, stores_min_bytes
 from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
 from ..store import KVStore
-from .tables import (DATA_TYPES, POOLING_MODES, DiskFusedOptimizer, KernelRouting, TableOptimizerState, select_features,
-                     initial_distribution_of, optimizer_from_fused_params, table_seed)
+from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
+from .routing import KernelRouting, select_features
+from .tables import DATA_TYPES, POOLING_MODES, initial_distribution_of, table_seed
 from ..row_layout import row_bytes
 
 __all__ = ["DiskEmbeddingBagCollection", "split_budget"]

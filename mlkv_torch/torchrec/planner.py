@@ -32,8 +32,8 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from .. import optim as optim_lib
-from .sharding import (DISK_KERNEL, DiskEmbeddingBagCollectionSharder, DiskTableOptions, planning_with_disk,
-                       resolve_optimizer, shard_memory_budget)
+from .kernel import DISK_KERNEL, DiskTableOptions, resolve_optimizer, shard_memory_budget
+from .sharded_collection import DiskEmbeddingBagCollectionSharder, planning_with_disk
 from ..row_layout import row_bytes
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]

@@ -1,0 +1,115 @@
+"""The disk tables' fused optimizer in TorchRec's protocol (`DiskFusedOptimizer`, one
+`TableOptimizerState` per table), and TorchRec's fused optimizer parameters mapped to and from
+mlkv_torch.optim rules."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.optim.fused import FusedOptimizer
+
+from .. import optim as optim_lib
+from ..table_batch import DiskTableBatch
+from .state_dicts import disk_tables_in_state_dict
+
+
+class TableOptimizerState:
+    """One table's optimizer state in TorchRec's stateful protocol, for a collection's table and a
+    rank's shards of one alike: KeyedOptimizer.state_dict() calls `state_dict()` ({"rows": the
+    state rows read from the stores (a ShardedTensor for shards), "step": the steps its kernel took,
+    which Adam's bias correction uses}); load_state_dict() calls `load_state_dict()` (written back).
+    So `fused_optimizer.state_dict()` carries what ``torch.optim.Adagrad`` over an
+    EmbeddingBagCollection's weights would. Within `disk_tables_left_out` only the step is carried
+    (the rows are in a cut)."""
+
+    def __init__(self, read_rows: Callable[[], Any], read_step: Callable[[], int],
+                 write: Callable[[Any, int], None]) -> None:
+        self._read_rows, self._read_step, self._write = read_rows, read_step, write
+
+    def state_dict(self) -> Dict[str, Any]:
+        if not disk_tables_in_state_dict():
+            return {"step": self._read_step()}
+        return {"rows": self._read_rows(), "step": self._read_step()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "rows" not in state:  # saved within disk_tables_left_out: the tables reopened at their cut
+            return
+        self._write(state["rows"], int(state["step"]))
+
+
+class DiskFusedOptimizer(FusedOptimizer):
+    """The fused optimizer of disk tables, in TorchRec's protocol (a KeyedOptimizer): step() is a
+    no-op (the tables update in backward); ``param_groups[0]["lr"]`` is their learning rate, which
+    the owner hands to its kernels before each forward (`apply_lr`), so learning-rate schedules
+    and CombinedOptimizer reach the tables as they reach TorchRec's fused ones."""
+
+    def __init__(self, params: Dict[str, torch.Tensor], state: Dict[torch.Tensor, Any], lr: float) -> None:
+        super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
+        self._applied_lr = lr
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+    def apply_lr(self, batches: Sequence[DiskTableBatch]) -> None:
+        """Sets the kernels' learning rate when param_groups changed it (a rate set on a table
+        directly stays until then)."""
+        lr = float(self.param_groups[0]["lr"])
+        if lr != self._applied_lr:
+            for batch in batches:
+                batch.lr = lr
+            self._applied_lr = lr
+
+
+_FUSED_KINDS = {
+    EmbOptimType.EXACT_SGD: optim_lib.SGD,
+    EmbOptimType.EXACT_ADAGRAD: optim_lib.Adagrad,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: optim_lib.RowWiseAdagrad,
+    EmbOptimType.ADAM: optim_lib.Adam,
+}
+
+
+_FBGEMM_EPS = 1.0e-8  # FBGEMM's default eps, so disk and in-memory tables of one plan train alike
+
+
+def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table: str
+                                ) -> Optional[optim_lib.SparseOptimizer]:
+    """The mlkv_torch.optim rule for TorchRec's fused parameters (from the sharder's fused_params
+    or `apply_optimizer_in_backward`); None when they name no optimizer."""
+    params = dict(fused_params or {})
+    kind = params.get("optimizer")
+    if kind is None:
+        return None
+    if isinstance(kind, str):
+        kind = EmbOptimType(kind)
+    if kind not in _FUSED_KINDS:
+        raise ValueError(f"table {table!r}: optimizer {kind} has no disk-table form; use SGD, Adagrad, "
+                         f"row-wise Adagrad or Adam")
+    if params.get("weight_decay"):
+        raise ValueError(f"table {table!r}: weight_decay is not supported on disk tables")
+    lr = float(params.get("learning_rate", params.get("lr", 0.01)))
+    eps = float(params.get("eps", _FBGEMM_EPS))
+    if kind == EmbOptimType.EXACT_SGD:
+        return optim_lib.SGD(lr=lr)
+    if kind == EmbOptimType.EXACT_ADAGRAD:
+        return optim_lib.Adagrad(lr=lr, eps=eps, initial_accumulator_value=float(
+            params.get("initial_accumulator_value", 0.0)))
+    if kind == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        return optim_lib.RowWiseAdagrad(lr=lr, eps=eps)
+    betas = params.get("betas", (params.get("beta1", 0.9), params.get("beta2", 0.999)))
+    return optim_lib.Adam(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps)
+
+
+def fused_params_of(optimizer: optim_lib.SparseOptimizer) -> Dict[str, Any]:
+    """TorchRec's fused parameters for an mlkv_torch.optim rule, so tables TorchRec keeps in
+    memory train with the same rule as the disk tables."""
+    kind = {cls: kind for kind, cls in _FUSED_KINDS.items()}[type(optimizer)]
+    params: Dict[str, Any] = {"optimizer": kind, "learning_rate": optimizer.lr}
+    if hasattr(optimizer, "eps"):
+        params["eps"] = optimizer.eps
+    if isinstance(optimizer, optim_lib.Adam):
+        params["beta1"], params["beta2"] = optimizer.betas
+    return params

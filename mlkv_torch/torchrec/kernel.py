@@ -1,0 +1,324 @@
+"""The disk kernel of a sharding plan: `DiskEmbeddingKernel` pools a rank's shards of the tables
+planned on ``customized_kernel`` (`DISK_KERNEL`), each a DiskEmbeddingBag, after TorchRec's input
+distribution, and serves their rows to state dicts as ShardedTensor shards."""
+from __future__ import annotations
+
+import functools
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig, ShardedEmbeddingTable
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .. import optim as optim_lib
+from ..checks import is_int
+from ..cut import CutPart, read_cut, write_cut
+from ..disk_table import DiskTable
+from ..embedding import DiskEmbeddingBag
+from ..row_layout import row_bytes
+from ..table_batch import BACKENDS, DiskTableBatch
+from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
+from .routing import KernelRouting
+from .state_dicts import disk_tables_in_state_dict
+from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, initial_distribution_of, table_seed
+
+DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+"""The compute kernel of disk tables in a sharding plan."""
+
+
+def on_host(shard: ShardMetadata) -> ShardMetadata:
+    """`shard` placed in its rank's host memory: a disk table's rows reach a state dict as CPU (or
+    file-backed) tensors, whatever device the plan computes on (a ShardedTensor refuses local
+    shards off their placement's device)."""
+    rank = shard.placement.rank() if shard.placement is not None else 0
+    return ShardMetadata(shard_offsets=list(shard.shard_offsets), shard_sizes=list(shard.shard_sizes),
+                         placement=f"rank:{rank}/cpu")
+
+
+@dataclass(frozen=True)
+class DiskTableOptions:
+    """How the sharder builds disk tables (see DiskEmbeddingBagCollectionSharder)."""
+
+    storage_dir: str
+    optimizer: Optional[optim_lib.SparseOptimizer] = None
+    memory_fraction: float = 0.1
+    staleness: int = 0
+    cache_policy: str = "lfu"
+    seed: int = 0
+    backend: str = "mlkv"
+    seed_drawn: bool = False
+    reopen: bool = False
+    # The cut each rank's tables reopen at ({rank: record}, a training checkpoint's); without it a
+    # reopen goes to the cut the rank's directory records.
+    cuts: Optional[Dict[int, Any]] = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if not is_int(self.staleness) or self.staleness < 0:
+            raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.optimizer is not None and not isinstance(self.optimizer, optim_lib.SparseOptimizer):
+            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
+
+
+def shard_memory_budget(rows: int, cols: int, dtype: torch.dtype, optimizer: optim_lib.SparseOptimizer,
+                        memory_fraction: float) -> int:
+    """Host memory (cache and store log) a disk shard of rows x cols is given: `memory_fraction`
+    of its stored bytes, at least MIN_TABLE_BUDGET. The planner's storage estimate uses this too."""
+    return max(MIN_TABLE_BUDGET, int(memory_fraction * rows * row_bytes(cols, dtype, optimizer)))
+
+
+def resolve_optimizer(fused_params: Optional[Dict[str, Any]], table: str, options: DiskTableOptions
+                      ) -> optim_lib.SparseOptimizer:
+    """A disk table's optimizer: from TorchRec's fused parameters (where apply_optimizer_in_backward
+    and the sharder's fused_params arrive), else the sharder's rule, else TorchRec's default SGD."""
+    return optimizer_from_fused_params(fused_params, table) or options.optimizer or optim_lib.SGD()
+
+
+class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
+    """The disk tables of one group of a TorchRec lookup on this rank, behind one table-batched kernel
+    per row layout (a DiskTableBatch; in DLRM one for all); each shard viewed as a DiskEmbeddingBag.
+
+    ``forward(KJT) -> Tensor [batch, sum of feature dims]``, the features in the group's order,
+    as TorchRec's fused kernel.
+    """
+
+    def __init__(self, config: GroupedEmbeddingConfig, options: DiskTableOptions,
+                 pg: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self._config = config
+        self._device = torch.device(device if device is not None else "cpu")
+        rank = dist.get_rank(pg) if pg is not None and dist.is_initialized() else 0
+        self._rank_dir = os.path.join(options.storage_dir, f"rank{rank}")
+        self._pg = pg
+        self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
+        # Shards of one row layout (columns, data type, pooling, optimizer) share one table-batched kernel.
+        Layout = Tuple[int, torch.dtype, str, optim_lib.SparseOptimizer]
+        layouts: Dict[Layout, List[int]] = {}
+        budgets: Dict[Layout, int] = defaultdict(int)
+        for i, table in enumerate(self._shards):
+            if table.pooling not in POOLING_MODES:
+                raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported on disk "
+                                 "(SUM or MEAN)")
+            if table.data_type not in DATA_TYPES:
+                raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported on disk")
+            row_offset, _ = self._offsets(table)
+            if row_offset != 0 or table.local_rows != table.num_embeddings:
+                raise ValueError(f"table {table.name!r}: disk tables are sharded table-wise or column-wise, "
+                                 f"not by rows")
+            optimizer = resolve_optimizer(table.fused_params or config.fused_params, table.name, options)
+            dtype = DATA_TYPES[table.data_type]
+            layout = (table.local_cols, dtype, POOLING_MODES[table.pooling], optimizer)
+            layouts.setdefault(layout, []).append(i)
+            budgets[layout] += shard_memory_budget(table.local_rows, table.local_cols, dtype, optimizer,
+                                                   options.memory_fraction)
+        lrs = {layout[3].lr for layout in layouts}
+        if len(lrs) > 1:
+            raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
+        self._batches: List[DiskTableBatch] = []
+        # Reopened at a cut: the one a training checkpoint names for this rank, else the one recorded here.
+        cut = (options.cuts or {}).get(rank)
+        if cut is None and options.reopen:
+            cut = read_cut(self._rank_dir)
+        bag_of: Dict[int, DiskEmbeddingBag] = {}
+        owners: Dict[int, Tuple[int, int]] = {}
+        for (cols, dtype, mode, optimizer), members in layouts.items():
+            batch = DiskTableBatch(
+                [DiskTable(self._shards[i].name, self._shards[i].num_embeddings,
+                           os.path.join(self._rank_dir, self._shard_name(self._shards[i])),
+                           table_seed(options.seed, self._shards[i].name), self._offsets(self._shards[i])[1],
+                           init=initial_distribution_of(self._shards[i]), seed_drawn=options.seed_drawn)
+                 for i in members],
+                cols, mode=mode, optimizer=optimizer, memory_budget_bytes=budgets[(cols, dtype, mode, optimizer)],
+                staleness=options.staleness, dtype=dtype, device=self._device, cache_policy=options.cache_policy,
+                backend=options.backend, reopen=options.reopen or cut is not None, cut=cut)
+            for k, i in enumerate(members):
+                bag_of[i] = DiskEmbeddingBag.of_batch(batch, k)
+                owners[i] = (len(self._batches), k)
+            # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
+            for anchor in batch.anchors:
+                anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            self._batches.append(batch)
+        if cut is not None and cut != read_cut(self._rank_dir):
+            write_cut(self._rank_dir, cut)  # the newer cut the stores went back from is gone
+        self.bags = nn.ModuleList([bag_of[i] for i in range(len(self._shards))])
+        self._routing = KernelRouting([owners[i] for i, table in enumerate(self._shards) for _ in table.feature_names])
+        self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
+        for table, bag in zip(self._shards, self.bags):
+            self._bags_by_table[table.name].append((table, bag))
+        params = {f"{name}.weight": shards[0][1]._anchor for name, shards in self._bags_by_table.items()}
+        state = {shards[0][1]._anchor: {f"{name}.optimizer_state": TableOptimizerState(
+            functools.partial(self.optimizer_state, name), functools.partial(self.step_of, name),
+            functools.partial(self.load_optimizer_state, name))}
+                 for name, shards in self._bags_by_table.items() if shards[0][1].state_dim}
+        self._optimizer = DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
+
+    @classmethod
+    def _shard_name(cls, table: ShardedEmbeddingTable) -> str:
+        row_offset, col_offset = cls._offsets(table)
+        return f"{table.name}_rows{row_offset}_cols{col_offset}"
+
+    @staticmethod
+    def _offsets(table: ShardedEmbeddingTable) -> Tuple[int, int]:
+        offsets = table.local_metadata.shard_offsets if table.local_metadata is not None else [0, 0]
+        return int(offsets[0]), int(offsets[1])
+
+    # ---- BaseEmbedding / FusedOptimizerModule -----------------------------------------------------
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        return self._config
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optimizer
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        if features.variable_stride_per_key():
+            raise ValueError("disk tables do not support variable batch sizes per feature")
+        self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
+        return self._routing.pool(self._batches, features, self._config.is_weighted)
+
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading the rows that `features` (as `forward` receives them) will look up; returns at once."""
+        self._routing.lookahead(self._batches, features)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, shards in self._bags_by_table.items():
+            yield f"{prefix}{name}.weight", shards[0][1]._anchor
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+        yield from ()
+
+    def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, shards in self._bags_by_table.items():
+            yield name, shards[0][1]._anchor
+
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        # The sharded collection's hook puts each table's ShardedTensor in its state dict.
+        return destination if destination is not None else {}
+
+    def flush(self) -> None:
+        # TorchRec flushes every lookup before a state_dict; one that leaves the disk tables out
+        # must not write them back (nor wait for a cut being written).
+        if not disk_tables_in_state_dict():
+            return
+        for batch in self._batches:
+            batch.flush()
+
+    def purge(self) -> None:
+        pass
+
+    # ---- rows ---------------------------------------------------------------------------------------
+    @property
+    def table_names(self) -> List[str]:
+        return list(self._bags_by_table)
+
+    def local_weight_shards(self, table: str) -> List[Shard]:
+        """This rank's shards of `table`, read from the stores (file-backed beyond their budget)."""
+        return [Shard(bag.snapshot(), on_host(shard.local_metadata)) for shard, bag in self._bags_by_table[table]]
+
+    def load_weights(self, table: str, weight: torch.Tensor) -> None:
+        """Writes this rank's shards of `table` from a ShardedTensor of the same plan or a full tensor."""
+        for shard, bag in self._bags_by_table[table]:
+            row_offset, col_offset = self._offsets(shard)
+            bag.restore(weight=_local_part(weight, table, row_offset, col_offset, shard.local_rows, shard.local_cols))
+
+    def optimizer_state(self, table: str) -> ShardedTensor:
+        """The optimizer state of `table` on this rank: a ShardedTensor [rows, state columns of all shards]."""
+        shards = self._bags_by_table[table]
+        metadata = self._state_metadata(table)
+        local = [Shard(bag.state_snapshot(), metadata.shards_metadata[self._state_shard_index(table, shard)])
+                 for shard, bag in shards]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self._pg)
+
+    def load_optimizer_state(self, table: str, state: ShardedTensor, step: int) -> None:
+        metadata = self._state_metadata(table)
+        for shard, bag in self._bags_by_table[table]:
+            where = metadata.shards_metadata[self._state_shard_index(table, shard)]
+            bag.restore(state=_local_part(state, f"{table} optimizer state", *where.shard_offsets, *where.shard_sizes))
+            bag.steps = step
+
+    def step_of(self, table: str) -> int:
+        """Optimizer steps `table` has taken (its shards step together)."""
+        return max(bag.steps for _, bag in self._bags_by_table[table])
+
+    def _state_metadata(self, table: str) -> ShardedTensorMetadata:
+        """The optimizer state's layout: shard k of the weights ([r0, c0], rows x cols) keeps its state
+        at columns after the states of the shards left of it."""
+        first, bag = self._bags_by_table[table][0]
+        weights = first.global_metadata.shards_metadata
+        optimizer = bag.optimizer
+        state_cols = {int(m.shard_offsets[1]): optimizer.state_dim(int(m.shard_sizes[1])) for m in weights}
+        starts, total = {}, 0
+        for col in sorted(state_cols):
+            starts[col], total = total, total + state_cols[col]
+        shards = [ShardMetadata(shard_offsets=[int(m.shard_offsets[0]), starts[int(m.shard_offsets[1])]],
+                                shard_sizes=[int(m.shard_sizes[0]), state_cols[int(m.shard_offsets[1])]],
+                                placement=on_host(m).placement) for m in weights]
+        return ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([first.num_embeddings, total]),
+                                     tensor_properties=TensorProperties(dtype=torch.float32))
+
+    @staticmethod
+    def _state_shard_index(table: str, shard: ShardedEmbeddingTable) -> int:
+        offsets = list(shard.local_metadata.shard_offsets)
+        for i, m in enumerate(shard.global_metadata.shards_metadata):
+            if list(m.shard_offsets) == offsets:
+                return i
+        raise ValueError(f"table {table!r}: shard at {offsets} is not in the plan")
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """DiskEmbeddingBag.stats() of each shard, by ``<table>_rows<r0>_cols<c0>``."""
+        return {self._shard_name(table): bag.stats() for table, bag in zip(self._shards, self.bags)}
+
+    @property
+    def rank_dir(self) -> str:
+        """Where this rank's tables live (one store per shard) and its cuts are recorded."""
+        return self._rank_dir
+
+    @property
+    def closed(self) -> bool:
+        return all(batch.closed for batch in self._batches)
+
+    def begin_checkpoint(self) -> List[CutPart]:
+        """This kernel's part of a cut, begun (`DiskTableBatch.begin_checkpoint`): one wait per batch."""
+        return [batch.begin_checkpoint() for batch in self._batches]
+
+    def populate(self) -> int:
+        """Writes every row of this kernel's shards to their stores; returns the rows."""
+        return sum(bag.populate() for bag in self.bags)
+
+    def close(self) -> None:
+        for batch in self._batches:
+            batch.close()
+
+
+def _local_part(tensor: torch.Tensor, what: str, row_offset: int, col_offset: int, rows: int, cols: int
+                ) -> torch.Tensor:
+    """The [rows, cols] block at (row_offset, col_offset) of a full tensor, or of a ShardedTensor that
+    holds exactly that block on this rank."""
+    if isinstance(tensor, ShardedTensor):
+        for shard in tensor.local_shards():
+            if list(shard.metadata.shard_offsets) == [row_offset, col_offset]:
+                if list(shard.metadata.shard_sizes) != [rows, cols]:
+                    break
+                return shard.tensor
+        raise ValueError(f"{what}: the ShardedTensor holds no [{rows}, {cols}] shard at "
+                         f"[{row_offset}, {col_offset}] on this rank (saved under another plan?)")
+    if tensor.dim() != 2 or tensor.shape[0] < row_offset + rows or tensor.shape[1] < col_offset + cols:
+        raise ValueError(f"{what}: shape {list(tensor.shape)} does not contain the shard "
+                         f"[{row_offset}:{row_offset + rows}, {col_offset}:{col_offset + cols}]")
+    return tensor[row_offset:row_offset + rows, col_offset:col_offset + cols]

@@ -1,0 +1,91 @@
+"""How a batch's features reach the table-batched kernels: `KernelRouting` groups a collection's
+tables by kernel and `select_features` picks a group's features out of a KeyedJaggedTensor."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ..table_batch import DiskTableBatch
+
+
+def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJaggedTensor:
+    """The features at `positions` of a KeyedJaggedTensor with one batch size for every feature,
+    in that order (a feature may be left out or repeated).
+
+    Not `KeyedJaggedTensor.permute`: fbgemm's CPU backward of that op reads outside the weights'
+    gradient when features are left out or repeated (a segfault or wrong gradients for learnable
+    per-sample weights, such as TorchRec's position weights). Values and weights are gathered
+    here with one `index_select` each, whose backward is torch's own."""
+    keys = features.keys()
+    if positions == list(range(len(keys))):
+        return features
+    if features.variable_stride_per_key():
+        raise ValueError("features of different batch sizes (TorchRec's variable batch per feature) are not supported")
+    stride = features.stride()
+    lengths = features.lengths()
+    starts = features.offset_per_key()  # where each feature's values begin, and the end
+    device = features.values().device
+    index = torch.cat([torch.arange(starts[p], starts[p + 1], device=device) for p in positions]
+                      + [torch.empty(0, dtype=torch.int64, device=device)])
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=[keys[p] for p in positions], values=features.values().index_select(0, index),
+        weights=None if weights is None else weights.index_select(0, index),
+        lengths=lengths.view(len(keys), stride).index_select(
+            0, torch.tensor(positions, dtype=torch.int64, device=lengths.device)).reshape(-1),
+        stride=stride)
+
+
+class KernelRouting:
+    """How the features of a batch reach the table-batched kernels that pool them.
+
+    The features come in one fixed order (the collection's tables' features, or a TorchRec
+    group's shards' features); feature i is pooled by kernel ``owners[i][0]`` as a row of its
+    table ``owners[i][1]``. Each kernel pools all its features in one call; their outputs are put
+    back in the features' order, as TorchRec lays out a KeyedTensor.
+    """
+
+    def __init__(self, owners: List[Tuple[int, int]]) -> None:
+        kernels = 1 + max((k for k, _ in owners), default=-1)
+        self.positions: List[List[int]] = [[] for _ in range(kernels)]  # the features of each kernel, in order
+        self.tables: List[List[int]] = [[] for _ in range(kernels)]  # the table of each, within its kernel
+        for i, (k, t) in enumerate(owners):
+            self.positions[k].append(i)
+            self.tables[k].append(t)
+        pooled_order = [i for positions in self.positions for i in positions]
+        # Where each feature's output columns are among the kernels' concatenated outputs (None: in order).
+        self.output_permutation: Optional[List[int]] = (
+            None if pooled_order == list(range(len(owners))) else [pooled_order.index(i) for i in range(len(owners))])
+
+    def _kernel_input(self, features: KeyedJaggedTensor, kernel: int) -> KeyedJaggedTensor:
+        return select_features(features, self.positions[kernel])
+
+    def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool) -> torch.Tensor:
+        """[batch, sum of feature dims] float32, features in order."""
+        batch_size = features.stride()
+        pooled = []
+        for k, batch in enumerate(batches):
+            kjt = self._kernel_input(features, k)
+            lengths = kjt.lengths()
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            out = batch.pool(kjt.values(), kjt.length_per_key(), self.tables[k], offsets,
+                             kjt.weights() if weighted else None).float()
+            num_features = len(self.positions[k])
+            if num_features > 1:
+                out = out.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
+            pooled.append(out)
+        if self.output_permutation is None:
+            return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+        per_feature = [chunk for out, positions in zip(pooled, self.positions)
+                       for chunk in out.split(out.shape[1] // len(positions), dim=1)]
+        return torch.cat([per_feature[i] for i in self.output_permutation], dim=1)
+
+    def lookahead(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> None:
+        """Starts each kernel's reads of the rows `features` (as `pool` takes them) will look up."""
+        for k, batch in enumerate(batches):
+            kjt = self._kernel_input(features, k)
+            if kjt.values().numel():
+                batch.lookahead(kjt.values(), kjt.length_per_key(), self.tables[k])

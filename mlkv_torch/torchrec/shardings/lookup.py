@@ -1,0 +1,50 @@
+"""The grouped lookup every disk sharding uses: TorchRec's pooled lookup with `DiskEmbeddingKernel`
+for the groups planned on the disk kernel."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ..kernel import DiskEmbeddingKernel, DiskTableOptions
+
+
+class DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """TorchRec's pooled lookup, with DiskEmbeddingKernel for groups planned on disk."""
+
+    def __init__(self, options: DiskTableOptions, **kwargs: Any) -> None:
+        self._disk_options = options  # read by _create_embedding_kernel, which the base __init__ calls
+        super().__init__(**kwargs)
+
+    def _create_embedding_kernel(self, config: GroupedEmbeddingConfig, device: Optional[torch.device],
+                                 pg: Optional[dist.ProcessGroup], sharding_type: Optional[ShardingType],
+                                 env: Optional[ShardingEnv]) -> BaseEmbedding:
+        if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            return DiskEmbeddingKernel(config, self._disk_options, pg=pg, device=device)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading the rows of the disk groups that `features` (as `forward` receives them) will
+        look up; the in-memory groups have nothing to read."""
+        for kernel, group in zip(self._emb_modules, features.split(self._feature_splits)):
+            if isinstance(kernel, DiskEmbeddingKernel):
+                kernel.lookahead(group)
+
+
+class DiskLookupMixin:
+    """Makes a TorchRec pooled sharding build DiskPooledEmbeddingsLookup."""
+
+    disk_options: DiskTableOptions
+
+    def create_lookup(self, device: Optional[torch.device] = None, fused_params: Optional[Dict[str, Any]] = None,
+                      feature_processor: Any = None) -> GroupedPooledEmbeddingsLookup:
+        return DiskPooledEmbeddingsLookup(
+            self.disk_options, grouped_configs=self._grouped_embedding_configs, pg=self._pg,  # type: ignore
+            device=device if device is not None else self._device, feature_processor=feature_processor,  # type: ignore
+            env=self._env)  # type: ignore

@@ -1,0 +1,10 @@
+"""Table-column-wise sharding of disk tables: TorchRec's, with the disk lookup."""
+from __future__ import annotations
+
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+
+from .lookup import DiskLookupMixin
+
+
+class DiskTwCwSharding(DiskLookupMixin, TwCwPooledEmbeddingSharding):
+    """TorchRec's table-column-wise sharding whose disk groups look up through DiskEmbeddingKernel."""

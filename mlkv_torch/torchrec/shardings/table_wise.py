@@ -1,0 +1,10 @@
+"""Table-wise sharding of disk tables: TorchRec's, with the disk lookup."""
+from __future__ import annotations
+
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+
+from .lookup import DiskLookupMixin
+
+
+class DiskTwSharding(DiskLookupMixin, TwPooledEmbeddingSharding):
+    """TorchRec's table-wise sharding whose disk groups look up through DiskEmbeddingKernel."""
