@@ -35,3 +35,14 @@ def test_dmp_example_puts_the_large_tables_on_disk_and_trains(tmp_path):
     first, last = _losses(done.stdout)
     assert last < first / 2, done.stdout
     assert (tmp_path / "run" / "rank0").is_dir() and (tmp_path / "run" / "rank1").is_dir()
+
+
+def test_the_getting_started_python_block_runs_as_written(tmp_path):
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert blocks, "docs/getting-started.md has no python block"
+    for block in blocks:
+        done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+        assert done.returncode == 0, block + done.stderr[-3000:]
+        assert "Warning" not in done.stderr, done.stderr[-3000:]
