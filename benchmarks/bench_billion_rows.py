@@ -11,7 +11,7 @@ rows, dim 16, beside 25 smaller tables, 64 MiB budget) against the same run with
 - resume: the same and the dense model and optimizer loaded, what `--resume` does before its
   first step.
 
-    python scripts/bench_billion_rows.py [--steps 2000] [--smoke]
+    python benchmarks/bench_billion_rows.py [--steps 2000] [--smoke]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import time
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from bench_store import drop_caches  # noqa: E402  (root only: None when the page cache went)
 CONFIG = os.path.join(REPO, "configs", "billion_rows.yaml")
 BIG_FEATURE = 2  # cat_2 is the billion-row table of the config

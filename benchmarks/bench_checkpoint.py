@@ -26,7 +26,7 @@ steps after it against the median of the 8 steps before it in the same run (a sh
 drifts between runs and within one), the median over the repeats; and the same for the same steps
 of the runs without checkpoints, which is the noise of such a comparison.
 
-    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]]
+    python benchmarks/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]]
         [--smoke]
 """
 from __future__ import annotations

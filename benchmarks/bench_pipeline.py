@@ -8,7 +8,7 @@ Disk tables are populated first (storage.populate: every row written to the stor
 training), so a row missing from memory is read from disk, as in a table trained for a while;
 `--fresh` leaves them empty (rows never written are generated, not read).
 
-    python scripts/bench_pipeline.py [--scale 10] [--steps 200] [--nproc 2] [--smoke]
+    python benchmarks/bench_pipeline.py [--scale 10] [--steps 200] [--nproc 2] [--smoke]
 
 With ``--nproc N`` every configuration runs under torchrun with N processes (DistributedModelParallel,
 DiskAwarePlanner; the budget is split evenly over the ranks).

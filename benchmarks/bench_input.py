@@ -18,7 +18,7 @@
 Each training run is a fresh process (this script with --child); ratios are against the same run's
 reference.
 
-    python scripts/bench_input.py [--rows 10000000] [--steps 200] [--out bench-out/bench_input.json] [--smoke]
+    python benchmarks/bench_input.py [--rows 10000000] [--steps 200] [--out bench-out/bench_input.json] [--smoke]
 """
 from __future__ import annotations
 

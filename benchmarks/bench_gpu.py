@@ -2,7 +2,7 @@
 """Benchmarks the table-batched disk kernel with its cache in GPU memory against torch's embedding
 bag held entirely in GPU memory, on the same batches, in one run.
 
-    python scripts/bench_gpu.py [--rows 10000000] [--dim 128] [--tables 26] [--batch 8192] [--smoke]
+    python benchmarks/bench_gpu.py [--rows 10000000] [--dim 128] [--tables 26] [--batch 8192] [--smoke]
 
 Workload: `--tables` tables of `--rows` / `--tables` rows each (10M x 128 in all by default),
 `--bag` Zipf(`--zipf`) ids per feature per sample (hot ids scattered over each table), one

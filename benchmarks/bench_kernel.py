@@ -2,7 +2,7 @@
 """Benchmarks the table-batched disk kernel in DLRM against TorchRec's fused in-memory kernel, in
 one process, on the same batches: the op layer's overhead, with the disk out of the way.
 
-    python scripts/bench_kernel.py [--scale 10] [--batch 2048] [--steps 150] [--smoke]
+    python benchmarks/bench_kernel.py [--scale 10] [--batch 2048] [--steps 150] [--smoke]
 
 Model: torchrec's DLRM (13 dense features, dense arch [64, dim], over arch [64, 1]) over the 26
 Criteo Kaggle tables divided by `--scale`, `--dim` float32 columns, one Zipf(`--zipf`) id per
@@ -54,7 +54,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.10, help="disk configuration: memory, fraction of table bytes")
     ap.add_argument("--depth", type=int, default=1, help="disk configuration: batches looked ahead")
     ap.add_argument("--iops", type=float, default=None,
-                    help="4 KiB random-read IOPS of the disk (scripts/disk_limits.py, queue depth 64): "
+                    help="4 KiB random-read IOPS of the disk (benchmarks/disk_limits.py, queue depth 64): "
                          "reports the disk configuration against the rate the disk allows for its reads")
     ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's choice); "
                     "the disk tables' I/O threads share the cores with them")

@@ -3,7 +3,7 @@
 memory budget (tables that do not fit go to disk) against the all-in-memory plan, same data,
 same run.
 
-    python scripts/bench_dmp.py [--smoke]          # launches torchrun --nproc_per_node 2 itself
+    python benchmarks/bench_dmp.py [--smoke]          # launches torchrun --nproc_per_node 2 itself
 
 Model: torchrec's DLRM (13 dense features, dense arch [64, dim], over arch [64, 1]) with the 26
 Criteo Kaggle tables (../shared/DESIGN.md), each scaled down by `--scale` (at least 2 rows),

@@ -12,7 +12,7 @@ Measured, in rows/s:
   for each: load (sequential keys), batched get and batched put (overwrite)
   with uniform and Zipf(1.1) keys.
   Disk-bound: uniform random gets on a fresh mlkv store with direct I/O, as
-  4 KiB blocks/s against fio's randread-4k-qd64 IOPS (scripts/disk_limits.py),
+  4 KiB blocks/s against fio's randread-4k-qd64 IOPS (benchmarks/disk_limits.py),
   for io_engine uring/threads and several io_depths.
   Memory: peak RSS of the mlkv 10x run (its own process) over the RSS right
   after the imports, against budget + index + 200 MiB.
@@ -33,8 +33,8 @@ mlkv is shown with direct_io on (its default, no page cache) and off, and
 RocksDB with buffered reads (its default) and with direct reads.
 
 Usage:
-  python scripts/bench_store.py --run-fio --json bench-out/bench_store.json
-  python scripts/bench_store.py --smoke          # small sizes, checks answers
+  python benchmarks/bench_store.py --run-fio --json bench-out/bench_store.json
+  python benchmarks/bench_store.py --smoke          # small sizes, checks answers
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-import disk_limits  # scripts/ is on the path of a script run from it
+import disk_limits  # benchmarks/ is on the path of a script run from it
 
 DIM = 64
 VALUE_BYTES = DIM * 4
@@ -733,8 +733,8 @@ def main() -> int:
     ap.add_argument("--pool-batches", type=int, default=16, help="distinct key batches per pattern")
     ap.add_argument("--dir", default="/tmp/mlkv-bench")
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--fio", help="a saved output of scripts/disk_limits.py")
-    ap.add_argument("--run-fio", action="store_true", help="run scripts/disk_limits.py on --dir first")
+    ap.add_argument("--fio", help="a saved output of benchmarks/disk_limits.py")
+    ap.add_argument("--run-fio", action="store_true", help="run benchmarks/disk_limits.py on --dir first")
     ap.add_argument("--fio-seconds", type=int, default=5)
     ap.add_argument("--systems", default="mlkv,rocksdb,lmdb")
     ap.add_argument("--depths", default="1,64,128", help="io_depths of the disk-bound sweep (uring)")
@@ -793,8 +793,8 @@ def main() -> int:
             fio_text, fio_src = f.read(), args.fio
     elif args.run_fio:
         fio_dir = os.path.join(args.dir, "fio")
-        log(f"# running scripts/disk_limits.py {fio_dir} --seconds {args.fio_seconds} ...")
-        fio_src = f"scripts/disk_limits.py {fio_dir} --seconds {args.fio_seconds}"
+        log(f"# running benchmarks/disk_limits.py {fio_dir} --seconds {args.fio_seconds} ...")
+        fio_src = f"benchmarks/disk_limits.py {fio_dir} --seconds {args.fio_seconds}"
         try:
             fio_text = disk_limits.measure(fio_dir, args.fio_seconds)
         except RuntimeError as e:

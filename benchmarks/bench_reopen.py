@@ -13,7 +13,7 @@ dropped first (root only; the output says if not):
   order) against batched `get` in key order and in random order, each timed for at most
   --read-seconds, as rows/s and the whole table's time at that rate.
 
-    python scripts/bench_reopen.py [--rows 1000000 4000000 16000000] [--smoke]
+    python benchmarks/bench_reopen.py [--rows 1000000 4000000 16000000] [--smoke]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import time
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from bench_store import drop_caches  # noqa: E402  (root only: None when the page cache went)
 DIM = 17
 BUDGET = 64 << 20

@@ -47,8 +47,8 @@ queueing the update; the rest of forward is id checks, unique and pooling, the
 rest of backward the gradient rows. Unique alone is timed separately.
 
 Usage:
-  python scripts/bench_embedding.py                  # 10M rows; about 5 minutes on 2 cores
-  python scripts/bench_embedding.py --smoke          # tiny sizes, well under a minute
+  python benchmarks/bench_embedding.py                  # 10M rows; about 5 minutes on 2 cores
+  python benchmarks/bench_embedding.py --smoke          # tiny sizes, well under a minute
 """
 from __future__ import annotations
 
