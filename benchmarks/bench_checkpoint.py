@@ -108,7 +108,7 @@ def through_the_runner(args: argparse.Namespace) -> int:
             table[run][c] = dict(mean=means, worst=worsts, median_mean=median(means), median_worst=median(worsts))
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, repeat=args.repeat, step_s=step_s,
                   mean_checkpointed_run_over_plain=median([_mean_after_warm_up(r, warm_up)
-                                                            for r in runs["checkpointed"]]) / step_s,
+                                                           for r in runs["checkpointed"]]) / step_s,
                   spanned_steps_over_8_before=table["checkpointed"], the_same_without_checkpoints=table["plain"],
                   step_s_of_runs=runs)
     where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"

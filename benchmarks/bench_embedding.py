@@ -67,9 +67,9 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from common import (REPO, MiB, ReportLog, cpu_seconds, dir_bytes, fmt_rate, machine_facts, markdown_table, upper_median,
+from common import (REPO, MiB, ReportLog, cpu_seconds, dir_bytes, fmt_rate, machine_facts, markdown_table,
                     proc_status_kib, reset_peak_rss, system_busy_seconds, torch_embedding_bag, wait_for_quiet_machine,
-                    write_json_report, zipf_cdf, zipf_ranks)
+                    write_json_report, zipf_cdf, zipf_ranks, Timer)
 
 MAX_BAG_LENGTH = 39  # lengths uniform in 1..39: mean 20
 
@@ -264,12 +264,11 @@ def run_config(name: str, make: Callable[[], Any], wl: Workload, warmup: int, ba
         table.wait_for_updates()
         before = table.counters()
         times: Dict[str, float] = defaultdict(float)
-        batch_ms: List[float] = []
+        timer = Timer()
         c0, busy0, w0 = cpu_seconds(), system_busy_seconds(), time.perf_counter()
         for i in range(warmup, warmup + batches):
-            t = time.perf_counter()
-            table.step(wl.batches[i], wl.batches[i + 1], times)
-            batch_ms.append(1e3 * (time.perf_counter() - t))
+            with timer:
+                table.step(wl.batches[i], wl.batches[i + 1], times)
         t = time.perf_counter()
         table.wait_for_updates()
         times["wait_for_last_update"] += time.perf_counter() - t
@@ -278,8 +277,10 @@ def run_config(name: str, make: Callable[[], Any], wl: Workload, warmup: int, ba
         other_busy = max(0.0, system_busy_seconds() - busy0 - cpu) / wall  # the machine is shared
         after = table.counters()
         ids = wl.ids_in(warmup, batches)
+        batch_ms = timer.summary(1e3)  # median, p90, p99, max of the timed batches
         res.update(ids=ids, seconds=wall, rows_per_s=ids / wall, ms_per_batch=1e3 * wall / batches,
-                   batch_ms=batch_ms, batch_ms_median=upper_median(batch_ms), batch_ms_max=max(batch_ms),
+                   batch_ms=[1e3 * s for s in timer.seconds], batch_ms_summary=batch_ms,
+                   batch_ms_median=batch_ms["median"], batch_ms_max=batch_ms["max"],
                    cpu_cores=cpu / wall, other_cores_busy=other_busy,
                    phase_ms_per_batch={k: 1e3 * v / batches for k, v in times.items()},
                    rss_mib=proc_status_kib("VmRSS") / 1024)

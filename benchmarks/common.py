@@ -183,9 +183,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def latency_summary(seconds: Sequence[float], scale: float = 1.0) -> Dict[str, float]:
+    """Repeated runs' figures, times multiplied by `scale` (1e3: milliseconds): count, total, mean,
+    median (the upper median, as the reports have always given it), p90, p99 and max."""
+    s = [x * scale for x in seconds]
+    if not s:
+        return {"runs": 0}
+    return {"runs": len(s), "total": sum(s), "mean": sum(s) / len(s), "median": upper_median(s),
+            "p90": percentile(s, 90), "p99": percentile(s, 99), "max": max(s)}
+
+
 class Timer:
     """Wall time of repeated runs: `with timer:` (or `timer.call(fn, ...)`) around each run, then
-    `summary()` gives their count, total, mean, median, p90, p99 and max."""
+    `summary()` gives their count, total, mean, median, p90, p99 and max (`latency_summary`)."""
 
     def __init__(self) -> None:
         self.seconds: List[float] = []
@@ -208,11 +218,7 @@ class Timer:
 
     def summary(self, scale: float = 1.0) -> Dict[str, float]:
         """The runs' figures, times multiplied by `scale` (1e3: milliseconds)."""
-        s = [x * scale for x in self.seconds]
-        if not s:
-            return {"runs": 0}
-        return {"runs": len(s), "total": sum(s), "mean": sum(s) / len(s), "median": median(s),
-                "p90": percentile(s, 90), "p99": percentile(s, 99), "max": max(s)}
+        return latency_summary(self.seconds, scale)
 
 
 # --------------------------------------------------------------------------------------------

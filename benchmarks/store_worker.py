@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from common import (MiB, cpu_seconds, dir_bytes, drop_caches, meminfo_kib, proc_status_kib, reset_peak_rss,
-                    upper_median)
+from common import (MiB, cpu_seconds, dir_bytes, drop_caches, meminfo_kib, proc_status_kib, latency_summary,
+                    reset_peak_rss)
 from store_systems import SYSTEMS, VALUE_BYTES, Workload, check_rows
 
 
@@ -125,12 +125,12 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             if timed >= seconds or wall >= 3 * seconds + 5:
                 break
         wall = time.perf_counter() - w0
+        latency = latency_summary(batch_times, 1e3)
         out = {"rows": n, "batches": i, "seconds": timed, "rows_per_s": n / timed,
                # CPU time of the whole process (all its threads) inside the timed calls
                "cpu_seconds_timed": timed_cpu, "rows_per_cpu_s": n / max(timed_cpu, 1e-9),
                "first_batch_rows_per_s": keys.numel() / first, "cpu_seconds": cpu_seconds() - c0,
-               "batch_ms_median": 1e3 * upper_median(batch_times),
-               "batch_ms_max": 1e3 * max(batch_times),
+               "batch_ms_median": latency["median"], "batch_ms_max": latency["max"], "batch_ms_summary": latency,
                "wall_seconds": wall, "page_cache_growth_mib": (meminfo_kib("Cached") - cache0) / 1024}
         if is_mlkv:
             st1 = sysobj.stats()
@@ -190,10 +190,11 @@ def run_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             q_rows[q] += batch
             q_secs[q] += dt
         peak = max([b for _, b in samples] + [disk_end])
+        latency = latency_summary(times, 1e3)
         out = {"seconds": timed, "wall_seconds": wall, "capped_by_wall": capped, "rows": n, "batches": i,
                "rows_per_s": n / timed,
                "quarter_rows_per_s": [r / t if t > 0 else None for r, t in zip(q_rows, q_secs)],
-               "batch_ms_median": 1e3 * upper_median(times), "batch_ms_max": 1e3 * max(times),
+               "batch_ms_median": latency["median"], "batch_ms_max": latency["max"], "batch_ms_summary": latency,
                "cpu_seconds": cpu_seconds() - c0, "page_cache_growth_mib": (meminfo_kib("Cached") - cache0) / 1024,
                "live_bytes": live, "disk_bytes_end": disk_end, "disk_over_live_end": disk_end / live,
                "disk_over_live_peak": peak / live, "disk_samples": samples,
