@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs (the `device` tool): builds the CUDA extension, runs the core's tests
-# (the CUDA twins run there), then scripts/bench_gpu.py. Logs and reports go to $OUT (or bench-out/).
+# (the CUDA twins run there), then benchmarks/bench_gpu.py. Logs and reports go to $OUT (or bench-out/).
 #
 #   bash scripts/gpu_check.sh [tests|bench|all] [extra bench_gpu.py arguments]
 set -uo pipefail
@@ -30,7 +30,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 400 python3 scripts/bench_gpu.py --out "$OUT/gpu.json" "$@" 2>&1 | grep -v USDT | tee "$OUT/bench.log" | tail -30
+  timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT/gpu.json" "$@" 2>&1 | grep -v USDT | tee "$OUT/bench.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

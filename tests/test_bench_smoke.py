@@ -16,7 +16,7 @@ def test_benchmark_smoke_runs(tmp_path, script):
     if script not in ("bench_embedding.py", "bench_gpu.py", "bench_reopen.py"):
         pytest.importorskip("torchrec")
     output = "--json" if script == "bench_embedding.py" else "--out"
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--smoke", *extra, output,
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", *extra, output,
                            str(tmp_path / "out.json")],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

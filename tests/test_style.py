@@ -19,8 +19,8 @@ def tool(name: str) -> str:
 
 
 def test_ruff_is_clean():
-    run = subprocess.run([tool("ruff"), "check", "mlkv_torch", "scripts", "tests"], cwd=REPO, capture_output=True,
-                         text=True)
+    run = subprocess.run([tool("ruff"), "check", "mlkv_torch", "benchmarks", "scripts", "tests"], cwd=REPO,
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
 
 

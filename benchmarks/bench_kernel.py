@@ -2,7 +2,7 @@
 """Benchmarks the table-batched disk kernel in DLRM against TorchRec's fused in-memory kernel, in
 one process, on the same batches: the op layer's overhead, with the disk out of the way.
 
-    python scripts/bench_kernel.py [--scale 10] [--batch 2048] [--steps 150] [--smoke]
+    python benchmarks/bench_kernel.py [--scale 10] [--batch 2048] [--steps 150] [--smoke]
 
 Model: torchrec's DLRM (13 dense features, dense arch [64, dim], over arch [64, 1]) over the 26
 Criteo Kaggle tables divided by `--scale`, `--dim` float32 columns, one Zipf(`--zipf`) id per
@@ -32,11 +32,10 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-import numpy as np
 import torch
 
-from bench_dmp import DENSE_FEATURES, make_batches, set_initial_rows, table_rows, train_step
-from bench_store import proc_status_kib, reset_peak_rss, write_json_report
+from common import (criteo_kaggle_rows, dlrm, dlrm_batches, dlrm_train_step, losses_equal, markdown_table,
+                    proc_status_kib, reset_peak_rss, set_initial_rows, table_configs, write_json_report)
 
 LR = 0.05
 
@@ -54,7 +53,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.10, help="disk configuration: memory, fraction of table bytes")
     ap.add_argument("--depth", type=int, default=1, help="disk configuration: batches looked ahead")
     ap.add_argument("--iops", type=float, default=None,
-                    help="4 KiB random-read IOPS of the disk (scripts/disk_limits.py, queue depth 64): "
+                    help="4 KiB random-read IOPS of the disk (benchmarks/disk_limits.py, queue depth 64): "
                          "reports the disk configuration against the rate the disk allows for its reads")
     ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's choice); "
                     "the disk tables' I/O threads share the cores with them")
@@ -67,28 +66,17 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     return args
 
 
-def dlrm(collection: torch.nn.Module, dim: int) -> torch.nn.Module:
-    from torchrec.models.dlrm import DLRM
-
-    torch.manual_seed(0)  # the same dense weights in every configuration
-    return DLRM(embedding_bag_collection=collection, dense_in_features=DENSE_FEATURES,
-                dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1], dense_device=torch.device("cpu"))
-
-
 def build_memory(args: argparse.Namespace, rows: Dict[str, int]):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import ParameterConstraints, Topology
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    tables = [EmbeddingBagConfig(name=name, embedding_dim=args.dim, num_embeddings=n, feature_names=[f"f_{name}"])
-              for name, n in rows.items()]
-    model = dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")), args.dim)
+    model = dlrm(EmbeddingBagCollection(table_configs(rows, args.dim), device=torch.device("meta")), args.dim)
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
     # Table-wise, so every table runs fbgemm's fused kernel (a data-parallel plan would not).
     topology = Topology(world_size=1, compute_device="cpu")
@@ -103,16 +91,14 @@ def build_memory(args: argparse.Namespace, rows: Dict[str, int]):
 
 
 def build_disk(args: argparse.Namespace, rows: Dict[str, int], path: str, budget: int, populate: bool):
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from mlkv_torch import optim
     from mlkv_torch.torchrec import DiskEmbeddingBagCollection
 
-    tables = [EmbeddingBagConfig(name=name, embedding_dim=args.dim, num_embeddings=n, feature_names=[f"f_{name}"])
-              for name, n in rows.items()]
-    collection = DiskEmbeddingBagCollection(tables, path=path, optimizer=optim.SGD(lr=LR), memory_budget_bytes=budget,
-                                            seed=0)  # the memory plan's rows: table_seed(0, name)
+    # seed=0: the memory plan's rows (table_seed(0, name))
+    collection = DiskEmbeddingBagCollection(table_configs(rows, args.dim), path=path, optimizer=optim.SGD(lr=LR),
+                                            memory_budget_bytes=budget, seed=0)
     if populate:
         collection.populate()
     else:
@@ -161,7 +147,7 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     def step(t: int) -> None:
         if depth and t + depth < len(batches):
             collection.lookahead(batches[t + depth][1])
-        train_step(model, opt, batches[t], losses)
+        dlrm_train_step(model, opt, batches[t], losses)
 
     for t in range(args.warmup):
         step(t)
@@ -188,16 +174,35 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     return result
 
 
+def kernels_of(collection) -> List[List[str]]:
+    """The collection's tables grouped by kernel: a DiskEmbeddingBagCollection runs one
+    DiskTableBatch per row layout (dim, weight type, pooling), whose tables share its cache, its
+    budget and its counters."""
+    kernels: Dict[Any, List[str]] = {}
+    for name, bag in collection.embedding_bags.items():
+        kernels.setdefault((bag.embedding_dim, bag.dtype, bag.mode), []).append(name)
+    return list(kernels.values())
+
+
 def memory_of(collection) -> Dict[str, float]:
     """MiB of what the collection holds by its own count: the cache (rows, optimizer state and what
     the cache keeps beside them), the staging area and write-back buffer, the stores' in-memory
-    logs and their indexes (16 bytes a row, beside the budget)."""
-    from mlkv_torch.memory_budget import buffer_host_bytes, cache_host_bytes
+    logs and their indexes (16 bytes a row, beside the budget). The buffers follow from each
+    kernel's budget by the budget rule (`split_host_memory`), as the kernel sized them."""
+    from mlkv_torch.memory_budget import buffer_host_bytes, cache_host_bytes, split_host_memory
+    from mlkv_torch.row_layout import row_bytes
 
     stats = collection.stats().values()
-    return {"cache_mib": sum(cache_host_bytes(b.cache_rows, b.row_bytes) for b in collection._batches) / 2**20,
-            "buffers_mib": sum(buffer_host_bytes(b.staging_rows, b.write_back_rows, b.row_bytes)
-                               for b in collection._batches) / 2**20,
+    cache = buffers = 0
+    for names in kernels_of(collection):
+        bags = [collection.embedding_bags[name] for name in names]
+        bag = bags[0]
+        size = row_bytes(bag.embedding_dim, bag.dtype, bag.optimizer)
+        split = split_host_memory(bag.memory_budget_bytes, len(bags), sum(b.num_embeddings for b in bags), size,
+                                  True, bag.cache_rows)
+        cache += cache_host_bytes(bag.cache_rows, size)
+        buffers += buffer_host_bytes(split.staging_rows, split.write_back_rows, size)
+    return {"cache_mib": cache / 2**20, "buffers_mib": buffers / 2**20,
             "store_logs_mib": sum(s["log_memory_bytes"] for s in stats) / 2**20,
             "store_indexes_mib": sum(s["index_bytes"] for s in stats) / 2**20}
 
@@ -218,11 +223,12 @@ def first_time_ids_per_step(batches, warmup: int) -> float:
 def _counters(collection) -> Dict[str, int]:
     if collection is None:
         return {}
-    stats = collection.stats().values()
+    stats = collection.stats()
     # The cache's own counters are shared by its tables: read them once per kernel.
-    return {"hits": sum(s["cache_hits"] for s in stats), "misses": sum(s["cache_misses"] for s in stats),
-            "disk_reads": sum(s["disk_reads"] for s in stats),
-            "prefetch_wait_ms": sum(b.cache.stats()["prefetch_wait_ms"] for b in collection._batches)}
+    return {"hits": sum(s["cache_hits"] for s in stats.values()),
+            "misses": sum(s["cache_misses"] for s in stats.values()),
+            "disk_reads": sum(s["disk_reads"] for s in stats.values()),
+            "prefetch_wait_ms": sum(stats[names[0]]["prefetch_wait_ms"] for names in kernels_of(collection))}
 
 
 def main(argv: List[str]) -> int:
@@ -233,10 +239,10 @@ def main(argv: List[str]) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = table_rows(args)
+    rows = criteo_kaggle_rows(args.scale)
     total_rows = sum(rows.values())
     table_bytes = total_rows * args.dim * 4
-    batches = make_batches(args, rows, 0, args.warmup + args.steps)
+    batches = dlrm_batches(rows, args.batch, args.zipf, 0, args.warmup + args.steps)
     storage = args.dir or tempfile.mkdtemp(prefix="bench-kernel-")
     rendezvous = os.path.join(storage, ".process_group")
     os.makedirs(storage, exist_ok=True)
@@ -273,17 +279,19 @@ def main(argv: List[str]) -> int:
     reference = results[0]
     print(f"{len(rows)} tables, {total_rows:,} rows x {args.dim} ({table_bytes / 2**20:.0f} MiB), batch {args.batch}, "
           f"{args.steps} timed steps after {args.warmup}; torch threads {torch.get_num_threads()}")
-    print("| configuration | samples/s | vs memory | hit rate | disk reads/step | misses/step | peak RSS (MiB) | "
-          "threads | losses equal memory's |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows_out = []
     for r in results:
-        equal = np.allclose(r["losses"], reference["losses"], rtol=1e-5, atol=1e-6) \
+        equal = losses_equal(r["losses"], reference["losses"]) \
             if not r["config"].startswith("io") else "- (no dense model)"
-        hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
-        reads = f"{r['disk_reads_per_step']:,.0f}" if "hit_rate" in r else "-"
-        misses = f"{r['misses_per_step']:,.0f}" if "hit_rate" in r else "-"
-        print(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / reference['samples_per_s']:.2f}x | "
-              f"{hit} | {reads} | {misses} | {r['peak_rss_mib']:,.0f} | {r['threads']} | {equal} |")
+        disk = "hit_rate" in r
+        rows_out.append([r["config"], f"{r['samples_per_s']:,.0f}",
+                         f"{r['samples_per_s'] / reference['samples_per_s']:.2f}x",
+                         f"{r['hit_rate']:.1%}" if disk else "-", f"{r['disk_reads_per_step']:,.0f}" if disk else "-",
+                         f"{r['misses_per_step']:,.0f}" if disk else "-", f"{r['peak_rss_mib']:,.0f}", r["threads"],
+                         equal])
+    print("\n".join(markdown_table(["configuration", "samples/s", "vs memory", "hit rate", "disk reads/step",
+                                    "misses/step", "peak RSS (MiB)", "threads", "losses equal memory's"], rows_out,
+                                   align="l r r r r r r r l")))
     for r in results:
         if "budget_mib" in r:
             growth = r["peak_rss_mib"] - r["rss_before_build_mib"]

@@ -18,7 +18,7 @@
 Each training run is a fresh process (this script with --child); ratios are against the same run's
 reference.
 
-    python scripts/bench_input.py [--rows 10000000] [--steps 200] [--out bench-out/bench_input.json] [--smoke]
+    python benchmarks/bench_input.py [--rows 10000000] [--steps 200] [--out bench-out/bench_input.json] [--smoke]
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, write_json_report
+
 SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte")
 STALL_RUNS = ("quickstart", "criteo_kaggle")  # trained with the tuning off and on, besides in memory
 RESUMED_AT = 10 ** 9  # the batch number where a run resumed late starts
@@ -249,9 +250,7 @@ def main(argv: List[str]) -> int:
             if name == "criteo_terabyte":
                 shutil.rmtree(cache, ignore_errors=True)
         report["stalls"], report["loader_alone"] = runs, loaders
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json_report(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

@@ -40,24 +40,23 @@ hottest ids, and the share of ids seen in an earlier batch since the table was
 opened (what an unbounded cache that starts empty could hit), plus the store's
 counters over the window (rows read from disk, 4 KiB reads, lookahead).
 
-Where time goes (disk configurations): the module's cache object is wrapped so
-that its calls are timed: the wait for the previous batch's update (the
-applier thread; with staleness 0 a fetch waits for it first), the fetch, and
-queueing the update; the rest of forward is id checks, unique and pooling, the
-rest of backward the gradient rows. Unique alone is timed separately.
+Where time goes (disk configurations), by wall time around public calls: the
+wait for the previous batch's update (`emb.synchronize()` right before the
+forward: the applier thread's share, which a forward at staleness 0 would wait
+for first), the lookahead, the forward (id checks, unique, the fetch through the
+cache, pooling) and the backward (the gradient rows and queueing the update).
+Unique alone is timed separately (DiskTableBatch.unique_keys).
 
 Usage:
-  python scripts/bench_embedding.py                  # 10M rows; about 5 minutes on 2 cores
-  python scripts/bench_embedding.py --smoke          # tiny sizes, well under a minute
+  python benchmarks/bench_embedding.py                  # 10M rows; about 5 minutes on 2 cores
+  python benchmarks/bench_embedding.py --smoke          # tiny sizes, well under a minute
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,13 +67,10 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from bench_store import (ReportLog, cpu_seconds, dir_bytes, fmt_rate, meminfo_kib, proc_status_kib,  # noqa: E402
-                         reset_peak_rss, system_busy_seconds, wait_for_quiet_machine, write_json_report)
+from common import (REPO, MiB, ReportLog, cpu_seconds, dir_bytes, fmt_rate, machine_facts, markdown_table,
+                    proc_status_kib, reset_peak_rss, system_busy_seconds, torch_embedding_bag, wait_for_quiet_machine,
+                    write_json_report, zipf_cdf, zipf_ranks, Timer)
 
-MiB = 1 << 20
 MAX_BAG_LENGTH = 39  # lengths uniform in 1..39: mean 20
 
 
@@ -99,10 +95,7 @@ class Workload:
         lengths = rng.integers(1, MAX_BAG_LENGTH + 1, size=(count, bags))
         total = int(lengths.sum())
         # Bounded Zipf by inverse CDF; ranks go through a fixed permutation so hot ids are spread out.
-        cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -zipf_s)
-        cdf /= cdf[-1]
-        ranks = np.minimum(np.searchsorted(cdf, rng.random(total), side="right"), rows - 1)
-        del cdf
+        ranks = zipf_ranks(zipf_cdf(rows, zipf_s), rng.random(total))
         id_of_rank = rng.permutation(rows).astype(np.int64)
         ids = id_of_rank[ranks]
         del id_of_rank
@@ -163,8 +156,7 @@ class TorchReference(InMemoryReference):
     """torch.nn.EmbeddingBag with a sparse gradient and torch.optim.SGD: the table in memory."""
 
     def __init__(self, rows: int, dim: int, lr: float, target: torch.Tensor) -> None:
-        self.emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
-        self.optimizer = torch.optim.SGD(self.emb.parameters(), lr=lr)
+        self.emb, self.optimizer = torch_embedding_bag(rows, dim, lr)
         self.target = target
 
     def step(self, batch: Batch, next_batch: Optional[Batch], times: Dict[str, float]) -> None:
@@ -206,34 +198,7 @@ class FbgemmReference(InMemoryReference):
         del self.tbe
 
 
-class TimedCache:
-    """Stands in for DiskEmbeddingBag's cache (a C++ object, whose methods cannot be wrapped in place) and
-    times the calls the module makes on it; everything else passes through."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.times: Dict[str, float] = defaultdict(float)
-        self.can_drain = hasattr(inner, "drain")
-
-    def fetch(self, ids: torch.Tensor) -> torch.Tensor:
-        t = time.perf_counter()
-        if self.can_drain:  # what the fetch does first at staleness 0; timed apart, it is the applier's share
-            self.inner.drain()
-            t = add_time(self.times, "wait_for_update", t)
-        rows = self.inner.fetch(ids)
-        add_time(self.times, "fetch", t)
-        return rows
-
-    def queue_update(self, ids: torch.Tensor, grads: torch.Tensor, step: int, lr: float) -> None:
-        t = time.perf_counter()
-        self.inner.queue_update(ids, grads, step, lr)
-        add_time(self.times, "queue_update", t)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class DiskTable:
+class DiskBagRun:
     """DiskEmbeddingBag over a populated store directory, optionally with lookahead one batch ahead."""
 
     def __init__(self, rows: int, dim: int, lr: float, target: torch.Tensor, path: str, budget: int,
@@ -245,18 +210,15 @@ class DiskTable:
                                     reopen=True)  # the populated table
         self.lookahead = lookahead
         self.target = target
-        self.timed_cache: Optional[TimedCache] = None
-        if hasattr(self.emb, "_batch"):  # private: without it the phase breakdown is left out
-            self.timed_cache = TimedCache(self.emb._batch.cache)
-            self.emb._batch.cache = self.timed_cache
 
     def step(self, batch: Batch, next_batch: Optional[Batch], times: Dict[str, float]) -> None:
-        if self.timed_cache is not None:
-            self.timed_cache.times = times
         t = time.perf_counter()
         if self.lookahead and next_batch is not None:
             self.emb.lookahead(next_batch.ids)
             t = add_time(times, "lookahead", t)
+        # What the forward (staleness 0) waits for first, timed apart: the applier thread's share.
+        self.emb.synchronize()
+        t = add_time(times, "wait_for_update", t)
         out = self.emb(batch.ids, batch.offsets)
         t = add_time(times, "forward", t)
         (out * self.target).sum().backward()  # queues the fused SGD update for the applier thread
@@ -270,8 +232,6 @@ class DiskTable:
         return self.emb.stats()
 
     def close(self) -> None:
-        if self.timed_cache is not None:
-            self.emb._batch.cache = self.timed_cache.inner
         self.emb.close()
         del self.emb
 
@@ -304,12 +264,11 @@ def run_config(name: str, make: Callable[[], Any], wl: Workload, warmup: int, ba
         table.wait_for_updates()
         before = table.counters()
         times: Dict[str, float] = defaultdict(float)
-        batch_ms: List[float] = []
+        timer = Timer()
         c0, busy0, w0 = cpu_seconds(), system_busy_seconds(), time.perf_counter()
         for i in range(warmup, warmup + batches):
-            t = time.perf_counter()
-            table.step(wl.batches[i], wl.batches[i + 1], times)
-            batch_ms.append(1e3 * (time.perf_counter() - t))
+            with timer:
+                table.step(wl.batches[i], wl.batches[i + 1], times)
         t = time.perf_counter()
         table.wait_for_updates()
         times["wait_for_last_update"] += time.perf_counter() - t
@@ -318,8 +277,10 @@ def run_config(name: str, make: Callable[[], Any], wl: Workload, warmup: int, ba
         other_busy = max(0.0, system_busy_seconds() - busy0 - cpu) / wall  # the machine is shared
         after = table.counters()
         ids = wl.ids_in(warmup, batches)
+        batch_ms = timer.summary(1e3)  # median, p90, p99, max of the timed batches
         res.update(ids=ids, seconds=wall, rows_per_s=ids / wall, ms_per_batch=1e3 * wall / batches,
-                   batch_ms=batch_ms, batch_ms_median=sorted(batch_ms)[len(batch_ms) // 2], batch_ms_max=max(batch_ms),
+                   batch_ms=[1e3 * s for s in timer.seconds], batch_ms_summary=batch_ms,
+                   batch_ms_median=batch_ms["median"], batch_ms_max=batch_ms["max"],
                    cpu_cores=cpu / wall, other_cores_busy=other_busy,
                    phase_ms_per_batch={k: 1e3 * v / batches for k, v in times.items()},
                    rss_mib=proc_status_kib("VmRSS") / 1024)
@@ -401,33 +362,6 @@ def time_unique(wl: Workload, rows: int, first: int, count: int) -> Optional[flo
 # the report
 # --------------------------------------------------------------------------------------------
 
-def machine_facts() -> Dict[str, Any]:
-    cpu_model = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        import fbgemm_gpu
-        fbgemm_version = getattr(fbgemm_gpu, "__version__", "?")
-    except ImportError:
-        fbgemm_version = None
-    commit, dirty = None, None
-    try:
-        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {"commit": commit, "uncommitted_changes": dirty, "host": platform.node(), "cpus": os.cpu_count(),
-            "cpu_model": cpu_model,
-            "memory_gib": meminfo_kib("MemTotal") / (1 << 20), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "fbgemm_gpu": fbgemm_version}
-
-
 def markdown_report(results: List[Dict[str, Any]], best_ref: Optional[float], args: argparse.Namespace,
                     wl_facts: Dict[str, Any], populate: Optional[Dict[str, Any]], unique_ms: Optional[float],
                     policy: Optional[Dict[str, Any]], machine: Dict[str, Any]) -> str:
@@ -462,15 +396,13 @@ def markdown_report(results: List[Dict[str, Any]], best_ref: Optional[float], ar
     if busy and max(busy) > 0.25:
         lines += ["", f"Warning: other processes kept up to {max(busy):.2f} of {machine['cpus']} cores busy during "
                   f"the timed windows (mean {sum(busy) / len(busy):.2f}); rates are understated where that was high."]
-    phases = ["lookahead", "forward", "wait_for_update", "fetch", "backward", "queue_update", "optimizer_step",
-              "wait_for_last_update"]
-    lines += ["", "Where time goes, ms per batch (wait_for_update and fetch are part of forward, queue_update of "
-              "backward; wait_for_update is the applier thread finishing the previous batch's update"
-              + (f"; unique alone takes {unique_ms:.1f} ms of forward" if unique_ms is not None else "") + "):", "",
-              "| configuration | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
-    for r in main_runs:
-        p = r["phase_ms_per_batch"]
-        lines.append(f"| {r['label']} | " + " | ".join(f"{p[k]:.1f}" if k in p else "-" for k in phases) + " |")
+    phases = ["lookahead", "wait_for_update", "forward", "backward", "optimizer_step", "wait_for_last_update"]
+    lines += ["", "Where time goes, ms per batch (wait_for_update is the applier thread finishing the previous "
+              "batch's update, waited for before the forward"
+              + (f"; unique alone takes {unique_ms:.1f} ms of forward" if unique_ms is not None else "") + "):", ""]
+    lines += markdown_table(["configuration", *phases],
+                            [[r["label"], *(f"{r['phase_ms_per_batch'][k]:.1f}" if k in r["phase_ms_per_batch"]
+                                            else "-" for k in phases)] for r in main_runs])
     counter_columns = [("cache_misses", "cache misses"), ("disk_rows", "rows read from disk"),
                        ("disk_reads", "4 KiB reads"), ("memory_hits", "store memory hits"),
                        ("rejected", "misses not admitted"), ("written_back", "rows written back"),
@@ -479,13 +411,10 @@ def markdown_report(results: List[Dict[str, Any]], best_ref: Optional[float], ar
     disk_runs = [r for r in ok if "counters" in r]
     present = [(k, title) for k, title in counter_columns if any(k in r["counters"] for r in disk_runs)]
     if disk_runs:
-        lines += ["", "Cache and store counters over the timed window, per batch:", "",
-                  "| configuration | " + " | ".join(title for _, title in present) + " |",
-                  "|---" * (len(present) + 1) + "|"]
-        for r in disk_runs:
-            per = [r["counters"].get(k) for k, _ in present]
-            lines.append(f"| {r['label']} | " + " | ".join(f"{v / r['batches']:,.0f}" if v is not None else "-"
-                                                            for v in per) + " |")
+        lines += ["", "Cache and store counters over the timed window, per batch:", ""]
+        lines += markdown_table(["configuration", *(title for _, title in present)],
+                                [[r["label"], *(f"{r['counters'][k] / r['batches']:,.0f}" if k in r["counters"]
+                                                else "-" for k, _ in present)] for r in disk_runs])
     if populate:
         lines += ["", f"Populating the store: {populate['rows']:,} rows by import_rows in chunks of "
                   f"{populate['chunk']:,} at the {populate['budget'] / MiB:,.0f} MiB budget: "
@@ -526,7 +455,7 @@ def main() -> int:
     ap.add_argument("--lookahead", default="off,on", help="lookahead variants of every budget")
     ap.add_argument("--configs", default="torch,fbgemm,disk,policy", help="which configurations to run")
     ap.add_argument("--import-chunk", type=int, default=1_000_000, help="rows per import_rows call")
-    ap.add_argument("--dir", default=os.path.join(os.path.dirname(REPO), "bench-tmp"),
+    ap.add_argument("--dir", default=os.path.join(REPO, "bench-out", "tmp"),
                     help="a fresh directory for the store is made under this one and removed at the end")
     ap.add_argument("--keep-store", action="store_true", help="leave the store directories in place")
     ap.add_argument("--reopen-same-store", action="store_true",
@@ -639,7 +568,7 @@ def main() -> int:
                 (f"-policy-{policy_name}" if long_run else "")
             label = f"DiskEmbeddingBag {fraction:.0%}" + (" + lookahead" if lookahead else "") + \
                 (f", {policy_name}, {args.policy_warmup}+{args.policy_batches} batches" if long_run else "")
-            return record(name, label, lambda: DiskTable(args.rows, args.dim, args.lr, wl.target, work, budget,
+            return record(name, label, lambda: DiskBagRun(args.rows, args.dim, args.lr, wl.target, work, budget,
                                                          lookahead, policy_name),
                           warmup=args.policy_warmup if long_run else None,
                           batches=args.policy_batches if long_run else None,

@@ -11,7 +11,7 @@ rows, dim 16, beside 25 smaller tables, 64 MiB budget) against the same run with
 - resume: the same and the dense model and optimizer loaded, what `--resume` does before its
   first step.
 
-    python scripts/bench_billion_rows.py [--steps 2000] [--smoke]
+    python benchmarks/bench_billion_rows.py [--steps 2000] [--smoke]
 """
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-from bench_store import drop_caches  # noqa: E402  (root only: None when the page cache went)
+from common import REPO, drop_caches, markdown_table, write_json_report  # drop_caches: root only
+
 CONFIG = os.path.join(REPO, "configs", "billion_rows.yaml")
 BIG_FEATURE = 2  # cat_2 is the billion-row table of the config
 
@@ -46,6 +45,8 @@ def reopen(overrides: List[str]) -> Dict[str, Any]:
     """In this (fresh) process: the reopen and resume times and what the stores hold."""
     sys.path.insert(0, REPO)
     from mlkv_torch.config import load_config
+    # Not public API: mlkv_torch.train has no public experiment object to reopen and resume
+    # (benchmarks/README.md, "Private names still used").
     from mlkv_torch.train import _Experiment
 
     import torchrec.distributed.model_parallel  # noqa: F401  (what _Experiment imports: read before the
@@ -115,17 +116,16 @@ def main(argv: List[str]) -> int:
                  reopen=measured["reopen_s"] / reference["reopen_s"])
     print(f"{args.steps} steps; the big table at {reference['table_rows']:,} rows (reference) and "
           f"{measured['table_rows']:,} rows; page cache dropped before reopening: {measured['page_cache_dropped']}")
-    print("| big table rows | samples/s | peak RSS MB | disk MB | rows stored | bytes per stored row | "
-          "big table: rows stored, MB | reopen s | resume s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in (reference, measured):
-        print(f"| {r['table_rows']:,} | {r['samples_per_s']:,.0f} | {r['peak_rss_bytes'] / 1e6:.0f} | "
-              f"{r['disk_bytes'] / 1e6:.0f} | {r['rows_stored']:,} | {r['disk_bytes_per_stored_row']:.0f} | "
-              f"{r['big_table_rows_stored']:,}, {r['big_table_disk_bytes'] / 1e6:.0f} | {r['reopen_s']:.2f} | "
-              f"{r['resume_s']:.2f} |")
+    print("\n".join(markdown_table(
+        ["big table rows", "samples/s", "peak RSS MB", "disk MB", "rows stored", "bytes per stored row",
+         "big table: rows stored, MB", "reopen s", "resume s"],
+        [[f"{r['table_rows']:,}", f"{r['samples_per_s']:,.0f}", f"{r['peak_rss_bytes'] / 1e6:.0f}",
+          f"{r['disk_bytes'] / 1e6:.0f}", f"{r['rows_stored']:,}", f"{r['disk_bytes_per_stored_row']:.0f}",
+          f"{r['big_table_rows_stored']:,}, {r['big_table_disk_bytes'] / 1e6:.0f}", f"{r['reopen_s']:.2f}",
+          f"{r['resume_s']:.2f}"] for r in (reference, measured)], align="r r r r r r r r r")))
     print("ratios, billion / reference: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
-    with open(os.path.join(REPO, args.out), "w") as f:
-        json.dump(dict(reference=reference, measured=measured, ratio=ratio, steps=args.steps), f, indent=1)
+    write_json_report(os.path.join(REPO, args.out),
+                      dict(reference=reference, measured=measured, ratio=ratio, steps=args.steps))
     return 0
 
 

@@ -3,7 +3,7 @@ queue depths 64 and 1, and 1 MiB sequential reads and writes at depth 16, direct
 io_uring (libaio where io_uring is refused). One line per pattern: name, IOPS, MiB/s, mean
 latency in microseconds, tab-separated (what bench_store.py and bench_kernel.py's --iops read).
 
-    python scripts/disk_limits.py [DIR] [--seconds 10]
+    python benchmarks/disk_limits.py [DIR] [--seconds 10]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """Benchmarks the table-batched disk kernel with its cache in GPU memory against torch's embedding
 bag held entirely in GPU memory, on the same batches, in one run.
 
-    python scripts/bench_gpu.py [--rows 10000000] [--dim 128] [--tables 26] [--batch 8192] [--smoke]
+    python benchmarks/bench_gpu.py [--rows 10000000] [--dim 128] [--tables 26] [--batch 8192] [--smoke]
 
 Workload: `--tables` tables of `--rows` / `--tables` rows each (10M x 128 in all by default),
 `--bag` Zipf(`--zipf`) ids per feature per sample (hot ids scattered over each table), one
@@ -38,10 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import ReportLog, write_json_report  # noqa: E402
+from common import REPO, ReportLog, markdown_table, torch_embedding_bag, write_json_report
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 from mlkv_torch import initial_rows, optim  # noqa: E402
 from mlkv_torch.embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch  # noqa: E402
 
@@ -113,12 +112,8 @@ class Reference:
 
     def __init__(self, args: argparse.Namespace, optimizer: str, weights: torch.Tensor, device: torch.device) -> None:
         self.device = device
-        self.bag = torch.nn.EmbeddingBag(weights.shape[0], args.dim, mode="sum", sparse=True,
-                                         include_last_offset=True, device=device)
-        with torch.no_grad():
-            self.bag.weight.copy_(weights)
-        self.opt = (torch.optim.SGD(self.bag.parameters(), lr=LR) if optimizer == "sgd"
-                    else torch.optim.SparseAdam(self.bag.parameters(), lr=LR))
+        self.bag, self.opt = torch_embedding_bag(weights.shape[0], args.dim, LR, optimizer, weights,
+                                                 include_last_offset=True, device=device)
 
     def step(self, b: Batch) -> torch.Tensor:
         ids = b.global_ids.to(self.device, non_blocking=True)
@@ -165,6 +160,11 @@ class Disk:
         loss = (self.batch.pool(b.values, self.counts, self.tables, b.offsets) * b.target).sum()
         loss.backward()
         return loss.detach()
+
+    def counters(self) -> Dict[str, int]:
+        """The cache's hits, misses and store reads over every table."""
+        stats = [self.batch.stats(t) for t in self.tables]
+        return {k: sum(s[k] for s in stats) for k in ("cache_hits", "cache_misses", "store_reads")}
 
     def close(self) -> None:
         self.batch.close()
@@ -253,9 +253,9 @@ def main(argv: List[str]) -> int:
             disk = Disk(args, opt_name, cache, rows_per_table, path, device)
             populate_s = disk.populate() if cache < 1.0 else disk.load_all()
             time_steps(disk, warm, device)
-            before = disk.batch.cache.stats()
+            before = disk.counters()
             seconds, losses = time_steps(disk, timed, device)
-            after = disk.batch.cache.stats()
+            after = disk.counters()
             looked_up = (after["cache_hits"] - before["cache_hits"]) + (after["cache_misses"] - before["cache_misses"])
             prof = profile_steps(disk, profiled, device, out_dir, f"disk-{opt_name}-{cache}")
             ref_losses = reference_losses[opt_name]
@@ -275,14 +275,14 @@ def main(argv: List[str]) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     log("")
-    log("| configuration | samples/s | x reference | hit rate | store reads/step | H2D/step | D2H/step | syncs/step "
-        "| losses equal |")
-    log("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        log(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['ratio']:.2f} | "
-            f"{r.get('hit_rate', 1.0):.3f} | {r.get('store_reads_per_step', 0):,.0f} | "
-            f"{r['copies_h2d_per_step']:.1f} | "
-            f"{r['copies_d2h_per_step']:.1f} | {r['syncs_per_step']:.1f} | {r.get('losses_equal', '-')} |")
+    for line in markdown_table(
+            ["configuration", "samples/s", "x reference", "hit rate", "store reads/step", "H2D/step", "D2H/step",
+             "syncs/step", "losses equal"],
+            [[r["config"], f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.2f}", f"{r.get('hit_rate', 1.0):.3f}",
+              f"{r.get('store_reads_per_step', 0):,.0f}", f"{r['copies_h2d_per_step']:.1f}",
+              f"{r['copies_d2h_per_step']:.1f}", f"{r['syncs_per_step']:.1f}", r.get("losses_equal", "-")]
+             for r in results]):
+        log(line)
     for r in results:
         log(f"{r['config']}: top host ops (ms/step) {r['top_cpu_ops_ms_per_step']}")
     write_json_report(args.out, dict(args=vars(args), gpu=gpu, torch=torch.__version__,

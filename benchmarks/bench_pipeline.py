@@ -8,7 +8,7 @@ Disk tables are populated first (storage.populate: every row written to the stor
 training), so a row missing from memory is read from disk, as in a table trained for a while;
 `--fresh` leaves them empty (rows never written are generated, not read).
 
-    python scripts/bench_pipeline.py [--scale 10] [--steps 200] [--nproc 2] [--smoke]
+    python benchmarks/bench_pipeline.py [--scale 10] [--steps 200] [--nproc 2] [--smoke]
 
 With ``--nproc N`` every configuration runs under torchrun with N processes (DistributedModelParallel,
 DiskAwarePlanner; the budget is split evenly over the ranks).
@@ -27,7 +27,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, markdown_table, write_json_report
+
 BYTES_PER_ROW = 16 * 4 + 4  # 16 float32 weights and a row-wise Adagrad accumulator
 
 
@@ -82,17 +83,14 @@ def main(argv: List[str]) -> int:
           f"{budget / 2**20:.1f} MiB for disk tables{' per rank' if args.nproc > 1 else ''}; {args.steps} steps of "
           f"{args.batch}{f' per rank, {args.nproc} processes' if args.nproc > 1 else ''}")
     print(f"tables {'left empty (fresh rows generated)' if args.fresh else 'populated before training'}")
-    print("| configuration | samples/s | vs disk depth 0 | vs memory | hit rate | final depth | AUC (oracle) | "
-          "peak RSS (MiB) | on disk (MiB) |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
-    for r in results:
-        hit = f"{r['hit_rate']:.1%}" if r.get("hit_rate") is not None else "-"
-        print(f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / reference:.2f}x | "
-              f"{r['samples_per_s'] / in_memory:.2f}x | {hit} | "
-              f"{r['lookahead_depth'] if r['storage'] != 'memory' else '-'} | {r['auc']:.4f} ({r['oracle_auc']:.4f}) | "
-              f"{r['peak_rss_bytes'] / 2**20:,.0f} | {r['disk_bytes'] / 2**20:,.0f} |")
-    from bench_store import write_json_report
-
+    print("\n".join(markdown_table(
+        ["configuration", "samples/s", "vs disk depth 0", "vs memory", "hit rate", "final depth", "AUC (oracle)",
+         "peak RSS (MiB)", "on disk (MiB)"],
+        [[r["config"], f"{r['samples_per_s']:,.0f}", f"{r['samples_per_s'] / reference:.2f}x",
+          f"{r['samples_per_s'] / in_memory:.2f}x", f"{r['hit_rate']:.1%}" if r.get("hit_rate") is not None else "-",
+          r["lookahead_depth"] if r["storage"] != "memory" else "-", f"{r['auc']:.4f} ({r['oracle_auc']:.4f})",
+          f"{r['peak_rss_bytes'] / 2**20:,.0f}", f"{r['disk_bytes'] / 2**20:,.0f}"] for r in results],
+        align="l r r r r r l r r")))
     write_json_report(args.out, {"args": vars(args), "rows": rows, "budget_bytes": budget, "results": results})
     return 0
 

@@ -13,13 +13,12 @@ dropped first (root only; the output says if not):
   order) against batched `get` in key order and in random order, each timed for at most
   --read-seconds, as rows/s and the whole table's time at that rate.
 
-    python scripts/bench_reopen.py [--rows 1000000 4000000 16000000] [--smoke]
+    python benchmarks/bench_reopen.py [--rows 1000000 4000000 16000000] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import sys
@@ -27,9 +26,8 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-from bench_store import drop_caches  # noqa: E402  (root only: None when the page cache went)
+from common import REPO, drop_caches, markdown_table, write_json_report  # drop_caches: root only
+
 DIM = 17
 BUDGET = 64 << 20
 
@@ -113,17 +111,15 @@ def main(argv: List[str]) -> int:
         results = [measure(rows, work, args.read_seconds) for rows in args.rows]
     print(f"rows of {DIM} float32, {BUDGET >> 20} MiB budget, direct I/O; page cache dropped before each: "
           f"{results[0]['page_cache_dropped']}")
-    print("| rows | disk MB | reopen, index image s (loaded) | reopen, log scan s | scan s | get in key order s | "
-          "get in random order s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['rows']:,} | {r['disk_bytes'] / 1e6:.0f} | {r['reopen_with_index_image_s']:.2f} "
-              f"({r['reopen_with_index_image_loaded_image']}) | "
-              f"{r['reopen_log_scan_s']:.2f} | {r['scan_s']:.2f} | {r['get_in_key_order_table_s']:.1f} | "
-              f"{r['get_random_table_s']:.1f} |")
+    print("\n".join(markdown_table(
+        ["rows", "disk MB", "reopen, index image s (loaded)", "reopen, log scan s", "scan s", "get in key order s",
+         "get in random order s"],
+        [[f"{r['rows']:,}", f"{r['disk_bytes'] / 1e6:.0f}",
+          f"{r['reopen_with_index_image_s']:.2f} ({r['reopen_with_index_image_loaded_image']})",
+          f"{r['reopen_log_scan_s']:.2f}", f"{r['scan_s']:.2f}", f"{r['get_in_key_order_table_s']:.1f}",
+          f"{r['get_random_table_s']:.1f}"] for r in results], align="r r r r r r r")))
     print("(get times: the whole table at the rate measured over at most --read-seconds)")
-    with open(os.path.join(REPO, args.out), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json_report(os.path.join(REPO, args.out), results)
     return 0
 
 

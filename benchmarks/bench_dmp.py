@@ -3,10 +3,10 @@
 memory budget (tables that do not fit go to disk) against the all-in-memory plan, same data,
 same run.
 
-    python scripts/bench_dmp.py [--smoke]          # launches torchrun --nproc_per_node 2 itself
+    python benchmarks/bench_dmp.py [--smoke]          # launches torchrun --nproc_per_node 2 itself
 
 Model: torchrec's DLRM (13 dense features, dense arch [64, dim], over arch [64, 1]) with the 26
-Criteo Kaggle tables (../shared/DESIGN.md), each scaled down by `--scale` (at least 2 rows),
+Criteo Kaggle tables (mlkv_torch.data.CRITEO_KAGGLE_CARDINALITIES), each scaled down by `--scale` (at least 2 rows),
 `--dim` float32 columns, one id per feature per sample, SGD (lr 0.05) fused in backward on
 every table and on the dense part. Ids per feature are Zipf(`--zipf`) over the table's rows
 (hot ids scattered by a fixed permutation); labels are random.
@@ -36,14 +36,11 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-import numpy as np
 import torch
 
-from bench_store import proc_status_kib, reset_peak_rss, write_json_report
+from common import (criteo_kaggle_rows, dlrm, dlrm_batches, dlrm_train_step, losses_equal, markdown_table,
+                    proc_status_kib, reset_peak_rss, set_initial_rows, table_configs, write_json_report)
 
-CRITEO_KAGGLE_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-                      5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
-DENSE_FEATURES = 13
 RESERVED_FRACTION = 0.15  # the planner's default storage reservation
 DENSE_HEADROOM = 8 << 20  # what the planner reserves per rank for the dense model and input buffers
 
@@ -68,37 +65,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     return args
 
 
-def table_rows(args: argparse.Namespace) -> Dict[str, int]:
-    return {f"t{i}": max(2, n // args.scale) for i, n in enumerate(CRITEO_KAGGLE_ROWS)}
-
-
-def make_batches(args: argparse.Namespace, rows: Dict[str, int], rank: int, count: int):
-    """`count` batches of this rank: dense features, one Zipf id per table per sample, labels."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    rng = np.random.default_rng(1000 + rank)
-    id_samplers = []
-    for i, n in enumerate(rows.values()):
-        cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -args.zipf)
-        id_samplers.append((cdf / cdf[-1], np.random.default_rng(i).permutation(n)))  # same ids on every rank
-    batches = []
-    for _ in range(count):
-        ids = [perm[np.minimum(np.searchsorted(cdf, rng.random(args.batch), side="right"), len(perm) - 1)]
-               for cdf, perm in id_samplers]
-        sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f_{name}" for name in rows], values=torch.from_numpy(np.concatenate(ids)),
-            lengths=torch.ones(len(rows) * args.batch, dtype=torch.int64))
-        batches.append((torch.from_numpy(rng.standard_normal((args.batch, DENSE_FEATURES), dtype=np.float32)),
-                        sparse, torch.from_numpy(rng.integers(0, 2, args.batch).astype(np.float32))))
-    return batches
-
-
 def build(args: argparse.Namespace, rows: Dict[str, int], ddr_cap: int, storage_dir: str):
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner.types import ParameterConstraints, Topology
-    from torchrec.models.dlrm import DLRM
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -106,12 +76,7 @@ def build(args: argparse.Namespace, rows: Dict[str, int], ddr_cap: int, storage_
     from mlkv_torch import optim
     from mlkv_torch.torchrec import DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
 
-    torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=name, embedding_dim=args.dim, num_embeddings=n, feature_names=[f"f_{name}"])
-              for name, n in rows.items()]
-    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables, device=torch.device("meta")),
-                 dense_in_features=DENSE_FEATURES, dense_arch_layer_sizes=[64, args.dim], over_arch_layer_sizes=[64, 1],
-                 dense_device=torch.device("cpu"))
+    model = dlrm(EmbeddingBagCollection(table_configs(rows, args.dim), device=torch.device("meta")), args.dim)
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=0.05),
                                                 memory_fraction=args.memory_fraction)
     topology = Topology(world_size=dist.get_world_size(), compute_device="cpu", ddr_cap=ddr_cap, ssd_cap=64 << 30)
@@ -125,21 +90,6 @@ def build(args: argparse.Namespace, rows: Dict[str, int], ddr_cap: int, storage_
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), kernels
 
 
-def set_initial_rows(dmp, rows: Dict[str, int], dim: int) -> None:
-    """Every table starts from mlkv_torch.initial_rows (disk tables: every row written to the store)."""
-    from mlkv_torch import initial_rows
-    from mlkv_torch.torchrec.tables import table_seed
-
-    state = dmp.state_dict()
-    for name, n in rows.items():
-        for shard in state[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"].local_shards():
-            for start in range(0, n, 1 << 20):
-                ids = torch.arange(start, min(n, start + (1 << 20)))
-                shard.tensor.detach()[start:start + ids.numel()] = initial_rows(ids, dim, seed=table_seed(0, name),
-                                                                                 num_embeddings=n)
-    dmp.load_state_dict(state)
-
-
 def disk_stats(dmp) -> Dict[str, Dict[str, Any]]:
     from mlkv_torch.torchrec import ShardedDiskEmbeddingBagCollection
 
@@ -147,16 +97,6 @@ def disk_stats(dmp) -> Dict[str, Dict[str, Any]]:
     if not isinstance(sharded, ShardedDiskEmbeddingBagCollection):
         return {}
     return sharded.stats()
-
-
-def train_step(model, opt, batch, losses: List[float]) -> None:
-    """One DLRM training step on (dense, sparse, labels); appends the loss."""
-    dense, sparse, labels = batch
-    opt.zero_grad()
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(1), labels)
-    loss.backward()
-    opt.step()
-    losses.append(float(loss.detach()))
 
 
 def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> Dict[str, Any]:
@@ -169,7 +109,7 @@ def run_plan(args, rows, name: str, ddr_cap: int, storage_dir: str, batches) -> 
     losses = []
 
     def step(batch) -> None:
-        train_step(dmp, opt, batch, losses)  # noqa: F821 (deleted below, once training is over)
+        dlrm_train_step(dmp, opt, batch, losses)  # noqa: F821 (deleted below, once training is over)
 
     for batch in batches[:args.warmup]:
         step(batch)
@@ -204,9 +144,9 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = table_rows(args)
+    rows = criteo_kaggle_rows(args.scale)
     table_bytes = sum(rows.values()) * args.dim * 4
-    batches = make_batches(args, rows, rank, args.warmup + args.steps)
+    batches = dlrm_batches(rows, args.batch, args.zipf, rank, args.warmup + args.steps)
     storage = args.dir or tempfile.mkdtemp(prefix="bench-dmp-")
     mixed_cap = int((args.budget * table_bytes / world + DENSE_HEADROOM) / (1 - RESERVED_FRACTION))
     results = [run_plan(args, rows, "memory", 64 << 30, os.path.join(storage, "memory"), batches),
@@ -229,13 +169,13 @@ def print_report(report: Dict[str, Any]) -> None:
     disk_rows = sum(d["rows"] for r in ranks for d in r[1]["disk_tables"].values())
     print(f"tables: {report['table_bytes'] / 2**20:.1f} MiB; mixed plan's host-memory cap: "
           f"{report['mixed_ddr_cap_per_rank'] / 2**20:.1f} MiB per rank; on disk: {on_disk} ({disk_rows:,} rows)")
-    print("| plan | samples/s | ratio to memory | peak RSS per rank (MiB) |")
-    print("|---|---:|---:|---|")
-    for i, name in enumerate(("memory", "mixed")):
-        rate = ranks[0][i]["samples_per_s"]
-        rss = ", ".join(f"{r[i]['peak_rss_mib']:.0f}" for r in ranks)
-        print(f"| {name} | {rate:,.0f} | {rate / memory['samples_per_s']:.2f}x | {rss} |")
-    same = all(np.allclose(r[0]["losses"], r[1]["losses"], rtol=1e-5, atol=1e-6) for r in ranks)
+    rates = [ranks[0][i]["samples_per_s"] for i in range(2)]
+    print("\n".join(markdown_table(
+        ["plan", "samples/s", "ratio to memory", "peak RSS per rank (MiB)"],
+        [[name, f"{rates[i]:,.0f}", f"{rates[i] / memory['samples_per_s']:.2f}x",
+          ", ".join(f"{r[i]['peak_rss_mib']:.0f}" for r in ranks)] for i, name in enumerate(("memory", "mixed"))],
+        align="l r r l")))
+    same = all(losses_equal(r[0]["losses"], r[1]["losses"]) for r in ranks)
     print(f"losses of the two plans equal at every step: {same}; last loss {memory['losses'][-1]:.4f} "
           f"/ {mixed['losses'][-1]:.4f}")
     for r in ranks:

@@ -26,7 +26,7 @@ steps after it against the median of the 8 steps before it in the same run (a sh
 drifts between runs and within one), the median over the repeats; and the same for the same steps
 of the runs without checkpoints, which is the noise of such a comparison.
 
-    python scripts/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]]
+    python benchmarks/bench_checkpoint.py [--scale 10] [--steps 100] [--nproc 1] [--runner [--every N] [--repeat R]]
         [--smoke]
 """
 from __future__ import annotations
@@ -38,9 +38,11 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, Timer, markdown_table, median, write_json_report
+
+ROWS_PER_READ = 1 << 18  # rows per export_rows call of the key-by-key pass (the scan's chunk)
 SPANNED = 4  # steps after a checkpoint whose worst is its cost through the runner (its work spans three)
 
 
@@ -65,12 +67,6 @@ def _runner_steps(args: argparse.Namespace, out: str, checkpoint_every: int, bat
     return [batch * args.nproc / r["samples_per_s"] for r in records]
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
-                                                                + ordered[len(ordered) // 2]) / 2
-
-
 def _mean_after_warm_up(run: List[float], warm_up: int) -> float:
     return sum(run[warm_up:]) / len(run[warm_up:])
 
@@ -78,7 +74,7 @@ def _mean_after_warm_up(run: List[float], warm_up: int) -> float:
 def _window_over_before(run: List[float], c: int) -> Tuple[float, float]:
     """The SPANNED steps after the boundary at step c against the median of the 8 steps before it
     (the same run: a shared machine drifts between runs and within one): their mean, their worst."""
-    window, before = run[c:c + SPANNED], _median(run[c - 8:c])
+    window, before = run[c:c + SPANNED], median(run[c - 8:c])
     return sum(window) / len(window) / before, max(window) / before
 
 
@@ -100,7 +96,7 @@ def through_the_runner(args: argparse.Namespace) -> int:
             for run, checkpoint_every in order if repeat % 2 == 0 else order[::-1]:  # drift falls on both alike
                 runs[run].append(_runner_steps(args, os.path.join(work, f"{run}-{repeat}"), checkpoint_every, batch))
     warm_up = max(1, args.steps // 5)
-    step_s = _median([_mean_after_warm_up(r, warm_up) for r in runs["plain"]])
+    step_s = median([_mean_after_warm_up(r, warm_up) for r in runs["plain"]])
     # The step after a checkpoint at step c is step c + 1 (index c): it pays the boundary. The
     # runner spreads the checkpoint's work over the steps after it, one piece per step (the cut's
     # rows, the stores' syncs, the rest of the state): SPANNED steps carry it.
@@ -109,10 +105,10 @@ def through_the_runner(args: argparse.Namespace) -> int:
     for run, rs in runs.items():
         for c in boundaries:
             means, worsts = zip(*(_window_over_before(r, c) for r in rs))
-            table[run][c] = dict(mean=means, worst=worsts, median_mean=_median(means), median_worst=_median(worsts))
+            table[run][c] = dict(mean=means, worst=worsts, median_mean=median(means), median_worst=median(worsts))
     result = dict(nproc=args.nproc, steps=args.steps, checkpoint_every=every, repeat=args.repeat, step_s=step_s,
-                  mean_checkpointed_run_over_plain=_median([_mean_after_warm_up(r, warm_up)
-                                                            for r in runs["checkpointed"]]) / step_s,
+                  mean_checkpointed_run_over_plain=median([_mean_after_warm_up(r, warm_up)
+                                                           for r in runs["checkpointed"]]) / step_s,
                   spanned_steps_over_8_before=table["checkpointed"], the_same_without_checkpoints=table["plain"],
                   step_s_of_runs=runs)
     where = f"torchrun, {args.nproc} processes" if args.nproc > 1 else "the runner, one process"
@@ -121,22 +117,17 @@ def through_the_runner(args: argparse.Namespace) -> int:
           f"the runs with checkpoints every {every} steps: {result['mean_checkpointed_run_over_plain']:.2f}x")
     print(f"The {SPANNED} steps after each checkpoint against the median of the 8 steps before it, the median of "
           f"{args.repeat} runs (each run's in brackets); without checkpoints: the same steps of the runs without.")
-    print("| checkpoint at step | their mean | without checkpoints | their worst | without checkpoints |")
-    print("|---:|---:|---:|---:|---:|")
-    for c in boundaries:
-        cells = []
-        for what in ("mean", "worst"):
-            for run in ("checkpointed", "plain"):
-                row = table[run][c]
-                cells.append(f"{row['median_' + what]:.2f} ({' '.join(f'{v:.2f}' for v in row[what])})")
-        print(f"| {c} | " + " | ".join(cells) + " |")
+    print("\n".join(markdown_table(
+        ["checkpoint at step", "their mean", "without checkpoints", "their worst", "without checkpoints"],
+        [[c, *(f"{table[run][c]['median_' + what]:.2f} ({' '.join(f'{v:.2f}' for v in table[run][c][what])})"
+               for what in ("mean", "worst") for run in ("checkpointed", "plain"))] for c in boundaries],
+        align="r r r r r")))
     for what in ("mean", "worst"):
         on, off = ([table[run][c]["median_" + what] for c in boundaries] for run in ("checkpointed", "plain"))
         if on:
-            print(f"their {what}: at most {max(on):.2f}x, median {_median(on):.2f}x over {len(on)} checkpoints "
-                  f"(without checkpoints: at most {max(off):.2f}x, median {_median(off):.2f}x)")
-    with open(os.path.join(REPO, args.out), "w") as f:
-        json.dump(result, f, indent=1)
+            print(f"their {what}: at most {max(on):.2f}x, median {median(on):.2f}x over {len(on)} checkpoints "
+                  f"(without checkpoints: at most {max(off):.2f}x, median {median(off):.2f}x)")
+    write_json_report(os.path.join(REPO, args.out), result)
     return 0
 
 
@@ -164,6 +155,8 @@ def main(argv: List[str]) -> int:
     import torch
 
     from mlkv_torch.config import load_config
+    # Not public API: mlkv_torch.train has no public experiment object to train, checkpoint and reopen
+    # step by step (benchmarks/README.md, "Private names still used").
     from mlkv_torch.train import _Experiment, torch_threads
 
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")
@@ -177,19 +170,24 @@ def main(argv: List[str]) -> int:
         most_steps_while_writing = 60
         batches = iter(list(experiment.loader(0, 2 * args.steps + most_steps_while_writing + 1)))
 
+        steps = Timer()
+
         def step() -> float:
-            began = time.perf_counter()
-            loss, _ = experiment.model(next(batches))
-            experiment.optimizer.zero_grad()
-            loss.backward()
-            experiment.optimizer.step()
-            experiment.boundaries.passed()  # as the runner marks each step: the checkpoint's work follows them
-            return time.perf_counter() - began
+            with steps:
+                loss, _ = experiment.model(next(batches))
+                experiment.optimizer.zero_grad()
+                loss.backward()
+                experiment.optimizer.step()
+                experiment.boundaries.passed()  # as the runner marks each step: the checkpoint's work follows them
+            return steps.seconds[-1]
 
         warm_up = max(1, args.steps // 5)
         for _ in range(warm_up):  # the cache fills
             step()
-        step_s = sum(step() for _ in range(args.steps - warm_up)) / max(1, args.steps - warm_up)
+        steps.seconds.clear()
+        for _ in range(args.steps - warm_up):
+            step()
+        step_s = steps.total / max(1, args.steps - warm_up)
 
         began = time.perf_counter()
         experiment.save(args.steps)  # begins the cut, returns; checkpoint.pt follows in the background
@@ -217,8 +215,9 @@ def main(argv: List[str]) -> int:
 
         began = time.perf_counter()
         for bag in bags.values():
-            for ids, _ in bag._row_chunks():
-                bag.export_rows(ids, include_state=True)
+            for first in range(0, bag.num_embeddings, ROWS_PER_READ):
+                bag.export_rows(torch.arange(first, min(bag.num_embeddings, first + ROWS_PER_READ)),
+                                include_state=True)
         per_row_s = time.perf_counter() - began
 
         experiment.collection.close()
@@ -256,9 +255,7 @@ def main(argv: List[str]) -> int:
     if during:
         print("steps while the cut is written, x a step: " + " ".join(f"{t / step_s:.2f}" for t in during))
     print(f"reopen at the cut: {reopen_s:.2f} s; key-by-key reads / scan: {result['per_row_over_scan']:.1f}x")
-    os.makedirs(os.path.dirname(os.path.join(REPO, args.out)), exist_ok=True)
-    with open(os.path.join(REPO, args.out), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json_report(os.path.join(REPO, args.out), result)
     return 0
 
 
