@@ -47,9 +47,9 @@ def reopen(overrides: List[str]) -> Dict[str, Any]:
     from mlkv_torch.config import load_config
     # Not public API: mlkv_torch.train has no public experiment object to reopen and resume
     # (benchmarks/README.md, "Private names still used").
-    from mlkv_torch.train import _Experiment
+    from mlkv_torch.train import Experiment
 
-    import torchrec.distributed.model_parallel  # noqa: F401  (what _Experiment imports: read before the
+    import torchrec.distributed.model_parallel  # noqa: F401  (what Experiment imports: read before the
     import torchrec.models.dlrm  # noqa: F401   page cache goes, so the timing is the tables')
 
     import mlkv_torch.torchrec  # noqa: F401
@@ -57,7 +57,7 @@ def reopen(overrides: List[str]) -> Dict[str, Any]:
     config = load_config(CONFIG, overrides)
     dropped = drop_caches() is None
     began = time.perf_counter()
-    experiment = _Experiment(config, resume=True)
+    experiment = Experiment(config, resume=True)
     reopen_s = time.perf_counter() - began
     step = experiment.load()
     resume_s = time.perf_counter() - began

@@ -5,7 +5,7 @@ DLRM on the quickstart's tables (synthetic Criteo Kaggle / --scale, row-wise Ada
 behind a 12 MiB budget, populated), trained --steps steps; then, in one run:
 
 - step: the mean training step;
-- background cut: the runner's checkpoint (`_Experiment.save`: a cut of every table begun at the
+- background cut: the runner's checkpoint (`Experiment.save`: a cut of every table begun at the
   step boundary and written by the kernels' writer threads while training goes on, then the dense
   model, its optimizer and the cut's record committed in checkpoint.pt): the stall at the boundary,
   and every step trained while it is written, each against the mean step;
@@ -157,7 +157,7 @@ def main(argv: List[str]) -> int:
     from mlkv_torch.config import load_config
     # Not public API: mlkv_torch.train has no public experiment object to train, checkpoint and reopen
     # step by step (benchmarks/README.md, "Private names still used").
-    from mlkv_torch.train import _Experiment, torch_threads
+    from mlkv_torch.train import Experiment, torch_threads
 
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=os.path.join(REPO, "bench-out")
                                      if os.path.isdir(os.path.join(REPO, "bench-out")) else None) as work:
@@ -165,7 +165,7 @@ def main(argv: List[str]) -> int:
             f"output_dir={work}", f"data.synthetic.scale={args.scale}", f"train.steps={args.steps}",
             "storage.populate=true"] + (["train.batch_size=256"] if args.smoke else []))
         torch.set_num_threads(torch_threads(config))  # as the runner trains this config
-        experiment = _Experiment(config)
+        experiment = Experiment(config)
         rows = experiment.populate()
         most_steps_while_writing = 60
         batches = iter(list(experiment.loader(0, 2 * args.steps + most_steps_while_writing + 1)))
@@ -193,8 +193,7 @@ def main(argv: List[str]) -> int:
         experiment.save(args.steps)  # begins the cut, returns; checkpoint.pt follows in the background
         boundary_s = time.perf_counter() - began
         during: List[float] = []
-        while experiment._saving is not None and experiment._saving.is_alive() \
-                and len(during) < most_steps_while_writing:
+        while experiment.saving and len(during) < most_steps_while_writing:
             during.append(step())
         experiment.finish_save()
         background_write_s = time.perf_counter() - began
@@ -223,7 +222,7 @@ def main(argv: List[str]) -> int:
         experiment.collection.close()
         cut = torch.load(experiment.checkpoint_path(), weights_only=False)["cut"]
         began = time.perf_counter()
-        reopened = _Experiment(config, resume=True)
+        reopened = Experiment(config, resume=True)
         reopen_s = time.perf_counter() - began
         assert reopened.collection.checkpoint(label=cut["label"])["tables"] == cut["tables"]
         reopened.collection.close()

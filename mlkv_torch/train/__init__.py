@@ -13,6 +13,4 @@ from .cli import RUNNER_BACKEND, main
 from .experiment import Experiment, torch_threads
 from .loop import run
 
-_Experiment = Experiment  # the name benchmarks written before the package use
-
 __all__ = ["Experiment", "RUNNER_BACKEND", "main", "run", "torch_threads"]

@@ -229,6 +229,11 @@ class Experiment:
         checkpoints.save_whole(state, path)
         return cut
 
+    @property
+    def saving(self) -> bool:
+        """A checkpoint begun by `save` is still being written."""
+        return self._saving is not None and self._saving.is_alive()
+
     def finish_save(self) -> None:
         """Waits for the checkpoint being written (`save`); raises what failed writing it."""
         saving, self._saving = self._saving, None
