@@ -39,16 +39,17 @@ uint32_t ElementSize(ElementType t) {
   return 0;
 }
 
-KVStore::SegmentFile::~SegmentFile() {
-  if (fd >= 0) close(fd);
-}
-
 constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
 constexpr size_t kMaxQueuedPromotions = 8;    // beyond this, promotions are dropped rather than queued
 constexpr size_t kMaxQueuedLookaheads = 32;   // beyond this, the oldest queued lookahead is dropped
 
 KVStore::KVStore(const std::string& path, const StoreOptions& options)
-    : path_(path), options_(options), index_(options.expected_keys), doorkeeper_(kDoorkeeperWords) {}
+    : path_(path),
+      options_(options),
+      segments_(path),
+      flusher_(&segments_),
+      index_(options.expected_keys),
+      doorkeeper_(kDoorkeeperWords) {}
 
 bool KVStore::SeenRecently(int64_t key) {
   const uint64_t h = static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull;
@@ -132,10 +133,12 @@ Status KVStore::Init() {
     unlink(probe.c_str());
   }
   // A quarter of the descriptor limit for segment files, the rest for the process.
+  size_t max_open_files = 256;
   struct rlimit files_limit;
   if (getrlimit(RLIMIT_NOFILE, &files_limit) == 0 && files_limit.rlim_cur != RLIM_INFINITY) {
-    max_open_files_ = std::min<size_t>(1024, std::max<size_t>(4, files_limit.rlim_cur / 4));
+    max_open_files = std::min<size_t>(1024, std::max<size_t>(4, files_limit.rlim_cur / 4));
   }
+  segments_.Configure(direct_io_, max_open_files);
   MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads, &reader_));
   MLKV_RETURN_IF_ERROR(FileExists(path_ + "/CHECKPOINT") ? Recover() : CreateFresh());
   closed_ = false;
@@ -165,8 +168,6 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   }
   mutable_pages_ = static_cast<uint64_t>(static_cast<double>(num_frames_) * options_.mutable_fraction);
   mutable_pages_ = std::min(std::max<uint64_t>(mutable_pages_, 1), num_frames_ - 1);
-  flush_batch_pages_ =
-      std::max<uint64_t>(1, std::min((num_frames_ - mutable_pages_) / 2, kFlushWriteBytes / page_bytes_));
   div_records_per_page_ = FastDivisor(records_per_page_);
   div_records_per_unit_ = FastDivisor(records_per_unit_);
   div_num_frames_ = FastDivisor(num_frames_);
@@ -185,6 +186,15 @@ Status KVStore::ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment) {
   frames_mapping_ = mapping;
   frames_ = reinterpret_cast<uint8_t*>(RoundUp(reinterpret_cast<uintptr_t>(mapping), kHugePageBytes));
   madvise(frames_, frame_bytes, MADV_HUGEPAGE);
+  LogFlusher::Layout flush_layout;
+  flush_layout.frames = frames_;
+  flush_layout.page_bytes = page_bytes_;
+  flush_layout.pages_per_segment = pages_per_segment_;
+  flush_layout.num_frames = num_frames_;
+  // Half the read-only frames, at most one write: the other half keeps a put from waiting.
+  flush_layout.batch_pages =
+      std::max<uint64_t>(1, std::min((num_frames_ - mutable_pages_) / 2, LogFlusher::kWriteBytes / page_bytes_));
+  flusher_.Configure(flush_layout);
   return Status::OK();
 }
 
@@ -194,12 +204,6 @@ Status KVStore::CreateFresh() {
   std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
   std::unique_lock<std::shared_mutex> lock(mu_);
   return CheckpointExclusively();
-}
-
-std::string KVStore::SegmentPath(uint64_t segment) const {
-  char name[64];
-  std::snprintf(name, sizeof(name), "/segment-%010" PRIu64 ".log", segment);
-  return path_ + name;
 }
 
 uint64_t KVStore::OffsetInPage(uint64_t slot) const {
@@ -262,141 +266,19 @@ void KVStore::MoveLive(uint64_t old_slot, uint64_t new_slot) {
   }
 }
 
-Status KVStore::SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const {
-  const bool create = mode == OpenMode::kCreate;
-  std::lock_guard<std::mutex> lock(files_mu_);
-  auto it = open_files_.find(segment);
-  if (it != open_files_.end()) {
-    open_order_.splice(open_order_.begin(), open_order_, it->second.second);
-    *out = it->second.first;
-    return Status::OK();
-  }
-  auto file = std::make_shared<SegmentFile>();
-  file->path = SegmentPath(segment);
-  int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0) | (direct_io_ ? O_DIRECT : 0);
-  file->fd = open(file->path.c_str(), flags, 0644);
-  if (file->fd < 0 && (errno == EMFILE || errno == ENFILE) && open_files_.size() > 1) {
-    // The process is short of descriptors: keep fewer segment files open.
-    max_open_files_ = std::max<size_t>(2, open_files_.size() / 2);
-    while (open_files_.size() >= max_open_files_ && !open_order_.empty()) {
-      open_files_.erase(open_order_.back());
-      open_order_.pop_back();
-    }
-    file->fd = open(file->path.c_str(), flags, 0644);
-  }
-  if (file->fd < 0) {
-    if (mode == OpenMode::kMustExist && errno == ENOENT)
-      return Status::Corruption("segment file " + file->path + " is missing");
-    if (mode == OpenMode::kMayVanish && errno == ENOENT)
-      return Status::Busy("segment file " + file->path + " was compacted away");
-    return Status::IOError("opening " + file->path + ": " + ErrnoText(errno));
-  }
-  open_order_.push_front(segment);
-  open_files_[segment] = {file, open_order_.begin()};
-  while (open_files_.size() > max_open_files_) {
-    open_files_.erase(open_order_.back());  // in-flight readers still hold the descriptor
-    open_order_.pop_back();
-  }
-  *out = file;
-  return Status::OK();
-}
-
-void KVStore::ForgetSegment(uint64_t segment) {
-  std::lock_guard<std::mutex> lock(files_mu_);
-  auto it = open_files_.find(segment);
-  if (it == open_files_.end()) return;
-  open_order_.erase(it->second.second);
-  open_files_.erase(it);
-}
-
-Status KVStore::WritePages(uint64_t first_page, uint64_t count) {
-  std::shared_ptr<SegmentFile> file;
-  const uint64_t segment = SegmentOfPage(first_page);
-  MLKV_RETURN_IF_ERROR(SegmentFor(segment, OpenMode::kCreate, &file));
-  MLKV_RETURN_IF_ERROR(WriteFully(file->fd, FrameOf(first_page), count * page_bytes_,
-                                  (first_page % pages_per_segment_) * page_bytes_, file->path));
-  std::lock_guard<std::mutex> lock(flush_mu_);
-  if (dirty_segments_.empty() || dirty_segments_.back() != segment) dirty_segments_.push_back(segment);
-  return Status::OK();
-}
-
-void KVStore::ScheduleFlushLocked() {
-  if (flush_scheduled_) return;
-  // The task takes flush_mu_ first, so setting the flag after the submit is not late.
-  SerialExecutor::Of("mlkv-flush").Submit([this] { FlushPending(); });
-  flush_scheduled_ = true;
-}
-
-void KVStore::FlushPending() {
-  std::unique_lock<std::mutex> lock(flush_mu_);
-  // Stops at the first error: a caller collects it (WaitFlushed), and the next wait tries again.
-  uint64_t written = 0;  // pages this turn
-  while (flush_error_.ok() && flushed_page_ < flush_target_page_) {
-    if (written >= kFlushPagesPerTurn) {
-      // The stores of a process share this thread: the rest of the backlog queues behind their
-      // turns, so one store that keeps appending starves none (flush_scheduled_ stays set).
-      SerialExecutor::Of("mlkv-flush").Submit([this] { FlushPending(); });
-      return;
-    }
-    const uint64_t page = flushed_page_;
-    // A run of pages in one write: each write wakes this thread, and a wake-up takes a core from
-    // training (a cut's burst of page-at-a-time writes cost its step 1.5-2x). A run stays within
-    // a segment and within the frame ring, where the pages lie side by side.
-    const uint64_t count = std::min(
-        {flush_target_page_ - page, kFlushPagesPerTurn - written, std::max<uint64_t>(1, kFlushWriteBytes / page_bytes_),
-         pages_per_segment_ - page % pages_per_segment_, num_frames_ - div_num_frames_.Mod(page)});
-    lock.unlock();
-    // The pages are read-only, and their frames are not reused before they are written: no lock needed.
-    Status st;
-    try {
-      st = WritePages(page, count);
-    } catch (const std::exception& e) {
-      st = Status::IOError(std::string("writing log pages: ") + e.what());
-    }
-    lock.lock();
-    if (st.ok()) {
-      flushed_page_ = page + count;
-      written += count;
-    } else {
-      flush_error_ = st;
-    }
-    flushed_cv_.notify_all();
-  }
-  flush_scheduled_ = false;
-  flushed_cv_.notify_all();
-}
-
-Status KVStore::WaitFlushed(uint64_t page_end) {
-  std::unique_lock<std::mutex> lock(flush_mu_);
-  if (flush_target_page_ < page_end) flush_target_page_ = page_end;
-  if (flushed_page_ >= page_end) return Status::OK();
-  ScheduleFlushLocked();
-  flushed_cv_.wait(lock, [&] { return flushed_page_ >= page_end || !flush_error_.ok(); });
-  if (flushed_page_ >= page_end) return Status::OK();
-  // Hand the error to this caller; the next wait writes the page again.
-  Status st = flush_error_;
-  flush_error_ = Status::OK();
-  return st;
-}
-
 // Makes room for `page` at the tail: pages that leave the mutable region are
 // queued for writing, and the oldest page leaves memory once it is written.
 Status KVStore::StartPage(uint64_t page) {
   if (read_only_page_ + mutable_pages_ < page + 1) {
     read_only_page_ = page + 1 - mutable_pages_;
-    std::lock_guard<std::mutex> lock(flush_mu_);
-    flush_target_page_ = read_only_page_;
-    // The flush task wakes once half the read-only frames wait, and writes them in one go: woken
-    // for every page, its wake-ups and one-page writes took twice the CPU. The other half of the
-    // frames keeps a put from waiting for it (a frame's reuse still wakes it, in WaitFlushed).
-    if (flush_error_.ok() && flush_target_page_ - flushed_page_ >= flush_batch_pages_) ScheduleFlushLocked();
+    flusher_.MarkReadOnly(read_only_page_);
   }
   const uint64_t head = HeadPageWith(page);
   if (head_page_ < head) {
     // The frame to reuse holds a page not yet written: every reader of the store waits with us.
-    if (flushed_page_ < head) {
+    if (flusher_.flushed_page() < head) {
       const auto began = std::chrono::steady_clock::now();
-      MLKV_RETURN_IF_ERROR(WaitFlushed(head));
+      MLKV_RETURN_IF_ERROR(flusher_.WaitFlushed(head));
       ++frame_waits_;
       frame_wait_ns_ += static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began).count());
@@ -444,7 +326,8 @@ size_t KVStore::MakeAppendRoom(size_t wanted) {
     room = std::max<size_t>(room, 1);
     flush_to = std::min(read_only_page_, HeadPageWith(PageOf(tail_ + room - 1)));
   }
-  if (flush_to > flushed_page_) WaitFlushed(flush_to);  // an error shows again where the append waits
+  if (flush_to > flusher_.flushed_page())
+    flusher_.WaitFlushed(flush_to);  // an error shows again where the append waits
   return room;
 }
 
@@ -589,9 +472,9 @@ Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads
   if (!buffer.data) return Status::IOError("cannot allocate a read buffer");
   std::vector<ReadRequest> requests;
   std::vector<size_t> request_of;  // per read in this round: its request
-  std::vector<std::shared_ptr<SegmentFile>> files;  // this round's, open until its reads finish
+  std::vector<std::shared_ptr<SegmentFiles::File>> files;  // this round's, open until its reads finish
   std::vector<size_t> file_of;                      // per request: its file
-  const size_t max_files = std::max<size_t>(1, max_open_files_.load() / 2);
+  const size_t max_files = std::max<size_t>(1, segments_.max_open() / 2);
   size_t pos = 0;
   uint64_t units_read = 0;
   while (pos < reads.size()) {
@@ -609,8 +492,8 @@ Status KVStore::ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads
         const uint64_t segment = SegmentOfSlot(slot);
         if (segment != last_segment) {
           if (files.size() == max_files) break;
-          std::shared_ptr<SegmentFile> file;
-          MLKV_RETURN_IF_ERROR(SegmentFor(segment, OpenMode::kMayVanish, &file));
+          std::shared_ptr<SegmentFiles::File> file;
+          MLKV_RETURN_IF_ERROR(segments_.Open(segment, SegmentFiles::OpenMode::kMayVanish, &file));
           files.push_back(std::move(file));
           last_segment = segment;
         }
@@ -847,8 +730,8 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
       segment = SegmentOfPage(page);
       pages = std::min({head_page_ - page, (segment + 1) * pages_per_segment_ - page, buffer_pages});
     }
-    std::shared_ptr<SegmentFile> file;
-    Status st = SegmentFor(segment, OpenMode::kMayVanish, &file);
+    std::shared_ptr<SegmentFiles::File> file;
+    Status st = segments_.Open(segment, SegmentFiles::OpenMode::kMayVanish, &file);
     if (st.code() == Status::Code::kBusy) continue;  // compacted away since: begin_ has moved past it
     MLKV_RETURN_IF_ERROR(st);
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
@@ -990,7 +873,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     first = begin_ / slots_per_segment;
-    const uint64_t full_end = flushed_page_ / pages_per_segment_;  // segments wholly written
+    const uint64_t full_end = flusher_.flushed_page() / pages_per_segment_;  // segments wholly written
     auto live = [&](uint64_t s) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
     end = full_end;
     if (!all) {
@@ -1021,8 +904,8 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
   };
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t s = first; s < end; ++s) {
-    std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(s, OpenMode::kMustExist, &file));
+    std::shared_ptr<SegmentFiles::File> file;
+    MLKV_RETURN_IF_ERROR(segments_.Open(s, SegmentFiles::OpenMode::kMustExist, &file));
     for (uint64_t page = s * pages_per_segment_; page < (s + 1) * pages_per_segment_; ++page) {
       // Segment pages below read-only never change: read and verify them unlocked.
       const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
@@ -1067,7 +950,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     begin_ = end * slots_per_segment;
     for (uint64_t s = first; s < end; ++s) {
-      ForgetSegment(s);  // readers holding the file keep its descriptor
+      segments_.Forget(s);  // readers holding the file keep its descriptor
       compacted_segments_.push_back(s);
     }
     ++compactions_;
@@ -1090,11 +973,7 @@ Status KVStore::Close() {
   FinishOrWaitBegunCheckpoint(one_checkpoint);
   std::unique_lock<std::shared_mutex> lock(mu_);
   Status st = CheckpointExclusively();
-  bool never = false;  // no checkpoint can succeed any more: closing without one is all there is
-  {
-    std::lock_guard<std::mutex> flush_lock(flush_mu_);
-    never = !segment_sync_error_.ok();
-  }
+  const bool never = flusher_.SyncFailed();  // no checkpoint can succeed any more: closing without one is all there is
   if (!st.ok() && !never) {
     // The store stays open: let the background workers start again on demand.
     {
@@ -1106,11 +985,7 @@ Status KVStore::Close() {
     return st;
   }
   closed_ = true;
-  {
-    std::lock_guard<std::mutex> files_lock(files_mu_);
-    open_files_.clear();
-    open_order_.clear();
-  }
+  segments_.ForgetAll();
   if (lock_fd_ >= 0) {
     flock(lock_fd_, LOCK_UN);
     close(lock_fd_);
@@ -1138,11 +1013,7 @@ KVStore::~KVStore() {
     if (!st.ok()) std::fprintf(stderr, "mlkv: closing %s: %s\n", path_.c_str(), st.ToString().c_str());
   }
   StopThreads();
-  {
-    // The executors' tasks hold `this`: none may run after the store is gone.
-    std::unique_lock<std::mutex> lock(flush_mu_);
-    flushed_cv_.wait(lock, [&] { return !flush_scheduled_; });
-  }
+  flusher_.WaitIdle();  // the flush tasks read the frames unmapped below
   if (lock_fd_ >= 0) close(lock_fd_);
   if (frames_mapping_) munmap(frames_mapping_, frames_mapped_bytes_);
 }
@@ -1164,7 +1035,7 @@ StoreStats KVStore::Stats() const {
   if (slots_per_segment) {
     for (uint64_t seg = std::min(begin_, previous_begin_) / slots_per_segment; seg <= SegmentOfPage(read_only_page_);
          ++seg) {
-      if (stat(SegmentPath(seg).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
+      if (stat(segments_.PathOf(seg).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
     }
   }
   if (stat(SnapshotPath(checkpoint_sequence_).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);

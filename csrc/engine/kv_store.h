@@ -26,7 +26,9 @@
 
 #include "hash_index.h"
 #include "io_reader.h"
+#include "log_flusher.h"
 #include "row_store.h"
+#include "segment_files.h"
 #include "status.h"
 
 namespace mlkv {
@@ -170,11 +172,6 @@ class KVStore : public RowStore {
   const std::string& path() const override { return path_; }
 
  private:
-  struct SegmentFile {  // an open segment file, closed with the last reference
-    std::string path;
-    int fd = -1;
-    ~SegmentFile();
-  };
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
@@ -219,21 +216,7 @@ class KVStore : public RowStore {
   // mu_ not held: how many of `wanted` records (at least one) can be appended now without
   // StartPage waiting for a page to be written; first waits for the pages whose frames they reuse.
   size_t MakeAppendRoom(size_t wanted);
-  // Pages that leave the mutable region are written to their segment by the
-  // process's flush executor (SerialExecutor "mlkv-flush", shared by every store);
-  // only evicting a page's frame and a checkpoint wait for it.
-  Status WritePages(uint64_t first_page, uint64_t count);  // run by the flush task, without mu_
-  Status WaitFlushed(uint64_t page_end);  // until pages below page_end are written
-  void ScheduleFlushLocked();  // holds flush_mu_
-  void FlushPending();         // the flush task: writes pages up to the target, or to an error
   void StopThreads();
-  // Segment files are opened on demand and kept in a bounded LRU cache of
-  // descriptors; a reader's shared_ptr keeps a file open while it reads.
-  // kMustExist reports a missing file as corruption; kMayVanish as Busy, for a
-  // reader that looked the slot up before a compaction deleted its segment.
-  enum class OpenMode { kCreate, kMustExist, kMayVanish };
-  Status SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const;
-  void ForgetSegment(uint64_t segment);
   void MoveLive(uint64_t old_slot, uint64_t new_slot);
   // Checkpoints, in kv_store_checkpoint.cc. Concurrently: both halves on the calling thread (the
   // first with mu_ held shared, the second without it, its commit exclusively); mu_ must not be
@@ -339,7 +322,6 @@ class KVStore : public RowStore {
   bool SeenRecently(int64_t key);
   void QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values);
 
-  std::string SegmentPath(uint64_t segment) const;
   std::string SnapshotPath(uint64_t sequence) const;
   std::string IndexImagePath(uint64_t sequence) const;
   // The index checkpoint (index-<seq>.dat): recovery loads it and replays the log written after it
@@ -356,6 +338,8 @@ class KVStore : public RowStore {
 
   const std::string path_;
   StoreOptions options_;
+  SegmentFiles segments_;
+  LogFlusher flusher_;  // writes the pages below read_only_page_ to segments_
   uint32_t value_bytes_ = 0, record_bytes_ = 0;
   uint64_t unit_bytes_ = 0, records_per_unit_ = 0, records_per_page_ = 0, page_bytes_ = 0;
   uint64_t pages_per_segment_ = 0, num_frames_ = 0, mutable_pages_ = 0;
@@ -371,7 +355,7 @@ class KVStore : public RowStore {
   uint64_t begin_ = 0;           // first slot still in the log
   uint64_t head_page_ = 0;       // first page in memory
   uint64_t read_only_page_ =
-      0;  // first mutable page; pages below it go to segment files (those below flushed_page_ are there)
+      0;  // first mutable page; pages below it go to segment files (those below flusher_.flushed_page() are there)
   uint64_t tail_ = 0;            // next slot to append
   uint64_t checkpoint_sequence_ = 0;
   std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
@@ -385,15 +369,6 @@ class KVStore : public RowStore {
   uint64_t previous_begin_ = 0;  // its first slot: segments from here on stay
   uint64_t changes_ = 0;  // appends and in-place writes, ever
   uint64_t checkpointed_changes_ = 0, checkpointed_begin_ = 0;  // at the latest checkpoint
-  mutable std::mutex files_mu_;
-  mutable std::list<uint64_t> open_order_;  // most recently used first
-  mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>>
-      open_files_;
-  mutable std::atomic<size_t> max_open_files_{256};  // shrinks when the process runs short of descriptors
-  std::vector<uint64_t> dirty_segments_;  // written since the last checkpoint; guarded by flush_mu_
-  // A segment's failed sync, kept: after a failed writeback the kernel may drop the pages and a
-  // second sync succeed without them, so no later checkpoint may count on them. Guarded by flush_mu_.
-  Status segment_sync_error_;
   std::vector<uint64_t> compacted_segments_;  // deleted once a checkpoint no longer needs them
   std::vector<int64_t> live_per_segment_;  // records the index points at, per segment
   int lock_fd_ = -1;
@@ -424,16 +399,6 @@ class KVStore : public RowStore {
   bool compaction_requested_ = false, compaction_running_ = false, compaction_stop_ = false;
   bool compaction_scheduled_ = false;  // a RunCompactions task is queued or running
   Status compaction_error_;
-
-  std::mutex flush_mu_;  // never held while taking mu_
-  std::condition_variable flushed_cv_;
-  uint64_t flush_target_page_ = 0;  // pages below are read-only, to be written
-  std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
-  Status flush_error_;
-  bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
-  uint64_t flush_batch_pages_ = 1;  // read-only pages that wake the flush task: half of those frames, at most one write
-  static constexpr uint64_t kFlushPagesPerTurn = 64;  // pages one FlushPending writes before yielding
-  static constexpr uint64_t kFlushWriteBytes = 4ull << 20;  // at most one write of the flush task
 };
 
 }  // namespace mlkv

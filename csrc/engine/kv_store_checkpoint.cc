@@ -283,28 +283,21 @@ Status KVStore::BeginCheckpointFiles(BegunCheckpoint* out) {
 
 Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
   const WrittenCheckpoint& written = begun->written;
-  Status st = WaitFlushed(begun->first_page);
+  Status st = flusher_.WaitFlushed(begun->first_page);
   // Every segment written so far (a superset of those below first_page: later flushes only add).
   std::vector<uint64_t> dirty;
-  if (st.ok()) {
-    std::lock_guard<std::mutex> lock(flush_mu_);
-    st = segment_sync_error_;
-    if (st.ok()) dirty.swap(dirty_segments_);
-  }
+  if (st.ok()) st = flusher_.TakeDirtySegments(&dirty);
   for (size_t i = 0; i < dirty.size() && st.ok(); ++i) {
-    std::shared_ptr<SegmentFile> file;
-    st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
+    std::shared_ptr<SegmentFiles::File> file;
+    st = segments_.Open(dirty[i], SegmentFiles::OpenMode::kMustExist, &file);
     if (st.ok() && fdatasync(file->fd) != 0) {  // kept: no later sync can be trusted with these pages
       const int err = errno;
-      std::lock_guard<std::mutex> lock(flush_mu_);
-      segment_sync_error_ = Status::IOError(
+      st = flusher_.FailSync(Status::IOError(
           "syncing " + file->path + ": " + ErrnoText(err) +
           " (a checkpoint's sync of the log failed: pages written since the last checkpoint may not be on disk, "
-          "so no later checkpoint is taken; reopening the store goes back to the last one)");
-      st = segment_sync_error_;
+          "so no later checkpoint is taken; reopening the store goes back to the last one)"));
     } else if (!st.ok()) {  // the segment could not be opened: still dirty for the next try
-      std::lock_guard<std::mutex> lock(flush_mu_);
-      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
+      flusher_.ReturnDirtySegments(dirty.begin() + static_cast<long>(i), dirty.end());
     }
   }
   if (st.ok() && fdatasync(begun->snapshot_fd) != 0) {
@@ -388,8 +381,8 @@ Status KVStore::CommitCheckpoint(uint64_t sequence) {
 void KVStore::RemoveObsoleteFiles(const ObsoleteFiles& obsolete) {
   for (const std::string& file : obsolete.files) unlink(file.c_str());
   for (uint64_t s : obsolete.segments) {
-    unlink(SegmentPath(s).c_str());
-    ForgetSegment(s);  // the checkpoint's own sync may have reopened it
+    unlink(segments_.PathOf(s).c_str());
+    segments_.Forget(s);  // the checkpoint's own sync may have reopened it
   }
 }
 

@@ -190,15 +190,15 @@ Status KVStore::Recover() {
   }
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t page = replay_from / records_per_page_; page < flushed_page; ++page) {
-    std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
+    std::shared_ptr<SegmentFiles::File> file;
+    MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(page), SegmentFiles::OpenMode::kMustExist, &file));
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
     MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
     const uint64_t first_slot = std::max(page * records_per_page_, replay_from);
     MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path, offset));
   }
   head_page_ = read_only_page_ = flushed_page;
-  flushed_page_ = flush_target_page_ = flushed_page;
+  flusher_.Reset(flushed_page);
   tail_ = flushed_page * records_per_page_;
   if (end_page > flushed_page) {
     const std::string snapshot = SnapshotPath(meta.sequence);
