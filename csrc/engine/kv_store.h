@@ -172,6 +172,8 @@ class KVStore : public RowStore {
   const std::string& path() const override { return path_; }
 
  private:
+  static constexpr uint64_t kNone = HashIndex::kNoAddress;
+  static constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
