@@ -61,6 +61,7 @@ Status KVStore::Open(const std::string& path, const StoreOptions& options, std::
 }
 
 Status KVStore::Init() {
+  MutexLock one_open(&close_mu_);
   struct stat st;
   if (stat(path_.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
     return Status::InvalidArgument("path " + path_ + " exists and is not a directory");
@@ -95,6 +96,7 @@ Status KVStore::Init() {
   segments_.Configure(direct_io_, max_open_files);
   MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads, &reader_));
   MLKV_RETURN_IF_ERROR(FileExists(path_ + "/CHECKPOINT") ? Recover() : CreateFresh());
+  WriterLock lock(&mu_);
   closed_ = false;
   return Status::OK();
 }
@@ -102,8 +104,8 @@ Status KVStore::Init() {
 Status KVStore::CreateFresh() {
   MLKV_RETURN_IF_ERROR(ComputeLayout(options_.page_bytes, 0));
   // The first checkpoint fixes dim and dtype on disk, so a reopen can check them.
-  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  MutexLock one_checkpoint(&checkpoint_mu_);
+  WriterLock lock(&mu_);
   return CheckpointExclusively();
 }
 
@@ -125,7 +127,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
   // without the lock, not in StartPage under it, where every get of the store would wait too.
   for (size_t done = 0; done < n;) {
     const size_t end = done + MakeAppendRoom(n - done);
-    std::unique_lock<std::shared_mutex> lock(mu_);
+    WriterLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     constexpr size_t kAhead = 8;
     HashIndex::Where ring[kAhead];
@@ -155,7 +157,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
 Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   StallForCompaction();
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  WriterLock lock(&mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   *deleted = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -178,33 +180,33 @@ Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
 
 Status KVStore::Contains(const int64_t* keys, size_t n, bool* found) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(&mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   for (size_t i = 0; i < n; ++i) found[i] = index_.Find(keys[i]) != kNone;
   return Status::OK();
 }
 
 Status KVStore::Close() {
-  std::lock_guard<std::mutex> one_close(close_mu_);
+  MutexLock one_close(&close_mu_);
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return Status::OK();
   }
   Status flushed = Flush();
   StopThreads();
   // A checkpoint begun and not finished is finished first; the closing checkpoint covers it.
-  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  MutexLock one_checkpoint(&checkpoint_mu_);
   FinishOrWaitBegunCheckpoint(one_checkpoint);
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  WriterLock lock(&mu_);
   Status st = CheckpointExclusively();
   const bool never = flusher_.SyncFailed();  // no checkpoint can succeed any more: closing without one is all there is
   if (!st.ok() && !never) {
     // The store stays open: let the background workers start again on demand.
     {
-      std::lock_guard<std::mutex> l(lookahead_mu_);
+      MutexLock l(&lookahead_mu_);
       lookahead_stop_ = false;
     }
-    std::lock_guard<std::mutex> l(compaction_state_mu_);
+    MutexLock l(&compaction_state_mu_);
     compaction_stop_ = false;
     return st;
   }
@@ -222,13 +224,13 @@ Status KVStore::Close() {
 // for the last checkpoint.
 void KVStore::StopThreads() {
   {
-    std::unique_lock<std::mutex> lock(lookahead_mu_);
+    MutexLock lock(&lookahead_mu_);
     lookahead_stop_ = true;
-    lookahead_idle_.wait(lock, [&] { return !lookahead_scheduled_; });
+    while (lookahead_scheduled_) lookahead_idle_.wait(lock.native());
   }
-  std::unique_lock<std::mutex> lock(compaction_state_mu_);
+  MutexLock lock(&compaction_state_mu_);
   compaction_stop_ = true;
-  compaction_idle_.wait(lock, [&] { return !compaction_scheduled_; });
+  while (compaction_scheduled_) compaction_idle_.wait(lock.native());
 }
 
 KVStore::~KVStore() {
@@ -282,12 +284,12 @@ Status KVStore::Destroy(const std::string& path) {
 }
 
 uint64_t KVStore::Size() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(&mu_);
   return index_.size();
 }
 
 StoreStats KVStore::Stats() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(&mu_);
   StoreStats s;
   s.rows = index_.size();
   s.index_bytes = index_.MemoryBytes();

@@ -17,7 +17,7 @@ Status KVStore::Compact() {
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("compact"));
   Status background = Flush();
   if (background.code() == Status::Code::kInvalidArgument) return background;  // closed
-  std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
+  MutexLock one_at_a_time(&compaction_mu_);
   bool compacted = false;
   MLKV_RETURN_IF_ERROR(CompactSegments(/*all=*/true, &compacted));
   if (!compacted) MLKV_RETURN_IF_ERROR(CheckpointConcurrently());  // nothing to copy: it still ends with one
@@ -38,23 +38,23 @@ void KVStore::StallForCompaction() {
   if (options_.compaction_ratio == 0.0) return;
   for (int round = 0; round < 64; ++round) {
     {
-      std::shared_lock<std::shared_mutex> lock(mu_);
+      ReaderLock lock(&mu_);
       if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25)) return;
     }
     {
-      std::unique_lock<std::shared_mutex> lock(mu_);
+      WriterLock lock(&mu_);
       if (!MaybeAutoCompactLocked().ok()) return;
     }
-    std::unique_lock<std::mutex> state(compaction_state_mu_);
+    MutexLock state(&compaction_state_mu_);
     if (compaction_stop_ || !compaction_error_.ok()) return;
-    compaction_idle_.wait(state, [&] { return compaction_stop_ || (!compaction_running_ && !compaction_requested_); });
+    while (!compaction_stop_ && (compaction_running_ || compaction_requested_)) compaction_idle_.wait(state.native());
     ++write_stalls_;
   }
 }
 
 Status KVStore::MaybeAutoCompactLocked() {
   if (!CompactionDueLocked(options_.compaction_ratio)) return Status::OK();
-  std::lock_guard<std::mutex> lock(compaction_state_mu_);
+  MutexLock lock(&compaction_state_mu_);
   if (compaction_stop_ || compaction_requested_) return Status::OK();
   compaction_requested_ = true;
   if (!compaction_scheduled_) {
@@ -65,17 +65,17 @@ Status KVStore::MaybeAutoCompactLocked() {
 }
 
 void KVStore::RunCompactions() {
-  std::unique_lock<std::mutex> state(compaction_state_mu_);
+  MutexLock state(&compaction_state_mu_);
   while (compaction_requested_ && !compaction_stop_) {
     compaction_requested_ = false;
     compaction_running_ = true;
-    state.unlock();
+    state.Unlock();
     Status st;
     {
-      std::lock_guard<std::mutex> one_at_a_time(compaction_mu_);
+      MutexLock one_at_a_time(&compaction_mu_);
       bool due;
       {
-        std::shared_lock<std::shared_mutex> lock(mu_);
+        ReaderLock lock(&mu_);
         due = !closed_ && CompactionDueLocked(options_.compaction_ratio);
       }
       bool compacted = false;
@@ -85,7 +85,7 @@ void KVStore::RunCompactions() {
         st = Status::IOError(std::string("compaction: ") + e.what());
       }
     }
-    state.lock();
+    state.Lock();
     compaction_running_ = false;
     if (!st.ok() && compaction_error_.ok()) compaction_error_ = st;
     compaction_idle_.notify_all();
@@ -100,11 +100,12 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
   uint64_t first, end;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     first = begin_ / slots_per_segment;
     const uint64_t full_end = flusher_.flushed_page() / pages_per_segment_;  // segments wholly written
-    auto live = [&](uint64_t s) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
+    auto live = [&](uint64_t s)
+                    REQUIRES_SHARED(mu_) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
     end = full_end;
     if (!all) {
       int64_t garbage = 0;
@@ -123,7 +124,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
   std::vector<uint8_t> values;
   auto copy_chunk = [&]() -> Status {
     if (keys.empty()) return Status::OK();
-    std::unique_lock<std::shared_mutex> lock(mu_);
+    WriterLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     Status st = ApplyCopies(keys.data(), slots.data(), values.data(), keys.size(), CopyKind::kCompaction,
                             /*values_only=*/false);
@@ -147,7 +148,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
             VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
       }
       {
-        std::shared_lock<std::shared_mutex> lock(mu_);
+        ReaderLock lock(&mu_);
         constexpr uint64_t kAhead = 8;  // prefetch the index ahead: these lookups are random
         auto key_at = [&](uint64_t slot) {
           int64_t key;
@@ -176,7 +177,7 @@ Status KVStore::CompactSegments(bool all, bool* compacted) {
   }
   MLKV_RETURN_IF_ERROR(copy_chunk());
   {
-    std::unique_lock<std::shared_mutex> lock(mu_);
+    WriterLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     begin_ = end * slots_per_segment;
     for (uint64_t s = first; s < end; ++s) {

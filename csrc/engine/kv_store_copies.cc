@@ -42,7 +42,7 @@ void KVStore::QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>
     job.values.insert(job.values.end(), values + r.index * value_bytes_, values + (r.index + 1) * value_bytes_);
   }
   if (job.keys.empty()) return;
-  std::lock_guard<std::mutex> lock(lookahead_mu_);
+  MutexLock lock(&lookahead_mu_);
   size_t queued_promotions = 0;
   for (const CopyJob& j : lookahead_queue_) queued_promotions += !j.slots.empty();
   if (queued_promotions >= kMaxQueuedPromotions || lookahead_stop_) return;
@@ -53,11 +53,11 @@ void KVStore::QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>
 Status KVStore::Lookahead(const int64_t* keys, size_t n) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   }
   if (n == 0) return Status::OK();
-  std::lock_guard<std::mutex> lock(lookahead_mu_);
+  MutexLock lock(&lookahead_mu_);
   if (lookahead_stop_) return Status::InvalidArgument("store at " + path_ + " is closed");
   CopyJob job;
   job.keys.assign(keys, keys + n);
@@ -86,18 +86,18 @@ void KVStore::ScheduleCopiesLocked() {
 }
 
 void KVStore::RunCopies() {
-  std::unique_lock<std::mutex> lock(lookahead_mu_);
+  MutexLock lock(&lookahead_mu_);
   while (!lookahead_queue_.empty()) {
     CopyJob job = std::move(lookahead_queue_.front());
     lookahead_queue_.pop_front();
     lookahead_busy_ = true;
-    lock.unlock();
+    lock.Unlock();
     Status st;
     try {
       if (job.slots.empty()) {
         st = LookaheadBatch(job.keys);
       } else {
-        std::unique_lock<std::shared_mutex> store_lock(mu_);
+        WriterLock store_lock(&mu_);
         if (!closed_) {
           st = ApplyCopies(job.keys.data(), job.slots.data(), job.values.data(), job.keys.size(), CopyKind::kPromotion);
         }
@@ -105,7 +105,7 @@ void KVStore::RunCopies() {
     } catch (const std::exception& e) {  // e.g. bad_alloc: reported by the next flush, not fatal
       st = Status::IOError(std::string("lookahead: ") + e.what());
     }
-    lock.lock();
+    lock.Lock();
     lookahead_busy_ = false;
     if (!st.ok() && lookahead_error_.ok()) lookahead_error_ = st;
     lookahead_idle_.notify_all();
@@ -120,7 +120,7 @@ Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
   std::vector<DiskRecord> reads;
   std::vector<int64_t> read_keys;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return Status::OK();
     const uint64_t head = HeadSlot();
     for (int64_t key : keys) {
@@ -137,7 +137,7 @@ Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
   MLKV_RETURN_IF_ERROR(st);
   std::vector<uint64_t> slots(reads.size());
   for (const DiskRecord& r : reads) slots[r.index] = r.slot;
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  WriterLock lock(&mu_);
   if (closed_) return Status::OK();
   return ApplyCopies(read_keys.data(), slots.data(), values.data(), read_keys.size(), CopyKind::kLookahead);
 }
@@ -174,18 +174,18 @@ Status KVStore::ApplyCopies(const int64_t* keys, const uint64_t* slots, const ui
 
 Status KVStore::Flush() {
   {
-    std::shared_lock<std::shared_mutex> store_lock(mu_);
+    ReaderLock store_lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   }
   Status st;
   {
-    std::unique_lock<std::mutex> lock(lookahead_mu_);
-    lookahead_idle_.wait(lock, [&] { return lookahead_queue_.empty() && !lookahead_busy_; });
+    MutexLock lock(&lookahead_mu_);
+    while (!lookahead_queue_.empty() || lookahead_busy_) lookahead_idle_.wait(lock.native());
     st = lookahead_error_;
     lookahead_error_ = Status::OK();
   }
-  std::unique_lock<std::mutex> lock(compaction_state_mu_);
-  compaction_idle_.wait(lock, [&] { return !compaction_running_ && !compaction_requested_; });
+  MutexLock lock(&compaction_state_mu_);
+  while (compaction_running_ || compaction_requested_) compaction_idle_.wait(lock.native());
   if (st.ok()) st = compaction_error_;
   compaction_error_ = Status::OK();
   return st;

@@ -174,7 +174,7 @@ size_t KVStore::MakeAppendRoom(size_t wanted) {
   uint64_t flush_to = 0;
   size_t room = 1;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return 1;  // the caller's locked part reports it
     // Pages below read_only_page_ can be written now; appends up to page read_only_page_ +
     // num_frames_ - 1 reuse only their frames.

@@ -39,7 +39,7 @@ Status KVStore::ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vecto
 Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found) {
   std::vector<DiskRecord> reads;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     const uint64_t head = HeadSlot();
     uint64_t hits = 0;
@@ -48,8 +48,9 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
     constexpr size_t kD = 8;
     HashIndex::Where where[2 * kD];
     uint64_t slot_of[2 * kD];
-    auto stage_locate = [&](size_t j) { index_.Prefetch(where[j % (2 * kD)] = index_.Locate(keys[j])); };
-    auto stage_find = [&](size_t j) {
+    auto stage_locate = [&](size_t j)
+                            REQUIRES_SHARED(mu_) { index_.Prefetch(where[j % (2 * kD)] = index_.Locate(keys[j])); };
+    auto stage_find = [&](size_t j) REQUIRES_SHARED(mu_) {
       const uint64_t slot = index_.Find(where[j % (2 * kD)]);
       slot_of[j % (2 * kD)] = slot;
       if (slot != kNone && slot >= head) {
@@ -162,9 +163,9 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
   constexpr uint64_t kReadBytes = 4ull << 20;  // one sequential read
   if (*cursor == kScanDone) return Status::OK();
   const size_t first_row = keys->size();
-  // Takes the live rows of `pages` consecutive pages from `data` (page `first_page` first); mu_ held.
+  // Takes the live rows of `pages` consecutive pages from `data` (page `first_page` first).
   auto take_live = [&](const uint8_t* data, uint64_t first_page, uint64_t pages, uint64_t tail, const std::string& file,
-                       uint64_t file_offset) -> Status {
+                       uint64_t file_offset) REQUIRES_SHARED(mu_) -> Status {
     for (uint64_t p = 0; p < pages; ++p) {
       const uint8_t* page = data + p * page_bytes_;
       const uint64_t first_slot = (first_page + p) * records_per_page_;
@@ -186,7 +187,7 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
   while (keys->size() - first_row < max_rows) {
     uint64_t page, pages, segment;
     {
-      std::shared_lock<std::shared_mutex> lock(mu_);
+      ReaderLock lock(&mu_);
       if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
       *cursor = std::max(*cursor, begin_);  // compacted past: its rows are further on
       if (*cursor >= tail_) {
@@ -213,7 +214,7 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
     MLKV_RETURN_IF_ERROR(st);
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
     MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, buffer.data, pages * page_bytes_, offset, file->path));
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     MLKV_RETURN_IF_ERROR(take_live(buffer.data, page, pages, tail_, file->path, offset));
     *cursor = (page + pages) * records_per_page_;
