@@ -362,7 +362,7 @@ class KVStore : public RowStore {
   //   lookahead_mu_         the queue of copies (lookahead, promotion) and its task's state
   //   compaction_state_mu_  the background compaction's requests and state
   //   flusher_'s and segments_'s own (LogFlusher, SegmentFiles)
-  // The last four are leaves: no other lock is taken while one is held.
+  // The last four are leaves: holding one, a thread takes no other store lock (only an executor's, to submit).
   Mutex close_mu_ ACQUIRED_BEFORE(compaction_mu_);
   Mutex compaction_mu_ ACQUIRED_BEFORE(checkpoint_mu_);
   Mutex checkpoint_mu_ ACQUIRED_BEFORE(mu_);
