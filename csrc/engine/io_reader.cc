@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 
+#include "thread_annotations.h"
 #include "thread_name.h"
 
 namespace mlkv {
@@ -213,7 +214,7 @@ class ThreadPoolReader : public BlockReader {
 
   void Stop() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
     wake_.notify_all();
@@ -228,15 +229,15 @@ class ThreadPoolReader : public BlockReader {
     job.reqs = reqs;
     job.n = n;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       jobs_.push_back(&job);
     }
     wake_.notify_all();
     // The caller works too, then waits until no worker still holds the job.
     size_t mine = RunJob(&job);
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     job.finished += mine;
-    job_done_.wait(lock, [&] { return job.finished == job.n && job.active == 0; });
+    while (!(job.finished == job.n && job.active == 0)) job_done_.wait(lock.native());
     for (size_t k = 0; k < jobs_.size(); ++k) {
       if (jobs_[k] == &job) {
         jobs_.erase(jobs_.begin() + static_cast<long>(k));
@@ -268,9 +269,9 @@ class ThreadPoolReader : public BlockReader {
 
   void Work() {
     NameThisThread("mlkv-pread");
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     while (true) {
-      wake_.wait(lock, [&] { return stopping_ || HasWork(); });
+      while (!stopping_ && !HasWork()) wake_.wait(lock.native());
       if (stopping_) return;
       Job* job = nullptr;
       for (Job* j : jobs_) {
@@ -281,26 +282,26 @@ class ThreadPoolReader : public BlockReader {
       }
       if (!job) continue;
       ++job->active;
-      lock.unlock();
+      lock.Unlock();
       size_t mine = RunJob(job);
-      lock.lock();
+      lock.Lock();
       job->finished += mine;
       --job->active;
       if (job->finished == job->n && job->active == 0) job_done_.notify_all();
     }
   }
 
-  bool HasWork() const {
+  bool HasWork() const REQUIRES(mu_) {
     for (Job* j : jobs_) {
       if (j->next.load() < j->n) return true;
     }
     return false;
   }
 
-  std::mutex mu_;
-  std::condition_variable wake_, job_done_;
-  std::vector<Job*> jobs_;
-  bool stopping_ = false;
+  Mutex mu_;
+  std::condition_variable wake_, job_done_;  // with mu_
+  std::vector<Job*> jobs_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 
@@ -314,9 +315,9 @@ class SharedPoolReader : public BlockReader {
   const char* name() const override { return "threads"; }
 
   static std::shared_ptr<ThreadPoolReader> PoolOf(uint32_t threads) {
-    static std::mutex mu;
+    static Mutex mu;  // guards pools
     static std::map<uint32_t, std::weak_ptr<ThreadPoolReader>> pools;
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     std::shared_ptr<ThreadPoolReader> pool = pools[threads].lock();
     if (!pool) {
       pool = std::make_shared<ThreadPoolReader>(threads);

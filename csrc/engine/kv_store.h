@@ -26,8 +26,11 @@
 
 #include "hash_index.h"
 #include "io_reader.h"
+#include "log_flusher.h"
 #include "row_store.h"
+#include "segment_files.h"
 #include "status.h"
+#include "thread_annotations.h"
 
 namespace mlkv {
 
@@ -161,7 +164,7 @@ class KVStore : public RowStore {
   // for one that can never succeed (a failed sync of the log): then it closes and returns the error.
   Status Close();
   bool Closed() const {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    ReaderLock lock(&mu_);
     return closed_;
   }
   StoreStats Stats() const;
@@ -170,29 +173,34 @@ class KVStore : public RowStore {
   const std::string& path() const override { return path_; }
 
  private:
-  struct SegmentFile {  // an open segment file, closed with the last reference
-    std::string path;
-    int fd = -1;
-    ~SegmentFile();
-  };
+  static constexpr uint64_t kNone = HashIndex::kNoAddress;
+  static constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
   };
 
   KVStore(const std::string& path, const StoreOptions& options);
-  Status Init();
+  Status Init() EXCLUDES(close_mu_);
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
-  Status CreateFresh();
-  Status Recover();
-  void RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence);
-  Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
-                   uint64_t file_base_offset);
+  Status CreateFresh() EXCLUDES(checkpoint_mu_, mu_);
   Status CheckKeys(const int64_t* keys, size_t n) const;
-  // With `missing`, absent keys are listed there and fail the call (Get); without, they are
-  // only marked false in `found` (Lookup; null when n == 0).
-  Status ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
-  Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found);
+  void StopThreads() EXCLUDES(lookahead_mu_, compaction_state_mu_);
+
+  // Recovery, in kv_store_recovery.cc.
+  Status Recover() EXCLUDES(mu_);
+  void RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence) REQUIRES_SHARED(mu_);
+  Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
+                   uint64_t file_base_offset) REQUIRES(mu_);
+
+  // Reads, in kv_store_read.cc. With `missing`, absent keys are listed there and fail the call
+  // (Get); without, they are only marked false in `found` (Lookup; null when n == 0).
+  Status ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found)
+      EXCLUDES(mu_);
+  Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found) EXCLUDES(mu_);
+  // Disk reads outside the lock: fills the value bytes of each DiskRecord at
+  // out + index * value_bytes, verifying keys and checksums.
+  Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out) EXCLUDES(mu_);
 
   // Log geometry.
   uint64_t PageOf(uint64_t slot) const { return div_records_per_page_.Div(slot); }
@@ -201,50 +209,38 @@ class KVStore : public RowStore {
   uint64_t OffsetInPage(uint64_t slot) const;
   uint8_t* FrameOf(uint64_t page) const { return frames_ + div_num_frames_.Mod(page) * page_bytes_; }
   uint8_t* RecordInMemory(uint64_t slot) const { return FrameOf(PageOf(slot)) + OffsetInPage(slot); }
-  uint64_t HeadSlot() const { return head_page_ * records_per_page_; }
+  uint64_t HeadSlot() const REQUIRES_SHARED(mu_) { return head_page_ * records_per_page_; }
   // The first page still in memory once `page` is: `page`'s frame, and those before it in the
   // ring, held the pages below, which must be written first.
   uint64_t HeadPageWith(uint64_t page) const { return page >= num_frames_ ? page - num_frames_ + 1 : 0; }
-  uint64_t ReadOnlySlot() const { return read_only_page_ * records_per_page_; }
+  uint64_t ReadOnlySlot() const REQUIRES_SHARED(mu_) { return read_only_page_ * records_per_page_; }
 
   // Record encoding.
   void WriteRecord(uint8_t* rec, int64_t key, uint16_t flags, const uint8_t* value) const;
   uint32_t RecordChecksum(const uint8_t* rec) const;
   Status VerifyRecord(const uint8_t* rec, const std::string& file, uint64_t offset) const;
 
-  // Log mutation; callers hold mu_ exclusively.
-  Status ReserveSlot(uint64_t* slot, uint8_t** record);  // the next slot at the tail, starting a page if needed
-  Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot);
-  Status StartPage(uint64_t page);
-  // mu_ not held: how many of `wanted` records (at least one) can be appended now without
-  // StartPage waiting for a page to be written; first waits for the pages whose frames they reuse.
-  size_t MakeAppendRoom(size_t wanted);
-  // Pages that leave the mutable region are written to their segment by the
-  // process's flush executor (SerialExecutor "mlkv-flush", shared by every store);
-  // only evicting a page's frame and a checkpoint wait for it.
-  Status WritePages(uint64_t first_page, uint64_t count);  // run by the flush task, without mu_
-  Status WaitFlushed(uint64_t page_end);  // until pages below page_end are written
-  void ScheduleFlushLocked();  // holds flush_mu_
-  void FlushPending();         // the flush task: writes pages up to the target, or to an error
-  void StopThreads();
-  // Segment files are opened on demand and kept in a bounded LRU cache of
-  // descriptors; a reader's shared_ptr keeps a file open while it reads.
-  // kMustExist reports a missing file as corruption; kMayVanish as Busy, for a
-  // reader that looked the slot up before a compaction deleted its segment.
-  enum class OpenMode { kCreate, kMustExist, kMayVanish };
-  Status SegmentFor(uint64_t segment, OpenMode mode, std::shared_ptr<SegmentFile>* out) const;
-  void ForgetSegment(uint64_t segment);
-  void MoveLive(uint64_t old_slot, uint64_t new_slot);
+  // Log mutation, in kv_store_log.cc.
+  Status ReserveSlot(uint64_t* slot, uint8_t** record)
+      REQUIRES(mu_);  // the next slot at the tail, starting a page if needed
+  Status Append(int64_t key, uint16_t flags, const uint8_t* value, uint64_t* slot) REQUIRES(mu_);
+  Status AppendRecord(const uint8_t* record, uint64_t* slot) REQUIRES(mu_);  // a verified record, copied verbatim
+  Status StartPage(uint64_t page) REQUIRES(mu_);
+  // How many of `wanted` records (at least one) can be appended now without StartPage waiting for
+  // a page to be written; first waits for the pages whose frames they reuse.
+  size_t MakeAppendRoom(size_t wanted) EXCLUDES(mu_);
+  void MoveLive(uint64_t old_slot, uint64_t new_slot) REQUIRES(mu_);
+
   // Checkpoints, in kv_store_checkpoint.cc. Concurrently: both halves on the calling thread (the
-  // first with mu_ held shared, the second without it, its commit exclusively); mu_ must not be
-  // held. unless_owner_begun: none while the owner's checkpoint is begun (a compaction's, which
-  // the owner's puts or Close may be waiting for). Exclusively: the caller holds checkpoint_mu_
-  // and mu_ exclusively throughout (open, close).
-  Status CheckpointConcurrently(uint64_t* sequence = nullptr, bool unless_owner_begun = false);
-  // Close, checkpoint_mu_ held: returns once no checkpoint is begun, having finished the owner's
-  // (or waited for the call finishing one).
-  void FinishOrWaitBegunCheckpoint(std::unique_lock<std::mutex>& one_checkpoint);
-  Status CheckpointExclusively();
+  // first with mu_ held shared, the second without it, its commit exclusively). unless_owner_begun:
+  // none while the owner's checkpoint is begun (a compaction's, which the owner's puts or Close may
+  // be waiting for). Exclusively: the caller holds both locks throughout (open, close).
+  Status CheckpointConcurrently(uint64_t* sequence = nullptr, bool unless_owner_begun = false)
+      EXCLUDES(checkpoint_mu_, mu_);
+  Status CheckpointExclusively() REQUIRES(checkpoint_mu_, mu_);
+  // Close: returns once no checkpoint is begun, having finished the owner's (or waited for the call
+  // finishing one).
+  void FinishOrWaitBegunCheckpoint(MutexLock& one_checkpoint) REQUIRES(checkpoint_mu_) EXCLUDES(mu_);
   struct WrittenCheckpoint {  // files on disk, not yet the store's checkpoint in memory
     bool wrote = false;       // false: nothing changed since the latest, which still holds
     bool kept_previous = false;   // a checkpoint is kept beside it (cut_checkpoints)
@@ -252,6 +248,7 @@ class KVStore : public RowStore {
     uint64_t sequence = 0, begin = 0, changes = 0;
     uint64_t image = 0, image_flushed = 0;  // the index image it names (0: none)
     std::string record;
+    std::string previous_record;  // with previous_moves: the latest's record, for CHECKPOINT.previous
   };
   struct ObsoleteFiles {  // removed after the commit, outside mu_
     std::vector<std::string> files;
@@ -269,171 +266,167 @@ class KVStore : public RowStore {
     // CHECKPOINT names it: its files stay even when a sync after the rename failed (Finish's error).
     bool renamed = false;
   };
-  // The first half: checkpoint_mu_ and mu_ (shared or not) held. Writes the snapshot (and the
-  // index image when due) unsynced and composes the record; out->written.wrote false when nothing
-  // changed since the latest checkpoint.
-  Status BeginCheckpointFiles(BegunCheckpoint* out);
+  // The first half. Writes the snapshot (and the index image when due) unsynced and composes the
+  // record; out->written.wrote false when nothing changed since the latest checkpoint.
+  Status BeginCheckpointFiles(BegunCheckpoint* out) REQUIRES(checkpoint_mu_) REQUIRES_SHARED(mu_);
   // The second half, with or without mu_: the flushes below first_page, every sync, the record
   // renamed into place. On failure before the rename the files go and the store stays at its
   // latest checkpoint; after it (the directory's sync failed) begun->renamed is set: the record on
   // disk may name either, so both checkpoints' files stay (CommitBegunFiles).
   Status FinishCheckpointFiles(BegunCheckpoint* begun);
-  // After FinishCheckpointFiles: the store moves to the begun checkpoint once CHECKPOINT names it
-  // (mu_ taken unless `locked`), and what neither kept checkpoint needs goes when `finished` is OK.
-  void CommitBegunFiles(const BegunCheckpoint& begun, const Status& finished, bool locked);
+  // After FinishCheckpointFiles: the store moves to the begun checkpoint once CHECKPOINT names it.
+  // Returns whether the files in *obsolete, which neither kept checkpoint needs, may go (`finished` OK).
+  bool CommitBegunFiles(const BegunCheckpoint& begun, const Status& finished, ObsoleteFiles* obsolete)
+      REQUIRES(checkpoint_mu_, mu_);
   void DiscardBegunFiles(BegunCheckpoint* begun);
-  Status BeginCheckpointLocked(bool by_owner);  // checkpoint_mu_ held, no checkpoint begun
+  Status BeginCheckpointLocked(bool by_owner) REQUIRES(checkpoint_mu_) EXCLUDES(mu_);  // no checkpoint begun
   // The second half of the checkpoint begun by the owner (BeginCheckpoint), or by the calling
   // Checkpoint or compaction (by_owner false), which no other call may take.
-  Status FinishBegunCheckpoint(bool by_owner, uint64_t* sequence);
+  Status FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) EXCLUDES(checkpoint_mu_, mu_);
   // InvalidArgument while the owner's checkpoint is begun (a call that would wait for it could
   // wait for itself); the store's own checkpoints are waited for instead.
-  Status RefuseIfBegun(const char* what);
-  // checkpoint_mu_ held: waits until no checkpoint is between its halves (one begun by a
-  // background compaction, or by another thread).
-  void WaitNoBegunCheckpoint(std::unique_lock<std::mutex>& lock) {
-    begun_cv_.wait(lock, [&] { return !begun_.open; });
+  Status RefuseIfBegun(const char* what) EXCLUDES(checkpoint_mu_, mu_);
+  // Waits until no checkpoint is between its halves (one begun by a background compaction, or by
+  // another thread).
+  void WaitNoBegunCheckpoint(MutexLock& one_checkpoint) REQUIRES(checkpoint_mu_) {
+    while (begun_.open) begun_cv_.wait(one_checkpoint.native());
   }
-  void CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete);  // mu_ exclusive
+  void CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteFiles* obsolete) REQUIRES(checkpoint_mu_, mu_);
   void RemoveObsoleteFiles(const ObsoleteFiles& obsolete);
   // CHECKPOINT and CHECKPOINT.previous: the 88-byte record, read and checked / written atomically.
   static Status ReadCheckpointRecord(const std::string& file, std::string* record);
   // *renamed (when given) is set once `file` holds the record, even if the directory's sync after fails.
   Status WriteCheckpointRecord(const std::string& file, const std::string& record, bool* renamed = nullptr) const;
-  bool ChangedSinceCheckpointLocked() const {
+  bool ChangedSinceCheckpointLocked() const REQUIRES_SHARED(mu_) {
     return changes_ != checkpointed_changes_ || begin_ != checkpointed_begin_ || checkpoint_sequence_ == 0;
   }
-  // Compaction runs outside mu_: it reads old segments unlocked and copies
-  // live rows in chunks, each under a short exclusive lock. The caller holds
-  // compaction_mu_. `all`: every segment below the mutable region; otherwise
-  // the oldest ones that hold half of the garbage on disk. Sets *compacted.
-  Status CompactSegments(bool all, bool* compacted);
-  bool CompactionDueLocked(double ratio) const;  // on-disk log > ratio x live rows
-  void StallForCompaction();
-  // Called with mu_ held after writes: queues a compaction (executor "mlkv-compact") when due.
-  Status MaybeAutoCompactLocked();
-  void RunCompactions();  // the compaction task
-
-  // Disk reads outside the lock: fills the value bytes of each DiskRecord at
-  // out + index * value_bytes, verifying keys and checksums.
-  Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out);
-
-  // Background work: a lookahead (keys to read) or a promotion (rows a get
-  // already read, with their slots). Both end in ApplyCopies.
-  struct CopyJob {
-    std::vector<int64_t> keys;
-    std::vector<uint64_t> slots;   // empty for a lookahead
-    std::vector<uint8_t> values;   // value bytes per key, for a promotion
-  };
-  void ScheduleCopiesLocked();  // holds lookahead_mu_; executor "mlkv-copy"
-  void RunCopies();             // the copy task: runs the queued jobs
-  Status LookaheadBatch(const std::vector<int64_t>& keys);
-  // Appends each row at the tail unless a newer version was written since it was read.
-  enum class CopyKind { kLookahead, kPromotion, kCompaction };
-  // `rows` holds n records (header + value, checksum included) or, with
-  // values_only, n values; each is appended unless superseded since it was read.
-  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* rows, size_t n, CopyKind kind,
-                     bool values_only = true);
-  Status AppendRecord(const uint8_t* record, uint64_t* slot);  // a verified record, copied verbatim
-  // The doorkeeper: true when `key` was read from disk recently (then clears it), else marks it.
-  bool SeenRecently(int64_t key);
-  void QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values);
-
-  std::string SegmentPath(uint64_t segment) const;
   std::string SnapshotPath(uint64_t sequence) const;
   std::string IndexImagePath(uint64_t sequence) const;
   // The index checkpoint (index-<seq>.dat): recovery loads it and replays the log written after it
   // (from its `flushed` slot) instead of scanning the whole log. A checkpoint names the latest
   // image and writes a new one only when the log to replay after that one has outgrown the image,
   // so recovery reads at most about twice the index's bytes, and a checkpoint between rewrites
-  // none. mu_ held (shared will do).
-  // The file is left open and unsynced in *fd_out (the checkpoint's second half syncs it).
-  Status WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out);
+  // none. The file is left open and unsynced in *fd_out (the checkpoint's second half syncs it).
+  Status WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out) REQUIRES_SHARED(mu_);
   // Loads the image the checkpoint `meta` names into the index and sets *flushed, the slot
   // recovery replays the log from. Any failure (no such file, damage, an image that does not fit
   // the checkpoint) leaves the index empty.
-  Status LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed);
+  Status LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) REQUIRES(mu_);
+
+  // Compaction, in kv_store_compaction.cc. It runs outside mu_: it reads old segments unlocked and
+  // copies live rows in chunks, each under a short exclusive lock. `all`: every segment below the
+  // mutable region; otherwise the oldest ones that hold half of the garbage on disk. Sets *compacted.
+  Status CompactSegments(bool all, bool* compacted) REQUIRES(compaction_mu_) EXCLUDES(checkpoint_mu_, mu_);
+  bool CompactionDueLocked(double ratio) const REQUIRES_SHARED(mu_);  // on-disk log > ratio x live rows
+  void StallForCompaction() EXCLUDES(mu_, compaction_state_mu_);
+  // After writes: queues a compaction (executor "mlkv-compact") when due.
+  Status MaybeAutoCompactLocked() REQUIRES(mu_) EXCLUDES(compaction_state_mu_);
+  void RunCompactions() EXCLUDES(compaction_mu_, mu_, compaction_state_mu_);  // the compaction task
+
+  // Background copies, in kv_store_copies.cc: a lookahead (keys to read) or a promotion (rows a
+  // get already read, with their slots). Both end in ApplyCopies.
+  struct CopyJob {
+    std::vector<int64_t> keys;
+    std::vector<uint64_t> slots;   // empty for a lookahead
+    std::vector<uint8_t> values;   // value bytes per key, for a promotion
+  };
+  void ScheduleCopiesLocked() REQUIRES(lookahead_mu_);  // executor "mlkv-copy"
+  void RunCopies() EXCLUDES(lookahead_mu_, mu_);        // the copy task: runs the queued jobs
+  Status LookaheadBatch(const std::vector<int64_t>& keys) EXCLUDES(mu_);
+  enum class CopyKind { kLookahead, kPromotion, kCompaction };
+  // `rows` holds n records (header + value, checksum included) or, with
+  // values_only, n values; each is appended unless superseded since it was read.
+  Status ApplyCopies(const int64_t* keys, const uint64_t* slots, const uint8_t* rows, size_t n, CopyKind kind,
+                     bool values_only = true) REQUIRES(mu_);
+  // The doorkeeper: true when `key` was read from disk recently (then clears it), else marks it.
+  bool SeenRecently(int64_t key);
+  void QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>& reads, const uint8_t* values)
+      EXCLUDES(lookahead_mu_);
 
   const std::string path_;
   StoreOptions options_;
+  SegmentFiles segments_;
+  LogFlusher flusher_;  // writes the pages below read_only_page_ to segments_
   uint32_t value_bytes_ = 0, record_bytes_ = 0;
   uint64_t unit_bytes_ = 0, records_per_unit_ = 0, records_per_page_ = 0, page_bytes_ = 0;
   uint64_t pages_per_segment_ = 0, num_frames_ = 0, mutable_pages_ = 0;
   bool direct_io_ = false;
   FastDivisor div_records_per_page_, div_records_per_unit_, div_num_frames_;
 
-  mutable std::shared_mutex mu_;
+  // The locks, in the order a thread takes them (holding one, it takes only those below it):
+  //   close_mu_             one open or Close at a time; lock_fd_
+  //   compaction_mu_        one compaction at a time
+  //   checkpoint_mu_        one checkpoint at a time; begun_
+  //   mu_                   the log's boundaries, the index, the checkpoint bookkeeping and the
+  //                         counters: readers share it, writers hold it alone
+  //   lookahead_mu_         the queue of copies (lookahead, promotion) and its task's state
+  //   compaction_state_mu_  the background compaction's requests and state
+  //   flusher_'s and segments_'s own (LogFlusher, SegmentFiles)
+  // The last four are leaves: holding one, a thread takes no other store lock (only an executor's, to submit).
+  Mutex close_mu_ ACQUIRED_BEFORE(compaction_mu_);
+  Mutex compaction_mu_ ACQUIRED_BEFORE(checkpoint_mu_);
+  Mutex checkpoint_mu_ ACQUIRED_BEFORE(mu_);
+  mutable SharedMutex mu_ ACQUIRED_BEFORE(lookahead_mu_, compaction_state_mu_);
+  Mutex lookahead_mu_;
+  Mutex compaction_state_mu_;
+
+  int lock_fd_ GUARDED_BY(close_mu_) = -1;
+
+  // Set at open, read by the flush task without a lock: a frame's bytes are guarded by mu_ while
+  // its page is mutable, and read-only after.
   uint8_t* frames_ = nullptr;  // num_frames_ pages, mapped anonymously
   uint64_t frames_mapped_bytes_ = 0;
   void* frames_mapping_ = nullptr;
-  HashIndex index_;
-  std::unique_ptr<BlockReader> reader_;
-  uint64_t begin_ = 0;           // first slot still in the log
-  uint64_t head_page_ = 0;       // first page in memory
-  uint64_t read_only_page_ =
-      0;  // first mutable page; pages below it go to segment files (those below flushed_page_ are there)
-  uint64_t tail_ = 0;            // next slot to append
-  uint64_t checkpoint_sequence_ = 0;
-  std::string checkpoint_record_;     // the bytes of CHECKPOINT, to become CHECKPOINT.previous
-  bool latest_committed_ = true;      // the owner committed the latest (CommitCheckpoint)
-  uint64_t previous_sequence_ = 0;    // the checkpoint kept beside it, still recoverable: the
-                                    // committed one (with cuts), CHECKPOINT.previous on disk
+  std::unique_ptr<BlockReader> reader_;  // set at open
+  HashIndex index_ GUARDED_BY(mu_);
+  uint64_t begin_ GUARDED_BY(mu_) = 0;      // first slot still in the log
+  uint64_t head_page_ GUARDED_BY(mu_) = 0;  // first page in memory
+  // First mutable page; pages below it go to segment files (those below flusher_.flushed_page() are there).
+  uint64_t read_only_page_ GUARDED_BY(mu_) = 0;
+  uint64_t tail_ GUARDED_BY(mu_) = 0;  // next slot to append
+  uint64_t checkpoint_sequence_ GUARDED_BY(mu_) = 0;
+  std::string checkpoint_record_ GUARDED_BY(mu_);  // the bytes of CHECKPOINT, to become CHECKPOINT.previous
+  bool latest_committed_ GUARDED_BY(mu_) = true;   // the owner committed the latest (CommitCheckpoint)
+  // The checkpoint kept beside it, still recoverable: the committed one (with cuts), CHECKPOINT.previous on disk.
+  uint64_t previous_sequence_ GUARDED_BY(mu_) = 0;
   // The index images the latest and the previous checkpoint name (0: none); the latest's, when
   // sound, covers the log below image_flushed_, and the next checkpoint may name it too.
-  uint64_t image_sequence_ = 0, previous_image_sequence_ = 0, image_flushed_ = 0;
-  bool image_sound_ = false;
-  uint64_t previous_begin_ = 0;  // its first slot: segments from here on stay
-  uint64_t changes_ = 0;  // appends and in-place writes, ever
-  uint64_t checkpointed_changes_ = 0, checkpointed_begin_ = 0;  // at the latest checkpoint
-  mutable std::mutex files_mu_;
-  mutable std::list<uint64_t> open_order_;  // most recently used first
-  mutable std::unordered_map<uint64_t, std::pair<std::shared_ptr<SegmentFile>, std::list<uint64_t>::iterator>>
-      open_files_;
-  mutable std::atomic<size_t> max_open_files_{256};  // shrinks when the process runs short of descriptors
-  std::vector<uint64_t> dirty_segments_;  // written since the last checkpoint; guarded by flush_mu_
-  // A segment's failed sync, kept: after a failed writeback the kernel may drop the pages and a
-  // second sync succeed without them, so no later checkpoint may count on them. Guarded by flush_mu_.
-  Status segment_sync_error_;
-  std::vector<uint64_t> compacted_segments_;  // deleted once a checkpoint no longer needs them
-  std::vector<int64_t> live_per_segment_;  // records the index points at, per segment
-  int lock_fd_ = -1;
-  bool closed_ = true;  // until Open succeeds
+  uint64_t image_sequence_ GUARDED_BY(mu_) = 0, previous_image_sequence_ GUARDED_BY(mu_) = 0;
+  uint64_t image_flushed_ GUARDED_BY(mu_) = 0;
+  bool image_sound_ GUARDED_BY(mu_) = false;
+  uint64_t previous_begin_ GUARDED_BY(mu_) = 0;  // its first slot: segments from here on stay
+  uint64_t changes_ GUARDED_BY(mu_) = 0;         // appends and in-place writes, ever
+  // At the latest checkpoint.
+  uint64_t checkpointed_changes_ GUARDED_BY(mu_) = 0, checkpointed_begin_ GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> compacted_segments_ GUARDED_BY(mu_);  // deleted once a checkpoint no longer needs them
+  std::vector<int64_t> live_per_segment_ GUARDED_BY(mu_);     // records the index points at, per segment
+  bool closed_ GUARDED_BY(mu_) = true;                        // until Open succeeds
 
   mutable std::atomic<uint64_t> memory_hits_{0}, disk_reads_{0}, disk_rows_{0};
   std::atomic<uint64_t> lookahead_rows_{0}, promoted_rows_{0}, lookahead_dropped_rows_{0}, write_stalls_{0};
   std::atomic<uint64_t> frame_waits_{0}, frame_wait_ns_{0};
   std::vector<std::atomic<uint64_t>> doorkeeper_;
   std::atomic<uint64_t> doorkeeper_marks_{0};
-  uint64_t in_place_updates_ = 0, appends_ = 0, compactions_ = 0, compacted_rows_ = 0, checkpoints_ = 0;
-  bool recovered_from_index_image_ = false;
+  uint64_t in_place_updates_ GUARDED_BY(mu_) = 0, appends_ GUARDED_BY(mu_) = 0;
+  uint64_t compactions_ GUARDED_BY(mu_) = 0, compacted_rows_ GUARDED_BY(mu_) = 0, checkpoints_ GUARDED_BY(mu_) = 0;
+  bool recovered_from_index_image_ GUARDED_BY(mu_) = false;
 
-  std::mutex close_mu_;  // one Close at a time
-  std::mutex checkpoint_mu_;  // one checkpoint at a time; taken before mu_, after compaction_mu_
   std::condition_variable begun_cv_;  // with checkpoint_mu_: begun_ was finished
-  BegunCheckpoint begun_;  // guarded by checkpoint_mu_; its files by whoever finishes it
-  std::mutex lookahead_mu_;
-  std::condition_variable lookahead_idle_;
-  std::deque<CopyJob> lookahead_queue_;
-  bool lookahead_busy_ = false, lookahead_stop_ = false;
-  bool lookahead_scheduled_ = false;  // a RunCopies task is queued or running on the copy executor
-  Status lookahead_error_;
+  BegunCheckpoint begun_ GUARDED_BY(checkpoint_mu_);  // its files belong to whoever finishes it
 
-  std::mutex compaction_mu_;  // one compaction at a time
-  std::mutex compaction_state_mu_;  // guards the fields below; never held while taking mu_
-  std::condition_variable compaction_idle_;
-  bool compaction_requested_ = false, compaction_running_ = false, compaction_stop_ = false;
-  bool compaction_scheduled_ = false;  // a RunCompactions task is queued or running
-  Status compaction_error_;
+  std::condition_variable lookahead_idle_;  // with lookahead_mu_
+  std::deque<CopyJob> lookahead_queue_ GUARDED_BY(lookahead_mu_);
+  bool lookahead_busy_ GUARDED_BY(lookahead_mu_) = false, lookahead_stop_ GUARDED_BY(lookahead_mu_) = false;
+  // A RunCopies task is queued or running on the copy executor.
+  bool lookahead_scheduled_ GUARDED_BY(lookahead_mu_) = false;
+  Status lookahead_error_ GUARDED_BY(lookahead_mu_);
 
-  std::mutex flush_mu_;  // never held while taking mu_
-  std::condition_variable flushed_cv_;
-  uint64_t flush_target_page_ = 0;  // pages below are read-only, to be written
-  std::atomic<uint64_t> flushed_page_{0};  // pages below are written to their segment
-  Status flush_error_;
-  bool flush_scheduled_ = false;  // a FlushPending task is queued or running on the flush executor
-  uint64_t flush_batch_pages_ = 1;  // read-only pages that wake the flush task: half of those frames, at most one write
-  static constexpr uint64_t kFlushPagesPerTurn = 64;  // pages one FlushPending writes before yielding
-  static constexpr uint64_t kFlushWriteBytes = 4ull << 20;  // at most one write of the flush task
+  std::condition_variable compaction_idle_;  // with compaction_state_mu_
+  bool compaction_requested_ GUARDED_BY(compaction_state_mu_) = false;
+  bool compaction_running_ GUARDED_BY(compaction_state_mu_) = false;
+  bool compaction_stop_ GUARDED_BY(compaction_state_mu_) = false;
+  bool compaction_scheduled_ GUARDED_BY(compaction_state_mu_) = false;  // a RunCompactions task is queued or running
+  Status compaction_error_ GUARDED_BY(compaction_state_mu_);
 };
 
 }  // namespace mlkv

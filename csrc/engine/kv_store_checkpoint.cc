@@ -13,7 +13,7 @@
 // later flushes wrote to their segments. The in-memory bookkeeping then moves
 // to the new checkpoint under a short exclusive hold, and the files no kept
 // checkpoint needs are removed after it. checkpoint_mu_ and begun_ keep
-// checkpoints one at a time (lock order: compaction_mu_, checkpoint_mu_, mu_).
+// checkpoints one at a time.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -106,19 +106,23 @@ Status KVStore::Checkpoint(uint64_t* sequence) {
 }
 
 Status KVStore::RefuseIfBegun(const char* what) {
-  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+  MutexLock one_checkpoint(&checkpoint_mu_);
   if (!begun_.open || !begun_.by_owner) return Status::OK();  // a checkpoint of its own: wait for it
-  return Status::InvalidArgument("store at " + path_ + " cannot " + what + ": checkpoint " +
-                                 std::to_string(begun_.written.wrote ? begun_.written.sequence : checkpoint_sequence_) +
+  uint64_t sequence = begun_.written.sequence;
+  if (!begun_.written.wrote) {
+    ReaderLock lock(&mu_);
+    sequence = checkpoint_sequence_;
+  }
+  return Status::InvalidArgument("store at " + path_ + " cannot " + what + ": checkpoint " + std::to_string(sequence) +
                                  " is begun and not finished (finish it first)");
 }
 
 Status KVStore::CheckpointConcurrently(uint64_t* sequence, bool unless_owner_begun) {
   {
-    std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+    MutexLock one_checkpoint(&checkpoint_mu_);
     // One begun by another thread finishes there. The owner's may wait for this very call (a
     // compaction its puts stall for, or its Close's Flush), so a compaction takes none then.
-    begun_cv_.wait(one_checkpoint, [&] { return !begun_.open || (begun_.by_owner && unless_owner_begun); });
+    while (begun_.open && !(begun_.by_owner && unless_owner_begun)) begun_cv_.wait(one_checkpoint.native());
     if (begun_.open) return Status::OK();  // its segments go at the next checkpoint
     MLKV_RETURN_IF_ERROR(BeginCheckpointLocked(/*by_owner=*/false));
   }
@@ -130,13 +134,13 @@ Status KVStore::CheckpointConcurrently(uint64_t* sequence, bool unless_owner_beg
 
 Status KVStore::BeginCheckpoint() {
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("begin a checkpoint"));
-  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  MutexLock one_checkpoint(&checkpoint_mu_);
   WaitNoBegunCheckpoint(one_checkpoint);  // one a compaction began meanwhile
   return BeginCheckpointLocked(/*by_owner=*/true);
 }
 
 Status KVStore::BeginCheckpointLocked(bool by_owner) {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(&mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   BegunCheckpoint begun;
   MLKV_RETURN_IF_ERROR(BeginCheckpointFiles(&begun));
@@ -151,7 +155,7 @@ Status KVStore::FinishCheckpoint(uint64_t* sequence) { return FinishBegunCheckpo
 Status KVStore::FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) {
   BegunCheckpoint begun;
   {
-    std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
+    MutexLock one_checkpoint(&checkpoint_mu_);
     if (!begun_.open || begun_.finishing || begun_.by_owner != by_owner) {
       return Status::InvalidArgument("store at " + path_ + " has no checkpoint begun to finish");
     }
@@ -160,23 +164,30 @@ Status KVStore::FinishBegunCheckpoint(bool by_owner, uint64_t* sequence) {
   }
   // The files are this call's alone: another checkpoint waits for begun_ to close.
   Status st = begun.written.wrote ? FinishCheckpointFiles(&begun) : Status::OK();
-  std::lock_guard<std::mutex> one_checkpoint(checkpoint_mu_);
-  CommitBegunFiles(begun, st, /*locked=*/false);
-  *sequence = begun.written.wrote && st.ok() ? begun.written.sequence : checkpoint_sequence_;
+  MutexLock one_checkpoint(&checkpoint_mu_);
+  ObsoleteFiles obsolete;
+  bool remove_obsolete;
+  {
+    WriterLock lock(&mu_);
+    remove_obsolete = CommitBegunFiles(begun, st, &obsolete);
+    *sequence = begun.written.wrote && st.ok() ? begun.written.sequence : checkpoint_sequence_;
+  }
+  if (remove_obsolete) RemoveObsoleteFiles(obsolete);
   begun_ = BegunCheckpoint();
   begun_cv_.notify_all();
   return st;
 }
 
-void KVStore::FinishOrWaitBegunCheckpoint(std::unique_lock<std::mutex>& one_checkpoint) {
+void KVStore::FinishOrWaitBegunCheckpoint(MutexLock& one_checkpoint) {
   while (begun_.open) {
     if (begun_.by_owner && !begun_.finishing) {
-      one_checkpoint.unlock();
+      // Through the mutex, not the lock: the analysis does not follow a lock passed by reference.
+      checkpoint_mu_.Unlock();
       uint64_t unused = 0;
       (void)FinishCheckpoint(&unused);  // its failure leaves nothing to finish; Close checkpoints anew
-      one_checkpoint.lock();
+      checkpoint_mu_.Lock();
     } else {
-      begun_cv_.wait(one_checkpoint);
+      begun_cv_.wait(one_checkpoint.native());
     }
   }
 }
@@ -186,23 +197,18 @@ Status KVStore::CheckpointExclusively() {
   MLKV_RETURN_IF_ERROR(BeginCheckpointFiles(&begun));
   if (!begun.written.wrote) return Status::OK();
   const Status st = FinishCheckpointFiles(&begun);
-  CommitBegunFiles(begun, st, /*locked=*/true);
+  ObsoleteFiles obsolete;
+  if (CommitBegunFiles(begun, st, &obsolete)) RemoveObsoleteFiles(obsolete);
   return st;
 }
 
-void KVStore::CommitBegunFiles(const BegunCheckpoint& begun, const Status& finished, bool locked) {
-  if (!begun.written.wrote || !(finished.ok() || begun.renamed)) return;
+bool KVStore::CommitBegunFiles(const BegunCheckpoint& begun, const Status& finished, ObsoleteFiles* obsolete) {
+  if (!begun.written.wrote || !(finished.ok() || begun.renamed)) return false;
   // Once CHECKPOINT names it the store is at it (its sequence is never written again), even when
   // the directory's sync after the rename failed; a crash may then recover either checkpoint, so
   // the files of both stay, and reopening removes what the recovered one does not name.
-  ObsoleteFiles obsolete;
-  if (locked) {
-    CommitCheckpointLocked(begun.written, &obsolete);
-  } else {
-    std::unique_lock<std::shared_mutex> lock(mu_);
-    CommitCheckpointLocked(begun.written, &obsolete);
-  }
-  if (finished.ok()) RemoveObsoleteFiles(obsolete);
+  CommitCheckpointLocked(begun.written, obsolete);
+  return finished.ok();
 }
 
 void KVStore::DiscardBegunFiles(BegunCheckpoint* begun) {
@@ -272,6 +278,7 @@ Status KVStore::BeginCheckpointFiles(BegunCheckpoint* out) {
   // already holds the committed one, stays.
   written.kept_previous = options_.cut_checkpoints && checkpoint_sequence_ > 0;
   written.previous_moves = written.kept_previous && latest_committed_;
+  if (written.previous_moves) written.previous_record = checkpoint_record_;
   written.wrote = true;
   written.begin = begin_;
   written.changes = changes_;
@@ -283,28 +290,21 @@ Status KVStore::BeginCheckpointFiles(BegunCheckpoint* out) {
 
 Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
   const WrittenCheckpoint& written = begun->written;
-  Status st = WaitFlushed(begun->first_page);
+  Status st = flusher_.WaitFlushed(begun->first_page);
   // Every segment written so far (a superset of those below first_page: later flushes only add).
   std::vector<uint64_t> dirty;
-  if (st.ok()) {
-    std::lock_guard<std::mutex> lock(flush_mu_);
-    st = segment_sync_error_;
-    if (st.ok()) dirty.swap(dirty_segments_);
-  }
+  if (st.ok()) st = flusher_.TakeDirtySegments(&dirty);
   for (size_t i = 0; i < dirty.size() && st.ok(); ++i) {
-    std::shared_ptr<SegmentFile> file;
-    st = SegmentFor(dirty[i], OpenMode::kMustExist, &file);
+    std::shared_ptr<SegmentFiles::File> file;
+    st = segments_.Open(dirty[i], SegmentFiles::OpenMode::kMustExist, &file);
     if (st.ok() && fdatasync(file->fd) != 0) {  // kept: no later sync can be trusted with these pages
       const int err = errno;
-      std::lock_guard<std::mutex> lock(flush_mu_);
-      segment_sync_error_ = Status::IOError(
+      st = flusher_.FailSync(Status::IOError(
           "syncing " + file->path + ": " + ErrnoText(err) +
           " (a checkpoint's sync of the log failed: pages written since the last checkpoint may not be on disk, "
-          "so no later checkpoint is taken; reopening the store goes back to the last one)");
-      st = segment_sync_error_;
+          "so no later checkpoint is taken; reopening the store goes back to the last one)"));
     } else if (!st.ok()) {  // the segment could not be opened: still dirty for the next try
-      std::lock_guard<std::mutex> lock(flush_mu_);
-      dirty_segments_.insert(dirty_segments_.begin(), dirty.begin() + static_cast<long>(i), dirty.end());
+      flusher_.ReturnDirtySegments(dirty.begin() + static_cast<long>(i), dirty.end());
     }
   }
   if (st.ok() && fdatasync(begun->snapshot_fd) != 0) {
@@ -314,7 +314,7 @@ Status KVStore::FinishCheckpointFiles(BegunCheckpoint* begun) {
     st = Status::IOError("syncing " + IndexImagePath(written.sequence) + ": " + ErrnoText(errno));
   }
   if (st.ok() && written.previous_moves) {
-    st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", checkpoint_record_);
+    st = WriteCheckpointRecord(path_ + "/CHECKPOINT.previous", written.previous_record);
   }
   if (st.ok()) st = WriteCheckpointRecord(path_ + "/CHECKPOINT", written.record, &begun->renamed);
   if (!st.ok() && !begun->renamed) {
@@ -371,9 +371,9 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
 
 Status KVStore::CommitCheckpoint(uint64_t sequence) {
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("commit a checkpoint"));
-  std::unique_lock<std::mutex> one_checkpoint(checkpoint_mu_);
+  MutexLock one_checkpoint(&checkpoint_mu_);
   WaitNoBegunCheckpoint(one_checkpoint);  // one a compaction began meanwhile
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  WriterLock lock(&mu_);
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
   if (sequence == checkpoint_sequence_) {
     latest_committed_ = true;
@@ -388,8 +388,8 @@ Status KVStore::CommitCheckpoint(uint64_t sequence) {
 void KVStore::RemoveObsoleteFiles(const ObsoleteFiles& obsolete) {
   for (const std::string& file : obsolete.files) unlink(file.c_str());
   for (uint64_t s : obsolete.segments) {
-    unlink(SegmentPath(s).c_str());
-    ForgetSegment(s);  // the checkpoint's own sync may have reopened it
+    unlink(segments_.PathOf(s).c_str());
+    segments_.Forget(s);  // the checkpoint's own sync may have reopened it
   }
 }
 

@@ -69,7 +69,8 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
     index_.Reset(empty, &unused);
     return st;
   }
-  index_.ForEachAddress([&](uint64_t slot) { MoveLive(HashIndex::kNoAddress, slot); });
+  // Unchecked: ForEachAddress calls it while mu_ is held here, which the analysis cannot see through the template.
+  index_.ForEachAddress([&](uint64_t slot) NO_THREAD_SAFETY_ANALYSIS { MoveLive(HashIndex::kNoAddress, slot); });
   return Status::OK();
 }
 
@@ -165,7 +166,7 @@ Status KVStore::Recover() {
     MLKV_RETURN_IF_ERROR(WriteCheckpointRecord(latest_path, previous));
     latest = previous;
   }
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  WriterLock lock(&mu_);
   begin_ = meta.begin;
   checkpoint_sequence_ = meta.sequence;
   checkpoint_record_ = latest;
@@ -190,15 +191,15 @@ Status KVStore::Recover() {
   }
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t page = replay_from / records_per_page_; page < flushed_page; ++page) {
-    std::shared_ptr<SegmentFile> file;
-    MLKV_RETURN_IF_ERROR(SegmentFor(SegmentOfPage(page), OpenMode::kMustExist, &file));
+    std::shared_ptr<SegmentFiles::File> file;
+    MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(page), SegmentFiles::OpenMode::kMustExist, &file));
     const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
     MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
     const uint64_t first_slot = std::max(page * records_per_page_, replay_from);
     MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path, offset));
   }
   head_page_ = read_only_page_ = flushed_page;
-  flushed_page_ = flush_target_page_ = flushed_page;
+  flusher_.Reset(flushed_page);
   tail_ = flushed_page * records_per_page_;
   if (end_page > flushed_page) {
     const std::string snapshot = SnapshotPath(meta.sequence);
@@ -229,7 +230,8 @@ Status KVStore::Recover() {
     // Every row the image names in segments compacted since was copied to the log replayed over
     // it: a slot below begin means the image is not this log's.
     bool stale = false;
-    index_.ForEachAddress([&](uint64_t slot) { stale = stale || slot < begin_; });
+    const uint64_t begin = begin_;
+    index_.ForEachAddress([&](uint64_t slot) { stale = stale || slot < begin; });
     if (stale) {
       return Status::Corruption(IndexImagePath(image_sequence_) + " names rows below the log's first slot " +
                                 std::to_string(begin_) + "; remove it to recover by a scan of the log");

@@ -8,9 +8,9 @@
 namespace mlkv {
 
 SerialExecutor& SerialExecutor::Of(const std::string& name) {
-  static std::mutex mu;
+  static Mutex mu;  // guards executors
   static auto* executors = new std::map<std::string, SerialExecutor*>();
-  std::lock_guard<std::mutex> lock(mu);
+  MutexLock lock(&mu);
   SerialExecutor*& executor = (*executors)[name];
   if (executor == nullptr) executor = new SerialExecutor(name);
   return *executor;
@@ -23,7 +23,7 @@ SerialExecutor::SerialExecutor(std::string name) : name_(std::move(name)) {
 
 void SerialExecutor::Submit(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     tasks_.push_back(std::move(task));
   }
   cv_.notify_one();
@@ -31,14 +31,14 @@ void SerialExecutor::Submit(std::function<void()> task) {
 
 void SerialExecutor::Loop() {
   NameThisThread(name_.c_str());
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return !tasks_.empty(); });
+    while (tasks_.empty()) cv_.wait(lock.native());
     std::function<void()> task = std::move(tasks_.front());
     tasks_.pop_front();
-    lock.unlock();
+    lock.Unlock();
     task();  // tasks catch their own errors and keep them for their store
-    lock.lock();
+    lock.Lock();
   }
 }
 

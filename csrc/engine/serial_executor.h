@@ -10,9 +10,10 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
+
+#include "thread_annotations.h"
 
 namespace mlkv {
 
@@ -21,15 +22,15 @@ class SerialExecutor {
   // The process's executor of that name (made on first use, never destroyed: stores may still
   // submit while the process exits).
   static SerialExecutor& Of(const std::string& name);
-  void Submit(std::function<void()> task);
+  void Submit(std::function<void()> task) EXCLUDES(mu_);
 
  private:
   explicit SerialExecutor(std::string name);
-  void Loop();
+  void Loop() EXCLUDES(mu_);
   const std::string name_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
+  Mutex mu_;
+  std::condition_variable cv_;  // with mu_: a task was queued
+  std::deque<std::function<void()>> tasks_ GUARDED_BY(mu_);
   std::thread thread_;
 };
 

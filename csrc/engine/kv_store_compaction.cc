@@ -1,0 +1,194 @@
+// KVStore's compaction: live rows of the oldest segments copied to the tail so their files can go,
+// run in the background when the on-disk log outgrows the live rows, and the write stall that
+// keeps writers from outrunning it.
+#include "kv_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+
+#include "file_io.h"
+#include "log_format.h"
+#include "serial_executor.h"
+
+namespace mlkv {
+
+Status KVStore::Compact() {
+  MLKV_RETURN_IF_ERROR(RefuseIfBegun("compact"));
+  Status background = Flush();
+  if (background.code() == Status::Code::kInvalidArgument) return background;  // closed
+  MutexLock one_at_a_time(&compaction_mu_);
+  bool compacted = false;
+  MLKV_RETURN_IF_ERROR(CompactSegments(/*all=*/true, &compacted));
+  if (!compacted) MLKV_RETURN_IF_ERROR(CheckpointConcurrently());  // nothing to copy: it still ends with one
+  return background;
+}
+
+bool KVStore::CompactionDueLocked(double ratio) const {
+  if (options_.compaction_ratio == 0.0) return false;
+  const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
+  if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
+  return static_cast<double>(on_disk_slots) > ratio * static_cast<double>(index_.size());
+}
+
+// Writers can append faster than compaction reclaims; past 1.25x the
+// compaction threshold a write waits for it (holding no lock), as an LSM
+// tree stalls writes, so disk use stays bounded.
+void KVStore::StallForCompaction() {
+  if (options_.compaction_ratio == 0.0) return;
+  for (int round = 0; round < 64; ++round) {
+    {
+      ReaderLock lock(&mu_);
+      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25)) return;
+    }
+    {
+      WriterLock lock(&mu_);
+      if (!MaybeAutoCompactLocked().ok()) return;
+    }
+    MutexLock state(&compaction_state_mu_);
+    if (compaction_stop_ || !compaction_error_.ok()) return;
+    while (!compaction_stop_ && (compaction_running_ || compaction_requested_)) compaction_idle_.wait(state.native());
+    ++write_stalls_;
+  }
+}
+
+Status KVStore::MaybeAutoCompactLocked() {
+  if (!CompactionDueLocked(options_.compaction_ratio)) return Status::OK();
+  MutexLock lock(&compaction_state_mu_);
+  if (compaction_stop_ || compaction_requested_) return Status::OK();
+  compaction_requested_ = true;
+  if (!compaction_scheduled_) {
+    SerialExecutor::Of("mlkv-compact").Submit([this] { RunCompactions(); });  // takes compaction_state_mu_ first
+    compaction_scheduled_ = true;
+  }
+  return Status::OK();
+}
+
+void KVStore::RunCompactions() {
+  MutexLock state(&compaction_state_mu_);
+  while (compaction_requested_ && !compaction_stop_) {
+    compaction_requested_ = false;
+    compaction_running_ = true;
+    state.Unlock();
+    Status st;
+    {
+      MutexLock one_at_a_time(&compaction_mu_);
+      bool due;
+      {
+        ReaderLock lock(&mu_);
+        due = !closed_ && CompactionDueLocked(options_.compaction_ratio);
+      }
+      bool compacted = false;
+      try {
+        if (due) st = CompactSegments(/*all=*/false, &compacted);
+      } catch (const std::exception& e) {
+        st = Status::IOError(std::string("compaction: ") + e.what());
+      }
+    }
+    state.Lock();
+    compaction_running_ = false;
+    if (!st.ok() && compaction_error_.ok()) compaction_error_ = st;
+    compaction_idle_.notify_all();
+  }
+  compaction_requested_ = false;
+  compaction_scheduled_ = false;
+  compaction_idle_.notify_all();
+}
+
+Status KVStore::CompactSegments(bool all, bool* compacted) {
+  *compacted = false;
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  uint64_t first, end;
+  {
+    ReaderLock lock(&mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    first = begin_ / slots_per_segment;
+    const uint64_t full_end = flusher_.flushed_page() / pages_per_segment_;  // segments wholly written
+    auto live = [&](uint64_t s)
+                    REQUIRES_SHARED(mu_) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
+    end = full_end;
+    if (!all) {
+      int64_t garbage = 0;
+      for (uint64_t s = first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
+      int64_t reclaimed = 0;
+      end = first;
+      while (end < full_end && 2 * reclaimed < garbage)
+        reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
+    }
+  }
+  if (end <= first) return Status::OK();
+
+  constexpr size_t kChunkRows = 4096;
+  std::vector<int64_t> keys;
+  std::vector<uint64_t> slots;
+  std::vector<uint8_t> values;
+  auto copy_chunk = [&]() -> Status {
+    if (keys.empty()) return Status::OK();
+    WriterLock lock(&mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    Status st = ApplyCopies(keys.data(), slots.data(), values.data(), keys.size(), CopyKind::kCompaction,
+                            /*values_only=*/false);
+    keys.clear();
+    slots.clear();
+    values.clear();
+    return st;
+  };
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t s = first; s < end; ++s) {
+    std::shared_ptr<SegmentFiles::File> file;
+    MLKV_RETURN_IF_ERROR(segments_.Open(s, SegmentFiles::OpenMode::kMustExist, &file));
+    for (uint64_t page = s * pages_per_segment_; page < (s + 1) * pages_per_segment_; ++page) {
+      // Segment pages below read-only never change: read and verify them unlocked.
+      const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+      MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+      const uint64_t first_slot = page * records_per_page_;
+      for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+        // Verify before the liveness check: a damaged key must not make a live row look dead.
+        MLKV_RETURN_IF_ERROR(
+            VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
+      }
+      {
+        ReaderLock lock(&mu_);
+        constexpr uint64_t kAhead = 8;  // prefetch the index ahead: these lookups are random
+        auto key_at = [&](uint64_t slot) {
+          int64_t key;
+          std::memcpy(&key, page_buffer.data + OffsetInPage(slot), sizeof(key));
+          return key;
+        };
+        HashIndex::Where ring[kAhead];
+        const uint64_t end_slot = first_slot + records_per_page_;
+        for (uint64_t s = first_slot; s < std::min(end_slot, first_slot + kAhead); ++s) {
+          index_.Prefetch(ring[s % kAhead] = index_.Locate(key_at(s)));
+        }
+        for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
+          const HashIndex::Where where = ring[slot % kAhead];
+          if (slot + kAhead < end_slot) index_.Prefetch(ring[slot % kAhead] = index_.Locate(key_at(slot + kAhead)));
+          const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
+          RecordHeader h;
+          std::memcpy(&h, rec, sizeof(h));
+          if ((h.flags & kFlagTombstone) || index_.Find(where) != slot) continue;  // superseded or deleted
+          keys.push_back(h.key);
+          slots.push_back(slot);
+          values.insert(values.end(), rec, rec + record_bytes_);
+        }
+      }
+      if (keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(copy_chunk());
+    }
+  }
+  MLKV_RETURN_IF_ERROR(copy_chunk());
+  {
+    WriterLock lock(&mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    begin_ = end * slots_per_segment;
+    for (uint64_t s = first; s < end; ++s) {
+      segments_.Forget(s);  // readers holding the file keep its descriptor
+      compacted_segments_.push_back(s);
+    }
+    ++compactions_;
+    *compacted = true;
+  }
+  // On failure, or when the store's owner takes the checkpoints, the segments go at the next one.
+  return all || !options_.cut_checkpoints ? CheckpointConcurrently(nullptr, /*unless_owner_begun=*/!all) : Status::OK();
+}
+
+}  // namespace mlkv
