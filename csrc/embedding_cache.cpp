@@ -41,12 +41,22 @@ void DispatchWeightType(WeightType t, F&& f) {
   }
 }
 
-constexpr int kVictimSamples = 8;
 // Rows of a fetch a prefetch request may read before the fetch waits for it rather than reading
 // them itself.
 constexpr int64_t kReadItselfRows = 64;
-constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
-constexpr int kVictimRounds = 4;
+
+// The options, checked before any member is sized by them.
+CacheOptions CheckedOptions(CacheOptions o) {
+  TORCH_CHECK_VALUE(o.capacity >= 0 && o.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
+                    o.capacity);
+  TORCH_CHECK_VALUE(o.dim > 0, "dim must be positive");
+  TORCH_CHECK_VALUE(o.staleness >= 0, "staleness must be >= 0, got ", o.staleness);
+  TORCH_CHECK_VALUE(o.staging_rows > 0 && o.write_back_rows > 0,
+                    "staging_rows and write_back_rows must be "
+                    "positive, got ",
+                    o.staging_rows, " and ", o.write_back_rows);
+  return o;
+}
 
 }  // namespace
 
@@ -54,18 +64,16 @@ constexpr int kVictimRounds = 4;
 
 EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device)
     : tables_(std::move(tables)),
-      opt_(std::move(options)),
+      opt_(CheckedOptions(std::move(options))),
       device_(device),
       on_host_(device.is_cpu()),
       weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
       row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
-      slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))),
+      slot_index_(opt_.capacity),
+      policy_(opt_.capacity, opt_.policy),
+      staging_(opt_.staging_rows, row_words_),
       write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(1, opt_.write_back_rows))),
       cut_write_back_(row_words_, 0) {
-  TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
-                    opt_.capacity);
-  TORCH_CHECK_VALUE(opt_.dim > 0, "dim must be positive");
-  TORCH_CHECK_VALUE(opt_.staleness >= 0, "staleness must be >= 0, got ", opt_.staleness);
   TORCH_CHECK_VALUE(static_cast<int64_t>(opt_.initial_state.size()) == row_words_ - weight_words_,
                     "initial_state must have ", row_words_ - weight_words_, " values");
   TORCH_CHECK_VALUE(!tables_.empty() && tables_.size() < (size_t{1} << (63 - kTableShift)),
@@ -85,42 +93,16 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
   slots_ = torch::zeros({opt_.capacity, row_words_}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
   host_slots_ = on_host_ ? slots_.data_ptr<float>() : nullptr;
   const size_t cap = static_cast<size_t>(opt_.capacity);
-  slot_id_.assign(cap, -1);
-  slot_freq_.assign(cap, 0);
-  slot_dirty_.assign(cap, 0);
-  slot_epoch_.assign(cap, 0);
   if (on_host_) cut_slot_.assign(cap, 0);
 #ifdef MLKV_WITH_CUDA
   if (!on_host_) {
     slot_dirty_dev_ = torch::zeros({opt_.capacity}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
     std::vector<int64_t> table_rows;
     for (const CacheTable& t : tables_) table_rows.push_back(t.num_embeddings);
-    device_index_ = std::make_unique<DeviceIndex>(&slot_of_, table_rows, kTableShift, device_);
+    device_index_ = std::make_unique<DeviceIndex>(slot_index_.map(), table_rows, kTableShift, device_);
     device_hits_ = device_index_->NewCounters();
   }
 #endif
-  free_slots_.resize(cap);
-  for (size_t i = 0; i < cap; ++i) free_slots_[i] = static_cast<int32_t>(cap - 1 - i);
-  if (opt_.policy == CachePolicy::kLru) {
-    lru_prev_.assign(cap, -1);
-    lru_next_.assign(cap, -1);
-  } else {
-    const size_t width = SketchWidth(opt_.capacity);
-    sketch_.assign(width * 2, 0);  // two rows of a count-min sketch
-    sketch_mask_ = width - 1;
-  }
-  age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
-  TORCH_CHECK_VALUE(opt_.staging_rows > 0 && opt_.write_back_rows > 0,
-                    "staging_rows and write_back_rows must be "
-                    "positive, got ",
-                    opt_.staging_rows, " and ", opt_.write_back_rows);
-  const int64_t staged_capacity = opt_.staging_rows;
-  staged_rows_.reset(new float[static_cast<size_t>(staged_capacity * row_words_)]);
-  staged_free_.resize(static_cast<size_t>(staged_capacity));
-  staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
-  staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);
-  staged_ahead_.assign(static_cast<size_t>(staged_capacity), 0);
-  for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
   write_back_limit_ = opt_.write_back_rows;  // rows waiting before a fetch waits for the writer
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
   prefetcher_ = std::thread([this] { PrefetchLoop(); });
@@ -129,25 +111,12 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
 
 int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
   if (capacity <= 0) return 0;  // a cache of no rows: a few KiB of fixed structures, not counted
-  const size_t cap = static_cast<size_t>(capacity);
-  // The per-slot vectors the constructor sizes to the capacity.
-  const size_t per_slot = sizeof(decltype(slot_id_)::value_type) + sizeof(decltype(slot_freq_)::value_type) +
-                          sizeof(decltype(slot_dirty_)::value_type) + sizeof(decltype(slot_epoch_)::value_type) +
-                          sizeof(decltype(cut_slot_)::value_type) + sizeof(decltype(free_slots_)::value_type);
-  const size_t index = IdMap::BytesFor(cap);
-  const size_t policy =
-      std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
-               cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
-  return static_cast<int64_t>(cap * per_slot + index + policy);
+  const size_t cut = static_cast<size_t>(capacity) * sizeof(decltype(cut_slot_)::value_type);
+  return static_cast<int64_t>(SlotIndex::HostBytes(capacity) + AdmissionPolicy::HostBytes(capacity) + cut);
 }
 
 int64_t EmbeddingCache::HostBytesOfBuffers(int64_t staging_rows, int64_t write_back_rows, int64_t row_words) {
-  const size_t rows = static_cast<size_t>(std::max<int64_t>(staging_rows, 0));
-  const size_t per_entry = static_cast<size_t>(row_words) * sizeof(float) + sizeof(decltype(staged_free_)::value_type) +
-                           sizeof(decltype(staged_id_)::value_type) + sizeof(decltype(staged_epoch_)::value_type) +
-                           sizeof(decltype(staged_ahead_)::value_type);
-  const size_t staging = rows ? rows * per_entry + IdMap::BytesFor(rows) : 0;
-  return static_cast<int64_t>(staging) + WriteBackBuffer::HostBytes(write_back_rows, row_words);
+  return StagingArea::HostBytes(staging_rows, row_words) + WriteBackBuffer::HostBytes(write_back_rows, row_words);
 }
 
 EmbeddingCache::~EmbeddingCache() {
@@ -295,106 +264,22 @@ void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bo
   }
 }
 
-// ---- policy --------------------------------------------------------------------------------------
-
-uint8_t EmbeddingCache::SketchAdd(int64_t id) {
-  const uint64_t h = SplitMix64(static_cast<uint64_t>(id) ^ 0x5851F42D4C957F2Dull);
-  uint8_t& a = sketch_[h & sketch_mask_];
-  uint8_t& b = sketch_[(sketch_mask_ + 1) + ((h >> 32) & sketch_mask_)];
-  if (a < 255) ++a;
-  if (b < 255) ++b;
-  const uint8_t estimate = std::min(a, b);
-  if (++sketch_adds_ >= age_period_) Age();
-  return estimate;
-}
-
-void EmbeddingCache::Age() {
-  // Halving every count keeps the frequencies recent, so the cache follows a drifting hot set.
-  for (auto& c : sketch_) c >>= 1;
-  for (auto& c : slot_freq_) c >>= 1;
-  sketch_adds_ = 0;
-}
-
-void EmbeddingCache::LruUnlink(int32_t s) {
-  const int32_t p = lru_prev_[s], n = lru_next_[s];
-  (p >= 0 ? lru_next_[p] : lru_head_) = n;
-  (n >= 0 ? lru_prev_[n] : lru_tail_) = p;
-  lru_prev_[s] = lru_next_[s] = -1;
-}
-
-void EmbeddingCache::LruPushFront(int32_t s) {
-  lru_prev_[s] = -1;
-  lru_next_[s] = lru_head_;
-  if (lru_head_ >= 0) lru_prev_[lru_head_] = s;
-  lru_head_ = s;
-  if (lru_tail_ < 0) lru_tail_ = s;
-}
-
-void EmbeddingCache::Touch(int32_t s) {
-  slot_epoch_[s] = epoch_;
-  if (opt_.policy == CachePolicy::kLru) {
-    LruUnlink(s);
-    LruPushFront(s);
-  } else {
-    if (slot_freq_[s] < 255) ++slot_freq_[s];
-    if (++sketch_adds_ >= age_period_) Age();
-  }
-}
-
-int32_t EmbeddingCache::PickVictim() {
-  if (opt_.policy == CachePolicy::kLru) {
-    // Rows this fetch read sit at the front; a read tail means every row was read.
-    return (lru_tail_ >= 0 && slot_epoch_[lru_tail_] != epoch_) ? lru_tail_ : -1;
-  }
-  // While a cut's rows are written, a dirty row evicted waits in the write-back buffer for them:
-  // the coldest clean row sampled goes first then.
-  const bool clean_first = cut_state_ == CutState::kWriting;
-  int32_t best = -1, best_clean = -1;
-  for (int round = 0; round < kVictimRounds && best < 0; ++round) {
-    for (int k = 0; k < kVictimSamples; ++k) {
-      rng_ ^= rng_ << 13;
-      rng_ ^= rng_ >> 7;
-      rng_ ^= rng_ << 17;
-      const int32_t s = static_cast<int32_t>(rng_ % static_cast<uint64_t>(opt_.capacity));
-      if (slot_epoch_[s] == epoch_) continue;
-      if (best < 0 || slot_freq_[s] < slot_freq_[best]) best = s;
-      if (clean_first && !slot_dirty_[s] && (best_clean < 0 || slot_freq_[s] < slot_freq_[best_clean])) {
-        best_clean = s;
-      }
-    }
-  }
-  return best_clean >= 0 ? best_clean : best;
-}
+// ---- admission ---------------------------------------------------------------------------------
 
 int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions) {
-  if (opt_.capacity == 0) return -1;
-  int32_t s;
-  if (!free_slots_.empty()) {
-    s = free_slots_.back();
-    free_slots_.pop_back();
-    admissions->push_back({s, -1, 0});
-  } else {
-    s = PickVictim();
-    if (s < 0) return -1;
-    // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
-    // (Not while a cut's rows are written: a row kept out is written back at its update, and would
-    // wait in the write-back buffer for them.)
-    if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s] && cut_state_ != CutState::kWriting) {
-      return -1;
-    }
+  bool evicts = false;
+  const int32_t s = policy_.Admit(frequency, slot_index_.dirty_bits(), cut_state_ == CutState::kWriting, &evicts);
+  if (s < 0) return -1;
+  if (evicts) {
     PreserveCutRow(s);
-    admissions->push_back({s, slot_id_[s], slot_dirty_[s]});
-    slot_of_.Erase(slot_id_[s]);
-    --table_stats_[static_cast<size_t>(TableOf(slot_id_[s]))].cached_rows;
-    if (opt_.policy == CachePolicy::kLru) LruUnlink(s);
+    const int64_t evicted = slot_index_.key(s);
+    admissions->push_back({s, evicted, static_cast<uint8_t>(slot_index_.dirty(s))});
+    --table_stats_[static_cast<size_t>(TableOf(evicted))].cached_rows;
+  } else {
+    admissions->push_back({s, -1, 0});
   }
-  slot_id_[s] = id;
-  slot_of_.Insert(id, s);
+  slot_index_.Assign(s, id);
   ++table_stats_[static_cast<size_t>(TableOf(id))].cached_rows;
-  slot_freq_[s] = frequency;
-  slot_dirty_[s] = 0;
-  slot_epoch_[s] = epoch_;
-  if (opt_.policy == CachePolicy::kLru) LruPushFront(s);
   return s;
 }
 
@@ -457,13 +342,13 @@ void EmbeddingCache::AddPending(const int64_t* ids, int64_t n, int delta) {
 EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int64_t n, bool will_write) {
   CacheSplit split;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slot_of_.Find(ids[i]);
+    const int32_t s = slot_index_.Find(ids[i]);
     if (s >= 0) {
       split.cached_pos.push_back(i);
       split.cached_slots.push_back(s);
       if (will_write) {
         PreserveCutRow(s);
-        slot_dirty_[s] = 1;
+        slot_index_.MarkDirty(s);
       }
     } else {
       split.missed_pos.push_back(i);
@@ -491,16 +376,13 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   ThrowIfFailed();
   ThrowIfWriteFailed(lock);
   WaitForWriteBackRoom(lock);
-  if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
-    std::fill(slot_epoch_.begin(), slot_epoch_.end(), 0);
-    epoch_ = 1;
-  }
+  policy_.BeginFetch();
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slot_of_.Find(id[i]);
+    const int32_t s = slot_index_.Find(id[i]);
     TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(id[i]))];
     if (s >= 0) {
       source[i] = s;
-      Touch(s);
+      policy_.Touch(s);
       ++counters.hits;
     } else {
       source[i] = -1;
@@ -526,8 +408,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   std::vector<int32_t> admitted_slots;
   std::vector<int64_t> admitted_rows;  // rows of missed_rows
   for (int64_t j = 0; j < m; ++j) {
-    const uint8_t frequency = opt_.policy == CachePolicy::kLfu ? SketchAdd(missed_ids[j]) : 1;
-    const int32_t s = Admit(missed_ids[j], frequency, &admissions);
+    const int32_t s = Admit(missed_ids[j], policy_.CountMiss(missed_ids[j]), &admissions);
     if (s < 0) {
       ++stats_.rejected;
       continue;
@@ -556,7 +437,9 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   // Rows left out of the cache wait in the staging area for this batch's update, which would
   // otherwise read them from the store a second time.
   for (int64_t j = 0; j < m; ++j) {
-    if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_, /*read_ahead=*/false);
+    if (source[missed_pos[j]] < 0) {
+      staging_.Stage(missed_ids[j], missed + j * row_words_, /*read_ahead=*/false, policy_.fetch_epoch());
+    }
   }
   if (!admitted_slots.empty()) {
     CopyRowsToSlots(admitted_slots, admitted_rows.size() == static_cast<size_t>(m)
@@ -654,7 +537,7 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
   // A prefetch may have staged rows of the batch meanwhile (one queued during this read): its copy
   // is no newer than what this read or the staging area gave, and the caller caches or stages the
   // row itself, so the copy goes.
-  for (size_t i = 0; i < n; ++i) Unstage(keys[i]);
+  for (size_t i = 0; i < n; ++i) staging_.Unstage(keys[i]);
   std::vector<int64_t> again_pos, again_keys;
   for (size_t i = 0; i < n; ++i) {
     if (const float* waiting = BufferedRow(keys[i])) {
@@ -704,7 +587,7 @@ void EmbeddingCache::ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock) {
 
 void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* rows) {
   for (size_t i = 0; i < n; ++i) {
-    Unstage(keys[i]);  // the staged copy is older
+    staging_.Unstage(keys[i]);  // the staged copy is older
     write_back_.Put(keys[i], rows + i * row_words_);
   }
   if (n) writer_cv_.notify_one();
@@ -833,8 +716,7 @@ void EmbeddingCache::FoldDeviceDirty() {
   if (on_host_ || opt_.capacity == 0) return;
   const torch::Tensor marks = slot_dirty_dev_.cpu();  // after every update kernel queued before
   slot_dirty_dev_.zero_();
-  const uint8_t* mark = marks.data_ptr<uint8_t>();
-  for (size_t s = 0; s < slot_dirty_.size(); ++s) slot_dirty_[s] |= mark[s];
+  slot_index_.MarkDirty(marks.data_ptr<uint8_t>());
 }
 
 #ifdef MLKV_WITH_CUDA
@@ -1097,7 +979,7 @@ void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
       sequence = prefetch_requested_ + 1;
     }
     for (int64_t i = 0; i < n; ++i) {
-      if (slot_of_.Find(id[i]) >= 0 || staged_.Find(id[i]) >= 0 || prefetching_.Find(id[i]) >= 0 ||
+      if (slot_index_.Find(id[i]) >= 0 || staging_.Contains(id[i]) || prefetching_.Find(id[i]) >= 0 ||
           BufferedRow(id[i]) != nullptr) {
         continue;
       }
@@ -1146,10 +1028,10 @@ void EmbeddingCache::PrefetchLoop() {
         prefetching_.Erase(ids[i]);
         // A row written since the read began (now waiting to be written, or written) is newer than the read.
         if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || BufferedRow(ids[i]) != nullptr ||
-            slot_of_.Find(ids[i]) >= 0 || staged_.Find(ids[i]) >= 0) {
+            slot_index_.Find(ids[i]) >= 0 || staging_.Contains(ids[i])) {
           continue;
         }
-        if (Stage(ids[i], &rows[i * row_words_], /*read_ahead=*/true)) {
+        if (staging_.Stage(ids[i], &rows[i * row_words_], /*read_ahead=*/true, policy_.fetch_epoch())) {
           ++stats_.lookahead_rows;
         } else {
           ++stats_.lookahead_dropped;
@@ -1204,42 +1086,10 @@ void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
-bool EmbeddingCache::Stage(int64_t id, const float* row, bool read_ahead) {
-  if (staged_free_.empty()) {
-    // Full: entries no fetch took within the last kStagedFetches fetches are not coming back.
-    for (size_t e = 0; e < staged_id_.size(); ++e) {
-      if (staged_id_[e] >= 0 && epoch_ - staged_epoch_[e] > kStagedFetches)
-        Unstage(staged_id_[e], static_cast<int32_t>(e));
-    }
-    if (staged_free_.empty()) return false;
-  }
-  const int32_t entry = staged_free_.back();
-  staged_free_.pop_back();
-  std::memcpy(&staged_rows_[entry * row_words_], row, row_words_ * sizeof(float));
-  staged_id_[entry] = id;
-  staged_epoch_[entry] = epoch_;
-  staged_ahead_[entry] = read_ahead;
-  staged_.Insert(id, entry);
-  return true;
-}
-
-void EmbeddingCache::Unstage(int64_t id, int32_t entry) {
-  staged_.Erase(id);
-  staged_id_[entry] = -1;
-  staged_free_.push_back(entry);
-}
-
-void EmbeddingCache::Unstage(int64_t id) {
-  const int32_t entry = staged_.Find(id);
-  if (entry >= 0) Unstage(id, entry);
-}
-
 bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
-  const int32_t entry = staged_.Find(key);
-  if (entry < 0) return false;
-  std::memcpy(row, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
-  if (staged_ahead_[entry]) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
-  Unstage(key, entry);
+  bool read_ahead = false;
+  if (!staging_.Take(key, row, &read_ahead)) return false;
+  if (read_ahead) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
   return true;
 }
 
@@ -1275,15 +1125,7 @@ Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* r
 
 std::vector<int32_t> EmbeddingCache::TakeDirtySlots(std::vector<int64_t>* ids) {
   FoldDeviceDirty();
-  std::vector<int32_t> slots;
-  for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {
-    if (slot_id_[s] >= 0 && slot_dirty_[s]) {
-      ids->push_back(slot_id_[s]);
-      slots.push_back(s);
-      slot_dirty_[s] = 0;
-    }
-  }
-  return slots;
+  return slot_index_.TakeDirty(ids);
 }
 
 void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
@@ -1336,7 +1178,7 @@ CacheStats EmbeddingCache::Stats() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     s = stats_;
-    s.cached_rows = static_cast<int64_t>(slot_of_.size());
+    s.cached_rows = static_cast<int64_t>(slot_index_.size());
     s.pending_rows = static_cast<int64_t>(pending_.size());
     s.lookahead_hits = 0;
     for (const TableCounters& t : table_stats_) s.lookahead_hits += t.lookahead_hits;

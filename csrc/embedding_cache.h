@@ -51,11 +51,14 @@
 #include <thread>
 #include <vector>
 
+#include "admission_policy.h"
 #include "device_index.h"
 #include "engine/row_store.h"
 #include "id_map.h"
-#include "write_back_buffer.h"
 #include "row_ops.h"
+#include "slot_index.h"
+#include "staging_area.h"
+#include "write_back_buffer.h"
 
 namespace mlkv {
 
@@ -71,8 +74,6 @@ constexpr int kTableShift = 40;
 constexpr int64_t kIdMask = (int64_t{1} << kTableShift) - 1;
 inline int64_t TableKey(int64_t table, int64_t id) { return (table << kTableShift) | id; }
 inline int64_t TableOf(int64_t key) { return key >> kTableShift; }
-
-enum class CachePolicy : int { kLfu = 0, kLru = 1 };
 
 // One table of a cache: its store, the initial values of its rows never written, its size.
 struct CacheTable {
@@ -250,15 +251,6 @@ class EmbeddingCache {
   // Slot for a missed id, or -1 when the policy keeps it out. May evict; the
   // caller writes evicted dirty rows back.
   int32_t Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions);
-  int32_t PickVictim();
-  void Touch(int32_t slot);
-  void LruUnlink(int32_t slot);
-  void LruPushFront(int32_t slot);
-  uint8_t SketchAdd(int64_t id);
-  static size_t SketchWidth(int64_t capacity) {  // counters per row of the count-min sketch
-    return PowerOfTwoAtLeast(std::max<size_t>(1024, static_cast<size_t>(capacity) * 4));
-  }
-  void Age();
   void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows);
   torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
   void UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const;
@@ -268,7 +260,7 @@ class EmbeddingCache {
   // Device slots `slot_index` (int32 on the device; -1 skipped) updated with gradient rows
   // `grads` [n, dim] on the device by the update kernel (holds mu_).
   void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u);
-  // Takes the device's dirty marks into slot_dirty_ (holds mu_; no-op on the CPU).
+  // Takes the device's dirty marks into slot_index_ (holds mu_; no-op on the CPU).
   void FoldDeviceDirty();
   // Adds the hits the device counted (device_hits_) to table_stats_ (holds mu_; no-op on the CPU).
   void FoldDeviceHits();
@@ -295,7 +287,7 @@ class EmbeddingCache {
   // A cut slot about to change hands its cut value to cut_write_back_ (holds mu_).
   void PreserveCutRow(int32_t slot) {
     if (cut_slot_.empty() || !cut_slot_[slot]) return;
-    cut_write_back_.Put(slot_id_[slot], host_slots_ + static_cast<int64_t>(slot) * row_words_);
+    cut_write_back_.Put(slot_index_.key(slot), host_slots_ + static_cast<int64_t>(slot) * row_words_);
     cut_slot_[slot] = 0;
   }
   // The newest value of `key` on its way to the stores, or nullptr (holds mu_).
@@ -317,12 +309,8 @@ class EmbeddingCache {
   // buffer, and store reads; with `lock`, the stores are read with it released.
   void ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock);
   void EndRead();  // a store read without mu_ ended (holds mu_)
-  // Staging (holds mu_): keep a row read from the store for a later fetch or update; `read_ahead`:
-  // read by a lookahead, not kept out of the cache by the policy.
-  bool Stage(int64_t id, const float* row, bool read_ahead);
-  void Unstage(int64_t id, int32_t entry);
-  void Unstage(int64_t id);  // when staged
-  bool TakeStaged(int64_t key, float* row);  // copies and unstages a staged row
+  // Copies and unstages a staged row, counting a lookahead hit when it was read ahead (holds mu_).
+  bool TakeStaged(int64_t key, float* row);
   void PrefetchLoop();
   // Waits (without mu_) until no prefetch in flight covers one of `ids`.
   void WaitForPrefetches(const int64_t* ids, int64_t n);
@@ -337,34 +325,18 @@ class EmbeddingCache {
   std::mutex mu_;  // everything below; the applier holds it while it applies
   torch::Tensor slots_;  // [capacity, row_words] float32 on device_
   float* host_slots_ = nullptr;  // slots_ data when on the CPU
-  IdMap slot_of_;
+  SlotIndex slot_index_;
+  AdmissionPolicy policy_;
 #ifdef MLKV_WITH_CUDA
-  std::unique_ptr<DeviceIndex> device_index_;  // slot_of_ in device memory (CUDA)
+  std::unique_ptr<DeviceIndex> device_index_;  // slot_index_'s map in device memory (CUDA)
 #endif
   torch::Tensor slot_dirty_dev_;  // uint8 [capacity] on the device: slots the update kernel wrote
   torch::Tensor device_hits_;  // DeviceIndex counters: [2 + t] hits of table t by device-only lookups
-  std::vector<int64_t> slot_id_;
-  std::vector<uint8_t> slot_freq_, slot_dirty_;
-  std::vector<uint32_t> slot_epoch_;  // the fetch that last read the slot
-  std::vector<int32_t> lru_prev_, lru_next_;
-  int32_t lru_head_ = -1, lru_tail_ = -1;
-  std::vector<int32_t> free_slots_;
-  std::vector<uint8_t> sketch_;
-  size_t sketch_mask_ = 0;
-  int64_t sketch_adds_ = 0, age_period_ = 0;
-  uint32_t epoch_ = 0;
-  uint64_t rng_ = 0x9E3779B97F4A7C15ull;
   IdMap pending_;  // id -> updates queued and not applied (staleness > 0 only)
   CacheStats stats_;
   std::vector<TableCounters> table_stats_;  // cached_rows kept current; the rest count up
 
-  // Lookahead staging: rows read ahead, waiting for the fetch that needs them.
-  IdMap staged_;                     // id -> entry of staged_rows_
-  std::unique_ptr<float[]> staged_rows_;  // row_words floats per entry; untouched (no memory) until used
-  std::vector<int32_t> staged_free_;
-  std::vector<int64_t> staged_id_;   // per entry, -1 when free
-  std::vector<uint32_t> staged_epoch_;  // the fetch epoch it was staged in
-  std::vector<uint8_t> staged_ahead_;   // staged by a lookahead (its take is a lookahead hit), not as a row kept out
+  StagingArea staging_;  // rows read from the stores and not cached, until a fetch or update takes them
   IdMap prefetching_;                // id -> sequence number of the request reading it
   // Store reads running without mu_ (fetches' and the prefetcher's), and the keys whose writes
   // completed meanwhile: those reads may hold older values.
