@@ -2,20 +2,11 @@
 
 #include "engine/thread_name.h"
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <optional>
-
-#ifdef MLKV_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-
-#include "cuda_kernels.h"
-#endif
 
 namespace mlkv {
 
@@ -24,26 +15,6 @@ namespace {
 void ThrowIfError(const Status& st) {
   if (!st.ok()) throw StatusError(st);
 }
-
-void CheckIds(const torch::Tensor& ids) {
-  TORCH_CHECK_VALUE(
-      ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
-      "ids must be a contiguous 1-D int64 CPU tensor");
-}
-
-template <typename F>
-void DispatchWeightType(WeightType t, F&& f) {
-  switch (t) {
-    case WeightType::kFloat32: f(float{}); break;
-    case WeightType::kFloat16: f(c10::Half{}); break;
-    case WeightType::kBFloat16: f(c10::BFloat16{}); break;
-    case WeightType::kFloat64: f(double{}); break;
-  }
-}
-
-// Rows of a fetch a prefetch request may read before the fetch waits for it rather than reading
-// them itself.
-constexpr int64_t kReadItselfRows = 64;
 
 // The options, checked before any member is sized by them.
 CacheOptions CheckedOptions(CacheOptions o) {
@@ -61,6 +32,12 @@ CacheOptions CheckedOptions(CacheOptions o) {
 }  // namespace
 
 // ---- EmbeddingCache ------------------------------------------------------------------------------
+
+void EmbeddingCache::CheckIds(const torch::Tensor& ids) {
+  TORCH_CHECK_VALUE(
+      ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
+      "ids must be a contiguous 1-D int64 CPU tensor");
+}
 
 EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device)
     : tables_(std::move(tables)),
@@ -213,18 +190,6 @@ std::vector<EmbeddingCache::TableBatch> EmbeddingCache::SplitByTable(const int64
   return batches;
 }
 
-void EmbeddingCache::ThrowIfFailed() {
-  if (!failed_.ok()) throw StatusError(failed_);
-}
-
-void EmbeddingCache::WaitQueuedAtMost(int64_t n) {
-  std::unique_lock<std::mutex> lock(queue_mu_);
-  if (queued_ <= n) return;
-  TORCH_CHECK(!paused_, "the applier is paused with ", queued_, " updates queued; this call would wait for it forever");
-  ++waits_;
-  applied_cv_.wait(lock, [&] { return queued_ <= n; });
-}
-
 void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bool* fresh) const {
   if (n == 0) return;
   std::unique_ptr<bool[]> found(new bool[n]);
@@ -309,34 +274,6 @@ torch::Tensor EmbeddingCache::SlotRowsToHost(const std::vector<int32_t>& slots) 
   }
   torch::Tensor index = torch::tensor(std::vector<int64_t>(slots.begin(), slots.end()), torch::kInt64).to(device_);
   return slots_.index_select(0, index).cpu();
-}
-
-void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const {
-  const OptimizerSpec spec = SpecOf(u);
-  const float adam_scale = spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f;
-  DispatchWeightType(opt_.weight_type, [&](auto zero) {
-    using W = decltype(zero);
-    for (int64_t i = 0; i < n; ++i) {
-      UpdateRow<W>(spec, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_, grads + i * opt_.dim,
-                   opt_.dim);
-    }
-  });
-}
-
-void EmbeddingCache::AddPending(const int64_t* ids, int64_t n, int delta) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (delta > 0) {
-      int32_t* count = pending_.FindMutable(ids[i]);
-      if (count) {
-        ++*count;
-      } else {
-        pending_.Insert(ids[i], 1);
-      }
-    } else {
-      int32_t* count = pending_.FindMutable(ids[i]);
-      if (count && --*count == 0) pending_.Erase(ids[i]);
-    }
-  }
 }
 
 EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int64_t n, bool will_write) {
@@ -561,345 +498,6 @@ void EmbeddingCache::EndRead() {
   if (--reads_in_flight_ == 0) written_during_reads_.Clear();
 }
 
-void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
-  if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
-  CheckWriterNotPaused();
-  const auto began = std::chrono::steady_clock::now();
-  writer_cv_.notify_one();
-  written_cv_.wait(lock,
-                   [&] { return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok(); });
-  ++stats_.write_back_waits;
-  stats_.write_back_wait_us +=
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - began).count();
-  ThrowIfWriteFailed(lock);
-}
-
-void EmbeddingCache::ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock) {
-  if (write_error_.ok()) return;
-  // The rows stay in the buffer. Each call tries the write again first (a disk that was full may
-  // have room now) and raises while it still fails.
-  const int64_t attempt = write_attempts_;
-  write_retry_ = true;
-  writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_attempts_ > attempt || writer_stopping_; });
-  if (!write_error_.ok()) throw StatusError(write_error_);
-}
-
-void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* rows) {
-  for (size_t i = 0; i < n; ++i) {
-    staging_.Unstage(keys[i]);  // the staged copy is older
-    write_back_.Put(keys[i], rows + i * row_words_);
-  }
-  if (n) writer_cv_.notify_one();
-}
-
-void EmbeddingCache::WriterLoop() {
-  NameThisThread("mlkv-writer");
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    // During a cut only its rows are written: a row written after the boundary must not reach a
-    // store before the cut's value of it, nor before the stores' checkpoints.
-    writer_cv_.wait(lock, [&] {
-      const bool can_write = write_error_.ok() || write_retry_;
-      if (writer_stopping_) return true;
-      if (writer_paused_) return false;
-      return cut_state_ == CutState::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
-    });
-    if (!(write_error_.ok() || write_retry_)) return;  // stopping, with rows a failed write left
-    WriteBackBuffer* source = &write_back_;
-    if (cut_state_ == CutState::kWriting) {
-      if (cut_write_back_.waiting() == 0) {
-        WriteCut(lock);  // more cut rows to take, or the stores' checkpoints
-        continue;
-      }
-      source = &cut_write_back_;
-    } else if (write_back_.waiting() == 0) {
-      return;  // stopping
-    }
-    write_retry_ = false;
-    const WriteBackBuffer::Batch batch = source->Take(kWriteBatchRows);
-    writer_busy_ = true;
-    lock.unlock();
-    std::vector<uint8_t> landed;
-    const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
-    lock.lock();
-    writer_busy_ = false;
-    ++write_attempts_;
-    // Rows of the tables whose stores took them leave the buffer; a failing table's stay in
-    // memory until a write succeeds, and hold back no other table's.
-    const WriteBackBuffer::Batch written = st.ok() ? batch : batch.Only(landed, 1);
-    source->Complete(written);
-    // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
-    if (reads_in_flight_ > 0) {
-      for (int64_t key : written.keys) written_during_reads_.Insert(key, 1);
-    }
-    if (st.ok()) {
-      write_error_ = Status::OK();
-    } else {
-      source->Return(batch.Only(landed, 0));
-      write_error_ = st;
-    }
-    written_cv_.notify_all();
-  }
-}
-
-void EmbeddingCache::Apply(const Update& u) {
-  const int64_t n = u.ids.numel();
-  const int64_t* id = u.ids.data_ptr<int64_t>();
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
-  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
-  const int64_t m = static_cast<int64_t>(missed_ids.size());
-  // Under the lock throughout: the slots split above stay the rows' slots. Rows outside the
-  // cache are usually staged by the fetch before, so the stores are rarely read here.
-  if (on_host_) {
-    torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
-    ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), nullptr);
-    std::vector<float*> rows(static_cast<size_t>(n));
-    for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
-    for (int64_t j = 0; j < m; ++j) rows[missed_pos[j]] = missed_rows.data_ptr<float>() + j * row_words_;
-    UpdateHostRows(rows.data(), u.grads.data_ptr<float>(), n, u);
-    // Rows outside the cache go back to the stores through the write-back buffer.
-    WriteBehind(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
-  } else {
-    if (!cached_pos.empty()) {
-      const torch::Tensor pos = torch::tensor(cached_pos, torch::kInt64).to(device_);
-      const torch::Tensor slot_index = torch::from_blob(const_cast<int32_t*>(cached_slots.data()),
-                                                        {static_cast<int64_t>(cached_slots.size())}, torch::kInt32)
-                                           .to(device_);
-      UpdateSlotsOnDevice(slot_index, u.grads.index_select(0, pos), u);
-    }
-    if (m > 0) {
-      const torch::Tensor grads =
-          u.grads.index_select(0, torch::tensor(missed_pos, torch::kInt64).to(device_)).cpu().contiguous();
-      ApplyOutsideCache(missed_ids.data(), m, grads.data_ptr<float>(), u);
-    }
-  }
-  if (opt_.staleness > 0) AddPending(id, n, -1);
-  ++stats_.updates_applied;
-  stats_.rows_updated += n;
-}
-
-void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u) {
-  torch::Tensor rows = torch::empty({m, row_words_}, torch::kFloat32);
-  float* data = rows.data_ptr<float>();
-  ReadOutsideCache(keys, static_cast<size_t>(m), data, nullptr);
-  std::vector<float*> row(static_cast<size_t>(m));
-  for (int64_t j = 0; j < m; ++j) row[j] = data + j * row_words_;
-  UpdateHostRows(row.data(), grads, m, u);
-  WriteBehind(keys, static_cast<size_t>(m), data);
-}
-
-void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u) {
-#ifdef MLKV_WITH_CUDA
-  // Temporaries may die before the kernel runs: the caching allocator orders their reuse on this stream.
-  const torch::Tensor g = grads.contiguous();
-  const OptimizerSpec spec = SpecOf(u);
-  const SlotUpdate update{spec,
-                          spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f,
-                          opt_.weight_type,
-                          slots_.data_ptr<float>(),
-                          slot_index.data_ptr<int32_t>(),
-                          g.data_ptr<float>(),
-                          slot_dirty_dev_.data_ptr<uint8_t>(),
-                          slot_index.numel(),
-                          opt_.dim,
-                          weight_words_,
-                          row_words_};
-  const cudaError_t err = LaunchSlotUpdate(update, c10::cuda::getCurrentCUDAStream(device_.index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "the CUDA update kernel failed: ", cudaGetErrorString(err));
-#else
-  TORCH_CHECK(false, "this build of mlkv_torch has no CUDA kernels");
-#endif
-}
-
-void EmbeddingCache::FoldDeviceDirty() {
-  if (on_host_ || opt_.capacity == 0) return;
-  const torch::Tensor marks = slot_dirty_dev_.cpu();  // after every update kernel queued before
-  slot_dirty_dev_.zero_();
-  slot_index_.MarkDirty(marks.data_ptr<uint8_t>());
-}
-
-#ifdef MLKV_WITH_CUDA
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> EmbeddingCache::LookupOnDevice(
-    const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-    const std::vector<int64_t>& feature_tables) {
-  TORCH_CHECK_VALUE(!on_host_, "the device lookup needs a cache on a CUDA device");
-  TORCH_CHECK_VALUE(values.scalar_type() == torch::kInt64 && values.dim() == 1 && values.device() == device_ &&
-                        values.is_contiguous(),
-                    "values must be a contiguous 1-D int64 tensor on ", device_);
-  CheckFeatures(values.numel(), feature_counts, feature_tables);
-  // No fetch admits or evicts until the slots are found: every row found cached stays cached.
-  std::unique_lock<std::mutex> fetch_lock(fetch_mu_);
-  const torch::Tensor counters = device_index_->NewCounters();
-  const torch::Tensor keys = device_index_->BatchKeys(values, feature_counts, feature_tables, counters);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    TORCH_CHECK(!closed_, "the table is closed");
-    device_index_->Sync();
-    device_index_->FindSlots(keys, counters);  // every value: are any missing?
-  }
-  // The counts travel to the host while the keys are deduplicated; the deduplication synchronises
-  // the stream (it needs its output's size), so they have arrived when it returns: one
-  // synchronisation for a batch whose rows are all cached.
-  torch::Tensor found =
-      torch::empty({counters.numel()}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
-  found.copy_(counters, /*non_blocking=*/true);
-  auto [unique, inverse, unused_counts] = at::_unique2(keys, /*sorted=*/true, /*return_inverse=*/true);
-  c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();  // already done by _unique2; made explicit
-  const int64_t* count = found.data_ptr<int64_t>();
-  if (count[0] > 0) {  // ids outside their tables: the host's check names the first
-    fetch_lock.unlock();
-    UniqueKeys(values.cpu(), feature_counts, feature_tables);
-    TORCH_CHECK_VALUE(false, count[0], " ids lie outside their tables");
-  }
-  torch::Tensor slots;
-  int64_t version;
-  if (count[1] == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    slots = device_index_->FindSlots(unique, device_hits_);  // hits per table, counted on the device
-    version = device_index_->version();
-    stats_.hits += unique.numel();
-    return {unique, inverse, slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, version, 0};
-  }
-  // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
-  fetch_lock.unlock();
-  torch::Tensor weights = Fetch(unique.cpu());
-  torch::Tensor again = device_index_->NewCounters();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    device_index_->Sync();
-    slots = device_index_->FindSlots(unique, again);
-    version = device_index_->version();
-  }
-  const int64_t outside = again[1].item<int64_t>();
-  return {unique, inverse, weights, slots, version, outside};
-}
-
-void EmbeddingCache::FoldDeviceHits() {
-  if (!device_hits_.defined()) return;
-  const torch::Tensor hits = device_hits_.cpu();
-  device_hits_.zero_();
-  for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += hits.data_ptr<int64_t>()[2 + t];
-}
-
-void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tensor& slots, int64_t version,
-                                    int64_t outside, const torch::Tensor& grads, int64_t step, double lr) {
-  TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
-  TORCH_CHECK_VALUE(!on_host_, "the device update needs a cache on a CUDA device");
-  const int64_t n = keys.numel();
-  TORCH_CHECK_VALUE(keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && keys.device() == device_ &&
-                        slots.scalar_type() == torch::kInt32 && slots.dim() == 1 && slots.numel() == n &&
-                        slots.device() == device_,
-                    "keys (int64) and slots (int32) must be 1-D tensors of one length on ", device_);
-  TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.dim() == 2 && grads.size(0) == n &&
-                        grads.size(1) == opt_.dim && grads.device() == device_,
-                    "grads must be a float32 [", n, ", ", opt_.dim, "] tensor on ", device_);
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfFailed();
-  TORCH_CHECK(!closed_, "the table is closed");
-  if (!device_index_->Unchanged(version)) {  // rows moved since the lookup: by key, on the host
-    Apply(Update{keys.cpu(), grads.contiguous(), step, static_cast<float>(lr)});
-    return;
-  }
-  const Update u{keys, grads, step, static_cast<float>(lr)};
-  UpdateSlotsOnDevice(slots, grads, u);
-  if (outside != 0) {  // rows the cache does not hold, by the host
-    const torch::Tensor positions = slots.lt(0).nonzero().squeeze(1);
-    const torch::Tensor missed = keys.index_select(0, positions).cpu();
-    const torch::Tensor missed_grads = grads.index_select(0, positions).cpu().contiguous();
-    ApplyOutsideCache(missed.data_ptr<int64_t>(), missed.numel(), missed_grads.data_ptr<float>(), u);
-  }
-  ++stats_.updates_applied;
-  stats_.rows_updated += n;
-}
-#else
-void EmbeddingCache::FoldDeviceHits() {}
-#endif
-
-void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr) {
-  TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
-  CheckIds(ids);
-  TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
-                        grads.size(0) == ids.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
-                    "grads must be a contiguous float32 [", ids.numel(), ", ", opt_.dim, "] tensor on ", device_);
-  // Aliases without a Python object: the applier may drop the last reference
-  // without taking the GIL (a Python-owned tensor would need it to die).
-  Update u{at::alias(ids), at::alias(grads), step, static_cast<float>(lr)};
-  if (!device_.is_cpu()) {
-    // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    Apply(u);
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    TORCH_CHECK(!closed_, "the table is closed");
-    if (opt_.staleness > 0) AddPending(ids.data_ptr<int64_t>(), ids.numel(), +1);
-  }
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    queue_.push_back(std::move(u));
-    ++queued_;
-  }
-  queue_cv_.notify_one();
-}
-
-void EmbeddingCache::ApplierLoop() {
-  NameThisThread("mlkv-applier");
-  for (;;) {
-    Update u;
-    {
-      std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || (!paused_ && !queue_.empty()); });
-      if (queue_.empty()) return;
-      u = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (failed_.ok()) {
-        try {
-          Apply(u);
-        } catch (const StatusError& e) {
-          failed_ = e.status;
-        } catch (const std::exception& e) {
-          failed_ = Status::IOError(std::string("applying an update failed: ") + e.what());
-        }
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      --queued_;
-    }
-    applied_cv_.notify_all();
-  }
-}
-
-void EmbeddingCache::PauseWriter(bool paused) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    writer_paused_ = paused;
-  }
-  writer_cv_.notify_all();
-}
-
-void EmbeddingCache::PauseApplier(bool paused) {
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    paused_ = paused;
-  }
-  queue_cv_.notify_all();
-}
-
-void EmbeddingCache::Drain() {
-  WaitQueuedAtMost(0);
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfFailed();
-}
-
 torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   CheckIds(ids);
   Drain();
@@ -934,237 +532,11 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   return out;
 }
 
-void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) {
-  CheckIds(ids);
-  TORCH_CHECK_VALUE(rows.scalar_type() == torch::kFloat32 && rows.device().is_cpu() && rows.is_contiguous() &&
-                        rows.dim() == 2 && rows.size(0) == ids.numel() && rows.size(1) == row_words_,
-                    "rows must be a contiguous float32 CPU tensor [", ids.numel(), ", ", row_words_, "]");
-  Drain();
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  // No fetch admits or evicts meanwhile: rows found missing stay missing while they are written.
-  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
-  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
-  // Ids repeat at most harmlessly: the last row written for an id wins in both places.
-  if (!cached_pos.empty())
-    CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
-  // The rest through the write-back buffer, a buffer's worth at a time, so an import of many rows
-  // holds no more of them in memory than training does.
-  const float* data = rows.data_ptr<float>();
-  std::vector<float> piece;
-  for (size_t start = 0; start < missed_pos.size(); start += static_cast<size_t>(write_back_limit_)) {
-    WaitForWriteBackRoom(lock);
-    const size_t end = std::min(missed_pos.size(), start + static_cast<size_t>(write_back_limit_));
-    piece.resize((end - start) * static_cast<size_t>(row_words_));
-    for (size_t k = start; k < end; ++k) {
-      std::memcpy(&piece[(k - start) * row_words_], data + missed_pos[k] * row_words_, row_words_ * sizeof(float));
-    }
-    WriteBehind(missed_ids.data() + start, end - start, piece.data());
-  }
-}
-
-void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
-  CheckIds(ids);
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> outside;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    int32_t sequence;
-    {
-      std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
-      sequence = prefetch_requested_ + 1;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (slot_index_.Find(id[i]) >= 0 || staging_.Contains(id[i]) || prefetching_.Find(id[i]) >= 0 ||
-          BufferedRow(id[i]) != nullptr) {
-        continue;
-      }
-      prefetching_.Insert(id[i], sequence);
-      outside.push_back(id[i]);
-    }
-    if (outside.empty()) return;
-    // Queued under mu_ too, so requests reach the prefetch thread in sequence order.
-    std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
-    prefetch_requested_ = sequence;
-    prefetch_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now()});
-  }
-  prefetch_cv_.notify_one();
-}
-
-void EmbeddingCache::PrefetchLoop() {
-  NameThisThread("mlkv-prefetch");
-  for (;;) {
-    PrefetchRequest request;
-    {
-      std::unique_lock<std::mutex> lock(prefetch_mu_);
-      prefetch_cv_.wait(lock, [&] { return prefetch_stopping_ || !prefetch_queue_.empty(); });
-      if (prefetch_stopping_) return;
-      request = std::move(prefetch_queue_.front());
-      prefetch_queue_.pop_front();
-    }
-    const std::vector<int64_t>& ids = request.ids;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++reads_in_flight_;
-    }
-    std::vector<float> rows;
-    bool read_ok = true;
-    try {
-      rows.resize(ids.size() * static_cast<size_t>(row_words_));
-      std::unique_ptr<bool[]> fresh(new bool[ids.size()]);
-      ReadFromStore(ids.data(), ids.size(), rows.data(), fresh.get());
-    } catch (const std::exception&) {
-      read_ok = false;  // the fetch that needs these rows reads them itself and meets the error
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < ids.size(); ++i) {
-        // A row a fetch took over (WaitForPrefetches) or a later request holds is not this one's to stage.
-        if (prefetching_.Find(ids[i]) != request.sequence) continue;
-        prefetching_.Erase(ids[i]);
-        // A row written since the read began (now waiting to be written, or written) is newer than the read.
-        if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || BufferedRow(ids[i]) != nullptr ||
-            slot_index_.Find(ids[i]) >= 0 || staging_.Contains(ids[i])) {
-          continue;
-        }
-        if (staging_.Stage(ids[i], &rows[i * row_words_], /*read_ahead=*/true, policy_.fetch_epoch())) {
-          ++stats_.lookahead_rows;
-        } else {
-          ++stats_.lookahead_dropped;
-        }
-      }
-      EndRead();
-    }
-    {
-      std::lock_guard<std::mutex> lock(prefetch_mu_);
-      prefetch_done_ = request.sequence;
-      const double latency_us =
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - request.queued).count();
-      lookahead_latency_us_ = lookahead_latency_us_ == 0 ? latency_us : 0.7 * lookahead_latency_us_ + 0.3 * latency_us;
-    }
-    prefetched_cv_.notify_all();
-  }
-}
-
-void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
-  int32_t needed = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (prefetching_.size() == 0) return;
-    // Requests complete in order: the fetch waits for the newest one that reads many of its rows.
-    // A later one reading only a few (the next batch's look-ahead, queued just before this fetch,
-    // holds the rows of this batch that were written back meanwhile) would hold it up for a whole
-    // request: the fetch reads those rows itself, and takes them from prefetching_ (PrefetchLoop
-    // stages only rows its request still holds, so never over what the fetch brought in).
-    std::vector<std::pair<int32_t, int64_t>> rows_of;  // request -> rows of this fetch it reads
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t sequence = prefetching_.Find(ids[i]);
-      if (sequence <= 0) continue;
-      auto it = std::find_if(rows_of.begin(), rows_of.end(), [&](const auto& r) { return r.first == sequence; });
-      if (it == rows_of.end()) {
-        rows_of.emplace_back(sequence, 1);
-      } else {
-        ++it->second;
-      }
-    }
-    for (const auto& [sequence, rows] : rows_of) {
-      if (rows >= kReadItselfRows) needed = std::max(needed, sequence);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (prefetching_.Find(ids[i]) > needed) prefetching_.Erase(ids[i]);
-    }
-  }
-  if (needed <= 0) return;
-  const auto start = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(prefetch_mu_);
-  prefetched_cv_.wait(lock, [&] { return prefetch_done_ >= needed || prefetch_stopping_; });
-  lookahead_wait_us_ +=
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
-}
-
 bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
   bool read_ahead = false;
   if (!staging_.Take(key, row, &read_ahead)) return false;
   if (read_ahead) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
   return true;
-}
-
-Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* rows,
-                                   std::vector<uint8_t>* landed) const {
-  landed->assign(n, 0);
-  int64_t only;
-  const std::vector<TableBatch> batches = SplitByTable(keys, n, &only);
-  if (batches.empty()) {
-    std::vector<int64_t> ids(keys, keys + n);
-    for (int64_t& id : ids) id &= kIdMask;
-    const Status st = tables_[static_cast<size_t>(only)].store->Put(ids.data(), n, rows);
-    if (st.ok()) landed->assign(n, 1);
-    return st;
-  }
-  Status first_error;
-  for (size_t t = 0; t < batches.size(); ++t) {
-    const TableBatch& b = batches[t];
-    if (b.ids.empty()) continue;
-    std::vector<float> table_rows(b.ids.size() * static_cast<size_t>(row_words_));
-    for (size_t k = 0; k < b.ids.size(); ++k) {
-      std::memcpy(&table_rows[k * row_words_], rows + b.positions[k] * row_words_, row_words_ * sizeof(float));
-    }
-    const Status st = tables_[t].store->Put(b.ids.data(), b.ids.size(), table_rows.data());
-    if (st.ok()) {
-      for (size_t position : b.positions) (*landed)[position] = 1;
-    } else if (first_error.ok()) {
-      first_error = st;  // the other tables are still written
-    }
-  }
-  return first_error;
-}
-
-std::vector<int32_t> EmbeddingCache::TakeDirtySlots(std::vector<int64_t>* ids) {
-  FoldDeviceDirty();
-  return slot_index_.TakeDirty(ids);
-}
-
-void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
-  stats_.written_back += static_cast<int64_t>(keys.size());
-  for (int64_t key : keys) ++table_stats_[static_cast<size_t>(TableOf(key))].written_back;
-}
-
-void EmbeddingCache::WriteBack() {
-  try {
-    Drain();
-  } catch (...) {
-    // The applier failed: its update is lost and raised, but rows already on their way to the
-    // stores (evictions) still get there before the caller closes the stores.
-    std::unique_lock<std::mutex> lock(mu_);
-    writer_cv_.notify_one();
-    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-    throw;
-  }
-  std::unique_lock<std::mutex> lock(mu_);
-  // A cut being written goes first (rows written back now are past its boundary), and its
-  // stores' checkpoints are finished: the stores may be closed next.
-  if (write_back_.size() > 0) CheckWriterNotPaused();
-  if (cut_state_ != CutState::kNone) WaitCutDurable(lock);
-  std::vector<int64_t> ids;
-  const std::vector<int32_t> slots = TakeDirtySlots(&ids);
-  if (!ids.empty()) {
-    torch::Tensor rows = SlotRowsToHost(slots);
-    WriteBehind(ids.data(), ids.size(), rows.data_ptr<float>());
-    CountWrittenBack(ids);
-  }
-  // Every row reaches its store before this returns.
-  if (write_back_.size() > 0) CheckWriterNotPaused();
-  writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-  ThrowIfWriteFailed(lock);
-  if (write_back_.size() > 0) {  // the retry succeeded: the rest follows
-    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-    if (!write_error_.ok()) throw StatusError(write_error_);
-  }
 }
 
 void EmbeddingCache::Close() {
@@ -1195,10 +567,6 @@ CacheStats EmbeddingCache::Stats() {
   s.waits = waits_;
   return s;
 }
-
-}  // namespace mlkv
-
-namespace mlkv {
 
 std::vector<TableCounters> EmbeddingCache::TableStats() {
   std::lock_guard<std::mutex> lock(mu_);

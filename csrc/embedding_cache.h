@@ -39,6 +39,8 @@
 //   many of its updates; with staleness 0 every read sees every update.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/extension.h>
 
 #include <chrono>
@@ -224,6 +226,18 @@ class EmbeddingCache {
     std::vector<int64_t> missed_pos, missed_ids;
   };
   CacheSplit SplitByCache(const int64_t* ids, int64_t n, bool will_write);
+  // Raises (ValueError) unless `ids` is a contiguous 1-D int64 CPU tensor.
+  static void CheckIds(const torch::Tensor& ids);
+  // Calls f with a value of the C++ type of weight type t.
+  template <typename F>
+  static void DispatchWeightType(WeightType t, F&& f) {
+    switch (t) {
+      case WeightType::kFloat32: f(float{}); break;
+      case WeightType::kFloat16: f(c10::Half{}); break;
+      case WeightType::kBFloat16: f(c10::BFloat16{}); break;
+      case WeightType::kFloat64: f(double{}); break;
+    }
+  }
   // Raises (ValueError) unless feature_counts (non-negative, `n` in all) and feature_tables
   // (tables of this cache) describe a batch of n values.
   void CheckFeatures(int64_t n, const std::vector<int64_t>& feature_counts,
