@@ -662,7 +662,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pause_writer", &EmbeddingCache::PauseWriter, nogil)
       .def("read_rows", &EmbeddingCache::ReadRows, nogil)
       .def("write_rows", &EmbeddingCache::WriteRows, nogil)
-      .def("lookahead", &EmbeddingCache::Lookahead, nogil)
+      .def("lookahead", &EmbeddingCache::ReadAhead, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)
       .def("finish_cut", &EmbeddingCache::FinishCut, py::arg("superseded") = false, nogil)

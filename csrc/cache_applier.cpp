@@ -12,11 +12,11 @@ void EmbeddingCache::ThrowIfFailed() {
 }
 
 void EmbeddingCache::WaitQueuedAtMost(int64_t n) {
-  std::unique_lock<std::mutex> lock(queue_mu_);
+  MutexLock lock(&queue_mu_);
   if (queued_ <= n) return;
   TORCH_CHECK(!paused_, "the applier is paused with ", queued_, " updates queued; this call would wait for it forever");
   ++waits_;
-  applied_cv_.wait(lock, [&] { return queued_ <= n; });
+  while (queued_ > n) applied_cv_.wait(lock.native());
 }
 
 void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const {
@@ -104,19 +104,19 @@ void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& 
   Update u{at::alias(ids), at::alias(grads), step, static_cast<float>(lr)};
   if (!device_.is_cpu()) {
     // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ThrowIfFailed();
     Apply(u);
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ThrowIfFailed();
     TORCH_CHECK(!closed_, "the table is closed");
     if (opt_.staleness > 0) AddPending(ids.data_ptr<int64_t>(), ids.numel(), +1);
   }
   {
-    std::lock_guard<std::mutex> lock(queue_mu_);
+    MutexLock lock(&queue_mu_);
     queue_.push_back(std::move(u));
     ++queued_;
   }
@@ -128,14 +128,14 @@ void EmbeddingCache::ApplierLoop() {
   for (;;) {
     Update u;
     {
-      std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || (!paused_ && !queue_.empty()); });
+      MutexLock lock(&queue_mu_);
+      while (!stopping_ && (paused_ || queue_.empty())) queue_cv_.wait(lock.native());
       if (queue_.empty()) return;
       u = std::move(queue_.front());
       queue_.pop_front();
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (failed_.ok()) {
         try {
           Apply(u);
@@ -147,7 +147,7 @@ void EmbeddingCache::ApplierLoop() {
       }
     }
     {
-      std::lock_guard<std::mutex> lock(queue_mu_);
+      MutexLock lock(&queue_mu_);
       --queued_;
     }
     applied_cv_.notify_all();
@@ -156,7 +156,7 @@ void EmbeddingCache::ApplierLoop() {
 
 void EmbeddingCache::PauseApplier(bool paused) {
   {
-    std::lock_guard<std::mutex> lock(queue_mu_);
+    MutexLock lock(&queue_mu_);
     paused_ = paused;
   }
   queue_cv_.notify_all();
@@ -164,7 +164,7 @@ void EmbeddingCache::PauseApplier(bool paused) {
 
 void EmbeddingCache::Drain() {
   WaitQueuedAtMost(0);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ThrowIfFailed();
 }
 

@@ -52,11 +52,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
                     "values must be a contiguous 1-D int64 tensor on ", device_);
   CheckFeatures(values.numel(), feature_counts, feature_tables);
   // No fetch admits or evicts until the slots are found: every row found cached stays cached.
-  std::unique_lock<std::mutex> fetch_lock(fetch_mu_);
+  MutexLock fetch_lock(&fetch_mu_);
   const torch::Tensor counters = device_index_->NewCounters();
   const torch::Tensor keys = device_index_->BatchKeys(values, feature_counts, feature_tables, counters);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ThrowIfFailed();
     TORCH_CHECK(!closed_, "the table is closed");
     device_index_->Sync();
@@ -72,25 +72,25 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
   c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();  // already done by _unique2; made explicit
   const int64_t* count = found.data_ptr<int64_t>();
   if (count[0] > 0) {  // ids outside their tables: the host's check names the first
-    fetch_lock.unlock();
+    fetch_lock.Unlock();
     UniqueKeys(values.cpu(), feature_counts, feature_tables);
     TORCH_CHECK_VALUE(false, count[0], " ids lie outside their tables");
   }
   torch::Tensor slots;
   int64_t version;
   if (count[1] == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     slots = device_index_->FindSlots(unique, device_hits_);  // hits per table, counted on the device
     version = device_index_->version();
     stats_.hits += unique.numel();
     return {unique, inverse, slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, version, 0};
   }
   // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
-  fetch_lock.unlock();
+  fetch_lock.Unlock();
   torch::Tensor weights = Fetch(unique.cpu());
   torch::Tensor again = device_index_->NewCounters();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     device_index_->Sync();
     slots = device_index_->FindSlots(unique, again);
     version = device_index_->version();
@@ -118,7 +118,7 @@ void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tens
   TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.dim() == 2 && grads.size(0) == n &&
                         grads.size(1) == opt_.dim && grads.device() == device_,
                     "grads must be a float32 [", n, ", ", opt_.dim, "] tensor on ", device_);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ThrowIfFailed();
   TORCH_CHECK(!closed_, "the table is closed");
   if (!device_index_->Unchanged(version)) {  // rows moved since the lookup: by key, on the host

@@ -8,27 +8,28 @@
 
 namespace mlkv {
 
-void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
+void EmbeddingCache::WaitForWriteBackRoom(MutexLock& lock) {
   if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
   CheckWriterNotPaused();
   const auto began = std::chrono::steady_clock::now();
   writer_cv_.notify_one();
-  written_cv_.wait(lock,
-                   [&] { return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok(); });
+  while (static_cast<int64_t>(write_back_.size()) > write_back_limit_ && write_error_.ok()) {
+    written_cv_.wait(lock.native());
+  }
   ++stats_.write_back_waits;
   stats_.write_back_wait_us +=
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - began).count();
   ThrowIfWriteFailed(lock);
 }
 
-void EmbeddingCache::ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock) {
+void EmbeddingCache::ThrowIfWriteFailed(MutexLock& lock) {
   if (write_error_.ok()) return;
   // The rows stay in the buffer. Each call tries the write again first (a disk that was full may
   // have room now) and raises while it still fails.
   const int64_t attempt = write_attempts_;
   write_retry_ = true;
   writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_attempts_ > attempt || writer_stopping_; });
+  while (write_attempts_ <= attempt && !writer_stopping_) written_cv_.wait(lock.native());
   if (!write_error_.ok()) throw StatusError(write_error_);
 }
 
@@ -40,18 +41,24 @@ void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* row
   if (n) writer_cv_.notify_one();
 }
 
+bool EmbeddingCache::WriterWakes() const {
+  if (writer_stopping_) return true;
+  if (writer_paused_) return false;
+  const bool can_write = write_error_.ok() || write_retry_;
+  return cut_state_ == CutState::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
+}
+
+void EmbeddingCache::WaitWritten(MutexLock& lock) {
+  while (write_back_.size() != 0 && write_error_.ok()) written_cv_.wait(lock.native());
+}
+
 void EmbeddingCache::WriterLoop() {
   NameThisThread("mlkv-writer");
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     // During a cut only its rows are written: a row written after the boundary must not reach a
     // store before the cut's value of it, nor before the stores' checkpoints.
-    writer_cv_.wait(lock, [&] {
-      const bool can_write = write_error_.ok() || write_retry_;
-      if (writer_stopping_) return true;
-      if (writer_paused_) return false;
-      return cut_state_ == CutState::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
-    });
+    while (!WriterWakes()) writer_cv_.wait(lock.native());
     if (!(write_error_.ok() || write_retry_)) return;  // stopping, with rows a failed write left
     WriteBackBuffer* source = &write_back_;
     if (cut_state_ == CutState::kWriting) {
@@ -66,10 +73,12 @@ void EmbeddingCache::WriterLoop() {
     write_retry_ = false;
     const WriteBackBuffer::Batch batch = source->Take(kWriteBatchRows);
     writer_busy_ = true;
-    lock.unlock();
     std::vector<uint8_t> landed;
-    const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
-    lock.lock();
+    Status st;
+    {
+      MutexUnlock unlocked(&mu_, &lock);
+      st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
+    }
     writer_busy_ = false;
     ++write_attempts_;
     // Rows of the tables whose stores took them leave the buffer; a failing table's stay in
@@ -92,7 +101,7 @@ void EmbeddingCache::WriterLoop() {
 
 void EmbeddingCache::PauseWriter(bool paused) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     writer_paused_ = paused;
   }
   writer_cv_.notify_all();
@@ -144,12 +153,12 @@ void EmbeddingCache::WriteBack() {
   } catch (...) {
     // The applier failed: its update is lost and raised, but rows already on their way to the
     // stores (evictions) still get there before the caller closes the stores.
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     writer_cv_.notify_one();
-    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
+    WaitWritten(lock);
     throw;
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // A cut being written goes first (rows written back now are past its boundary), and its
   // stores' checkpoints are finished: the stores may be closed next.
   if (write_back_.size() > 0) CheckWriterNotPaused();
@@ -164,10 +173,10 @@ void EmbeddingCache::WriteBack() {
   // Every row reaches its store before this returns.
   if (write_back_.size() > 0) CheckWriterNotPaused();
   writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
+  WaitWritten(lock);
   ThrowIfWriteFailed(lock);
   if (write_back_.size() > 0) {  // the retry succeeded: the rest follows
-    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
+    WaitWritten(lock);
     if (!write_error_.ok()) throw StatusError(write_error_);
   }
 }
@@ -181,8 +190,8 @@ void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& ro
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   // No fetch admits or evicts meanwhile: rows found missing stay missing while they are written.
-  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock fetch_lock(&fetch_mu_);
+  MutexLock lock(&mu_);
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   // Ids repeat at most harmlessly: the last row written for an id wins in both places.

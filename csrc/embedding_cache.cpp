@@ -82,7 +82,7 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
 #endif
   write_back_limit_ = opt_.write_back_rows;  // rows waiting before a fetch waits for the writer
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
-  prefetcher_ = std::thread([this] { PrefetchLoop(); });
+  read_ahead_thread_ = std::thread([this] { ReadAheadLoop(); });
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
@@ -107,7 +107,7 @@ EmbeddingCache::~EmbeddingCache() {
   }
   if (applier_.joinable()) {
     {
-      std::lock_guard<std::mutex> lock(queue_mu_);
+      MutexLock lock(&queue_mu_);
       stopping_ = true;
       paused_ = false;
     }
@@ -115,7 +115,7 @@ EmbeddingCache::~EmbeddingCache() {
     applier_.join();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
     if (write_back_.size() + cut_write_back_.size() > 0) {
       std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
@@ -126,11 +126,11 @@ EmbeddingCache::~EmbeddingCache() {
   writer_cv_.notify_all();
   writer_.join();
   {
-    std::lock_guard<std::mutex> lock(prefetch_mu_);
-    prefetch_stopping_ = true;
+    MutexLock lock(&read_ahead_mu_);
+    read_ahead_stopping_ = true;
   }
-  prefetch_cv_.notify_all();
-  prefetcher_.join();
+  read_ahead_cv_.notify_all();
+  read_ahead_thread_.join();
 }
 
 std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch::Tensor& values,
@@ -305,11 +305,11 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   std::vector<int64_t> source(static_cast<size_t>(n));  // slot, or -1: row i of `missed`
   std::vector<int64_t> missed_pos, missed_ids;
   WaitQueuedAtMost(opt_.staleness);
-  WaitForPrefetches(id, n);
+  WaitForReadAheads(id, n);
   // One fetch at a time: between its unlocked store reads and its admissions no other fetch
   // changes which rows are cached.
-  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock fetch_lock(&fetch_mu_);
+  MutexLock lock(&mu_);
   ThrowIfFailed();
   ThrowIfWriteFailed(lock);
   WaitForWriteBackRoom(lock);
@@ -419,9 +419,9 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   return out;
 }
 
-void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock) {
+void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out, MutexLock* lock) {
   // Staged copies and rows waiting in the write-back buffer are the newest; the rest come from
-  // the stores, read without the lock (the applier, the writer and the prefetcher go on meanwhile).
+  // the stores, read without the lock (the applier, the writer and the read-ahead thread go on meanwhile).
   std::vector<int64_t> read_pos, read_keys;
   for (size_t i = 0; i < n; ++i) {
     float* row = out + i * row_words_;
@@ -447,20 +447,19 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
     }
     return;
   }
-  // Counted in flight while mu_ is released; ended (with mu_ held again) however this returns.
+  // Counted in flight while mu_ is released; ended however this returns, after `unlocked` below
+  // has taken mu_ back.
   struct ReadInFlight {
     EmbeddingCache* cache;
-    std::unique_lock<std::mutex>* lock;
-    ~ReadInFlight() {
-      if (!lock->owns_lock()) lock->lock();
-      cache->EndRead();
-    }
+    // The analysis cannot see that the scope below has taken mu_ back when this runs.
+    ~ReadInFlight() NO_THREAD_SAFETY_ANALYSIS { cache->EndRead(); }
   };
   ++reads_in_flight_;
-  const ReadInFlight in_flight{this, lock};
-  lock->unlock();
-  ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
-  lock->lock();
+  const ReadInFlight in_flight{this};
+  {
+    MutexUnlock unlocked(&mu_, lock);
+    ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
+  }
   // Any row of the batch may have been written while the lock was released (an update applied,
   // including to a row taken from the staging area above): its newest value is in the write-back
   // buffer, or (if its write completed meanwhile) in the store again, read once more under the
@@ -471,7 +470,7 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
     ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
     ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
   }
-  // A prefetch may have staged rows of the batch meanwhile (one queued during this read): its copy
+  // A read-ahead may have staged rows of the batch meanwhile (one queued during this read): its copy
   // is no newer than what this read or the staging area gave, and the caller caches or stages the
   // row itself, so the copy goes.
   for (size_t i = 0; i < n; ++i) staging_.Unstage(keys[i]);
@@ -504,7 +503,7 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   torch::Tensor out = torch::empty({n, row_words_}, torch::kFloat32);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/false);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   float* dst = out.data_ptr<float>();
@@ -540,15 +539,19 @@ bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
 }
 
 void EmbeddingCache::Close() {
-  if (closed_) return;
+  {
+    MutexLock lock(&mu_);
+    if (closed_) return;
+  }
   WriteBack();
+  MutexLock lock(&mu_);
   closed_ = true;
 }
 
 CacheStats EmbeddingCache::Stats() {
   CacheStats s;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     s = stats_;
     s.cached_rows = static_cast<int64_t>(slot_index_.size());
     s.pending_rows = static_cast<int64_t>(pending_.size());
@@ -558,18 +561,18 @@ CacheStats EmbeddingCache::Stats() {
                                              (cut_slots_.size() - std::min(cut_next_, cut_slots_.size())));
   }
   {
-    std::lock_guard<std::mutex> lock(prefetch_mu_);
-    s.lookahead_latency_us = lookahead_latency_us_;
-    s.lookahead_wait_us = lookahead_wait_us_;
+    MutexLock lock(&read_ahead_mu_);
+    s.lookahead_latency_us = read_ahead_latency_us_;
+    s.lookahead_wait_us = read_ahead_wait_us_;
   }
-  std::lock_guard<std::mutex> lock(queue_mu_);
+  MutexLock lock(&queue_mu_);
   s.queued_updates = queued_;
   s.waits = waits_;
   return s;
 }
 
 std::vector<TableCounters> EmbeddingCache::TableStats() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   FoldDeviceHits();
   return table_stats_;
 }
