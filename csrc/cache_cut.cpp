@@ -17,13 +17,13 @@ namespace mlkv {
 
 void EmbeddingCache::BeginCut() {
   Drain();  // updates queued before the boundary belong to the cut
-  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock fetch_lock(&fetch_mu_);
+  MutexLock lock(&mu_);
   ThrowIfFailed();
   TORCH_CHECK(cut_state_ == CutState::kNone, "a cut of ", tables_[0].store->path(),
               " (and the tables beside it) is still being written: finish it before beginning another");
   // What waits for the stores is the cut's: it moves over whole (no batch of it in flight).
-  written_cv_.wait(lock, [&] { return !writer_busy_; });
+  while (writer_busy_) written_cv_.wait(lock.native());
   write_back_.Swap(cut_write_back_);
   std::vector<int64_t> ids;
   std::vector<int32_t> slots = TakeDirtySlots(&ids);
@@ -44,7 +44,7 @@ void EmbeddingCache::BeginCut() {
   writer_cv_.notify_one();
 }
 
-void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
+void EmbeddingCache::WriteCut(MutexLock& lock) {
   if (cut_next_ < cut_slots_.size()) {
     const size_t end = std::min(cut_slots_.size(), cut_next_ + kWriteBatchRows);
     for (; cut_next_ < end; ++cut_next_) PreserveCutRow(cut_slots_[cut_next_]);
@@ -55,14 +55,15 @@ void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
   // Every row of the cut is in its store, and no later row is: each store fixes its checkpoint
   // (a copy of its mutable pages, no disk wait), and rows after the boundary may follow at once.
   // The checkpoints become durable in FinishStoreCheckpoints.
-  lock.unlock();
   std::vector<uint8_t> begun(tables_.size(), 0);
   Status st;
-  for (size_t t = 0; t < tables_.size() && st.ok(); ++t) {
-    st = tables_[t].store->BeginCheckpoint();
-    begun[t] = st.ok();
+  {
+    MutexUnlock unlocked(&mu_, &lock);
+    for (size_t t = 0; t < tables_.size() && st.ok(); ++t) {
+      st = tables_[t].store->BeginCheckpoint();
+      begun[t] = st.ok();
+    }
   }
-  lock.lock();
   cut_begun_ = std::move(begun);
   cut_error_ = st;
   cut_state_ = CutState::kSealed;
@@ -70,21 +71,22 @@ void EmbeddingCache::WriteCut(std::unique_lock<std::mutex>& lock) {
   written_cv_.notify_all();
 }
 
-void EmbeddingCache::FinishStoreCheckpoints(std::unique_lock<std::mutex>& lock) {
+void EmbeddingCache::FinishStoreCheckpoints(MutexLock& lock) {
   cut_state_ = CutState::kSyncing;
   const std::vector<uint8_t> begun = std::move(cut_begun_);
-  lock.unlock();
   // Every begun checkpoint is finished, whatever fails: a store keeps one open until then.
   std::vector<int64_t> sequences(tables_.size(), 0);
   Status st;
-  for (size_t t = 0; t < tables_.size(); ++t) {
-    if (!begun[t]) continue;
-    uint64_t sequence = 0;
-    Status finished = tables_[t].store->FinishCheckpoint(&sequence);
-    sequences[t] = static_cast<int64_t>(sequence);
-    if (st.ok()) st = finished;
+  {
+    MutexUnlock unlocked(&mu_, &lock);
+    for (size_t t = 0; t < tables_.size(); ++t) {
+      if (!begun[t]) continue;
+      uint64_t sequence = 0;
+      Status finished = tables_[t].store->FinishCheckpoint(&sequence);
+      sequences[t] = static_cast<int64_t>(sequence);
+      if (st.ok()) st = finished;
+    }
   }
-  lock.lock();
   cut_sequences_ = std::move(sequences);
   if (cut_error_.ok()) cut_error_ = st;
   cut_state_ = CutState::kDone;
@@ -92,7 +94,7 @@ void EmbeddingCache::FinishStoreCheckpoints(std::unique_lock<std::mutex>& lock) 
 }
 
 std::vector<int64_t> EmbeddingCache::FinishCut(bool superseded) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TORCH_CHECK(cut_state_ != CutState::kNone, "no cut of ", tables_[0].store->path(), " was begun");
   WaitCutDurable(lock);
   TORCH_CHECK(cut_state_ == CutState::kDone, "the cut of ", tables_[0].store->path(),
@@ -103,15 +105,15 @@ std::vector<int64_t> EmbeddingCache::FinishCut(bool superseded) {
   return cut_sequences_;
 }
 
-void EmbeddingCache::WaitCutDurable(std::unique_lock<std::mutex>& lock) {
+void EmbeddingCache::WaitCutDurable(MutexLock& lock) {
   for (;;) {
     if (cut_state_ == CutState::kWriting) CheckWriterNotPaused();
     // Only the cut's own rows failing concern it; after the seal, failed writes are later rows'.
     // kNone: another call finished it (a FinishCut, while this WriteBack waited).
-    written_cv_.wait(lock, [&] {
-      return cut_state_ == CutState::kSealed || cut_state_ == CutState::kDone || cut_state_ == CutState::kNone ||
-             (cut_state_ == CutState::kWriting && !write_error_.ok());
-    });
+    while (!(cut_state_ == CutState::kSealed || cut_state_ == CutState::kDone || cut_state_ == CutState::kNone ||
+             (cut_state_ == CutState::kWriting && !write_error_.ok()))) {
+      written_cv_.wait(lock.native());
+    }
     if (cut_state_ == CutState::kSealed) FinishStoreCheckpoints(lock);
     if (cut_state_ == CutState::kDone || cut_state_ == CutState::kNone) return;
     ThrowIfWriteFailed(lock);  // raises while the stores refuse the cut's rows; they stay in memory

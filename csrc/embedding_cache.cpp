@@ -2,20 +2,11 @@
 
 #include "engine/thread_name.h"
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <optional>
-
-#ifdef MLKV_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-
-#include "cuda_kernels.h"
-#endif
 
 namespace mlkv {
 
@@ -25,47 +16,41 @@ void ThrowIfError(const Status& st) {
   if (!st.ok()) throw StatusError(st);
 }
 
-void CheckIds(const torch::Tensor& ids) {
-  TORCH_CHECK_VALUE(
-      ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
-      "ids must be a contiguous 1-D int64 CPU tensor");
+// The options, checked before any member is sized by them.
+CacheOptions CheckedOptions(CacheOptions o) {
+  TORCH_CHECK_VALUE(o.capacity >= 0 && o.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
+                    o.capacity);
+  TORCH_CHECK_VALUE(o.dim > 0, "dim must be positive");
+  TORCH_CHECK_VALUE(o.staleness >= 0, "staleness must be >= 0, got ", o.staleness);
+  TORCH_CHECK_VALUE(o.staging_rows > 0 && o.write_back_rows > 0,
+                    "staging_rows and write_back_rows must be "
+                    "positive, got ",
+                    o.staging_rows, " and ", o.write_back_rows);
+  return o;
 }
-
-template <typename F>
-void DispatchWeightType(WeightType t, F&& f) {
-  switch (t) {
-    case WeightType::kFloat32: f(float{}); break;
-    case WeightType::kFloat16: f(c10::Half{}); break;
-    case WeightType::kBFloat16: f(c10::BFloat16{}); break;
-    case WeightType::kFloat64: f(double{}); break;
-  }
-}
-
-constexpr int kVictimSamples = 8;
-// Rows of a fetch a prefetch request may read before the fetch waits for it rather than reading
-// them itself.
-constexpr int64_t kReadItselfRows = 64;
-constexpr uint32_t kStagedFetches = 8;       // fetches a staged row may wait before it can be dropped
-constexpr int kVictimRounds = 4;
 
 }  // namespace
 
 // ---- EmbeddingCache ------------------------------------------------------------------------------
 
+void EmbeddingCache::CheckIds(const torch::Tensor& ids) {
+  TORCH_CHECK_VALUE(
+      ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
+      "ids must be a contiguous 1-D int64 CPU tensor");
+}
+
 EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device)
     : tables_(std::move(tables)),
-      opt_(std::move(options)),
+      opt_(CheckedOptions(std::move(options))),
       device_(device),
       on_host_(device.is_cpu()),
       weight_words_(WeightWords(opt_.weight_type, opt_.dim)),
       row_words_(weight_words_ + StateColumns(opt_.optimizer.kind, opt_.dim)),
-      slot_of_(static_cast<size_t>(std::max<int64_t>(opt_.capacity, 1))),
+      slot_index_(opt_.capacity),
+      policy_(opt_.capacity, opt_.policy),
+      staging_(opt_.staging_rows, row_words_),
       write_back_(row_words_, static_cast<size_t>(std::max<int64_t>(1, opt_.write_back_rows))),
       cut_write_back_(row_words_, 0) {
-  TORCH_CHECK_VALUE(opt_.capacity >= 0 && opt_.capacity < (int64_t{1} << 31), "cache_rows must be in [0, 2^31), got ",
-                    opt_.capacity);
-  TORCH_CHECK_VALUE(opt_.dim > 0, "dim must be positive");
-  TORCH_CHECK_VALUE(opt_.staleness >= 0, "staleness must be >= 0, got ", opt_.staleness);
   TORCH_CHECK_VALUE(static_cast<int64_t>(opt_.initial_state.size()) == row_words_ - weight_words_,
                     "initial_state must have ", row_words_ - weight_words_, " values");
   TORCH_CHECK_VALUE(!tables_.empty() && tables_.size() < (size_t{1} << (63 - kTableShift)),
@@ -85,69 +70,30 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
   slots_ = torch::zeros({opt_.capacity, row_words_}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
   host_slots_ = on_host_ ? slots_.data_ptr<float>() : nullptr;
   const size_t cap = static_cast<size_t>(opt_.capacity);
-  slot_id_.assign(cap, -1);
-  slot_freq_.assign(cap, 0);
-  slot_dirty_.assign(cap, 0);
-  slot_epoch_.assign(cap, 0);
   if (on_host_) cut_slot_.assign(cap, 0);
 #ifdef MLKV_WITH_CUDA
   if (!on_host_) {
     slot_dirty_dev_ = torch::zeros({opt_.capacity}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
     std::vector<int64_t> table_rows;
     for (const CacheTable& t : tables_) table_rows.push_back(t.num_embeddings);
-    device_index_ = std::make_unique<DeviceIndex>(&slot_of_, table_rows, kTableShift, device_);
+    device_index_ = std::make_unique<DeviceIndex>(slot_index_.map(), table_rows, kTableShift, device_);
     device_hits_ = device_index_->NewCounters();
   }
 #endif
-  free_slots_.resize(cap);
-  for (size_t i = 0; i < cap; ++i) free_slots_[i] = static_cast<int32_t>(cap - 1 - i);
-  if (opt_.policy == CachePolicy::kLru) {
-    lru_prev_.assign(cap, -1);
-    lru_next_.assign(cap, -1);
-  } else {
-    const size_t width = SketchWidth(opt_.capacity);
-    sketch_.assign(width * 2, 0);  // two rows of a count-min sketch
-    sketch_mask_ = width - 1;
-  }
-  age_period_ = std::max<int64_t>(1024, opt_.capacity * 10);
-  TORCH_CHECK_VALUE(opt_.staging_rows > 0 && opt_.write_back_rows > 0,
-                    "staging_rows and write_back_rows must be "
-                    "positive, got ",
-                    opt_.staging_rows, " and ", opt_.write_back_rows);
-  const int64_t staged_capacity = opt_.staging_rows;
-  staged_rows_.reset(new float[static_cast<size_t>(staged_capacity * row_words_)]);
-  staged_free_.resize(static_cast<size_t>(staged_capacity));
-  staged_id_.assign(static_cast<size_t>(staged_capacity), -1);
-  staged_epoch_.assign(static_cast<size_t>(staged_capacity), 0);
-  staged_ahead_.assign(static_cast<size_t>(staged_capacity), 0);
-  for (int64_t i = 0; i < staged_capacity; ++i) staged_free_[i] = static_cast<int32_t>(staged_capacity - 1 - i);
   write_back_limit_ = opt_.write_back_rows;  // rows waiting before a fetch waits for the writer
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
-  prefetcher_ = std::thread([this] { PrefetchLoop(); });
+  read_ahead_thread_ = std::thread([this] { ReadAheadLoop(); });
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
 int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
   if (capacity <= 0) return 0;  // a cache of no rows: a few KiB of fixed structures, not counted
-  const size_t cap = static_cast<size_t>(capacity);
-  // The per-slot vectors the constructor sizes to the capacity.
-  const size_t per_slot = sizeof(decltype(slot_id_)::value_type) + sizeof(decltype(slot_freq_)::value_type) +
-                          sizeof(decltype(slot_dirty_)::value_type) + sizeof(decltype(slot_epoch_)::value_type) +
-                          sizeof(decltype(cut_slot_)::value_type) + sizeof(decltype(free_slots_)::value_type);
-  const size_t index = IdMap::BytesFor(cap);
-  const size_t policy =
-      std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
-               cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
-  return static_cast<int64_t>(cap * per_slot + index + policy);
+  const size_t cut = static_cast<size_t>(capacity) * sizeof(decltype(cut_slot_)::value_type);
+  return static_cast<int64_t>(SlotIndex::HostBytes(capacity) + AdmissionPolicy::HostBytes(capacity) + cut);
 }
 
 int64_t EmbeddingCache::HostBytesOfBuffers(int64_t staging_rows, int64_t write_back_rows, int64_t row_words) {
-  const size_t rows = static_cast<size_t>(std::max<int64_t>(staging_rows, 0));
-  const size_t per_entry = static_cast<size_t>(row_words) * sizeof(float) + sizeof(decltype(staged_free_)::value_type) +
-                           sizeof(decltype(staged_id_)::value_type) + sizeof(decltype(staged_epoch_)::value_type) +
-                           sizeof(decltype(staged_ahead_)::value_type);
-  const size_t staging = rows ? rows * per_entry + IdMap::BytesFor(rows) : 0;
-  return static_cast<int64_t>(staging) + WriteBackBuffer::HostBytes(write_back_rows, row_words);
+  return StagingArea::HostBytes(staging_rows, row_words) + WriteBackBuffer::HostBytes(write_back_rows, row_words);
 }
 
 EmbeddingCache::~EmbeddingCache() {
@@ -161,7 +107,7 @@ EmbeddingCache::~EmbeddingCache() {
   }
   if (applier_.joinable()) {
     {
-      std::lock_guard<std::mutex> lock(queue_mu_);
+      MutexLock lock(&queue_mu_);
       stopping_ = true;
       paused_ = false;
     }
@@ -169,7 +115,7 @@ EmbeddingCache::~EmbeddingCache() {
     applier_.join();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
     if (write_back_.size() + cut_write_back_.size() > 0) {
       std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
@@ -180,11 +126,11 @@ EmbeddingCache::~EmbeddingCache() {
   writer_cv_.notify_all();
   writer_.join();
   {
-    std::lock_guard<std::mutex> lock(prefetch_mu_);
-    prefetch_stopping_ = true;
+    MutexLock lock(&read_ahead_mu_);
+    read_ahead_stopping_ = true;
   }
-  prefetch_cv_.notify_all();
-  prefetcher_.join();
+  read_ahead_cv_.notify_all();
+  read_ahead_thread_.join();
 }
 
 std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch::Tensor& values,
@@ -244,18 +190,6 @@ std::vector<EmbeddingCache::TableBatch> EmbeddingCache::SplitByTable(const int64
   return batches;
 }
 
-void EmbeddingCache::ThrowIfFailed() {
-  if (!failed_.ok()) throw StatusError(failed_);
-}
-
-void EmbeddingCache::WaitQueuedAtMost(int64_t n) {
-  std::unique_lock<std::mutex> lock(queue_mu_);
-  if (queued_ <= n) return;
-  TORCH_CHECK(!paused_, "the applier is paused with ", queued_, " updates queued; this call would wait for it forever");
-  ++waits_;
-  applied_cv_.wait(lock, [&] { return queued_ <= n; });
-}
-
 void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bool* fresh) const {
   if (n == 0) return;
   std::unique_ptr<bool[]> found(new bool[n]);
@@ -295,106 +229,22 @@ void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bo
   }
 }
 
-// ---- policy --------------------------------------------------------------------------------------
-
-uint8_t EmbeddingCache::SketchAdd(int64_t id) {
-  const uint64_t h = SplitMix64(static_cast<uint64_t>(id) ^ 0x5851F42D4C957F2Dull);
-  uint8_t& a = sketch_[h & sketch_mask_];
-  uint8_t& b = sketch_[(sketch_mask_ + 1) + ((h >> 32) & sketch_mask_)];
-  if (a < 255) ++a;
-  if (b < 255) ++b;
-  const uint8_t estimate = std::min(a, b);
-  if (++sketch_adds_ >= age_period_) Age();
-  return estimate;
-}
-
-void EmbeddingCache::Age() {
-  // Halving every count keeps the frequencies recent, so the cache follows a drifting hot set.
-  for (auto& c : sketch_) c >>= 1;
-  for (auto& c : slot_freq_) c >>= 1;
-  sketch_adds_ = 0;
-}
-
-void EmbeddingCache::LruUnlink(int32_t s) {
-  const int32_t p = lru_prev_[s], n = lru_next_[s];
-  (p >= 0 ? lru_next_[p] : lru_head_) = n;
-  (n >= 0 ? lru_prev_[n] : lru_tail_) = p;
-  lru_prev_[s] = lru_next_[s] = -1;
-}
-
-void EmbeddingCache::LruPushFront(int32_t s) {
-  lru_prev_[s] = -1;
-  lru_next_[s] = lru_head_;
-  if (lru_head_ >= 0) lru_prev_[lru_head_] = s;
-  lru_head_ = s;
-  if (lru_tail_ < 0) lru_tail_ = s;
-}
-
-void EmbeddingCache::Touch(int32_t s) {
-  slot_epoch_[s] = epoch_;
-  if (opt_.policy == CachePolicy::kLru) {
-    LruUnlink(s);
-    LruPushFront(s);
-  } else {
-    if (slot_freq_[s] < 255) ++slot_freq_[s];
-    if (++sketch_adds_ >= age_period_) Age();
-  }
-}
-
-int32_t EmbeddingCache::PickVictim() {
-  if (opt_.policy == CachePolicy::kLru) {
-    // Rows this fetch read sit at the front; a read tail means every row was read.
-    return (lru_tail_ >= 0 && slot_epoch_[lru_tail_] != epoch_) ? lru_tail_ : -1;
-  }
-  // While a cut's rows are written, a dirty row evicted waits in the write-back buffer for them:
-  // the coldest clean row sampled goes first then.
-  const bool clean_first = cut_state_ == CutState::kWriting;
-  int32_t best = -1, best_clean = -1;
-  for (int round = 0; round < kVictimRounds && best < 0; ++round) {
-    for (int k = 0; k < kVictimSamples; ++k) {
-      rng_ ^= rng_ << 13;
-      rng_ ^= rng_ >> 7;
-      rng_ ^= rng_ << 17;
-      const int32_t s = static_cast<int32_t>(rng_ % static_cast<uint64_t>(opt_.capacity));
-      if (slot_epoch_[s] == epoch_) continue;
-      if (best < 0 || slot_freq_[s] < slot_freq_[best]) best = s;
-      if (clean_first && !slot_dirty_[s] && (best_clean < 0 || slot_freq_[s] < slot_freq_[best_clean])) {
-        best_clean = s;
-      }
-    }
-  }
-  return best_clean >= 0 ? best_clean : best;
-}
+// ---- admission ---------------------------------------------------------------------------------
 
 int32_t EmbeddingCache::Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions) {
-  if (opt_.capacity == 0) return -1;
-  int32_t s;
-  if (!free_slots_.empty()) {
-    s = free_slots_.back();
-    free_slots_.pop_back();
-    admissions->push_back({s, -1, 0});
-  } else {
-    s = PickVictim();
-    if (s < 0) return -1;
-    // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces.
-    // (Not while a cut's rows are written: a row kept out is written back at its update, and would
-    // wait in the write-back buffer for them.)
-    if (opt_.policy == CachePolicy::kLfu && frequency <= slot_freq_[s] && cut_state_ != CutState::kWriting) {
-      return -1;
-    }
+  bool evicts = false;
+  const int32_t s = policy_.Admit(frequency, slot_index_.dirty_bits(), cut_state_ == CutState::kWriting, &evicts);
+  if (s < 0) return -1;
+  if (evicts) {
     PreserveCutRow(s);
-    admissions->push_back({s, slot_id_[s], slot_dirty_[s]});
-    slot_of_.Erase(slot_id_[s]);
-    --table_stats_[static_cast<size_t>(TableOf(slot_id_[s]))].cached_rows;
-    if (opt_.policy == CachePolicy::kLru) LruUnlink(s);
+    const int64_t evicted = slot_index_.key(s);
+    admissions->push_back({s, evicted, static_cast<uint8_t>(slot_index_.dirty(s))});
+    --table_stats_[static_cast<size_t>(TableOf(evicted))].cached_rows;
+  } else {
+    admissions->push_back({s, -1, 0});
   }
-  slot_id_[s] = id;
-  slot_of_.Insert(id, s);
+  slot_index_.Assign(s, id);
   ++table_stats_[static_cast<size_t>(TableOf(id))].cached_rows;
-  slot_freq_[s] = frequency;
-  slot_dirty_[s] = 0;
-  slot_epoch_[s] = epoch_;
-  if (opt_.policy == CachePolicy::kLru) LruPushFront(s);
   return s;
 }
 
@@ -426,44 +276,16 @@ torch::Tensor EmbeddingCache::SlotRowsToHost(const std::vector<int32_t>& slots) 
   return slots_.index_select(0, index).cpu();
 }
 
-void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const {
-  const OptimizerSpec spec = SpecOf(u);
-  const float adam_scale = spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f;
-  DispatchWeightType(opt_.weight_type, [&](auto zero) {
-    using W = decltype(zero);
-    for (int64_t i = 0; i < n; ++i) {
-      UpdateRow<W>(spec, adam_scale, reinterpret_cast<W*>(rows[i]), rows[i] + weight_words_, grads + i * opt_.dim,
-                   opt_.dim);
-    }
-  });
-}
-
-void EmbeddingCache::AddPending(const int64_t* ids, int64_t n, int delta) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (delta > 0) {
-      int32_t* count = pending_.FindMutable(ids[i]);
-      if (count) {
-        ++*count;
-      } else {
-        pending_.Insert(ids[i], 1);
-      }
-    } else {
-      int32_t* count = pending_.FindMutable(ids[i]);
-      if (count && --*count == 0) pending_.Erase(ids[i]);
-    }
-  }
-}
-
 EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int64_t n, bool will_write) {
   CacheSplit split;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slot_of_.Find(ids[i]);
+    const int32_t s = slot_index_.Find(ids[i]);
     if (s >= 0) {
       split.cached_pos.push_back(i);
       split.cached_slots.push_back(s);
       if (will_write) {
         PreserveCutRow(s);
-        slot_dirty_[s] = 1;
+        slot_index_.MarkDirty(s);
       }
     } else {
       split.missed_pos.push_back(i);
@@ -483,24 +305,21 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   std::vector<int64_t> source(static_cast<size_t>(n));  // slot, or -1: row i of `missed`
   std::vector<int64_t> missed_pos, missed_ids;
   WaitQueuedAtMost(opt_.staleness);
-  WaitForPrefetches(id, n);
+  WaitForReadAheads(id, n);
   // One fetch at a time: between its unlocked store reads and its admissions no other fetch
   // changes which rows are cached.
-  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock fetch_lock(&fetch_mu_);
+  MutexLock lock(&mu_);
   ThrowIfFailed();
   ThrowIfWriteFailed(lock);
   WaitForWriteBackRoom(lock);
-  if (++epoch_ == 0) {  // wrapped: no slot may look read by this fetch
-    std::fill(slot_epoch_.begin(), slot_epoch_.end(), 0);
-    epoch_ = 1;
-  }
+  policy_.BeginFetch();
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slot_of_.Find(id[i]);
+    const int32_t s = slot_index_.Find(id[i]);
     TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(id[i]))];
     if (s >= 0) {
       source[i] = s;
-      Touch(s);
+      policy_.Touch(s);
       ++counters.hits;
     } else {
       source[i] = -1;
@@ -526,8 +345,7 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   std::vector<int32_t> admitted_slots;
   std::vector<int64_t> admitted_rows;  // rows of missed_rows
   for (int64_t j = 0; j < m; ++j) {
-    const uint8_t frequency = opt_.policy == CachePolicy::kLfu ? SketchAdd(missed_ids[j]) : 1;
-    const int32_t s = Admit(missed_ids[j], frequency, &admissions);
+    const int32_t s = Admit(missed_ids[j], policy_.CountMiss(missed_ids[j]), &admissions);
     if (s < 0) {
       ++stats_.rejected;
       continue;
@@ -556,7 +374,9 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   // Rows left out of the cache wait in the staging area for this batch's update, which would
   // otherwise read them from the store a second time.
   for (int64_t j = 0; j < m; ++j) {
-    if (source[missed_pos[j]] < 0) Stage(missed_ids[j], missed + j * row_words_, /*read_ahead=*/false);
+    if (source[missed_pos[j]] < 0) {
+      staging_.Stage(missed_ids[j], missed + j * row_words_, /*read_ahead=*/false, policy_.fetch_epoch());
+    }
   }
   if (!admitted_slots.empty()) {
     CopyRowsToSlots(admitted_slots, admitted_rows.size() == static_cast<size_t>(m)
@@ -599,9 +419,9 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   return out;
 }
 
-void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock) {
+void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out, MutexLock* lock) {
   // Staged copies and rows waiting in the write-back buffer are the newest; the rest come from
-  // the stores, read without the lock (the applier, the writer and the prefetcher go on meanwhile).
+  // the stores, read without the lock (the applier, the writer and the read-ahead thread go on meanwhile).
   std::vector<int64_t> read_pos, read_keys;
   for (size_t i = 0; i < n; ++i) {
     float* row = out + i * row_words_;
@@ -627,20 +447,19 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
     }
     return;
   }
-  // Counted in flight while mu_ is released; ended (with mu_ held again) however this returns.
+  // Counted in flight while mu_ is released; ended however this returns, after `unlocked` below
+  // has taken mu_ back.
   struct ReadInFlight {
     EmbeddingCache* cache;
-    std::unique_lock<std::mutex>* lock;
-    ~ReadInFlight() {
-      if (!lock->owns_lock()) lock->lock();
-      cache->EndRead();
-    }
+    // The analysis cannot see that the scope below has taken mu_ back when this runs.
+    ~ReadInFlight() NO_THREAD_SAFETY_ANALYSIS { cache->EndRead(); }
   };
   ++reads_in_flight_;
-  const ReadInFlight in_flight{this, lock};
-  lock->unlock();
-  ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
-  lock->lock();
+  const ReadInFlight in_flight{this};
+  {
+    MutexUnlock unlocked(&mu_, lock);
+    ReadFromStore(read_keys.data(), r, rows.data(), fresh.get());
+  }
   // Any row of the batch may have been written while the lock was released (an update applied,
   // including to a row taken from the staging area above): its newest value is in the write-back
   // buffer, or (if its write completed meanwhile) in the store again, read once more under the
@@ -651,10 +470,10 @@ void EmbeddingCache::ReadOutsideCache(const int64_t* keys, size_t n, float* out,
     ++(fresh[k] ? counters.fresh_rows : counters.store_reads);
     ++(fresh[k] ? stats_.fresh_rows : stats_.store_reads);
   }
-  // A prefetch may have staged rows of the batch meanwhile (one queued during this read): its copy
+  // A read-ahead may have staged rows of the batch meanwhile (one queued during this read): its copy
   // is no newer than what this read or the staging area gave, and the caller caches or stages the
   // row itself, so the copy goes.
-  for (size_t i = 0; i < n; ++i) Unstage(keys[i]);
+  for (size_t i = 0; i < n; ++i) staging_.Unstage(keys[i]);
   std::vector<int64_t> again_pos, again_keys;
   for (size_t i = 0; i < n; ++i) {
     if (const float* waiting = BufferedRow(keys[i])) {
@@ -678,353 +497,13 @@ void EmbeddingCache::EndRead() {
   if (--reads_in_flight_ == 0) written_during_reads_.Clear();
 }
 
-void EmbeddingCache::WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock) {
-  if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
-  CheckWriterNotPaused();
-  const auto began = std::chrono::steady_clock::now();
-  writer_cv_.notify_one();
-  written_cv_.wait(lock,
-                   [&] { return static_cast<int64_t>(write_back_.size()) <= write_back_limit_ || !write_error_.ok(); });
-  ++stats_.write_back_waits;
-  stats_.write_back_wait_us +=
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - began).count();
-  ThrowIfWriteFailed(lock);
-}
-
-void EmbeddingCache::ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock) {
-  if (write_error_.ok()) return;
-  // The rows stay in the buffer. Each call tries the write again first (a disk that was full may
-  // have room now) and raises while it still fails.
-  const int64_t attempt = write_attempts_;
-  write_retry_ = true;
-  writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_attempts_ > attempt || writer_stopping_; });
-  if (!write_error_.ok()) throw StatusError(write_error_);
-}
-
-void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* rows) {
-  for (size_t i = 0; i < n; ++i) {
-    Unstage(keys[i]);  // the staged copy is older
-    write_back_.Put(keys[i], rows + i * row_words_);
-  }
-  if (n) writer_cv_.notify_one();
-}
-
-void EmbeddingCache::WriterLoop() {
-  NameThisThread("mlkv-writer");
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    // During a cut only its rows are written: a row written after the boundary must not reach a
-    // store before the cut's value of it, nor before the stores' checkpoints.
-    writer_cv_.wait(lock, [&] {
-      const bool can_write = write_error_.ok() || write_retry_;
-      if (writer_stopping_) return true;
-      if (writer_paused_) return false;
-      return cut_state_ == CutState::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
-    });
-    if (!(write_error_.ok() || write_retry_)) return;  // stopping, with rows a failed write left
-    WriteBackBuffer* source = &write_back_;
-    if (cut_state_ == CutState::kWriting) {
-      if (cut_write_back_.waiting() == 0) {
-        WriteCut(lock);  // more cut rows to take, or the stores' checkpoints
-        continue;
-      }
-      source = &cut_write_back_;
-    } else if (write_back_.waiting() == 0) {
-      return;  // stopping
-    }
-    write_retry_ = false;
-    const WriteBackBuffer::Batch batch = source->Take(kWriteBatchRows);
-    writer_busy_ = true;
-    lock.unlock();
-    std::vector<uint8_t> landed;
-    const Status st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
-    lock.lock();
-    writer_busy_ = false;
-    ++write_attempts_;
-    // Rows of the tables whose stores took them leave the buffer; a failing table's stay in
-    // memory until a write succeeds, and hold back no other table's.
-    const WriteBackBuffer::Batch written = st.ok() ? batch : batch.Only(landed, 1);
-    source->Complete(written);
-    // Reads in flight may have read the older value: they look again (see ReadOutsideCache).
-    if (reads_in_flight_ > 0) {
-      for (int64_t key : written.keys) written_during_reads_.Insert(key, 1);
-    }
-    if (st.ok()) {
-      write_error_ = Status::OK();
-    } else {
-      source->Return(batch.Only(landed, 0));
-      write_error_ = st;
-    }
-    written_cv_.notify_all();
-  }
-}
-
-void EmbeddingCache::Apply(const Update& u) {
-  const int64_t n = u.ids.numel();
-  const int64_t* id = u.ids.data_ptr<int64_t>();
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
-  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
-  const int64_t m = static_cast<int64_t>(missed_ids.size());
-  // Under the lock throughout: the slots split above stay the rows' slots. Rows outside the
-  // cache are usually staged by the fetch before, so the stores are rarely read here.
-  if (on_host_) {
-    torch::Tensor missed_rows = torch::empty({m, row_words_}, torch::kFloat32);
-    ReadOutsideCache(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>(), nullptr);
-    std::vector<float*> rows(static_cast<size_t>(n));
-    for (size_t k = 0; k < cached_pos.size(); ++k) rows[cached_pos[k]] = host_slots_ + cached_slots[k] * row_words_;
-    for (int64_t j = 0; j < m; ++j) rows[missed_pos[j]] = missed_rows.data_ptr<float>() + j * row_words_;
-    UpdateHostRows(rows.data(), u.grads.data_ptr<float>(), n, u);
-    // Rows outside the cache go back to the stores through the write-back buffer.
-    WriteBehind(missed_ids.data(), static_cast<size_t>(m), missed_rows.data_ptr<float>());
-  } else {
-    if (!cached_pos.empty()) {
-      const torch::Tensor pos = torch::tensor(cached_pos, torch::kInt64).to(device_);
-      const torch::Tensor slot_index = torch::from_blob(const_cast<int32_t*>(cached_slots.data()),
-                                                        {static_cast<int64_t>(cached_slots.size())}, torch::kInt32)
-                                           .to(device_);
-      UpdateSlotsOnDevice(slot_index, u.grads.index_select(0, pos), u);
-    }
-    if (m > 0) {
-      const torch::Tensor grads =
-          u.grads.index_select(0, torch::tensor(missed_pos, torch::kInt64).to(device_)).cpu().contiguous();
-      ApplyOutsideCache(missed_ids.data(), m, grads.data_ptr<float>(), u);
-    }
-  }
-  if (opt_.staleness > 0) AddPending(id, n, -1);
-  ++stats_.updates_applied;
-  stats_.rows_updated += n;
-}
-
-void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u) {
-  torch::Tensor rows = torch::empty({m, row_words_}, torch::kFloat32);
-  float* data = rows.data_ptr<float>();
-  ReadOutsideCache(keys, static_cast<size_t>(m), data, nullptr);
-  std::vector<float*> row(static_cast<size_t>(m));
-  for (int64_t j = 0; j < m; ++j) row[j] = data + j * row_words_;
-  UpdateHostRows(row.data(), grads, m, u);
-  WriteBehind(keys, static_cast<size_t>(m), data);
-}
-
-void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u) {
-#ifdef MLKV_WITH_CUDA
-  // Temporaries may die before the kernel runs: the caching allocator orders their reuse on this stream.
-  const torch::Tensor g = grads.contiguous();
-  const OptimizerSpec spec = SpecOf(u);
-  const SlotUpdate update{spec,
-                          spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f,
-                          opt_.weight_type,
-                          slots_.data_ptr<float>(),
-                          slot_index.data_ptr<int32_t>(),
-                          g.data_ptr<float>(),
-                          slot_dirty_dev_.data_ptr<uint8_t>(),
-                          slot_index.numel(),
-                          opt_.dim,
-                          weight_words_,
-                          row_words_};
-  const cudaError_t err = LaunchSlotUpdate(update, c10::cuda::getCurrentCUDAStream(device_.index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "the CUDA update kernel failed: ", cudaGetErrorString(err));
-#else
-  TORCH_CHECK(false, "this build of mlkv_torch has no CUDA kernels");
-#endif
-}
-
-void EmbeddingCache::FoldDeviceDirty() {
-  if (on_host_ || opt_.capacity == 0) return;
-  const torch::Tensor marks = slot_dirty_dev_.cpu();  // after every update kernel queued before
-  slot_dirty_dev_.zero_();
-  const uint8_t* mark = marks.data_ptr<uint8_t>();
-  for (size_t s = 0; s < slot_dirty_.size(); ++s) slot_dirty_[s] |= mark[s];
-}
-
-#ifdef MLKV_WITH_CUDA
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> EmbeddingCache::LookupOnDevice(
-    const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-    const std::vector<int64_t>& feature_tables) {
-  TORCH_CHECK_VALUE(!on_host_, "the device lookup needs a cache on a CUDA device");
-  TORCH_CHECK_VALUE(values.scalar_type() == torch::kInt64 && values.dim() == 1 && values.device() == device_ &&
-                        values.is_contiguous(),
-                    "values must be a contiguous 1-D int64 tensor on ", device_);
-  CheckFeatures(values.numel(), feature_counts, feature_tables);
-  // No fetch admits or evicts until the slots are found: every row found cached stays cached.
-  std::unique_lock<std::mutex> fetch_lock(fetch_mu_);
-  const torch::Tensor counters = device_index_->NewCounters();
-  const torch::Tensor keys = device_index_->BatchKeys(values, feature_counts, feature_tables, counters);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    TORCH_CHECK(!closed_, "the table is closed");
-    device_index_->Sync();
-    device_index_->FindSlots(keys, counters);  // every value: are any missing?
-  }
-  // The counts travel to the host while the keys are deduplicated; the deduplication synchronises
-  // the stream (it needs its output's size), so they have arrived when it returns: one
-  // synchronisation for a batch whose rows are all cached.
-  torch::Tensor found =
-      torch::empty({counters.numel()}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
-  found.copy_(counters, /*non_blocking=*/true);
-  auto [unique, inverse, unused_counts] = at::_unique2(keys, /*sorted=*/true, /*return_inverse=*/true);
-  c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();  // already done by _unique2; made explicit
-  const int64_t* count = found.data_ptr<int64_t>();
-  if (count[0] > 0) {  // ids outside their tables: the host's check names the first
-    fetch_lock.unlock();
-    UniqueKeys(values.cpu(), feature_counts, feature_tables);
-    TORCH_CHECK_VALUE(false, count[0], " ids lie outside their tables");
-  }
-  torch::Tensor slots;
-  int64_t version;
-  if (count[1] == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    slots = device_index_->FindSlots(unique, device_hits_);  // hits per table, counted on the device
-    version = device_index_->version();
-    stats_.hits += unique.numel();
-    return {unique, inverse, slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, version, 0};
-  }
-  // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
-  fetch_lock.unlock();
-  torch::Tensor weights = Fetch(unique.cpu());
-  torch::Tensor again = device_index_->NewCounters();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    device_index_->Sync();
-    slots = device_index_->FindSlots(unique, again);
-    version = device_index_->version();
-  }
-  const int64_t outside = again[1].item<int64_t>();
-  return {unique, inverse, weights, slots, version, outside};
-}
-
-void EmbeddingCache::FoldDeviceHits() {
-  if (!device_hits_.defined()) return;
-  const torch::Tensor hits = device_hits_.cpu();
-  device_hits_.zero_();
-  for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += hits.data_ptr<int64_t>()[2 + t];
-}
-
-void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tensor& slots, int64_t version,
-                                    int64_t outside, const torch::Tensor& grads, int64_t step, double lr) {
-  TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
-  TORCH_CHECK_VALUE(!on_host_, "the device update needs a cache on a CUDA device");
-  const int64_t n = keys.numel();
-  TORCH_CHECK_VALUE(keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && keys.device() == device_ &&
-                        slots.scalar_type() == torch::kInt32 && slots.dim() == 1 && slots.numel() == n &&
-                        slots.device() == device_,
-                    "keys (int64) and slots (int32) must be 1-D tensors of one length on ", device_);
-  TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.dim() == 2 && grads.size(0) == n &&
-                        grads.size(1) == opt_.dim && grads.device() == device_,
-                    "grads must be a float32 [", n, ", ", opt_.dim, "] tensor on ", device_);
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfFailed();
-  TORCH_CHECK(!closed_, "the table is closed");
-  if (!device_index_->Unchanged(version)) {  // rows moved since the lookup: by key, on the host
-    Apply(Update{keys.cpu(), grads.contiguous(), step, static_cast<float>(lr)});
-    return;
-  }
-  const Update u{keys, grads, step, static_cast<float>(lr)};
-  UpdateSlotsOnDevice(slots, grads, u);
-  if (outside != 0) {  // rows the cache does not hold, by the host
-    const torch::Tensor positions = slots.lt(0).nonzero().squeeze(1);
-    const torch::Tensor missed = keys.index_select(0, positions).cpu();
-    const torch::Tensor missed_grads = grads.index_select(0, positions).cpu().contiguous();
-    ApplyOutsideCache(missed.data_ptr<int64_t>(), missed.numel(), missed_grads.data_ptr<float>(), u);
-  }
-  ++stats_.updates_applied;
-  stats_.rows_updated += n;
-}
-#else
-void EmbeddingCache::FoldDeviceHits() {}
-#endif
-
-void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr) {
-  TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
-  CheckIds(ids);
-  TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
-                        grads.size(0) == ids.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
-                    "grads must be a contiguous float32 [", ids.numel(), ", ", opt_.dim, "] tensor on ", device_);
-  // Aliases without a Python object: the applier may drop the last reference
-  // without taking the GIL (a Python-owned tensor would need it to die).
-  Update u{at::alias(ids), at::alias(grads), step, static_cast<float>(lr)};
-  if (!device_.is_cpu()) {
-    // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    Apply(u);
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    TORCH_CHECK(!closed_, "the table is closed");
-    if (opt_.staleness > 0) AddPending(ids.data_ptr<int64_t>(), ids.numel(), +1);
-  }
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    queue_.push_back(std::move(u));
-    ++queued_;
-  }
-  queue_cv_.notify_one();
-}
-
-void EmbeddingCache::ApplierLoop() {
-  NameThisThread("mlkv-applier");
-  for (;;) {
-    Update u;
-    {
-      std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || (!paused_ && !queue_.empty()); });
-      if (queue_.empty()) return;
-      u = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (failed_.ok()) {
-        try {
-          Apply(u);
-        } catch (const StatusError& e) {
-          failed_ = e.status;
-        } catch (const std::exception& e) {
-          failed_ = Status::IOError(std::string("applying an update failed: ") + e.what());
-        }
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      --queued_;
-    }
-    applied_cv_.notify_all();
-  }
-}
-
-void EmbeddingCache::PauseWriter(bool paused) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    writer_paused_ = paused;
-  }
-  writer_cv_.notify_all();
-}
-
-void EmbeddingCache::PauseApplier(bool paused) {
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    paused_ = paused;
-  }
-  queue_cv_.notify_all();
-}
-
-void EmbeddingCache::Drain() {
-  WaitQueuedAtMost(0);
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfFailed();
-}
-
 torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   CheckIds(ids);
   Drain();
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   torch::Tensor out = torch::empty({n, row_words_}, torch::kFloat32);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const CacheSplit split = SplitByCache(id, n, /*will_write=*/false);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   float* dst = out.data_ptr<float>();
@@ -1052,291 +531,29 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
   return out;
 }
 
-void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) {
-  CheckIds(ids);
-  TORCH_CHECK_VALUE(rows.scalar_type() == torch::kFloat32 && rows.device().is_cpu() && rows.is_contiguous() &&
-                        rows.dim() == 2 && rows.size(0) == ids.numel() && rows.size(1) == row_words_,
-                    "rows must be a contiguous float32 CPU tensor [", ids.numel(), ", ", row_words_, "]");
-  Drain();
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  // No fetch admits or evicts meanwhile: rows found missing stay missing while they are written.
-  std::lock_guard<std::mutex> fetch_lock(fetch_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
-  const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
-  // Ids repeat at most harmlessly: the last row written for an id wins in both places.
-  if (!cached_pos.empty())
-    CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
-  // The rest through the write-back buffer, a buffer's worth at a time, so an import of many rows
-  // holds no more of them in memory than training does.
-  const float* data = rows.data_ptr<float>();
-  std::vector<float> piece;
-  for (size_t start = 0; start < missed_pos.size(); start += static_cast<size_t>(write_back_limit_)) {
-    WaitForWriteBackRoom(lock);
-    const size_t end = std::min(missed_pos.size(), start + static_cast<size_t>(write_back_limit_));
-    piece.resize((end - start) * static_cast<size_t>(row_words_));
-    for (size_t k = start; k < end; ++k) {
-      std::memcpy(&piece[(k - start) * row_words_], data + missed_pos[k] * row_words_, row_words_ * sizeof(float));
-    }
-    WriteBehind(missed_ids.data() + start, end - start, piece.data());
-  }
-}
-
-void EmbeddingCache::Lookahead(const torch::Tensor& ids) {
-  CheckIds(ids);
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> outside;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ThrowIfFailed();
-    int32_t sequence;
-    {
-      std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
-      sequence = prefetch_requested_ + 1;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (slot_of_.Find(id[i]) >= 0 || staged_.Find(id[i]) >= 0 || prefetching_.Find(id[i]) >= 0 ||
-          BufferedRow(id[i]) != nullptr) {
-        continue;
-      }
-      prefetching_.Insert(id[i], sequence);
-      outside.push_back(id[i]);
-    }
-    if (outside.empty()) return;
-    // Queued under mu_ too, so requests reach the prefetch thread in sequence order.
-    std::lock_guard<std::mutex> queue_lock(prefetch_mu_);
-    prefetch_requested_ = sequence;
-    prefetch_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now()});
-  }
-  prefetch_cv_.notify_one();
-}
-
-void EmbeddingCache::PrefetchLoop() {
-  NameThisThread("mlkv-prefetch");
-  for (;;) {
-    PrefetchRequest request;
-    {
-      std::unique_lock<std::mutex> lock(prefetch_mu_);
-      prefetch_cv_.wait(lock, [&] { return prefetch_stopping_ || !prefetch_queue_.empty(); });
-      if (prefetch_stopping_) return;
-      request = std::move(prefetch_queue_.front());
-      prefetch_queue_.pop_front();
-    }
-    const std::vector<int64_t>& ids = request.ids;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++reads_in_flight_;
-    }
-    std::vector<float> rows;
-    bool read_ok = true;
-    try {
-      rows.resize(ids.size() * static_cast<size_t>(row_words_));
-      std::unique_ptr<bool[]> fresh(new bool[ids.size()]);
-      ReadFromStore(ids.data(), ids.size(), rows.data(), fresh.get());
-    } catch (const std::exception&) {
-      read_ok = false;  // the fetch that needs these rows reads them itself and meets the error
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < ids.size(); ++i) {
-        // A row a fetch took over (WaitForPrefetches) or a later request holds is not this one's to stage.
-        if (prefetching_.Find(ids[i]) != request.sequence) continue;
-        prefetching_.Erase(ids[i]);
-        // A row written since the read began (now waiting to be written, or written) is newer than the read.
-        if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || BufferedRow(ids[i]) != nullptr ||
-            slot_of_.Find(ids[i]) >= 0 || staged_.Find(ids[i]) >= 0) {
-          continue;
-        }
-        if (Stage(ids[i], &rows[i * row_words_], /*read_ahead=*/true)) {
-          ++stats_.lookahead_rows;
-        } else {
-          ++stats_.lookahead_dropped;
-        }
-      }
-      EndRead();
-    }
-    {
-      std::lock_guard<std::mutex> lock(prefetch_mu_);
-      prefetch_done_ = request.sequence;
-      const double latency_us =
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - request.queued).count();
-      lookahead_latency_us_ = lookahead_latency_us_ == 0 ? latency_us : 0.7 * lookahead_latency_us_ + 0.3 * latency_us;
-    }
-    prefetched_cv_.notify_all();
-  }
-}
-
-void EmbeddingCache::WaitForPrefetches(const int64_t* ids, int64_t n) {
-  int32_t needed = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (prefetching_.size() == 0) return;
-    // Requests complete in order: the fetch waits for the newest one that reads many of its rows.
-    // A later one reading only a few (the next batch's look-ahead, queued just before this fetch,
-    // holds the rows of this batch that were written back meanwhile) would hold it up for a whole
-    // request: the fetch reads those rows itself, and takes them from prefetching_ (PrefetchLoop
-    // stages only rows its request still holds, so never over what the fetch brought in).
-    std::vector<std::pair<int32_t, int64_t>> rows_of;  // request -> rows of this fetch it reads
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t sequence = prefetching_.Find(ids[i]);
-      if (sequence <= 0) continue;
-      auto it = std::find_if(rows_of.begin(), rows_of.end(), [&](const auto& r) { return r.first == sequence; });
-      if (it == rows_of.end()) {
-        rows_of.emplace_back(sequence, 1);
-      } else {
-        ++it->second;
-      }
-    }
-    for (const auto& [sequence, rows] : rows_of) {
-      if (rows >= kReadItselfRows) needed = std::max(needed, sequence);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (prefetching_.Find(ids[i]) > needed) prefetching_.Erase(ids[i]);
-    }
-  }
-  if (needed <= 0) return;
-  const auto start = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(prefetch_mu_);
-  prefetched_cv_.wait(lock, [&] { return prefetch_done_ >= needed || prefetch_stopping_; });
-  lookahead_wait_us_ +=
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
-}
-
-bool EmbeddingCache::Stage(int64_t id, const float* row, bool read_ahead) {
-  if (staged_free_.empty()) {
-    // Full: entries no fetch took within the last kStagedFetches fetches are not coming back.
-    for (size_t e = 0; e < staged_id_.size(); ++e) {
-      if (staged_id_[e] >= 0 && epoch_ - staged_epoch_[e] > kStagedFetches)
-        Unstage(staged_id_[e], static_cast<int32_t>(e));
-    }
-    if (staged_free_.empty()) return false;
-  }
-  const int32_t entry = staged_free_.back();
-  staged_free_.pop_back();
-  std::memcpy(&staged_rows_[entry * row_words_], row, row_words_ * sizeof(float));
-  staged_id_[entry] = id;
-  staged_epoch_[entry] = epoch_;
-  staged_ahead_[entry] = read_ahead;
-  staged_.Insert(id, entry);
-  return true;
-}
-
-void EmbeddingCache::Unstage(int64_t id, int32_t entry) {
-  staged_.Erase(id);
-  staged_id_[entry] = -1;
-  staged_free_.push_back(entry);
-}
-
-void EmbeddingCache::Unstage(int64_t id) {
-  const int32_t entry = staged_.Find(id);
-  if (entry >= 0) Unstage(id, entry);
-}
-
 bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
-  const int32_t entry = staged_.Find(key);
-  if (entry < 0) return false;
-  std::memcpy(row, &staged_rows_[entry * row_words_], row_words_ * sizeof(float));
-  if (staged_ahead_[entry]) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
-  Unstage(key, entry);
+  bool read_ahead = false;
+  if (!staging_.Take(key, row, &read_ahead)) return false;
+  if (read_ahead) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
   return true;
-}
-
-Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* rows,
-                                   std::vector<uint8_t>* landed) const {
-  landed->assign(n, 0);
-  int64_t only;
-  const std::vector<TableBatch> batches = SplitByTable(keys, n, &only);
-  if (batches.empty()) {
-    std::vector<int64_t> ids(keys, keys + n);
-    for (int64_t& id : ids) id &= kIdMask;
-    const Status st = tables_[static_cast<size_t>(only)].store->Put(ids.data(), n, rows);
-    if (st.ok()) landed->assign(n, 1);
-    return st;
-  }
-  Status first_error;
-  for (size_t t = 0; t < batches.size(); ++t) {
-    const TableBatch& b = batches[t];
-    if (b.ids.empty()) continue;
-    std::vector<float> table_rows(b.ids.size() * static_cast<size_t>(row_words_));
-    for (size_t k = 0; k < b.ids.size(); ++k) {
-      std::memcpy(&table_rows[k * row_words_], rows + b.positions[k] * row_words_, row_words_ * sizeof(float));
-    }
-    const Status st = tables_[t].store->Put(b.ids.data(), b.ids.size(), table_rows.data());
-    if (st.ok()) {
-      for (size_t position : b.positions) (*landed)[position] = 1;
-    } else if (first_error.ok()) {
-      first_error = st;  // the other tables are still written
-    }
-  }
-  return first_error;
-}
-
-std::vector<int32_t> EmbeddingCache::TakeDirtySlots(std::vector<int64_t>* ids) {
-  FoldDeviceDirty();
-  std::vector<int32_t> slots;
-  for (int32_t s = 0; s < static_cast<int32_t>(opt_.capacity); ++s) {
-    if (slot_id_[s] >= 0 && slot_dirty_[s]) {
-      ids->push_back(slot_id_[s]);
-      slots.push_back(s);
-      slot_dirty_[s] = 0;
-    }
-  }
-  return slots;
-}
-
-void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
-  stats_.written_back += static_cast<int64_t>(keys.size());
-  for (int64_t key : keys) ++table_stats_[static_cast<size_t>(TableOf(key))].written_back;
-}
-
-void EmbeddingCache::WriteBack() {
-  try {
-    Drain();
-  } catch (...) {
-    // The applier failed: its update is lost and raised, but rows already on their way to the
-    // stores (evictions) still get there before the caller closes the stores.
-    std::unique_lock<std::mutex> lock(mu_);
-    writer_cv_.notify_one();
-    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-    throw;
-  }
-  std::unique_lock<std::mutex> lock(mu_);
-  // A cut being written goes first (rows written back now are past its boundary), and its
-  // stores' checkpoints are finished: the stores may be closed next.
-  if (write_back_.size() > 0) CheckWriterNotPaused();
-  if (cut_state_ != CutState::kNone) WaitCutDurable(lock);
-  std::vector<int64_t> ids;
-  const std::vector<int32_t> slots = TakeDirtySlots(&ids);
-  if (!ids.empty()) {
-    torch::Tensor rows = SlotRowsToHost(slots);
-    WriteBehind(ids.data(), ids.size(), rows.data_ptr<float>());
-    CountWrittenBack(ids);
-  }
-  // Every row reaches its store before this returns.
-  if (write_back_.size() > 0) CheckWriterNotPaused();
-  writer_cv_.notify_one();
-  written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-  ThrowIfWriteFailed(lock);
-  if (write_back_.size() > 0) {  // the retry succeeded: the rest follows
-    written_cv_.wait(lock, [&] { return write_back_.size() == 0 || !write_error_.ok(); });
-    if (!write_error_.ok()) throw StatusError(write_error_);
-  }
 }
 
 void EmbeddingCache::Close() {
-  if (closed_) return;
+  {
+    MutexLock lock(&mu_);
+    if (closed_) return;
+  }
   WriteBack();
+  MutexLock lock(&mu_);
   closed_ = true;
 }
 
 CacheStats EmbeddingCache::Stats() {
   CacheStats s;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     s = stats_;
-    s.cached_rows = static_cast<int64_t>(slot_of_.size());
+    s.cached_rows = static_cast<int64_t>(slot_index_.size());
     s.pending_rows = static_cast<int64_t>(pending_.size());
     s.lookahead_hits = 0;
     for (const TableCounters& t : table_stats_) s.lookahead_hits += t.lookahead_hits;
@@ -1344,22 +561,18 @@ CacheStats EmbeddingCache::Stats() {
                                              (cut_slots_.size() - std::min(cut_next_, cut_slots_.size())));
   }
   {
-    std::lock_guard<std::mutex> lock(prefetch_mu_);
-    s.lookahead_latency_us = lookahead_latency_us_;
-    s.lookahead_wait_us = lookahead_wait_us_;
+    MutexLock lock(&read_ahead_mu_);
+    s.lookahead_latency_us = read_ahead_latency_us_;
+    s.lookahead_wait_us = read_ahead_wait_us_;
   }
-  std::lock_guard<std::mutex> lock(queue_mu_);
+  MutexLock lock(&queue_mu_);
   s.queued_updates = queued_;
   s.waits = waits_;
   return s;
 }
 
-}  // namespace mlkv
-
-namespace mlkv {
-
 std::vector<TableCounters> EmbeddingCache::TableStats() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   FoldDeviceHits();
   return table_stats_;
 }

@@ -6,24 +6,18 @@
 // - Keys: a row of table t, id i is the key (t << kTableShift) | i (TableKey), so every
 //   table's rows share one index, one slot tensor and one policy, and a whole batch of
 //   every table's features is fetched, updated and read ahead in one call.
-// - Rows: `capacity` rows of the layout (row_ops.h) in one tensor on
-//   the device. Index and policy live on the host: an open-addressing
-//   map key -> slot and per-slot counters.
-// - Policy "lfu": a miss is admitted only when its recent frequency (a
-//   count-min sketch, halved periodically so it follows drift) beats that of
-//   the coldest of a few sampled residents. Policy "lru": every miss is
-//   admitted and the least recently used row leaves (the baseline).
-//   Rows read by the batch being fetched are never evicted by it.
-// - Dirty rows are written back to the store on eviction and on WriteBack.
-// - Staging: a bounded area in host memory of rows read from the store and
-//   not cached: rows the policy kept out (their update takes them instead of
-//   reading the store again) and rows read ahead.
-// - Lookahead: a prefetch thread reads rows of future batches from the store
-//   into the staging area; a fetch takes staged rows
-//   instead of reading the store, and waits for a read in flight rather than
-//   issuing it twice. Every store write of the cache drops staged copies of
-//   its rows (and rows of the read in flight), so staged rows are never older
-//   than the store.
+// - Rows: `capacity` rows of the layout (row_ops.h) in one tensor on the device. Index and
+//   policy live on the host: SlotIndex (key -> slot, each slot's key and dirty bit) and
+//   AdmissionPolicy ("lfu": a count-min sketch's admission test; "lru": the baseline).
+// - Dirty rows are written back to the store on eviction and on WriteBack, through the
+//   write-back buffer (WriteBackBuffer) and the writer thread (cache_write_back.cpp).
+// - Read-ahead (ReadAhead, Python's `lookahead`; the read-ahead thread is named mlkv-prefetch):
+//   rows of future batches are read from the stores into the staging area (StagingArea), which
+//   also holds rows the policy kept out; a fetch takes staged rows instead of reading the store,
+//   and waits for a read-ahead in flight rather than issuing it twice (cache_read_ahead.cpp).
+//   "Read-ahead" is the act and "staging area" where its rows wait; the stats keep their
+//   `lookahead_*` names. Every store write of the cache drops staged copies of its rows (and
+//   rows of the read in flight), so staged rows are never older than the store.
 // - On CUDA, a copy of the key -> slot map lives in device memory (DeviceIndex): a batch whose
 //   rows are all cached is keyed, deduplicated, looked up, gathered and updated on the device
 //   (LookupOnDevice, UpdateOnDevice), with one host synchronisation (the deduplication's), which
@@ -36,28 +30,47 @@
 // - Updates (QueueUpdate) are applied in order by the applier thread (CPU) or
 //   at once on the current stream (CUDA). A fetch first waits until at most
 //   `staleness` updates are queued, so no row it reads misses more than that
-//   many of its updates; with staleness 0 every read sees every update.
+//   many of its updates; with staleness 0 every read sees every update (cache_applier.cpp).
+// - Cuts: cache_cut.cpp; the CUDA paths: cache_device.cpp. The locks: beside the mutexes below.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/extension.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "admission_policy.h"
 #include "device_index.h"
 #include "engine/row_store.h"
+#include "engine/thread_annotations.h"
 #include "id_map.h"
-#include "write_back_buffer.h"
 #include "row_ops.h"
+#include "slot_index.h"
+#include "staging_area.h"
+#include "write_back_buffer.h"
 
 namespace mlkv {
+
+// Releases a held MutexLock for a scope (store I/O without the lock) and takes it back however
+// the scope ends, so the analysis sees the guarded members as unprotected inside it.
+class SCOPED_CAPABILITY MutexUnlock {
+ public:
+  MutexUnlock(Mutex* mu, MutexLock* lock) RELEASE(mu) : lock_(lock) { lock_->native().unlock(); }
+  ~MutexUnlock() RELEASE() { lock_->native().lock(); }
+  MutexUnlock(const MutexUnlock&) = delete;
+  MutexUnlock& operator=(const MutexUnlock&) = delete;
+
+ private:
+  MutexLock* lock_;
+};
 
 // A non-OK Status from the store, raised through the cache; the binding maps
 // it to the same Python exception as the store's own calls.
@@ -71,8 +84,6 @@ constexpr int kTableShift = 40;
 constexpr int64_t kIdMask = (int64_t{1} << kTableShift) - 1;
 inline int64_t TableKey(int64_t table, int64_t id) { return (table << kTableShift) | id; }
 inline int64_t TableOf(int64_t key) { return key >> kTableShift; }
-
-enum class CachePolicy : int { kLfu = 0, kLru = 1 };
 
 // One table of a cache: its store, the initial values of its rows never written, its size.
 struct CacheTable {
@@ -100,8 +111,8 @@ struct CacheStats {
   int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, admitted = 0, rejected = 0, evictions = 0,
           written_back = 0, updates_applied = 0, rows_updated = 0, queued_updates = 0, pending_rows = 0,
           max_staleness = 0, cached_rows = 0, waits = 0, lookahead_rows = 0, lookahead_hits = 0, lookahead_dropped = 0;
-  // Prefetch timing: the latency of a lookahead (queued -> rows staged), a moving average over
-  // recent requests, and the total time fetches waited for prefetches still in flight.
+  // Read-ahead timing: the latency of a read-ahead (queued -> rows staged), a moving average over
+  // recent requests, and the total time fetches waited for read-aheads still in flight.
   double lookahead_latency_us = 0;
   int64_t lookahead_wait_us = 0;
   int64_t write_back_rows = 0;  // rows waiting in the write-back buffer
@@ -138,7 +149,7 @@ class EmbeddingCache {
                                                       const std::vector<int64_t>& feature_tables) const;
   // Weights [n, weight_words] (float32 words) of distinct keys `ids`, on the device;
   // admits misses per policy. Every method below takes keys (TableKey), not ids.
-  torch::Tensor Fetch(const torch::Tensor& ids);
+  torch::Tensor Fetch(const torch::Tensor& ids) EXCLUDES(fetch_mu_, mu_);
 #ifdef MLKV_WITH_CUDA
   // The device-resident lookup of a batch of features (CUDA; `values` int64 on the device, as
   // UniqueKeys takes them): returns the distinct keys (sorted), each value's index among them,
@@ -157,22 +168,23 @@ class EmbeddingCache {
   // Queues one optimizer step for distinct `ids` with gradient rows `grads`
   // [n, dim] float32 (on the device), at learning rate `lr` (the rate when
   // the step was taken, so a schedule applies even to updates still queued).
-  void QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr);
+  void QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr)
+      EXCLUDES(mu_, queue_mu_);
   // Waits until every queued update is applied.
-  void Drain();
+  void Drain() EXCLUDES(mu_, queue_mu_);
   // Holds queued updates back (tests and benchmarks of staleness); a call
   // that would wait for a held update raises instead.
-  void PauseApplier(bool paused);
+  void PauseApplier(bool paused) EXCLUDES(queue_mu_);
   // Holds the writer back (tests of cuts): a call that would wait for it raises instead.
-  void PauseWriter(bool paused);
+  void PauseWriter(bool paused) EXCLUDES(mu_);
   // Current full rows [n, row_words] float32 on the CPU; no admission.
-  torch::Tensor ReadRows(const torch::Tensor& ids);
+  torch::Tensor ReadRows(const torch::Tensor& ids) EXCLUDES(mu_);
   // Replaces full rows (CPU float32 [n, row_words]) in the cache or the store.
-  void WriteRows(const torch::Tensor& ids, const torch::Tensor& rows);
-  // Queues a read of the rows of `ids` neither cached nor staged; returns at
-  // once. The prefetch thread stages them in host memory, where the next
-  // fetch takes them instead of reading the store.
-  void Lookahead(const torch::Tensor& ids);
+  void WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) EXCLUDES(fetch_mu_, mu_);
+  // Queues a read-ahead of the rows of `ids` neither cached nor staged; returns at once. The
+  // read-ahead thread puts them in the staging area, where the next fetch takes them instead of
+  // reading the store.
+  void ReadAhead(const torch::Tensor& ids) EXCLUDES(mu_, read_ahead_mu_);
   // Cuts (cache_cut.cpp): one consistent state of every table, written while training goes on
   // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
   // updates and takes every dirty row and every row on its way to the stores as the cut's; it
@@ -181,30 +193,30 @@ class EmbeddingCache {
   // is about to change (an update, an eviction) first copies its cut value aside (copy on write), so the cut costs
   // memory only for the rows training changes while it is written; on CUDA the cut's rows are copied to the host at the
   // boundary. One cut at a time.
-  void BeginCut();
+  void BeginCut() EXCLUDES(fetch_mu_, mu_);
   // Waits for the cut begun last and returns each table's store checkpoint (0: the store keeps
   // no numbered checkpoints); raises what failed (a full disk: the stores keep their previous
   // checkpoint, and the rows stay in memory until a write succeeds). `superseded`: a cut begun
   // next takes its place, and checkpoints every store again, so a failure of this one's store
   // checkpoints is not raised; rows it still cannot write are.
-  std::vector<int64_t> FinishCut(bool superseded = false);
+  std::vector<int64_t> FinishCut(bool superseded = false) EXCLUDES(mu_);
   // A cut was begun and not yet finished.
-  bool CutPending() {
-    std::lock_guard<std::mutex> lock(mu_);
+  bool CutPending() EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return cut_state_ != CutState::kNone;
   }
   // The cut's rows are in the stores and every store has begun its checkpoint: rows written
   // after the boundary go to the stores again, while FinishCut has the checkpoints to finish.
-  bool CutSealed() {
-    std::lock_guard<std::mutex> lock(mu_);
+  bool CutSealed() EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return cut_state_ == CutState::kSealed;
   }
   // Writes every dirty cached row to the store (after a cut being written, if any).
-  void WriteBack();
+  void WriteBack() EXCLUDES(mu_);
   // Drains and writes back, then stops the applier.
-  void Close();
-  CacheStats Stats();
-  std::vector<TableCounters> TableStats();
+  void Close() EXCLUDES(mu_);
+  CacheStats Stats() EXCLUDES(mu_, read_ahead_mu_, queue_mu_);
+  std::vector<TableCounters> TableStats() EXCLUDES(mu_);
   int64_t num_tables() const { return static_cast<int64_t>(tables_.size()); }
   int64_t row_words() const { return row_words_; }
   int64_t weight_words() const { return weight_words_; }
@@ -222,15 +234,23 @@ class EmbeddingCache {
     std::vector<int32_t> cached_slots;
     std::vector<int64_t> missed_pos, missed_ids;
   };
-  CacheSplit SplitByCache(const int64_t* ids, int64_t n, bool will_write);
+  CacheSplit SplitByCache(const int64_t* ids, int64_t n, bool will_write) REQUIRES(mu_);
+  // Raises (ValueError) unless `ids` is a contiguous 1-D int64 CPU tensor.
+  static void CheckIds(const torch::Tensor& ids);
+  // Calls f with a value of the C++ type of weight type t.
+  template <typename F>
+  static void DispatchWeightType(WeightType t, F&& f) {
+    switch (t) {
+      case WeightType::kFloat32: f(float{}); break;
+      case WeightType::kFloat16: f(c10::Half{}); break;
+      case WeightType::kBFloat16: f(c10::BFloat16{}); break;
+      case WeightType::kFloat64: f(double{}); break;
+    }
+  }
   // Raises (ValueError) unless feature_counts (non-negative, `n` in all) and feature_tables
   // (tables of this cache) describe a batch of n values.
   void CheckFeatures(int64_t n, const std::vector<int64_t>& feature_counts,
                      const std::vector<int64_t>& feature_tables) const;
-  void ApplierLoop();
-  void Apply(const Update& u);        // holds mu_
-  void ThrowIfFailed();               // holds mu_: rethrows an error the applier met
-  void WaitQueuedAtMost(int64_t n);
   // Reads full rows of keys not cached from their tables' stores (initial rows for ids
   // never written) into `out` [n, row_words] CPU; fresh[i] says row i was never written.
   void ReadFromStore(const int64_t* keys, size_t n, float* out, bool* fresh) const;
@@ -249,83 +269,91 @@ class EmbeddingCache {
   };
   // Slot for a missed id, or -1 when the policy keeps it out. May evict; the
   // caller writes evicted dirty rows back.
-  int32_t Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions);
-  int32_t PickVictim();
-  void Touch(int32_t slot);
-  void LruUnlink(int32_t slot);
-  void LruPushFront(int32_t slot);
-  uint8_t SketchAdd(int64_t id);
-  static size_t SketchWidth(int64_t capacity) {  // counters per row of the count-min sketch
-    return PowerOfTwoAtLeast(std::max<size_t>(1024, static_cast<size_t>(capacity) * 4));
-  }
-  void Age();
-  void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows);
-  torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots);
+  int32_t Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions) REQUIRES(mu_);
+  void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows) REQUIRES(mu_);
+  torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots) REQUIRES(mu_);
+  // Full rows of keys not cached: staged copies (taken), rows in the write-back buffer, and store
+  // reads; with `lock` (holding mu_), the stores are read with it released.
+  void ReadOutsideCache(const int64_t* keys, size_t n, float* out, MutexLock* lock) REQUIRES(mu_);
+  void EndRead() REQUIRES(mu_);  // a store read without mu_ ended
+  // Copies and unstages a staged row, counting a lookahead hit when it was read ahead.
+  bool TakeStaged(int64_t key, float* row) REQUIRES(mu_);
+
+  // ---- updates and the applier (cache_applier.cpp)
+  void ApplierLoop() EXCLUDES(mu_, queue_mu_);
+  void Apply(const Update& u) REQUIRES(mu_);
+  void ThrowIfFailed() REQUIRES(mu_);  // rethrows an error the applier met
+  void WaitQueuedAtMost(int64_t n) EXCLUDES(queue_mu_);
   void UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const;
-  // Rows not cached (holds mu_): read (staged, buffered or from the stores), updated with host
-  // gradient rows `grads` [m, dim], and written back through the write-back buffer.
-  void ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u);
-  // Device slots `slot_index` (int32 on the device; -1 skipped) updated with gradient rows
-  // `grads` [n, dim] on the device by the update kernel (holds mu_).
-  void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u);
-  // Takes the device's dirty marks into slot_dirty_ (holds mu_; no-op on the CPU).
-  void FoldDeviceDirty();
-  // Adds the hits the device counted (device_hits_) to table_stats_ (holds mu_; no-op on the CPU).
-  void FoldDeviceHits();
+  // Rows not cached: read (staged, buffered or from the stores), updated with host gradient rows
+  // `grads` [m, dim], and written back through the write-back buffer.
+  void ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u) REQUIRES(mu_);
   // The table's optimizer at the update's learning rate.
   OptimizerSpec SpecOf(const Update& u) const {
     OptimizerSpec spec = opt_.optimizer;
     spec.lr = u.lr;
     return spec;
   }
-  void AddPending(const int64_t* ids, int64_t n, int delta);
-  // Every store write of the cache goes here (holds mu_): the rows wait in the write-back
-  // buffer, where reads find them, until the writer thread has put them.
-  void WriteBehind(const int64_t* keys, size_t n, const float* rows);
+  void AddPending(const int64_t* ids, int64_t n, int delta) REQUIRES(mu_);
+
+  // ---- the device (cache_device.cpp)
+  // Device slots `slot_index` (int32 on the device; -1 skipped) updated with gradient rows
+  // `grads` [n, dim] on the device by the update kernel.
+  void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u) REQUIRES(mu_);
+  // Takes the device's dirty marks into slot_index_ (no-op on the CPU).
+  void FoldDeviceDirty() REQUIRES(mu_);
+  // Adds the hits the device counted (device_hits_) to table_stats_ (no-op on the CPU).
+  void FoldDeviceHits() REQUIRES(mu_);
+
+  // ---- write-back and the writer (cache_write_back.cpp)
+  // Every store write of the cache goes here: the rows wait in the write-back buffer, where reads
+  // find them, until the writer thread has put them.
+  void WriteBehind(const int64_t* keys, size_t n, const float* rows) REQUIRES(mu_);
   static constexpr size_t kWriteBatchRows = 4096;  // rows the writer puts per round
-  void WriterLoop();
-  // The writer's part of a cut (holds mu_): moves the next batch of cut slots into cut_write_back_,
-  // or, once every cut row is in its store, begins the stores' checkpoints (releasing mu_) and seals it.
-  void WriteCut(std::unique_lock<std::mutex>& lock);
-  // mu_ held (released while the disk works): the sealed cut's store checkpoints made durable.
-  void FinishStoreCheckpoints(std::unique_lock<std::mutex>& lock);
-  // mu_ held: until the cut begun last is durable (finishing its stores' checkpoints if no other
-  // call is); raises while the stores refuse its rows.
-  void WaitCutDurable(std::unique_lock<std::mutex>& lock);
-  // A cut slot about to change hands its cut value to cut_write_back_ (holds mu_).
-  void PreserveCutRow(int32_t slot) {
-    if (cut_slot_.empty() || !cut_slot_[slot]) return;
-    cut_write_back_.Put(slot_id_[slot], host_slots_ + static_cast<int64_t>(slot) * row_words_);
-    cut_slot_[slot] = 0;
-  }
-  // The newest value of `key` on its way to the stores, or nullptr (holds mu_).
-  const float* BufferedRow(int64_t key) const {
-    const float* row = write_back_.Find(key);
-    return row ? row : cut_write_back_.Find(key);
-  }
-  void ThrowIfWriteFailed(std::unique_lock<std::mutex>& lock);
+  void WriterLoop() EXCLUDES(mu_);
+  // The writer's wait ends: it stops, or it has rows it may write (a cut's first).
+  bool WriterWakes() const REQUIRES(mu_);
+  // Waits until the write-back buffer is empty or a write failed.
+  void WaitWritten(MutexLock& lock) REQUIRES(mu_);
+  void ThrowIfWriteFailed(MutexLock& lock) REQUIRES(mu_);
   // Waits (releasing mu_) while the write-back buffer is over its limit.
-  void WaitForWriteBackRoom(std::unique_lock<std::mutex>& lock);
+  void WaitForWriteBackRoom(MutexLock& lock) REQUIRES(mu_);
+  void CheckWriterNotPaused() const REQUIRES(mu_) {  // before waiting for the writer
+    TORCH_CHECK(!writer_paused_, "the writer is paused with rows to write; this call would wait for it forever");
+  }
   // Batched puts, one per table (no lock needed); landed[i] says row i reached its store. Every
   // table is written even when one fails; the first failure is returned.
   Status PutToStores(const int64_t* keys, size_t n, const float* rows, std::vector<uint8_t>* landed) const;
-  void CountWrittenBack(const std::vector<int64_t>& keys);  // holds mu_
+  void CountWrittenBack(const std::vector<int64_t>& keys) REQUIRES(mu_);
   // The dirty slots (device marks folded in) and their keys (appended to *ids), marked clean:
-  // the caller takes their rows to the stores (holds mu_).
-  std::vector<int32_t> TakeDirtySlots(std::vector<int64_t>* ids);
-  // Full rows of keys not cached (holds mu_): staged copies (taken), rows in the write-back
-  // buffer, and store reads; with `lock`, the stores are read with it released.
-  void ReadOutsideCache(const int64_t* keys, size_t n, float* out, std::unique_lock<std::mutex>* lock);
-  void EndRead();  // a store read without mu_ ended (holds mu_)
-  // Staging (holds mu_): keep a row read from the store for a later fetch or update; `read_ahead`:
-  // read by a lookahead, not kept out of the cache by the policy.
-  bool Stage(int64_t id, const float* row, bool read_ahead);
-  void Unstage(int64_t id, int32_t entry);
-  void Unstage(int64_t id);  // when staged
-  bool TakeStaged(int64_t key, float* row);  // copies and unstages a staged row
-  void PrefetchLoop();
-  // Waits (without mu_) until no prefetch in flight covers one of `ids`.
-  void WaitForPrefetches(const int64_t* ids, int64_t n);
+  // the caller takes their rows to the stores.
+  std::vector<int32_t> TakeDirtySlots(std::vector<int64_t>* ids) REQUIRES(mu_);
+  // The newest value of `key` on its way to the stores, or nullptr.
+  const float* BufferedRow(int64_t key) const REQUIRES(mu_) {
+    const float* row = write_back_.Find(key);
+    return row ? row : cut_write_back_.Find(key);
+  }
+
+  // ---- cuts (cache_cut.cpp)
+  // The writer's part of a cut: moves the next batch of cut slots into cut_write_back_, or, once
+  // every cut row is in its store, begins the stores' checkpoints (releasing mu_) and seals it.
+  void WriteCut(MutexLock& lock) REQUIRES(mu_);
+  // The sealed cut's store checkpoints made durable (mu_ released while the disk works).
+  void FinishStoreCheckpoints(MutexLock& lock) REQUIRES(mu_);
+  // Until the cut begun last is durable (finishing its stores' checkpoints if no other call is);
+  // raises while the stores refuse its rows.
+  void WaitCutDurable(MutexLock& lock) REQUIRES(mu_);
+  // A cut slot about to change hands its cut value to cut_write_back_.
+  void PreserveCutRow(int32_t slot) REQUIRES(mu_) {
+    if (cut_slot_.empty() || !cut_slot_[slot]) return;
+    cut_write_back_.Put(slot_index_.key(slot), host_slots_ + static_cast<int64_t>(slot) * row_words_);
+    cut_slot_[slot] = 0;
+  }
+
+  // ---- read-ahead (cache_read_ahead.cpp)
+  void ReadAheadLoop() EXCLUDES(mu_, read_ahead_mu_);
+  // Waits (without mu_) until no read-ahead in flight covers one of `ids`.
+  void WaitForReadAheads(const int64_t* ids, int64_t n) EXCLUDES(mu_, read_ahead_mu_);
 
   const std::vector<CacheTable> tables_;
   const CacheOptions opt_;
@@ -333,50 +361,46 @@ class EmbeddingCache {
   const bool on_host_;  // the slots are in host memory
   const int64_t weight_words_, row_words_;
 
-  std::mutex fetch_mu_;  // one fetch at a time (taken before mu_)
-  std::mutex mu_;  // everything below; the applier holds it while it applies
-  torch::Tensor slots_;  // [capacity, row_words] float32 on device_
-  float* host_slots_ = nullptr;  // slots_ data when on the CPU
-  IdMap slot_of_;
-#ifdef MLKV_WITH_CUDA
-  std::unique_ptr<DeviceIndex> device_index_;  // slot_of_ in device memory (CUDA)
-#endif
-  torch::Tensor slot_dirty_dev_;  // uint8 [capacity] on the device: slots the update kernel wrote
-  torch::Tensor device_hits_;  // DeviceIndex counters: [2 + t] hits of table t by device-only lookups
-  std::vector<int64_t> slot_id_;
-  std::vector<uint8_t> slot_freq_, slot_dirty_;
-  std::vector<uint32_t> slot_epoch_;  // the fetch that last read the slot
-  std::vector<int32_t> lru_prev_, lru_next_;
-  int32_t lru_head_ = -1, lru_tail_ = -1;
-  std::vector<int32_t> free_slots_;
-  std::vector<uint8_t> sketch_;
-  size_t sketch_mask_ = 0;
-  int64_t sketch_adds_ = 0, age_period_ = 0;
-  uint32_t epoch_ = 0;
-  uint64_t rng_ = 0x9E3779B97F4A7C15ull;
-  IdMap pending_;  // id -> updates queued and not applied (staleness > 0 only)
-  CacheStats stats_;
-  std::vector<TableCounters> table_stats_;  // cached_rows kept current; the rest count up
+  // The locks, taken in this order (a thread holding one takes only those after it):
+  //   fetch_mu_       one fetch (or a call that must see no admissions meanwhile) at a time;
+  //   mu_             the slots and everything of the cache below but the two queues; the applier
+  //                   holds it while it applies, the writer and the read-ahead thread between
+  //                   their store I/O, which they do without it;
+  //   read_ahead_mu_  the read-ahead queue (ReadAhead queues under mu_, keeping requests in order);
+  //   queue_mu_       the update queue, never held with another.
+  // Condition variables wait in a loop on the guarded condition: while (!cond) cv.wait(lock.native()).
+  Mutex fetch_mu_ ACQUIRED_BEFORE(mu_);
+  Mutex mu_;
+  Mutex read_ahead_mu_ ACQUIRED_AFTER(mu_);
+  Mutex queue_mu_ ACQUIRED_AFTER(read_ahead_mu_);
 
-  // Lookahead staging: rows read ahead, waiting for the fetch that needs them.
-  IdMap staged_;                     // id -> entry of staged_rows_
-  std::unique_ptr<float[]> staged_rows_;  // row_words floats per entry; untouched (no memory) until used
-  std::vector<int32_t> staged_free_;
-  std::vector<int64_t> staged_id_;   // per entry, -1 when free
-  std::vector<uint32_t> staged_epoch_;  // the fetch epoch it was staged in
-  std::vector<uint8_t> staged_ahead_;   // staged by a lookahead (its take is a lookahead hit), not as a row kept out
-  IdMap prefetching_;                // id -> sequence number of the request reading it
-  // Store reads running without mu_ (fetches' and the prefetcher's), and the keys whose writes
-  // completed meanwhile: those reads may hold older values.
-  int64_t reads_in_flight_ = 0;
-  IdMap written_during_reads_;
-  WriteBackBuffer write_back_;
-  int64_t write_back_limit_ = 0;
-  bool writer_busy_ = false;  // the writer is putting a batch it took (without mu_)
-  bool writer_paused_ = false;
-  void CheckWriterNotPaused() const {  // holds mu_: before waiting for the writer
-    TORCH_CHECK(!writer_paused_, "the writer is paused with rows to write; this call would wait for it forever");
-  }
+  torch::Tensor slots_ GUARDED_BY(mu_);             // [capacity, row_words] float32 on device_
+  float* host_slots_ PT_GUARDED_BY(mu_) = nullptr;  // slots_ data when on the CPU
+  SlotIndex slot_index_ GUARDED_BY(mu_);
+  AdmissionPolicy policy_ GUARDED_BY(mu_);
+#ifdef MLKV_WITH_CUDA
+  // slot_index_'s map in device memory (CUDA): its copy changes under mu_ (Sync); keying a batch
+  // and making counters need no lock.
+  std::unique_ptr<DeviceIndex> device_index_;
+#endif
+  torch::Tensor slot_dirty_dev_ GUARDED_BY(mu_);  // uint8 [capacity] on the device: slots the update kernel wrote
+  torch::Tensor device_hits_ GUARDED_BY(mu_);  // DeviceIndex counters: [2 + t] hits of table t by device-only lookups
+  IdMap pending_ GUARDED_BY(mu_);  // id -> updates queued and not applied (staleness > 0 only)
+  CacheStats stats_ GUARDED_BY(mu_);
+  std::vector<TableCounters> table_stats_ GUARDED_BY(mu_);  // cached_rows kept current; the rest count up
+  Status failed_ GUARDED_BY(mu_);  // the first error the applier met; every later call raises it
+  bool closed_ GUARDED_BY(mu_) = false;
+
+  StagingArea staging_ GUARDED_BY(mu_);  // rows read from the stores and not cached, until a fetch or update takes them
+  IdMap reading_ahead_ GUARDED_BY(mu_);  // id -> sequence number of the read-ahead request reading it
+  // Store reads running without mu_ (fetches' and the read-ahead thread's), and the keys whose
+  // writes completed meanwhile: those reads may hold older values.
+  int64_t reads_in_flight_ GUARDED_BY(mu_) = 0;
+  IdMap written_during_reads_ GUARDED_BY(mu_);
+  WriteBackBuffer write_back_ GUARDED_BY(mu_);
+  int64_t write_back_limit_ GUARDED_BY(mu_) = 0;
+  bool writer_busy_ GUARDED_BY(mu_) = false;  // the writer is putting a batch it took (without mu_)
+  bool writer_paused_ GUARDED_BY(mu_) = false;
   // The cut being written: rows of the cut on their way to the stores (written before any of
   // write_back_), host slots still holding a cut value (cut_slot_, listed in cut_slots_ from
   // cut_next_), and the outcome, kept until FinishCut takes it.
@@ -384,43 +408,43 @@ class EmbeddingCache {
   // says which did), and later rows may follow; kSyncing: a call finishes those checkpoints;
   // kDone: they are durable (or failed), until FinishCut takes the outcome.
   enum class CutState { kNone, kWriting, kSealed, kSyncing, kDone };
-  CutState cut_state_ = CutState::kNone;
-  WriteBackBuffer cut_write_back_;
-  std::vector<uint8_t> cut_slot_;
-  std::vector<int32_t> cut_slots_;
-  size_t cut_next_ = 0;
-  std::vector<uint8_t> cut_begun_;
-  std::vector<int64_t> cut_sequences_;
-  Status cut_error_;
-  Status write_error_;  // the writer's last failure; it writes again when a call asks (write_retry_)
-  bool write_retry_ = false;
-  int64_t write_attempts_ = 0;  // batches the writer tried to put
+  CutState cut_state_ GUARDED_BY(mu_) = CutState::kNone;
+  WriteBackBuffer cut_write_back_ GUARDED_BY(mu_);
+  std::vector<uint8_t> cut_slot_ GUARDED_BY(mu_);
+  std::vector<int32_t> cut_slots_ GUARDED_BY(mu_);
+  size_t cut_next_ GUARDED_BY(mu_) = 0;
+  std::vector<uint8_t> cut_begun_ GUARDED_BY(mu_);
+  std::vector<int64_t> cut_sequences_ GUARDED_BY(mu_);
+  Status cut_error_ GUARDED_BY(mu_);
+  // The writer's last failure; it writes again when a call asks (write_retry_).
+  Status write_error_ GUARDED_BY(mu_);
+  bool write_retry_ GUARDED_BY(mu_) = false;
+  int64_t write_attempts_ GUARDED_BY(mu_) = 0;  // batches the writer tried to put
+  bool writer_stopping_ GUARDED_BY(mu_) = false;
   std::condition_variable writer_cv_, written_cv_;  // with mu_
-  bool writer_stopping_ = false;
   std::thread writer_;
-  Status failed_;  // the first error the applier met; every later call raises it
 
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_, applied_cv_;
-  std::deque<Update> queue_;
-  int64_t queued_ = 0;  // queued or being applied
-  int64_t waits_ = 0;   // fetches that waited for the applier
-  bool stopping_ = false, paused_ = false, closed_ = false;
+  std::condition_variable queue_cv_, applied_cv_;  // with queue_mu_
+  std::deque<Update> queue_ GUARDED_BY(queue_mu_);
+  int64_t queued_ GUARDED_BY(queue_mu_) = 0;  // queued or being applied
+  int64_t waits_ GUARDED_BY(queue_mu_) = 0;  // fetches that waited for the applier
+  bool stopping_ GUARDED_BY(queue_mu_) = false;
+  bool paused_ GUARDED_BY(queue_mu_) = false;
   std::thread applier_;
 
-  std::mutex prefetch_mu_;
-  std::condition_variable prefetch_cv_, prefetched_cv_;
-  struct PrefetchRequest {
+  std::condition_variable read_ahead_cv_, read_ahead_done_cv_;  // with read_ahead_mu_
+  struct ReadAheadRequest {
     int32_t sequence;
     std::vector<int64_t> ids;
     std::chrono::steady_clock::time_point queued;
   };
-  std::deque<PrefetchRequest> prefetch_queue_;
-  int32_t prefetch_requested_ = 0, prefetch_done_ = 0;
-  double lookahead_latency_us_ = 0;  // moving average, under prefetch_mu_
-  int64_t lookahead_wait_us_ = 0;    // under prefetch_mu_
-  bool prefetch_stopping_ = false;
-  std::thread prefetcher_;
+  std::deque<ReadAheadRequest> read_ahead_queue_ GUARDED_BY(read_ahead_mu_);
+  int32_t read_ahead_requested_ GUARDED_BY(read_ahead_mu_) = 0;
+  int32_t read_ahead_done_ GUARDED_BY(read_ahead_mu_) = 0;
+  double read_ahead_latency_us_ GUARDED_BY(read_ahead_mu_) = 0;  // moving average
+  int64_t read_ahead_wait_us_ GUARDED_BY(read_ahead_mu_) = 0;
+  bool read_ahead_stopping_ GUARDED_BY(read_ahead_mu_) = false;
+  std::thread read_ahead_thread_;
 };
 
 }  // namespace mlkv

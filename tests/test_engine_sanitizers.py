@@ -1,13 +1,16 @@
-"""The torch-free engine under AddressSanitizer/UBSan and ThreadSanitizer, and its lock annotations
-under clang's thread-safety analysis.
+"""The torch-free engine and cache parts under AddressSanitizer/UBSan and ThreadSanitizer, and the
+lock annotations under clang's thread-safety analysis.
 
-Runs scripts/sanitize.sh, which builds csrc/engine with csrc/tests/store_stress.cc
-(random operation sequences against std::unordered_map, then concurrent readers,
-writers, lookahead and checkpoints) and fails on any sanitizer report.
+Runs scripts/sanitize.sh, which builds csrc/engine and the cache's torch-free parts with
+csrc/tests/store_stress.cc (random operation sequences against std::unordered_map, then concurrent
+readers, writers, lookahead and checkpoints) and csrc/tests/cache_stress.cc (the admission policy,
+slot index, staging area and write-back buffer driven from several threads against a reference
+model) and fails on any sanitizer report.
 """
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -22,15 +25,17 @@ def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "5 passed, 0 failed" in output
+    assert "5 passed, 0 failed" in output  # store_stress
+    assert "8 passed, 0 failed" in output  # cache_stress
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
 
 
 @pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ (scripts/setup.sh installs it)")
 def test_lock_annotations_hold_under_clang_thread_safety_analysis(tmp_path):
-    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHON=sys.executable)
     result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "sanitize.sh"), "threads"], env=env,
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "thread-safety analysis: clean" in output
+    assert "thread-safety analysis of the cache's torch files: clean" in output

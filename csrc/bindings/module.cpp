@@ -1,0 +1,24 @@
+// mlkv_torch._C: the storage engines, the embedding cache and the ops beside them, one file per
+// bound class in this folder. Tensors are checked in the bindings (the Python wrappers check them
+// first, with friendlier messages); engine calls run with the GIL released, and a non-OK Status
+// becomes a typed Python exception (errors.h).
+#include <torch/extension.h>
+
+#include "bindings/bindings.h"
+#include "bindings/errors.h"
+#include "engine/io_reader.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mlkv-torch storage engine";
+  mlkv::bindings::RegisterErrors(m);
+#ifdef MLKV_WITH_ROCKSDB
+  m.attr("with_rocksdb") = true;
+#else
+  m.attr("with_rocksdb") = false;
+#endif
+  m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
+  mlkv::bindings::BindOps(m);
+  mlkv::bindings::BindStore(m);
+  mlkv::bindings::BindRocksStore(m);
+  mlkv::bindings::BindEmbeddingCache(m);
+}
