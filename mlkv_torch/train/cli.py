@@ -13,8 +13,6 @@ import torch.distributed as dist
 from ..config import ConfigError, load_config
 from .loop import run
 
-_DESCRIPTION = "Trains and evaluates DLRM from a YAML experiment."
-
 RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
 
 
@@ -37,7 +35,8 @@ def _leave_process_group(quiesce: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlkv_torch.train", description=_DESCRIPTION)
+    description = sys.modules[__package__].__doc__.split("\n\n")[0]  # the package docstring's first paragraph
+    parser = argparse.ArgumentParser(prog="python -m mlkv_torch.train", description=description)
     parser.add_argument("config", help="the experiment's YAML file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=200")
     parser.add_argument("--resume", action="store_true", help="continue from output_dir's latest checkpoint")
