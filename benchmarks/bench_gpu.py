@@ -17,9 +17,15 @@ so the step is the tables' forward, backward and optimizer alone.
              all-cached regime: no misses); under 1.0 the tables are populated first, so misses
              read rows from the store.
 
-`--configs` lists optimizer:cache pairs (sgd:1.0,sgd:0.1,sgd:0.01,adam:1.0 by default). Reported
+`--configs` lists optimizer:cache[:look-ahead depth[:bag backward]] entries (by default every row
+cached with SGD, both ways of reducing gradients, and Adam; 10% cached with SGD without look-ahead
+and with depths 2 and 4). With a depth d, before step i the batch of step i + d is read ahead
+(`DiskTableBatch.lookahead`): on CUDA its misses go into device slots ahead of its step. The bag
+backward is `DiskTableBatch.bag_backward` ("index_add", the default, or "sorted"). Reported
 per configuration: samples/s and the ratio to the reference of the same optimizer, hit rate,
-store reads per step, host<->device copies and synchronisations per step (torch profiler over
+store reads per step, the stores' read rate on this machine (rows/s, one thread, as the read-ahead
+thread reads) and the roofline it sets (store reads per step / that rate), host<->device copies and
+synchronisations per step (torch profiler over
 `--profile-steps` steps), where the time goes (the profiler's top operators), and whether the
 losses equal the reference's step by step (they must, within float rounding: staleness 0).
 Runs on the CPU as well (the smoke test in the suite does), where "GPU memory" is host memory.
@@ -58,8 +64,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
-    ap.add_argument("--configs", default="sgd:1.0,sgd:0.1,sgd:0.01,adam:1.0",
-                    help="optimizer:cache fraction pairs; optimizers sgd, adam")
+    ap.add_argument("--configs", default="sgd:1.0,sgd:1.0:0:sorted,adam:1.0,sgd:0.1,sgd:0.1:2,sgd:0.1:4",
+                    help="optimizer:cache fraction[:look-ahead depth[:bag backward]] entries; optimizers sgd, adam; "
+                         "bag backward index_add or sorted")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
     ap.add_argument("--out", default="bench-out/gpu.json")
@@ -67,7 +74,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.tables, args.dim, args.batch, args.warmup, args.steps = 3000, 3, 8, 64, 2, 4
-        args.profile_steps, args.configs, args.device = 1, "sgd:1.0,sgd:0.1,adam:1.0", "cpu"
+        args.profile_steps, args.configs, args.device = 1, "sgd:1.0,sgd:1.0:0:sorted,sgd:0.1,sgd:0.1:2,adam:1.0", "cpu"
     return args
 
 
@@ -115,7 +122,8 @@ class Reference:
         self.bag, self.opt = torch_embedding_bag(weights.shape[0], args.dim, LR, optimizer, weights,
                                                  include_last_offset=True, device=device)
 
-    def step(self, b: Batch) -> torch.Tensor:
+    def step(self, batches: List[Batch], i: int) -> torch.Tensor:
+        b = batches[i]
         ids = b.global_ids.to(self.device, non_blocking=True)
         offsets = b.offsets.to(self.device, non_blocking=True)
         loss = (self.bag(ids, offsets) * b.target).sum()
@@ -128,8 +136,9 @@ class Reference:
 class Disk:
     """The tables on DiskTableBatch, the cache on the device."""
 
-    def __init__(self, args: argparse.Namespace, optimizer: str, cache: float, rows_per_table: int, root: str,
-                 device: torch.device) -> None:
+    def __init__(self, args: argparse.Namespace, optimizer: str, cache: float, depth: int, rows_per_table: int,
+                 root: str, device: torch.device) -> None:
+        self.depth = depth
         rule = optim.SGD(lr=LR) if optimizer == "sgd" else optim.Adam(lr=LR)
         self.tables = list(range(args.tables))
         self.counts = [args.batch * args.bag] * args.tables
@@ -156,40 +165,62 @@ class Disk:
         synchronize(self.batch.device)
         return time.perf_counter() - start
 
-    def step(self, b: Batch) -> torch.Tensor:
+    def read_ahead_first(self, batches: List[Batch]) -> None:
+        """Reads ahead the batches before step 0's look-ahead window."""
+        for b in batches[:self.depth]:
+            self.batch.lookahead(b.values, self.counts, self.tables)
+
+    def step(self, batches: List[Batch], i: int) -> torch.Tensor:
+        if self.depth and i + self.depth < len(batches):
+            self.batch.lookahead(batches[i + self.depth].values, self.counts, self.tables)
+        b = batches[i]
         loss = (self.batch.pool(b.values, self.counts, self.tables, b.offsets) * b.target).sum()
         loss.backward()
         return loss.detach()
 
+    def store_read_rate(self, rows: int = 1 << 16) -> float:
+        """Rows a second the stores deliver to one thread, in one batched read per table of random
+        rows (as the read-ahead thread reads a batch's misses)."""
+        g = torch.Generator().manual_seed(7)
+        per_table = max(1, rows // len(self.tables))
+        start = time.perf_counter()
+        for t in self.tables:
+            ids = torch.randint(0, self.batch.tables[t].num_embeddings, (per_table,), generator=g)
+            self.batch.stores[t].lookup(ids)
+        return per_table * len(self.tables) / (time.perf_counter() - start)
+
     def counters(self) -> Dict[str, int]:
-        """The cache's hits, misses and store reads over every table."""
+        """The cache's hits, misses and store reads over every table; the rows the read-ahead thread
+        read (counted for the tables together), into slots or the staging area, among the reads."""
         stats = [self.batch.stats(t) for t in self.tables]
-        return {k: sum(s[k] for s in stats) for k in ("cache_hits", "cache_misses", "store_reads")}
+        counts = {k: sum(s[k] for s in stats) for k in ("cache_hits", "cache_misses", "store_reads")}
+        counts["store_reads"] += stats[0]["prefetched_rows"] + stats[0]["prefetch_placed_rows"]
+        return counts
 
     def close(self) -> None:
         self.batch.close()
 
 
-def time_steps(model: Any, batches: List[Batch], device: torch.device) -> Tuple[float, List[float]]:
-    """Seconds for `batches`, and their losses (read after the clock stops)."""
+def time_steps(model: Any, batches: List[Batch], steps: range, device: torch.device) -> Tuple[float, List[float]]:
+    """Seconds for the steps of `batches` in `steps`, and their losses (read after the clock stops)."""
     synchronize(device)
     start = time.perf_counter()
-    losses = [model.step(b) for b in batches]
+    losses = [model.step(batches, i) for i in steps]
     synchronize(device)
     return time.perf_counter() - start, [float(x) for x in losses]
 
 
-def profile_steps(model: Any, batches: List[Batch], device: torch.device, out_dir: Optional[str], name: str
-                  ) -> Dict[str, Any]:
+def profile_steps(model: Any, batches: List[Batch], steps: range, device: torch.device, out_dir: Optional[str],
+                  name: str) -> Dict[str, Any]:
     """Host<->device copies and synchronisations per step, and the operators that take the time."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        for b in batches:
-            model.step(b)
+        for i in steps:
+            model.step(batches, i)
         synchronize(device)
-    n = len(batches)
+    n = len(steps)
     counts = {"h2d": 0, "d2h": 0, "syncs": 0}
     for e in prof.events():
         if e.name.startswith("Memcpy HtoD"):
@@ -216,17 +247,19 @@ def main(argv: List[str]) -> int:
     rows_per_table = args.rows // args.tables
     configs = []
     for item in args.configs.split(","):
-        name, cache = item.split(":")
-        if name not in ("sgd", "adam"):
-            raise SystemExit(f"unknown optimizer {name!r} in --configs (sgd, adam)")
-        configs.append((name, float(cache)))
+        name, cache, *rest = item.split(":")
+        depth, backward = (rest + ["0", "index_add"][len(rest):])[:2] if len(rest) <= 2 else (None, None)
+        if name not in ("sgd", "adam") or backward not in ("index_add", "sorted"):
+            raise SystemExit(f"--configs takes optimizer:cache[:depth[:backward]] with optimizer sgd or adam and "
+                             f"backward index_add or sorted, got {item!r}")
+        configs.append((name, float(cache), int(depth), backward))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     log(f"# bench_gpu {datetime.date.today()}: {gpu}, torch {torch.__version__}, {args.tables} tables x "
         f"{rows_per_table} rows x {args.dim}, batch {args.batch} x {args.tables} features x {args.bag} ids, "
         f"Zipf {args.zipf}, {args.steps} timed steps after {args.warmup}")
     batches = make_batches(args, rows_per_table, args.warmup + args.steps + args.profile_steps, device)
-    warm, timed, profiled = (batches[:args.warmup], batches[args.warmup:args.warmup + args.steps],
-                             batches[args.warmup + args.steps:])
+    warm, timed, profiled = (range(args.warmup), range(args.warmup, args.warmup + args.steps),
+                             range(args.warmup + args.steps, len(batches)))
     root = tempfile.mkdtemp(prefix="bench-gpu-", dir=args.dir)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
@@ -236,36 +269,44 @@ def main(argv: List[str]) -> int:
                              for t in range(args.tables)])
         reference_rate: Dict[str, float] = {}
         reference_losses: Dict[str, List[float]] = {}
-        for opt_name in dict.fromkeys(name for name, _ in configs):
+        for opt_name in dict.fromkeys(c[0] for c in configs):
             ref = Reference(args, opt_name, initial, device)
-            time_steps(ref, warm, device)
-            seconds, losses = time_steps(ref, timed, device)
+            time_steps(ref, batches, warm, device)
+            seconds, losses = time_steps(ref, batches, timed, device)
             reference_rate[opt_name] = args.batch * len(timed) / seconds
             reference_losses[opt_name] = losses
-            prof = profile_steps(ref, profiled, device, out_dir, f"reference-{opt_name}")
+            prof = profile_steps(ref, batches, profiled, device, out_dir, f"reference-{opt_name}")
             results.append(dict(config=f"reference {opt_name}", samples_per_s=reference_rate[opt_name], ratio=1.0,
                                 **prof))
             del ref
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for opt_name, cache in configs:
-            path = os.path.join(root, f"{opt_name}-{cache}")
-            disk = Disk(args, opt_name, cache, rows_per_table, path, device)
+        for opt_name, cache, depth, backward in configs:
+            label = (f"disk {opt_name} cache {cache:g}" + (f" look-ahead {depth}" if depth else "")
+                     + (f" {backward} backward" if backward != "index_add" else ""))
+            path = os.path.join(root, label.replace(" ", "-"))
+            disk = Disk(args, opt_name, cache, depth, rows_per_table, path, device)
+            disk.batch.bag_backward = backward
             populate_s = disk.populate() if cache < 1.0 else disk.load_all()
-            time_steps(disk, warm, device)
+            read_rate = disk.store_read_rate() if cache < 1.0 else None
+            disk.read_ahead_first(batches)
+            time_steps(disk, batches, warm, device)
             before = disk.counters()
-            seconds, losses = time_steps(disk, timed, device)
+            seconds, losses = time_steps(disk, batches, timed, device)
             after = disk.counters()
             looked_up = (after["cache_hits"] - before["cache_hits"]) + (after["cache_misses"] - before["cache_misses"])
-            prof = profile_steps(disk, profiled, device, out_dir, f"disk-{opt_name}-{cache}")
+            prof = profile_steps(disk, batches, profiled, device, out_dir, label.replace(" ", "-"))
             ref_losses = reference_losses[opt_name]
             # Relative to the losses' scale: a loss is a sum of signed terms, near zero at times.
             worst = max(abs(a - b) for a, b in zip(losses, ref_losses)) / max(1e-12, max(abs(b) for b in ref_losses))
             rate = args.batch * len(timed) / seconds
-            results.append(dict(config=f"disk {opt_name} cache {cache:g}", samples_per_s=rate,
-                                ratio=rate / reference_rate[opt_name],
+            store_reads = (after["store_reads"] - before["store_reads"]) / len(timed)
+            # The I/O roofline: a step cannot be shorter than reading its rows at the stores' rate.
+            roofline = (args.batch / (store_reads / read_rate)) if read_rate and store_reads else None
+            results.append(dict(config=label, samples_per_s=rate, ratio=rate / reference_rate[opt_name],
                                 hit_rate=(after["cache_hits"] - before["cache_hits"]) / looked_up if looked_up else 0.0,
-                                store_reads_per_step=(after["store_reads"] - before["store_reads"]) / len(timed),
+                                store_reads_per_step=store_reads, store_read_rows_per_s=read_rate,
+                                roofline_samples_per_s=roofline, of_roofline=rate / roofline if roofline else None,
                                 populate_s=populate_s, loss_max_rel_diff=worst,
                                 losses_equal=worst < (1e-5 if device.type == "cpu" else 1e-3), **prof))
             disk.close()
@@ -276,14 +317,18 @@ def main(argv: List[str]) -> int:
         shutil.rmtree(root, ignore_errors=True)
     log("")
     for line in markdown_table(
-            ["configuration", "samples/s", "x reference", "hit rate", "store reads/step", "H2D/step", "D2H/step",
-             "syncs/step", "losses equal"],
-            [[r["config"], f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.2f}", f"{r.get('hit_rate', 1.0):.3f}",
-              f"{r.get('store_reads_per_step', 0):,.0f}", f"{r['copies_h2d_per_step']:.1f}",
+            ["configuration", "samples/s", "x reference", "hit rate", "store reads/step", "x I/O roofline",
+             "H2D/step", "D2H/step", "syncs/step", "losses equal"],
+            [[r["config"], f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.3f}", f"{r.get('hit_rate', 1.0):.3f}",
+              f"{r.get('store_reads_per_step', 0):,.0f}",
+              f"{r['of_roofline']:.2f}" if r.get("of_roofline") else "-", f"{r['copies_h2d_per_step']:.1f}",
               f"{r['copies_d2h_per_step']:.1f}", f"{r['syncs_per_step']:.1f}", r.get("losses_equal", "-")]
              for r in results]):
         log(line)
     for r in results:
+        if r.get("store_read_rows_per_s"):
+            log(f"{r['config']}: stores read {r['store_read_rows_per_s']:,.0f} rows/s on one thread; roofline "
+                f"{r['roofline_samples_per_s']:,.0f} samples/s")
         log(f"{r['config']}: top host ops (ms/step) {r['top_cpu_ops_ms_per_step']}")
     write_json_report(args.out, dict(args=vars(args), gpu=gpu, torch=torch.__version__,
                                      date=str(datetime.date.today()), results=results, lines=log.lines))

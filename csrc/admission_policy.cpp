@@ -17,6 +17,7 @@ AdmissionPolicy::AdmissionPolicy(int64_t capacity, CachePolicy policy) : capacit
   const size_t cap = static_cast<size_t>(capacity);
   slot_freq_.assign(cap, 0);
   slot_epoch_.assign(cap, 0);
+  slot_pin_.assign(cap, 0);
   free_slots_.resize(cap);
   for (size_t i = 0; i < cap; ++i) free_slots_[i] = static_cast<int32_t>(cap - 1 - i);
   if (policy_ == CachePolicy::kLru) {
@@ -37,7 +38,7 @@ size_t AdmissionPolicy::SketchWidth(int64_t capacity) {
 size_t AdmissionPolicy::HostBytes(int64_t capacity) {
   const size_t cap = static_cast<size_t>(capacity);
   const size_t per_slot = sizeof(decltype(slot_freq_)::value_type) + sizeof(decltype(slot_epoch_)::value_type) +
-                          sizeof(decltype(free_slots_)::value_type);
+                          sizeof(decltype(slot_pin_)::value_type) + sizeof(decltype(free_slots_)::value_type);
   const size_t policy =
       std::max(2 * SketchWidth(capacity) * sizeof(decltype(sketch_)::value_type),  // lfu's sketch
                cap * (sizeof(decltype(lru_prev_)::value_type) + sizeof(decltype(lru_next_)::value_type)));
@@ -99,8 +100,14 @@ void AdmissionPolicy::Touch(int32_t s) {
 
 int32_t AdmissionPolicy::PickVictim(const std::vector<uint8_t>& dirty, bool clean_first) {
   if (policy_ == CachePolicy::kLru) {
-    // Rows this fetch read sit at the front; a read tail means every row was read.
-    return (lru_tail_ >= 0 && slot_epoch_[lru_tail_] != epoch_) ? lru_tail_ : -1;
+    // Rows this fetch read sit at the front; a read row means every row before it was read. Pinned
+    // rows are stepped over, a bounded number of them.
+    int32_t s = lru_tail_;
+    for (int k = 0; s >= 0 && k < kVictimSamples * kVictimRounds * 8; ++k, s = lru_prev_[s]) {
+      if (slot_epoch_[s] == epoch_) return -1;
+      if (!pinned(s)) return s;
+    }
+    return -1;
   }
   int32_t best = -1, best_clean = -1;
   for (int round = 0; round < kVictimRounds && best < 0; ++round) {
@@ -109,7 +116,7 @@ int32_t AdmissionPolicy::PickVictim(const std::vector<uint8_t>& dirty, bool clea
       rng_ ^= rng_ >> 7;
       rng_ ^= rng_ << 17;
       const int32_t s = static_cast<int32_t>(rng_ % static_cast<uint64_t>(capacity_));
-      if (slot_epoch_[s] == epoch_) continue;
+      if (slot_epoch_[s] == epoch_ || pinned(s)) continue;
       if (best < 0 || slot_freq_[s] < slot_freq_[best]) best = s;
       if (clean_first && !dirty[s] && (best_clean < 0 || slot_freq_[s] < slot_freq_[best_clean])) {
         best_clean = s;
@@ -119,7 +126,8 @@ int32_t AdmissionPolicy::PickVictim(const std::vector<uint8_t>& dirty, bool clea
   return best_clean >= 0 ? best_clean : best;
 }
 
-int32_t AdmissionPolicy::Admit(uint8_t frequency, const std::vector<uint8_t>& dirty, bool cut_writing, bool* evicts) {
+int32_t AdmissionPolicy::Admit(uint8_t frequency, const std::vector<uint8_t>& dirty, bool cut_writing, bool* evicts,
+                               bool force) {
   *evicts = false;
   if (capacity_ == 0) return -1;
   int32_t s;
@@ -131,7 +139,7 @@ int32_t AdmissionPolicy::Admit(uint8_t frequency, const std::vector<uint8_t>& di
     if (s < 0) return -1;
     // TinyLFU's admission test: a newcomer must be seen more often than the row it displaces
     // (not while a cut is written: a row kept out is written back at its update, behind the cut).
-    if (policy_ == CachePolicy::kLfu && frequency <= slot_freq_[s] && !cut_writing) return -1;
+    if (policy_ == CachePolicy::kLfu && frequency <= slot_freq_[s] && !cut_writing && !force) return -1;
     *evicts = true;
     if (policy_ == CachePolicy::kLru) LruUnlink(s);
   }
@@ -139,6 +147,13 @@ int32_t AdmissionPolicy::Admit(uint8_t frequency, const std::vector<uint8_t>& di
   slot_epoch_[s] = epoch_;
   if (policy_ == CachePolicy::kLru) LruPushFront(s);
   return s;
+}
+
+void AdmissionPolicy::Free(int32_t slot) {
+  if (policy_ == CachePolicy::kLru) LruUnlink(slot);
+  slot_freq_[slot] = 0;
+  slot_pin_[slot] = 0;
+  free_slots_.push_back(slot);
 }
 
 }  // namespace mlkv

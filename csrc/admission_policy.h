@@ -5,12 +5,16 @@
 //   periodically so it follows drift) beats that of the coldest of a few sampled residents.
 // - "lru": every miss is admitted and the least recently used row leaves (the baseline).
 // - Rows the fetch under way has read or admitted (its epoch) are never evicted by it.
+// - Pins: a slot pinned for read-ahead request s (Pin) is not evicted until every request up to s
+//   is released (ReleaseThrough): the rows of batches read ahead into slots stay until used.
 //
 // Not thread-safe: the cache's lock guards it.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace mlkv {
@@ -35,7 +39,20 @@ class AdmissionPolicy {
   // the caller evicts; -1 when the policy keeps the miss out. `dirty` holds each slot's dirty bit;
   // with `cut_writing` (a cut's rows are being written, and a dirty row evicted would wait behind
   // them) the coldest clean sampled row goes first and no miss is kept out.
-  int32_t Admit(uint8_t frequency, const std::vector<uint8_t>& dirty, bool cut_writing, bool* evicts);
+  // `force`: no admission test (a row read ahead into a slot, which its batch needs there).
+  int32_t Admit(uint8_t frequency, const std::vector<uint8_t>& dirty, bool cut_writing, bool* evicts,
+                bool force = false);
+  // Keeps `slot` until request `request` is released (a later pin of a later request extends it).
+  void Pin(int32_t slot, int32_t request) { slot_pin_[slot] = std::max(slot_pin_[slot], request); }
+  // Requests up to `request` are done with their rows: their pins no longer keep slots.
+  void ReleaseThrough(int32_t request) { released_ = std::max(released_, request); }
+  bool pinned(int32_t slot) const { return slot_pin_[slot] > released_; }
+  int32_t released() const { return released_; }
+  // Keeps `slot` whatever is released, until Unreserve pins it for `request` (a row on its way in).
+  void Reserve(int32_t slot) { slot_pin_[slot] = std::numeric_limits<int32_t>::max(); }
+  void Unreserve(int32_t slot, int32_t request) { slot_pin_[slot] = request; }
+  // A slot Admit gave out returns unused (its row never arrived).
+  void Free(int32_t slot);
 
  private:
   static size_t SketchWidth(int64_t capacity);  // counters per row of the count-min sketch
@@ -49,6 +66,8 @@ class AdmissionPolicy {
   const CachePolicy policy_;
   std::vector<uint8_t> slot_freq_;
   std::vector<uint32_t> slot_epoch_;  // the fetch that last read the slot
+  std::vector<int32_t> slot_pin_;     // the last read-ahead request that needs the slot
+  int32_t released_ = 0;
   std::vector<int32_t> lru_prev_, lru_next_;
   int32_t lru_head_ = -1, lru_tail_ = -1;
   std::vector<int32_t> free_slots_;

@@ -59,15 +59,18 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
     MutexLock lock(&mu_);
     ThrowIfFailed();
     TORCH_CHECK(!closed_, "the table is closed");
+    if (transfer_) transfer_->UseCurrentStreamForTraining();
     device_index_->Sync();
     device_index_->FindSlots(keys, counters);  // every value: are any missing?
   }
-  // The counts travel to the host while the keys are deduplicated; the deduplication synchronises
-  // the stream (it needs its output's size), so they have arrived when it returns: one
-  // synchronisation for a batch whose rows are all cached.
-  torch::Tensor found =
-      torch::empty({counters.numel()}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
-  found.copy_(counters, /*non_blocking=*/true);
+  // The counts (and the keys' fingerprint, which says whether this is the batch read ahead) travel
+  // to the host while the keys are deduplicated; the deduplication synchronises the stream (it
+  // needs its output's size), so they have arrived when it returns: one synchronisation for a
+  // batch whose rows are all cached.
+  const int64_t n_counters = counters.numel();
+  torch::Tensor found = torch::empty({n_counters + 1}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(true));
+  found.narrow(0, 0, n_counters).copy_(counters, /*non_blocking=*/true);
+  found.narrow(0, n_counters, 1).copy_(keys.sum().reshape({1}), /*non_blocking=*/true);
   auto [unique, inverse, unused_counts] = at::_unique2(keys, /*sorted=*/true, /*return_inverse=*/true);
   c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();  // already done by _unique2; made explicit
   const int64_t* count = found.data_ptr<int64_t>();
@@ -80,10 +83,17 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
   int64_t version;
   if (count[1] == 0) {
     MutexLock lock(&mu_);
+    // The batch read ahead keeps its slots until its update: it says so with the read-ahead's
+    // sequence, negated, where the index's version would go.
+    const int32_t read_ahead = TakeReadAhead(static_cast<uint64_t>(count[n_counters]));
     slots = device_index_->FindSlots(unique, device_hits_);  // hits per table, counted on the device
-    version = device_index_->version();
+    version = read_ahead > 0 ? -static_cast<int64_t>(read_ahead) : device_index_->version();
     stats_.hits += unique.numel();
     return {unique, inverse, slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, version, 0};
+  }
+  {
+    MutexLock lock(&mu_);
+    TakeReadAhead(std::nullopt);
   }
   // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
   fetch_lock.Unlock();
@@ -121,7 +131,11 @@ void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tens
   MutexLock lock(&mu_);
   ThrowIfFailed();
   TORCH_CHECK(!closed_, "the table is closed");
-  if (!device_index_->Unchanged(version)) {  // rows moved since the lookup: by key, on the host
+  // A batch read ahead kept its slots unless a later lookup released its pins first; any other
+  // batch kept them if the index did not change since its lookup.
+  const bool slots_kept = version < 0 ? policy_.released() < -version : device_index_->Unchanged(version);
+  if (version < 0) policy_.ReleaseThrough(static_cast<int32_t>(-version));
+  if (!slots_kept) {  // rows moved since the lookup: by key, on the host
     Apply(Update{keys.cpu(), grads.contiguous(), step, static_cast<float>(lr)});
     return;
   }

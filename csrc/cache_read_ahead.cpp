@@ -3,6 +3,7 @@
 // rather than reading its rows twice (see embedding_cache.h).
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "embedding_cache.h"
 #include "engine/thread_name.h"
@@ -14,37 +15,174 @@ namespace {
 // Rows of a fetch a read-ahead request may read before the fetch waits for it rather than reading
 // them itself.
 constexpr int64_t kReadItselfRows = 64;
+// Read-aheads no lookup took after this many more were asked for are dropped (their pins released):
+// a caller that reads ahead batches it never looks up does not pin the cache full.
+constexpr size_t kUntakenReadAheads = 64;
+
+// The sum of a batch's keys (wrapping): a batch whose fingerprint is a read-ahead's is the batch read ahead.
+uint64_t BatchFingerprint(const int64_t* values, const std::vector<int64_t>& feature_counts,
+                          const std::vector<int64_t>& feature_tables) {
+  uint64_t sum = 0;
+  int64_t i = 0;
+  for (size_t f = 0; f < feature_counts.size(); ++f) {
+    const uint64_t table_bits = static_cast<uint64_t>(TableKey(feature_tables[f], 0));
+    for (const int64_t end = i + feature_counts[f]; i < end; ++i) sum += table_bits | static_cast<uint64_t>(values[i]);
+  }
+  return sum;
+}
 
 }  // namespace
 
-void EmbeddingCache::ReadAhead(const torch::Tensor& ids) {
+void EmbeddingCache::ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+                                    const std::vector<int64_t>& feature_tables) {
+  const torch::Tensor unique = std::get<0>(UniqueKeys(values, feature_counts, feature_tables));
+  ReadAhead(unique, BatchFingerprint(values.data_ptr<int64_t>(), feature_counts, feature_tables));
+}
+
+void EmbeddingCache::ReadAhead(const torch::Tensor& ids, uint64_t fingerprint) {
   CheckIds(ids);
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> outside;
+  bool into_slots = false;
   {
     MutexLock lock(&mu_);
     ThrowIfFailed();
-    int32_t sequence;
-    {
-      MutexLock queue_lock(&read_ahead_mu_);
-      sequence = read_ahead_requested_ + 1;
+    const int32_t sequence = ++read_ahead_issued_;
+    if (opt_.read_ahead_into_slots) {
+      // Into slots only while the slots hold the rows of every batch read ahead and not yet looked
+      // up: beyond that the pins would keep out the rows of the batches themselves.
+      into_slots = n * static_cast<int64_t>(untaken_read_aheads_.size() + 1) <= opt_.capacity;
+      untaken_read_aheads_.emplace_back(sequence, into_slots ? std::optional<uint64_t>(fingerprint) : std::nullopt);
+      if (untaken_read_aheads_.size() > kUntakenReadAheads) {
+        policy_.ReleaseThrough(untaken_read_aheads_.front().first);
+        untaken_read_aheads_.pop_front();
+      }
     }
     for (int64_t i = 0; i < n; ++i) {
-      if (slot_index_.Find(id[i]) >= 0 || staging_.Contains(id[i]) || reading_ahead_.Find(id[i]) >= 0 ||
-          BufferedRow(id[i]) != nullptr) {
+      const int32_t slot = slot_index_.Find(id[i]);
+      if (slot >= 0) {
+        if (into_slots) policy_.Pin(slot, sequence);  // kept until this batch is done with it
         continue;
       }
+      // A row on its way in already is pinned for the newest read-ahead when it lands. Staged and
+      // buffered rows are newer than the store: the staging path leaves them for the fetch, the
+      // slot path places them (PlaceReadAhead takes their newest value).
+      if (reading_ahead_.Find(id[i]) >= 0) continue;
+      if (!into_slots && (staging_.Contains(id[i]) || BufferedRow(id[i]) != nullptr)) continue;
       reading_ahead_.Insert(id[i], sequence);
       outside.push_back(id[i]);
     }
     if (outside.empty()) return;
     // Queued under mu_ too, so requests reach the read-ahead thread in sequence order.
     MutexLock queue_lock(&read_ahead_mu_);
-    read_ahead_requested_ = sequence;
-    read_ahead_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now()});
+    read_ahead_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now(), into_slots});
   }
   read_ahead_cv_.notify_one();
+}
+
+int32_t EmbeddingCache::TakeReadAhead(std::optional<uint64_t> fingerprint) {
+  policy_.ReleaseThrough(read_ahead_in_use_);  // the batch before this one is done with its rows
+  if (untaken_read_aheads_.empty()) return 0;
+  const auto [sequence, read_ahead_fingerprint] = untaken_read_aheads_.front();
+  untaken_read_aheads_.pop_front();
+  read_ahead_in_use_ = sequence;
+  return fingerprint && read_ahead_fingerprint && *fingerprint == *read_ahead_fingerprint ? sequence : 0;
+}
+
+void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::vector<float>& rows) {
+  const std::vector<int64_t>& ids = request.ids;
+  std::vector<int32_t> slots, victim_slots;
+  std::vector<int64_t> keys, victim_keys;
+  std::vector<uint8_t> victim_dirty;
+  std::vector<float> incoming;  // rows of `keys`, in order
+  std::vector<float> row(static_cast<size_t>(row_words_));
+  {
+    MutexLock fetch_lock(&fetch_mu_);  // no lookup is between finding its slots and gathering them
+    MutexLock lock(&mu_);
+    // Evictions wait for room in the write-back buffer, as fetches do (not for a writer held back or failed:
+    // the fetches meet that).
+    while (static_cast<int64_t>(write_back_.size()) > write_back_limit_ && write_error_.ok() && !writer_paused_ &&
+           !writer_stopping_) {
+      writer_cv_.notify_one();
+      written_cv_.wait(lock.native());
+    }
+    policy_.BeginFetch();  // slots reserved below are safe from this pass's own evictions
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int64_t key = ids[i];
+      // A row a fetch took over (WaitForReadAheads) or a later request holds is not this one's to place.
+      if (reading_ahead_.Find(key) != request.sequence) continue;
+      reading_ahead_.Erase(key);
+      if (slot_index_.Find(key) >= 0) continue;
+      // The newest value: a buffered row (written since), a staged one, else the store's as read,
+      // unless a write of it completed since the read began (then its fetch reads it again).
+      bool read_ahead = false;
+      if (const float* waiting = BufferedRow(key)) {
+        std::memcpy(row.data(), waiting, row.size() * sizeof(float));
+      } else if (staging_.Take(key, row.data(), &read_ahead)) {
+      } else if (written_during_reads_.Find(key) >= 0) {
+        continue;
+      } else {
+        std::memcpy(row.data(), &rows[i * row_words_], row.size() * sizeof(float));
+      }
+      bool evicts = false;
+      const int32_t s = policy_.Admit(policy_.CountMiss(key), slot_index_.dirty_bits(),
+                                      cut_state_ == CutState::kWriting, &evicts, /*force=*/true);
+      if (s < 0) {  // every slot is pinned: the row waits in the staging area for its fetch
+        ++stats_.read_ahead_unplaced;
+        if (staging_.Stage(key, row.data(), /*read_ahead=*/true, policy_.fetch_epoch())) ++stats_.lookahead_rows;
+        continue;
+      }
+      policy_.Reserve(s);
+      if (evicts) {
+        PreserveCutRow(s);
+        const int64_t evicted = slot_index_.key(s);
+        victim_slots.push_back(s);
+        victim_keys.push_back(evicted);
+        victim_dirty.push_back(static_cast<uint8_t>(slot_index_.dirty(s)));
+        --table_stats_[static_cast<size_t>(TableOf(evicted))].cached_rows;
+        ++stats_.evictions;
+      }
+      slot_index_.Unassign(s);
+      slots.push_back(s);
+      keys.push_back(key);
+      incoming.insert(incoming.end(), row.begin(), row.end());
+    }
+    if (!victim_slots.empty()) {
+      // Victims leave through the write-back buffer before their slots take the newcomers; the
+      // device's dirty marks of them come along (the host's alone would miss device updates).
+      std::vector<float> out(victim_slots.size() * static_cast<size_t>(row_words_));
+      std::vector<uint8_t> marks(victim_slots.size());
+      transfer_->CopyOut(victim_slots, out.data(), marks.data());
+      std::vector<int64_t> written;
+      for (size_t v = 0; v < victim_slots.size(); ++v) {
+        if (!victim_dirty[v] && !marks[v]) continue;
+        WriteBehind(&victim_keys[v], 1, &out[v * row_words_]);
+        written.push_back(victim_keys[v]);
+      }
+      CountWrittenBack(written);
+    }
+  }
+  if (!slots.empty()) transfer_->Wait(transfer_->CopyIn(slots, incoming.data()));
+  // Published under fetch_mu_ too: a fetch between finding its misses and admitting them must not
+  // see one of them cached meanwhile (it would admit it a second time).
+  MutexLock fetch_lock(&fetch_mu_);
+  MutexLock lock(&mu_);
+  for (size_t j = 0; j < slots.size(); ++j) {
+    const int64_t key = keys[j];
+    // Cached by a fetch meanwhile, or written since (its newest value is elsewhere): the slot goes back.
+    if (slot_index_.Find(key) >= 0 || BufferedRow(key) != nullptr || written_during_reads_.Find(key) >= 0) {
+      policy_.Free(slots[j]);
+      continue;
+    }
+    staging_.Unstage(key);  // the slot holds its value now
+    slot_index_.Assign(slots[j], key);
+    policy_.Unreserve(slots[j], read_ahead_issued_);  // kept for every batch read ahead so far
+    ++table_stats_[static_cast<size_t>(TableOf(key))].cached_rows;
+    ++stats_.admitted;
+    ++stats_.read_ahead_placed;
+  }
+  EndRead();
 }
 
 void EmbeddingCache::ReadAheadLoop() {
@@ -72,7 +210,15 @@ void EmbeddingCache::ReadAheadLoop() {
     } catch (const std::exception&) {
       read_ok = false;  // the fetch that needs these rows reads them itself and meets the error
     }
-    {
+    if (request.into_slots && read_ok) {
+      try {
+        PlaceReadAhead(request, rows);  // ends the read once its rows are published
+      } catch (const std::exception& e) {  // a failed copy (CUDA): every later call raises it
+        MutexLock lock(&mu_);
+        if (failed_.ok()) failed_ = Status::IOError(std::string("reading rows ahead into slots failed: ") + e.what());
+        EndRead();
+      }
+    } else {
       MutexLock lock(&mu_);
       for (size_t i = 0; i < ids.size(); ++i) {
         // A row a fetch took over (WaitForReadAheads) or a later request holds is not this one's to stage.

@@ -1,16 +1,22 @@
 #include "embedding_cache.h"
 
+#include "cuda_slot_transfer.h"
+#include "engine/task_pool.h"
 #include "engine/thread_name.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <optional>
 
 namespace mlkv {
 
 namespace {
+
+// Rows of a store read from several tables above which the tables are read side by side.
+constexpr size_t kParallelReadRows = 2048;
 
 void ThrowIfError(const Status& st) {
   if (!st.ok()) throw StatusError(st);
@@ -22,6 +28,7 @@ CacheOptions CheckedOptions(CacheOptions o) {
                     o.capacity);
   TORCH_CHECK_VALUE(o.dim > 0, "dim must be positive");
   TORCH_CHECK_VALUE(o.staleness >= 0, "staleness must be >= 0, got ", o.staleness);
+  TORCH_CHECK_VALUE(o.transfer_delay_us >= 0, "transfer_delay_us must be >= 0, got ", o.transfer_delay_us);
   TORCH_CHECK_VALUE(o.staging_rows > 0 && o.write_back_rows > 0,
                     "staging_rows and write_back_rows must be "
                     "positive, got ",
@@ -80,6 +87,15 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
     device_hits_ = device_index_->NewCounters();
   }
 #endif
+  if (opt_.read_ahead_into_slots) {
+    if (on_host_) {
+      transfer_ = std::make_unique<HostSlotTransfer>(host_slots_, row_words_, opt_.transfer_delay_us);
+    } else {
+#ifdef MLKV_WITH_CUDA
+      transfer_ = std::make_unique<CudaSlotTransfer>(slots_, slot_dirty_dev_);
+#endif
+    }
+  }
   write_back_limit_ = opt_.write_back_rows;  // rows waiting before a fetch waits for the writer
   if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
   read_ahead_thread_ = std::thread([this] { ReadAheadLoop(); });
@@ -200,18 +216,31 @@ void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bo
     for (int64_t& id : ids) id &= kIdMask;
     ThrowIfError(tables_[static_cast<size_t>(only)].store->Lookup(ids.data(), n, out, found.get()));
   } else {
-    // One batched read per table, into a buffer, then back to the batch's order.
+    // One batched read per table, into a buffer, then back to the batch's order (each table its
+    // own rows of `out`). A large batch reads its tables side by side: one table's batched read
+    // keeps only its own few reads in flight, and the disk (or the page cache) serves many more.
+    std::vector<Status> status(batches.size());
+    std::vector<std::function<void()>> reads;
     for (size_t t = 0; t < batches.size(); ++t) {
-      const TableBatch& b = batches[t];
-      if (b.ids.empty()) continue;
-      std::vector<float> rows(b.ids.size() * static_cast<size_t>(row_words_));
-      std::unique_ptr<bool[]> table_found(new bool[b.ids.size()]);
-      ThrowIfError(tables_[t].store->Lookup(b.ids.data(), b.ids.size(), rows.data(), table_found.get()));
-      for (size_t k = 0; k < b.ids.size(); ++k) {
-        std::memcpy(out + b.positions[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
-        found[b.positions[k]] = table_found[k];
-      }
+      if (batches[t].ids.empty()) continue;
+      reads.push_back([this, t, &batches, &status, out, &found] {
+        const TableBatch& b = batches[t];
+        std::vector<float> rows(b.ids.size() * static_cast<size_t>(row_words_));
+        std::unique_ptr<bool[]> table_found(new bool[b.ids.size()]);
+        status[t] = tables_[t].store->Lookup(b.ids.data(), b.ids.size(), rows.data(), table_found.get());
+        if (!status[t].ok()) return;
+        for (size_t k = 0; k < b.ids.size(); ++k) {
+          std::memcpy(out + b.positions[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
+          found[b.positions[k]] = table_found[k];
+        }
+      });
     }
+    if (n >= kParallelReadRows) {
+      TaskPool::Shared().RunAll(reads);
+    } else {
+      for (const auto& read : reads) read();
+    }
+    for (const Status& st : status) ThrowIfError(st);
   }
   std::vector<float> initial(static_cast<size_t>(opt_.dim));
   for (size_t i = 0; i < n; ++i) {
@@ -297,6 +326,14 @@ EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int6
 
 // ---- the operations ------------------------------------------------------------------------------
 
+torch::Tensor EmbeddingCache::FetchBatch(const torch::Tensor& ids) {
+  {
+    MutexLock lock(&mu_);
+    TakeReadAhead(std::nullopt);  // on the host rows are found by key: only the pins matter
+  }
+  return Fetch(ids);
+}
+
 torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   CheckIds(ids);
   const int64_t n = ids.numel();
@@ -350,6 +387,8 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
       ++stats_.rejected;
       continue;
     }
+    // A row a batch read ahead may need stays until every batch read ahead so far took its rows.
+    if (opt_.read_ahead_into_slots) policy_.Pin(s, read_ahead_issued_);
     admitted_slots.push_back(s);
     admitted_rows.push_back(j);
     source[missed_pos[j]] = s;

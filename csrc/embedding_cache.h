@@ -18,6 +18,13 @@
 //   "Read-ahead" is the act and "staging area" where its rows wait; the stats keep their
 //   `lookahead_*` names. Every store write of the cache drops staged copies of its rows (and
 //   rows of the read in flight), so staged rows are never older than the store.
+// - Read-ahead into slots (`read_ahead_into_slots`, the default on CUDA): the read-ahead thread
+//   puts the rows it read straight into reserved slots through a SlotTransfer (slot_transfer.h:
+//   pinned buffers and a side stream on CUDA), evicting only rows no batch read ahead still needs
+//   (AdmissionPolicy's pins), and publishes each slot in the index once its row has landed. The
+//   lookups take read-aheads in order (TakeReadAhead); a batch whose keys are those of the
+//   read-ahead it takes (a fingerprint says so) keeps its slots until its update, so on CUDA it
+//   runs the device path from lookup to update with no host round trip of its own.
 // - On CUDA, a copy of the key -> slot map lives in device memory (DeviceIndex): a batch whose
 //   rows are all cached is keyed, deduplicated, looked up, gathered and updated on the device
 //   (LookupOnDevice, UpdateOnDevice), with one host synchronisation (the deduplication's), which
@@ -42,6 +49,7 @@
 #include <condition_variable>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -54,6 +62,7 @@
 #include "id_map.h"
 #include "row_ops.h"
 #include "slot_index.h"
+#include "slot_transfer.h"
 #include "staging_area.h"
 #include "write_back_buffer.h"
 
@@ -105,6 +114,8 @@ struct CacheOptions {
   // writer (each at least 1); the memory budget counts both (HostBytesOfBuffers).
   int64_t staging_rows = 4096;
   int64_t write_back_rows = 4096;  // rows the buffer may hold before a fetch waits for the writer
+  bool read_ahead_into_slots = false;  // rows read ahead go into slots, not the staging area
+  int64_t transfer_delay_us = 0;       // on the host: each copy into slots lands this late (tests)
 };
 
 struct CacheStats {
@@ -121,6 +132,8 @@ struct CacheStats {
   // Rows of the cut begun last: dirty cached rows and rows on their way to the stores at its boundary
   // (a row both evicted and cached again, dirty, counts twice).
   int64_t cut_rows = 0;
+  // Rows read ahead into slots, and rows read ahead that found every slot pinned (staged instead).
+  int64_t read_ahead_placed = 0, read_ahead_unplaced = 0;
 };
 
 // The counters of CacheStats that belong to one table of the cache.
@@ -150,6 +163,8 @@ class EmbeddingCache {
   // Weights [n, weight_words] (float32 words) of distinct keys `ids`, on the device;
   // admits misses per policy. Every method below takes keys (TableKey), not ids.
   torch::Tensor Fetch(const torch::Tensor& ids) EXCLUDES(fetch_mu_, mu_);
+  // Fetch of a batch's keys: the batch takes the oldest read-ahead not yet taken (see ReadAheadBatch).
+  torch::Tensor FetchBatch(const torch::Tensor& ids) EXCLUDES(fetch_mu_, mu_);
 #ifdef MLKV_WITH_CUDA
   // The device-resident lookup of a batch of features (CUDA; `values` int64 on the device, as
   // UniqueKeys takes them): returns the distinct keys (sorted), each value's index among them,
@@ -183,8 +198,13 @@ class EmbeddingCache {
   void WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) EXCLUDES(fetch_mu_, mu_);
   // Queues a read-ahead of the rows of `ids` neither cached nor staged; returns at once. The
   // read-ahead thread puts them in the staging area, where the next fetch takes them instead of
-  // reading the store.
-  void ReadAhead(const torch::Tensor& ids) EXCLUDES(mu_, read_ahead_mu_);
+  // reading the store, or (read_ahead_into_slots) into slots. `fingerprint`: of the batch's keys
+  // (BatchFingerprint), which the batch's lookup compares.
+  void ReadAhead(const torch::Tensor& ids, uint64_t fingerprint = 0) EXCLUDES(mu_, read_ahead_mu_);
+  // The read-ahead of a batch of features, as UniqueKeys takes them. Lookups (FetchBatch,
+  // LookupOnDevice) take read-aheads in the order they were asked for, one each.
+  void ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+                      const std::vector<int64_t>& feature_tables) EXCLUDES(mu_, read_ahead_mu_);
   // Cuts (cache_cut.cpp): one consistent state of every table, written while training goes on
   // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
   // updates and takes every dirty row and every row on its way to the stores as the cut's; it
@@ -352,6 +372,21 @@ class EmbeddingCache {
 
   // ---- read-ahead (cache_read_ahead.cpp)
   void ReadAheadLoop() EXCLUDES(mu_, read_ahead_mu_);
+  struct ReadAheadRequest {
+    int32_t sequence;
+    std::vector<int64_t> ids;
+    std::chrono::steady_clock::time_point queued;
+    bool into_slots;  // else into the staging area
+  };
+  // The rows a request read (`rows`, in its order) into reserved slots: victims out through the
+  // write-back buffer, rows in through transfer_, each slot published once its row landed. Holds
+  // fetch_mu_ while it evicts and publishes, so no lookup between finding its slots and gathering
+  // them loses one, and no fetch between finding its misses and admitting them sees one cached.
+  void PlaceReadAhead(const ReadAheadRequest& request, const std::vector<float>& rows) EXCLUDES(fetch_mu_, mu_);
+  // The lookup of a batch takes the oldest read-ahead not taken, and the batch before it is done
+  // with its rows (their pins released). Returns the read-ahead's sequence when its fingerprint is
+  // `fingerprint` (its slots are pinned until this batch's update), else 0.
+  int32_t TakeReadAhead(std::optional<uint64_t> fingerprint) REQUIRES(mu_);
   // Waits (without mu_) until no read-ahead in flight covers one of `ids`.
   void WaitForReadAheads(const int64_t* ids, int64_t n) EXCLUDES(mu_, read_ahead_mu_);
 
@@ -393,6 +428,13 @@ class EmbeddingCache {
 
   StagingArea staging_ GUARDED_BY(mu_);  // rows read from the stores and not cached, until a fetch or update takes them
   IdMap reading_ahead_ GUARDED_BY(mu_);  // id -> sequence number of the read-ahead request reading it
+  int32_t read_ahead_issued_ GUARDED_BY(mu_) = 0;  // read-aheads asked for (each has its sequence number)
+  // Read-aheads not yet taken by a lookup (sequence, fingerprint: none for one read into the staging
+  // area), and the one the batch between its lookup and its update took (read_ahead_into_slots only).
+  std::deque<std::pair<int32_t, std::optional<uint64_t>>> untaken_read_aheads_ GUARDED_BY(mu_);
+  int32_t read_ahead_in_use_ GUARDED_BY(mu_) = 0;
+  // Moves rows into slots for PlaceReadAhead (read_ahead_into_slots only); its own lock.
+  std::unique_ptr<SlotTransfer> transfer_;
   // Store reads running without mu_ (fetches' and the read-ahead thread's), and the keys whose
   // writes completed meanwhile: those reads may hold older values.
   int64_t reads_in_flight_ GUARDED_BY(mu_) = 0;
@@ -433,13 +475,7 @@ class EmbeddingCache {
   std::thread applier_;
 
   std::condition_variable read_ahead_cv_, read_ahead_done_cv_;  // with read_ahead_mu_
-  struct ReadAheadRequest {
-    int32_t sequence;
-    std::vector<int64_t> ids;
-    std::chrono::steady_clock::time_point queued;
-  };
   std::deque<ReadAheadRequest> read_ahead_queue_ GUARDED_BY(read_ahead_mu_);
-  int32_t read_ahead_requested_ GUARDED_BY(read_ahead_mu_) = 0;
   int32_t read_ahead_done_ GUARDED_BY(read_ahead_mu_) = 0;
   double read_ahead_latency_us_ GUARDED_BY(read_ahead_mu_) = 0;  // moving average
   int64_t read_ahead_wait_us_ GUARDED_BY(read_ahead_mu_) = 0;

@@ -26,6 +26,12 @@ void SlotIndex::Assign(int32_t slot, int64_t key) {
   slot_dirty_[slot] = 0;
 }
 
+void SlotIndex::Unassign(int32_t slot) {
+  if (slot_key_[slot] >= 0) slot_of_.Erase(slot_key_[slot]);
+  slot_key_[slot] = -1;
+  slot_dirty_[slot] = 0;
+}
+
 std::vector<int32_t> SlotIndex::TakeDirty(std::vector<int64_t>* keys) {
   std::vector<int32_t> slots;
   for (int32_t s = 0; s < static_cast<int32_t>(slot_key_.size()); ++s) {

@@ -30,6 +30,8 @@ class SlotIndex {
   void MarkDirty(const uint8_t* marks);
   // `slot` holds `key` from now on, clean; the key it held before leaves the map.
   void Assign(int32_t slot, int64_t key);
+  // `slot` holds no key from now on (its row leaves; the slot is reserved for a row on its way).
+  void Unassign(int32_t slot);
   // The dirty slots, marked clean, with their keys appended to *keys: the caller takes their rows
   // to the stores.
   std::vector<int32_t> TakeDirty(std::vector<int64_t>* keys);

@@ -41,8 +41,14 @@ class _PooledLookup(torch.autograd.Function):
     def forward(ctx: Any, batch: "DiskTableBatch", unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
                 weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
                 device_lookup: Optional[Tuple[torch.Tensor, int, int]], *anchors: torch.Tensor) -> torch.Tensor:
-        out = F.embedding_bag(inverse, weights, offsets, mode=batch.mode, per_sample_weights=per_sample_weights,
-                              include_last_offset=True)
+        ctx.sorted_backward = None  # (offset2bag, bag_size, max_indices) of the forward, for the sorted backward
+        if batch.bag_backward == "sorted" and per_sample_weights is None and weights.dtype == torch.float32:
+            out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
+                weights, inverse, offsets, False, _MODES.index(batch.mode), False, None, True, -1)
+            ctx.sorted_backward = (offset2bag, bag_size, max_indices)
+        else:
+            out = F.embedding_bag(inverse, weights, offsets, mode=batch.mode, per_sample_weights=per_sample_weights,
+                                  include_last_offset=True)
         ctx.batch = batch
         ctx.device_lookup = device_lookup  # (slots, index version, rows not cached) of a device lookup
         psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[5]
@@ -54,7 +60,14 @@ class _PooledLookup(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         batch: DiskTableBatch = ctx.batch
         unique, inverse, offsets, weights, per_sample_weights = ctx.saved_tensors
-        if grad_out.device.type == "cpu":
+        if ctx.sorted_backward is not None:
+            # torch's own dense backward: the values sorted by row, each row's gradients summed in one
+            # pass, where the other path gathers a gradient row per value and adds them atomically.
+            grads = torch.ops.aten._embedding_bag_backward(
+                grad_out.contiguous(), inverse, offsets, *ctx.sorted_backward, unique.numel(), False,
+                _MODES.index(batch.mode), False, None, -1)
+            grad_psw = None
+        elif grad_out.device.type == "cpu":
             grads, grad_psw = _C.bag_backward(grad_out, offsets, inverse, unique.numel(), batch.mode == "mean",
                                               per_sample_weights, weights)
         else:
@@ -148,6 +161,12 @@ class DiskTableBatch:
     DiskEmbeddingBag is the one-table case; DiskEmbeddingBagCollection and the sharded disk kernel
     build one batch per row layout and view each table as a DiskEmbeddingBag.
 
+    `bag_backward` says how backward reduces a batch's gradients to one row per distinct key on a
+    GPU (the CPU has its own kernel, `_C.bag_backward`, unless "sorted" is asked for): "index_add"
+    (a gradient row gathered per value, added atomically; the default) or
+    "sorted" (torch's own embedding-bag backward: values sorted by row, each row summed in one
+    pass; float32 weights without per-sample weights). `benchmarks/bench_gpu.py` measures both.
+
     Args:
         tables: the tables (each its own store directory).
         embedding_dim: elements per row.
@@ -169,6 +188,13 @@ class DiskTableBatch:
         cut: reopen every table at this cut (a record `checkpoint` returned, `mlkv_torch.cut`):
             each store at the checkpoint it names, the optimizer at its step. ValueError names a
             table whose store has moved past it or is missing from it.
+        read_ahead_into_slots: rows read ahead (`lookahead`) go straight into cache slots, through
+            pinned buffers and a side stream on CUDA, and stay until their batch is done; each
+            `pool` takes the read-aheads in the order they were asked for. Default: on CUDA only
+            (there it lets batches read ahead run on the device alone). Off, they wait in the
+            staging area for their fetch.
+        transfer_delay_us: on the CPU, each copy into slots lands this many microseconds late
+            (tests hold copies in flight with it).
     """
 
     def __init__(self, tables: Sequence[DiskTable], embedding_dim: int, *, mode: str = "sum",
@@ -176,11 +202,13 @@ class DiskTableBatch:
                  memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
                  device: Optional[Union[str, torch.device]] = None, cache_policy: str = "lfu",
                  staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False,
-                 cut: Optional[Dict[str, Any]] = None) -> None:
+                 cut: Optional[Dict[str, Any]] = None, read_ahead_into_slots: Optional[bool] = None,
+                 transfer_delay_us: int = 0) -> None:
         for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
+                            ("transfer_delay_us", transfer_delay_us),
                             ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -210,6 +238,10 @@ class DiskTableBatch:
             raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if read_ahead_into_slots is None:
+            read_ahead_into_slots = device.type == "cuda"
+        self.read_ahead_into_slots = bool(read_ahead_into_slots)
+        self.bag_backward = "index_add"
         self.tables = list(tables)
         self._closed_by_close = False  # set by close(): every operation refuses from then on
         self.embedding_dim = embedding_dim
@@ -263,7 +295,8 @@ class DiskTableBatch:
                 eps=eps, beta1=beta1, beta2=beta2,
                 initial_state=optimizer.initial_state(1, embedding_dim).flatten().tolist(), policy=cache_policy,
                 staleness=staleness, device=str(device), staging_rows=self.staging_rows,
-                write_back_rows=self.write_back_rows)
+                write_back_rows=self.write_back_rows, read_ahead_into_slots=self.read_ahead_into_slots,
+                transfer_delay_us=transfer_delay_us)
         except BaseException:
             for store in self.stores:
                 store.close()
@@ -363,9 +396,10 @@ class DiskTableBatch:
         self.cache.update_on_device(unique, slots, version, outside, grads.contiguous(), self.step, self.lr)
 
     def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> None:
-        """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once."""
+        """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once.
+        Pools take read-aheads in order: read ahead the batches in the order they will be pooled."""
         self._check_open()
-        self.cache.lookahead(self.unique_keys(values, feature_counts, feature_tables)[0])
+        self.cache.lookahead(as_int64_cpu(values, "ids").reshape(-1).contiguous(), feature_counts, feature_tables)
 
     # ---- rows -------------------------------------------------------------------------------------
     def weights_of(self, words: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ out=${TMPDIR:-/tmp}/mlkv-sanitize
 mkdir -p "$out"
 # Sources each stress program is built from besides its own file in csrc/tests/.
 torch_free_srcs="csrc/engine/*.cc csrc/id_map.cpp csrc/write_back_buffer.cpp csrc/admission_policy.cpp
-  csrc/slot_index.cpp csrc/staging_area.cpp"
+  csrc/slot_index.cpp csrc/staging_area.cpp csrc/slot_transfer.cpp"
 stress_programs=(store_stress cache_stress)
 build_and_run() {  # sanitizer flags...
   local name=$1; shift

@@ -22,7 +22,8 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
                                                 int64_t weight_type, int64_t kind, double eps, double beta1,
                                                 double beta2, std::vector<float> initial_state,
                                                 const std::string& policy, int64_t staleness, const std::string& device,
-                                                int64_t staging_rows, int64_t write_back_rows) {
+                                                int64_t staging_rows, int64_t write_back_rows,
+                                                bool read_ahead_into_slots, int64_t transfer_delay_us) {
   std::vector<mlkv::CacheTable> cache_tables;
   for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column] : tables) {
     TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
@@ -51,6 +52,8 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
   o.staleness = staleness;
   o.staging_rows = staging_rows;
   o.write_back_rows = write_back_rows;
+  o.read_ahead_into_slots = read_ahead_into_slots;
+  o.transfer_delay_us = transfer_delay_us;
   return std::make_unique<mlkv::EmbeddingCache>(std::move(cache_tables), std::move(o), torch::Device(device));
 }
 
@@ -77,6 +80,8 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["prefetch_dropped_rows"] = s.lookahead_dropped;
   d["prefetch_latency_ms"] = s.lookahead_latency_us / 1e3;
   d["prefetch_wait_ms"] = static_cast<double>(s.lookahead_wait_us) / 1e3;
+  d["prefetch_placed_rows"] = s.read_ahead_placed;
+  d["prefetch_unplaced_rows"] = s.read_ahead_unplaced;
   d["write_back_rows"] = s.write_back_rows;
   d["write_back_waits"] = s.write_back_waits;
   d["write_back_wait_ms"] = static_cast<double>(s.write_back_wait_us) / 1e3;
@@ -121,16 +126,17 @@ void BindEmbeddingCache(py::module_& m) {
       .def(py::init(&MakeCache), py::arg("tables"), py::kw_only(), py::arg("capacity"), py::arg("dim"),
            py::arg("weight_type"), py::arg("kind"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"),
            py::arg("initial_state"), py::arg("policy"), py::arg("staleness"), py::arg("device"),
-           py::arg("staging_rows") = 4096, py::arg("write_back_rows") = 4096)
+           py::arg("staging_rows") = 4096, py::arg("write_back_rows") = 4096, py::arg("read_ahead_into_slots") = false,
+           py::arg("transfer_delay_us") = 0)
       .def("unique_keys", &EmbeddingCache::UniqueKeys, nogil)
-      .def("fetch", &EmbeddingCache::Fetch, nogil)
+      .def("fetch", &EmbeddingCache::FetchBatch, nogil)
       .def("queue_update", &EmbeddingCache::QueueUpdate, nogil)
       .def("drain", &EmbeddingCache::Drain, nogil)
       .def("pause_applier", &EmbeddingCache::PauseApplier, nogil)
       .def("pause_writer", &EmbeddingCache::PauseWriter, nogil)
       .def("read_rows", &EmbeddingCache::ReadRows, nogil)
       .def("write_rows", &EmbeddingCache::WriteRows, nogil)
-      .def("lookahead", &EmbeddingCache::ReadAhead, nogil)
+      .def("lookahead", &EmbeddingCache::ReadAheadBatch, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)
       .def("finish_cut", &EmbeddingCache::FinishCut, py::arg("superseded") = false, nogil)

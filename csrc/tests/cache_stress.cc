@@ -7,9 +7,12 @@
 // version of every key (std::unordered_map) and the keys the staging area must hold.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <iterator>
+#include <limits>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -17,8 +20,10 @@
 #include <vector>
 
 #include "admission_policy.h"
+#include "engine/task_pool.h"
 #include "engine/thread_annotations.h"
 #include "slot_index.h"
+#include "slot_transfer.h"
 #include "staging_area.h"
 #include "write_back_buffer.h"
 
@@ -386,6 +391,113 @@ void PolicyTest() {
   }
 }
 
+// Pins: a slot pinned for read-ahead request r is no victim until r is released, a reserved one
+// never until unreserved, with either policy, under random pins and releases.
+void PinTest() {
+  for (mlkv::CachePolicy policy : {mlkv::CachePolicy::kLru, mlkv::CachePolicy::kLfu}) {
+    constexpr int64_t kSlots = 64;
+    mlkv::AdmissionPolicy p(kSlots, policy);
+    std::vector<uint8_t> dirty(kSlots, 0);
+    std::vector<int32_t> pin(kSlots, 0);  // the model: the request each slot is pinned for (max: reserved)
+    std::mt19937_64 rng(policy == mlkv::CachePolicy::kLru ? 5 : 6);
+    int32_t request = 0, released = 0;
+    bool evicts = false;
+    for (int64_t key = 0; key < kSlots; ++key) p.Admit(1, dirty, false, &evicts);  // every slot taken
+    for (int round = 0; round < 4000; ++round) {
+      p.BeginFetch();
+      const int op = static_cast<int>(rng() % 4);
+      const int32_t s = static_cast<int32_t>(rng() % kSlots);
+      if (op == 0) {
+        ++request;
+        p.Pin(s, request);
+        pin[s] = std::max(pin[s], request);
+      } else if (op == 1 && request > released) {
+        released += 1 + static_cast<int32_t>(rng() % (request - released));
+        p.ReleaseThrough(released);
+      } else {
+        const int32_t victim = p.Admit(255, dirty, false, &evicts, /*force=*/true);
+        if (victim < 0) continue;  // every sampled slot pinned
+        EXPECT(pin[victim] <= released, "slot %d pinned for %d evicted with %d released", victim, pin[victim],
+               released);
+        if (rng() % 2) {
+          p.Reserve(victim);
+          pin[victim] = std::numeric_limits<int32_t>::max();
+        } else {
+          pin[victim] = 0;
+        }
+      }
+      if (round % 500 == 499) {  // reservations end: the rows landed
+        for (int32_t slot = 0; slot < kSlots; ++slot) {
+          if (pin[slot] == std::numeric_limits<int32_t>::max()) {
+            p.Unreserve(slot, request);
+            pin[slot] = request;
+          }
+        }
+      }
+    }
+  }
+}
+
+// HostSlotTransfer: copies land in order, each row in its slot, whoever waits; a copy out waits
+// for the copies in before it; from several threads, with copies held in flight.
+void TransferTest() {
+  constexpr int64_t kSlots = 256, kWords = kRowWords;
+  std::vector<float> slots(kSlots * kWords, -1.f);
+  mlkv::HostSlotTransfer transfer(slots.data(), kWords, /*delay_us=*/200);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      for (int round = 0; round < 50; ++round) {
+        // Each thread owns the slots t, t + 4, ...: nothing else writes them.
+        std::vector<int32_t> mine;
+        for (int32_t s = t; s < kSlots; s += 4) {
+          if (rng() % 3 == 0) mine.push_back(s);
+        }
+        std::vector<float> rows(mine.size() * kWords);
+        for (size_t i = 0; i < mine.size(); ++i) Fill(&rows[i * kWords], mine[i], round);
+        const uint64_t ticket = transfer.CopyIn(mine, rows.data());
+        if (rng() % 2) {
+          transfer.Wait(ticket);
+        }
+        std::vector<float> out(mine.size() * kWords);
+        std::vector<uint8_t> marks(mine.size(), 1);
+        transfer.CopyOut(mine, out.data(), marks.data());  // after every copy in started before it
+        for (size_t i = 0; i < mine.size(); ++i) {
+          EXPECT(Holds(&out[i * kWords], mine[i], round) && marks[i] == 0, "slot %d round %d", mine[i], round);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// TaskPool (the tables of a batch read side by side): every task of every call runs once, before
+// its call returns, with calls made from several threads at once.
+void TaskPoolTest() {
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([t] {
+      for (int round = 0; round < 300; ++round) {
+        const int n = 1 + (round * 7 + t) % 40;
+        std::vector<std::atomic<int>> ran(static_cast<size_t>(n));
+        std::vector<std::function<void()>> tasks;
+        for (int i = 0; i < n; ++i) {
+          tasks.push_back([&ran, i] {
+            std::this_thread::sleep_for(std::chrono::microseconds(20));  // a call that returned early shows
+            ++ran[static_cast<size_t>(i)];
+          });
+        }
+        mlkv::TaskPool::Shared().RunAll(tasks);
+        for (int i = 0; i < n; ++i)
+          EXPECT(ran[static_cast<size_t>(i)] == 1, "task %d of %d ran %d times", i, n,
+                 ran[static_cast<size_t>(i)].load());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
 }  // namespace
 
 int main() {
@@ -403,6 +515,9 @@ int main() {
   }
   run([] { ConcurrencyTest(mlkv::CachePolicy::kLfu); });
   run([] { ConcurrencyTest(mlkv::CachePolicy::kLru); });
+  run(PinTest);
+  run(TransferTest);
+  run(TaskPoolTest);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -1,0 +1,209 @@
+"""Read-ahead into slots (DiskTableBatch(read_ahead_into_slots=True), the default on CUDA): rows of
+batches read ahead go straight into cache slots through the transfer backend (on the CPU, a copier
+thread standing for the side stream, its copies held in flight by `transfer_delay_us`), pinned until
+their batch is done. Checked against one torch.nn.EmbeddingBag per table with torch's optimizers, at
+look-ahead depths 1-4, with caches roomy and too small for the rows pinned, and under a randomized
+schedule of read-aheads that match their batches, do not, or are left out."""
+import random
+
+import pytest
+import torch
+
+from conftest import rounding_tolerance
+from mlkv_torch import optim
+from mlkv_torch.disk_table import DiskTable
+from mlkv_torch.table_batch import DiskTableBatch
+
+ROWS = [700, 40, 300]
+DIM = 8
+TABLES = list(range(len(ROWS)))
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+LR = 0.2
+
+
+def feature_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    counts = [int(c) for c in torch.randint(20, 120, (len(ROWS),), generator=g)]
+    # Skewed ids: a hot head the cache keeps, a tail it reads ahead.
+    values = torch.cat([(torch.rand(c, generator=g) ** 3 * n).long().clamp_(max=n - 1) for n, c in zip(ROWS, counts)])
+    bag_lengths = torch.cat([torch.full((c // 4,), 4) if c % 4 == 0 else
+                             torch.cat([torch.full((c // 4,), 4), torch.tensor([c % 4])]) for c in counts])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), bag_lengths.cumsum(0)])
+    target = torch.randn(bag_lengths.numel(), DIM, generator=g)
+    return values, counts, offsets, target
+
+
+class Reference:
+    """One torch.nn.EmbeddingBag per table, each with its own torch optimizer."""
+
+    def __init__(self, batch: DiskTableBatch, make_opt) -> None:
+        self.bags = [torch.nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in ROWS]
+        for t, bag in enumerate(self.bags):
+            bag.weight.data.copy_(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))))
+        self.opts = [make_opt(bag.parameters()) for bag in self.bags]
+
+    def step(self, values, counts, offsets, target) -> torch.Tensor:
+        outs, first_bag, first_value = [], 0, 0
+        for t, (bag, opt) in enumerate(zip(self.bags, self.opts)):
+            bags = (counts[t] + 3) // 4
+            out = bag(values[first_value:first_value + counts[t]],
+                      offsets[first_bag:first_bag + bags] - offsets[first_bag])
+            opt.zero_grad()
+            (out * target[first_bag:first_bag + bags]).sum().backward()
+            opt.step()
+            outs.append(out.detach())
+            first_bag, first_value = first_bag + bags, first_value + counts[t]
+        return torch.cat(outs)
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: optim.SGD(lr=LR), lambda p: torch.optim.SGD(p, lr=LR), 25.0),
+    "adagrad": (lambda: optim.Adagrad(lr=LR), lambda p: torch.optim.Adagrad(p, lr=LR), 1.0),
+}
+
+
+def make_batch(tmp_path, optimizer, cache_rows: int, delay_us: int, device: str = "cpu", policy: str = "lfu"):
+    return DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
+                          optimizer=optimizer, cache_rows=cache_rows, memory_budget_bytes=1 << 20, staging_bytes=0,
+                          device=device, cache_policy=policy, read_ahead_into_slots=True, transfer_delay_us=delay_us)
+
+
+def check_step(batch: DiskTableBatch, reference: Reference, step: int, device: str, steps: int, bound: float) -> None:
+    values, counts, offsets, target = feature_batch(step)
+    out = batch.pool(values, counts, TABLES, offsets)
+    (out * target.to(device)).sum().backward()
+    expected = reference.step(values, counts, offsets, target)
+    # Each step's forward reads every row as the reference holds it: no update lost or late.
+    torch.testing.assert_close(out.cpu(), expected, **rounding_tolerance(steps, LR, bound))
+
+
+def check_rows(batch: DiskTableBatch, reference: Reference, steps: int, bound: float) -> None:
+    batch.flush()
+    for t, bag in enumerate(reference.bags):
+        torch.testing.assert_close(batch.weights_of(batch.read_rows(t, torch.arange(ROWS[t]))), bag.weight.detach(),
+                                   **rounding_tolerance(steps, LR, bound))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("depth,cache_rows,delay_us,policy", [
+    (1, 600, 0, "lfu"), (2, 600, 2000, "lfu"), (4, 600, 500, "lru"),
+    # Slots for about two batches: batches too large to read ahead into them beside the one pinned
+    # already wait in the staging area instead.
+    (1, 260, 2000, "lfu"),
+])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_batches_read_ahead_into_slots_train_as_torch_does(tmp_path, device, depth, cache_rows, delay_us, policy,
+                                                           optimizer):
+    ours, theirs, bound = OPTIMIZERS[optimizer]
+    batch = make_batch(tmp_path, ours(), cache_rows, delay_us, device, policy)
+    reference = Reference(batch, theirs)
+    steps = 30
+    for ahead in range(depth):
+        batch.lookahead(*feature_batch(ahead)[:2], TABLES)
+    for step in range(steps):
+        batch.lookahead(*feature_batch(step + depth)[:2], TABLES)
+        check_step(batch, reference, step, device, steps, bound)
+    check_rows(batch, reference, steps, bound)
+    stats = batch.cache.stats()
+    assert stats["prefetch_placed_rows"] > 0 and stats["evictions"] > 0
+    if cache_rows < 300:
+        assert stats["prefetched_rows"] > 0
+    batch.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_random_schedule_of_read_aheads_loses_no_update(tmp_path, device, seed):
+    # Read-aheads that match their batch, read-aheads of batches never pooled, batches never read
+    # ahead, depths that change, copies held in flight: pins, reservations, evictions and
+    # write-backs under every order, against torch.
+    rng = random.Random(seed)
+    ours, theirs, bound = OPTIMIZERS["adagrad"]
+    batch = make_batch(tmp_path, ours(), [450, 700, 900][seed - 1], rng.choice([0, 300, 3000]), device,
+                       rng.choice(["lfu", "lru"]))
+    reference = Reference(batch, theirs)
+    steps, next_ahead = 40, 0
+    for step in range(steps):
+        while next_ahead <= step + rng.randint(0, 4):
+            if rng.random() < 0.15:  # a batch that is never pooled, read ahead in between
+                batch.lookahead(*feature_batch(10_000 + next_ahead)[:2], TABLES)
+            if rng.random() < 0.85:  # else this batch comes without a read-ahead
+                batch.lookahead(*feature_batch(next_ahead)[:2], TABLES)
+            next_ahead += 1
+        check_step(batch, reference, step, device, steps, bound)
+        next_ahead = max(next_ahead, step + 1)
+    check_rows(batch, reference, steps, bound)
+    assert batch.cache.stats()["prefetch_placed_rows"] > 0
+    batch.close()
+
+
+@pytest.mark.parametrize("optimizer", [optim.RowWiseAdagrad(lr=0.1), optim.Adam(lr=0.05)])
+def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_for_bit(tmp_path, optimizer):
+    # The staging path is checked against torch elsewhere; the rows each path hands the optimizer
+    # are the same values, so every weight and state word must be equal.
+    def run(into_slots: bool, where: str):
+        batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / where / f"t{i}"), seed=i)
+                                for i, n in enumerate(ROWS)], DIM, optimizer=optimizer, cache_rows=400,
+                               memory_budget_bytes=1 << 20, staging_bytes=0, read_ahead_into_slots=into_slots,
+                               transfer_delay_us=1000 if into_slots else 0)
+        outs = []
+        for ahead in range(2):
+            batch.lookahead(*feature_batch(ahead)[:2], TABLES)
+        for step in range(25):
+            batch.lookahead(*feature_batch(step + 2)[:2], TABLES)
+            values, counts, offsets, target = feature_batch(step)
+            out = batch.pool(values, counts, TABLES, offsets)
+            (out * target).sum().backward()
+            outs.append(out.detach())
+        batch.flush()
+        rows = [batch.read_rows(t, torch.arange(n)) for t, n in enumerate(ROWS)]
+        placed = batch.cache.stats()["prefetch_placed_rows"]
+        batch.close()
+        return outs, rows, placed
+
+    slot_outs, slot_rows, placed = run(True, "slots")
+    staged_outs, staged_rows, _ = run(False, "staged")
+    assert placed > 0
+    for a, b in zip(slot_outs, staged_outs):
+        assert torch.equal(a, b)
+    for a, b in zip(slot_rows, staged_rows):
+        assert torch.equal(a, b)
+
+
+def test_batches_the_slots_cannot_hold_are_read_ahead_into_the_staging_area(tmp_path):
+    # Every batch holds more distinct rows than the cache: pinning them would keep out the rows of
+    # the batch being trained, so they are staged, as without read-ahead into slots, and train exactly.
+    ours, theirs, bound = OPTIMIZERS["sgd"]
+    batch = make_batch(tmp_path, ours(), 40, 0)
+    reference = Reference(batch, theirs)
+    batch.lookahead(*feature_batch(0)[:2], TABLES)
+    for step in range(10):
+        batch.lookahead(*feature_batch(step + 1)[:2], TABLES)
+        check_step(batch, reference, step, "cpu", 10, bound)
+    check_rows(batch, reference, 10, bound)
+    stats = batch.cache.stats()
+    assert stats["prefetch_placed_rows"] == 0 and stats["prefetched_rows"] > 0
+    batch.close()
+
+
+def test_a_negative_transfer_delay_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="transfer_delay_us"):
+        make_batch(tmp_path, optim.SGD(lr=LR), 100, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_the_sorted_bag_backward_trains_as_torch_does(tmp_path, device, mode):
+    # bag_backward="sorted" (torch's own embedding-bag backward, an experiment for the GPU): the
+    # same outputs and rows as torch's EmbeddingBag with SGD.
+    batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
+                           mode=mode, optimizer=optim.SGD(lr=LR), cache_rows=300, memory_budget_bytes=1 << 20,
+                           device=device)
+    batch.bag_backward = "sorted"
+    reference = Reference(batch, lambda p: torch.optim.SGD(p, lr=LR))
+    for bag in reference.bags:
+        bag.mode = mode
+    for step in range(10):
+        check_step(batch, reference, step, device, 10, 25.0)
+    check_rows(batch, reference, 10, 25.0)
+    batch.close()
