@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("script", ["bench_embedding.py", "bench_dmp.py", "bench_pipeline.py", "bench_kernel.py",
                                     "bench_gpu.py", "bench_checkpoint.py", "bench_checkpoint.py --runner",
-                                    "bench_billion_rows.py", "bench_reopen.py", "bench_input.py"])
+                                    "bench_billion_rows.py", "bench_reopen.py", "bench_input.py",
+                                    "bench_replicas.py"])
 def test_benchmark_smoke_runs(tmp_path, script):
     script, *extra = script.split()
     if script not in ("bench_embedding.py", "bench_gpu.py", "bench_reopen.py"):
@@ -25,6 +26,8 @@ def test_benchmark_smoke_runs(tmp_path, script):
         for line in ("conversion of 20,000 rows", "quickstart, auto:", "criteo_kaggle, tuning off",
                      "loader alone, criteo_terabyte"):
             assert line in done.stdout, done.stdout[-4000:]
+    if script == "bench_replicas.py":  # two namespaces as two nodes, and a multi-node run resumed from its checkpoint
+        assert "| 2 ranks, 1gbit |" in done.stdout and ": ok" in done.stdout, done.stdout[-4000:]
     if extra == ["--runner"]:  # a row for each checkpoint whose steps it compares
         assert "\n| 12 | " in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""The runner across nodes on a slow network made on one machine: each node a Linux network
+namespace (`shaped_network.py`), joined by a bridge, each link rate-shaped with `tc`; each node one
+rank of a multi-node torchrun job (`--nnodes N`), with its own local `storage.path` for its tables
+and only `output_dir` shared.
+
+    sudo python benchmarks/bench_replicas.py [--config configs/quickstart.yaml] [--ranks 2,4]
+        [--rates 1gbit,100mbit] [--steps 60] [--smoke]
+
+Reported per (ranks, link rate): the training step's time (the runner's train seconds over its
+steps), the bytes all nodes sent on their links a step (the links' tx counters over the run,
+rendezvous, plan and evaluation included, over its steps), the cache hit rate and the held-out
+AUC. Then a run is checkpointed and stopped, and resumed with `--resume` on every node (each from
+its own storage.path): it must go on from its checkpoint and finish at the steps asked for.
+
+This is the baseline that replicas of hot rows (issue 30) are to be measured against: each
+configuration is the run without replicas. Needs root (CI and the development machines have it).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Sequence
+
+from common import REPO, ReportLog, markdown_table, write_json_report
+from shaped_network import ShapedNetwork, available
+
+MASTER_PORT = 29611
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=os.path.join(REPO, "configs", "quickstart.yaml"))
+    ap.add_argument("--ranks", default="2,4", help="node counts, one rank each")
+    ap.add_argument("--rates", default="1gbit,100mbit", help="link rates (tc units), 'none' for unshaped")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=2048, help="samples per rank per step")
+    ap.add_argument("--override", action="append", default=[], help="more dotted.key=value for the runner")
+    ap.add_argument("--dir", default=None, help="where runs go (default: a temporary directory)")
+    ap.add_argument("--out", default="bench-out/bench_replicas.json")
+    ap.add_argument("--smoke", action="store_true", help="2 nodes at 1 Gbit, a tiny model, a few steps")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.ranks, args.rates, args.steps, args.batch = "2", "1gbit", 6, 256
+        args.override += ["data.synthetic.scale=2000", "eval.batches=1", "train.log_every=3", "eval.every=6",
+                          "pipeline.depth=1"]
+    return args
+
+
+def run_job(net: ShapedNetwork, config: str, output_dir: str, tables_root: str, overrides: List[str],
+            resume: bool = False, timeout_s: float = 1800) -> Dict[str, Any]:
+    """One run of the runner, one rank per node of `net`; returns rank 0's summary and the bytes
+    the nodes sent."""
+    before = sum(net.tx_bytes())
+    procs = []
+    for node in range(net.nodes):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={net.nodes}", f"--node_rank={node}",
+                "--nproc_per_node=1", f"--master_addr={net.address(0)}", f"--master_port={MASTER_PORT}",
+                "-m", "mlkv_torch.train", config, f"output_dir={output_dir}",
+                f"storage.path={os.path.join(tables_root, f'node{node}')}", "--no-progress", *overrides]
+        if resume:
+            argv.append("--resume")
+        log = open(os.path.join(output_dir, f"node{node}.log"), "w")
+        procs.append((net.popen(node, argv, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    for node, (proc, log) in enumerate(procs):
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+        log.close()
+        if code != 0:
+            failed.append(node)
+    if failed:
+        for _, (proc, _) in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+        tails = {node: open(os.path.join(output_dir, f"node{node}.log")).read()[-3000:] for node in failed}
+        raise RuntimeError(f"nodes {failed} failed: {tails}")
+    with open(os.path.join(output_dir, "summary.json")) as f:
+        summary = json.load(f)
+    summary["link_bytes"] = sum(net.tx_bytes()) - before
+    return summary
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    why_not = available()
+    if why_not:
+        print(f"bench_replicas {why_not}", file=sys.stderr)
+        return 2
+    log = ReportLog()
+    log(f"# bench_replicas {datetime.date.today()}: {os.path.basename(args.config)}, {args.steps} steps of "
+        f"{args.batch} samples a rank, one rank a node, each node's tables in its own directory")
+    root = tempfile.mkdtemp(prefix="bench-replicas-", dir=args.dir)
+    overrides = [f"train.steps={args.steps}", f"train.batch_size={args.batch}", *args.override]
+    results: List[Dict[str, Any]] = []
+    try:
+        for nodes in [int(n) for n in args.ranks.split(",")]:
+            for rate in args.rates.split(","):
+                name = f"{nodes} ranks, {rate}"
+                out = os.path.join(root, f"n{nodes}-{rate}")
+                os.makedirs(out)
+                with ShapedNetwork(nodes, None if rate == "none" else rate) as net:
+                    summary = run_job(net, args.config, out, os.path.join(out, "tables"), overrides)
+                steps = summary["steps"]
+                results.append(dict(config=name, nodes=nodes, rate=rate, steps=steps,
+                                    step_ms=summary["train_seconds"] / steps * 1e3,
+                                    bytes_per_step=summary["link_bytes"] / steps, hit_rate=summary["hit_rate"],
+                                    auc=summary["auc"], samples_per_s=summary["samples_per_s"]))
+                shutil.rmtree(out, ignore_errors=True)
+        # Checkpoint, stop, resume on every node from its own tables: the multi-node restart.
+        nodes = int(args.ranks.split(",")[0])
+        out = os.path.join(root, "resume")
+        os.makedirs(out)
+        every = max(1, args.steps // 3)
+        first = [*overrides, f"train.steps={2 * every}", f"train.checkpoint_every={every}"]
+        with ShapedNetwork(nodes, None) as net:
+            run_job(net, args.config, out, os.path.join(out, "tables"), first)
+            resumed = run_job(net, args.config, out, os.path.join(out, "tables"),
+                              [*overrides, f"train.checkpoint_every={every}"], resume=True)
+        # It went on from its checkpoint: it trained only the steps after it.
+        trained_steps = resumed["samples"] // (args.batch * nodes)
+        resume_ok = resumed["steps"] == args.steps and trained_steps == args.steps - 2 * every
+        log(f"resume: {nodes} nodes checkpointed every {every} steps, stopped at {2 * every}, resumed and trained "
+            f"{trained_steps} more steps to {resumed['steps']} of {args.steps}: {'ok' if resume_ok else 'FAILED'}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    log("")
+    for line in markdown_table(["configuration", "step (ms)", "bytes/step (all nodes)", "hit rate", "AUC"],
+                               [[r["config"], f"{r['step_ms']:.1f}", f"{r['bytes_per_step']:,.0f}",
+                                 f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-",
+                                 f"{r['auc']:.4f}" if r["auc"] is not None else "-"] for r in results]):
+        log(line)
+    write_json_report(args.out, dict(args=vars(args), date=str(datetime.date.today()), results=results,
+                                     resume_ok=resume_ok, lines=log.lines))
+    return 0 if resume_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
