@@ -8,9 +8,11 @@ and only `output_dir` shared.
         [--rates 1gbit,100mbit] [--steps 60] [--smoke]
 
 Reported per (ranks, link rate): the training step's time (the runner's train seconds over its
-steps), the bytes all nodes sent on their links a step (the links' tx counters over the run,
-rendezvous, plan and evaluation included, over its steps), the cache hit rate and the held-out
-AUC. Then a run is checkpointed and stopped, and resumed with `--resume` on every node (each from
+steps); the bytes the embeddings' all-to-alls sent between ranks a step, all ranks together and by
+kind (ids, pooled outputs, gradients: the runner's `embedding_bytes_per_step`, counted where they
+are sent); the bytes all nodes sent on their links a step (the links' tx counters over the run:
+headers, rendezvous, the dense model's all-reduce and evaluation included); the cache hit rate and
+the held-out AUC. Then a run is checkpointed and stopped, and resumed with `--resume` on every node (each from
 its own storage.path): it must go on from its checkpoint and finish at the steps asked for.
 
 This is the baseline that replicas of hot rows (issue 30) are to be measured against: each
@@ -116,7 +118,9 @@ def main(argv: Sequence[str]) -> int:
                 steps = summary["steps"]
                 results.append(dict(config=name, nodes=nodes, rate=rate, steps=steps,
                                     step_ms=summary["train_seconds"] / steps * 1e3,
-                                    bytes_per_step=summary["link_bytes"] / steps, hit_rate=summary["hit_rate"],
+                                    link_bytes_per_step=summary["link_bytes"] / steps,
+                                    embedding_bytes_per_step=summary["embedding_bytes_per_step"],
+                                    by_kind=summary["embedding_bytes_per_step_by_kind"], hit_rate=summary["hit_rate"],
                                     auc=summary["auc"], samples_per_s=summary["samples_per_s"]))
                 shutil.rmtree(out, ignore_errors=True)
         # Checkpoint, stop, resume on every node from its own tables: the multi-node restart.
@@ -137,8 +141,11 @@ def main(argv: Sequence[str]) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     log("")
-    for line in markdown_table(["configuration", "step (ms)", "bytes/step (all nodes)", "hit rate", "AUC"],
-                               [[r["config"], f"{r['step_ms']:.1f}", f"{r['bytes_per_step']:,.0f}",
+    for line in markdown_table(["configuration", "step (ms)", "embedding bytes/step", "ids / outputs / gradients",
+                                "link bytes/step", "hit rate", "AUC"],
+                               [[r["config"], f"{r['step_ms']:.1f}", f"{r['embedding_bytes_per_step']:,.0f}",
+                                 " / ".join(f"{r['by_kind'][k]:,.0f}" for k in ("ids", "outputs", "gradients")),
+                                 f"{r['link_bytes_per_step']:,.0f}",
                                  f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-",
                                  f"{r['auc']:.4f}" if r["auc"] is not None else "-"] for r in results]):
         log(line)

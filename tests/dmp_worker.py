@@ -6,7 +6,8 @@ with TorchRec's in-memory kernels and with disk tables chosen through DiskAwareP
 Phases (rank 0 writes OUT_DIR/<phase>.json):
 - equivalence: per optimizer, the losses of the all-in-memory plan and of the mixed plan (t1
   table-wise and t3 column-wise on disk), from the same initial rows and batches, with a
-  learning-rate change through dmp.fused_optimizer halfway.
+  learning-rate change through dmp.fused_optimizer halfway, and the bytes each rank's training
+  steps sent to the other (mlkv_torch.wire.EmbeddingTraffic).
 - save: the mixed plan (row-wise Adagrad) trains SAVE_AT steps, saves a checkpoint
   (torch.distributed.checkpoint) and is killed (SIGKILL, no cleanup).
 - resume: a new job, with empty storage, loads that checkpoint and trains the remaining steps;
@@ -41,6 +42,7 @@ from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import (DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollection,
                                  DiskEmbeddingBagCollectionSharder)
 from mlkv_torch.torchrec.tables import table_seed
+from mlkv_torch.wire import EmbeddingTraffic
 
 DIM, BATCH, STEPS, SAVE_AT, LR, HOT_IDS = 16, 8, 8, 4, 0.1, 40
 SIZES = {"t0": 50, "t1": 3000, "t2": 400, "t3": 5000}
@@ -129,9 +131,11 @@ def main() -> None:
                 kernels = {t: [p.compute_kernel, p.sharding_type, len(p.sharding_spec.shards)]
                            for t, p in plan.plan["sparse_arch.embedding_bag_collection"].items()}
                 set_initial_rows(dmp)
-                losses = [train_step(dmp, opt, step) for step in range(STEPS)]
+                with EmbeddingTraffic() as traffic:  # what the training steps send between ranks
+                    losses = [train_step(dmp, opt, step) for step in range(STEPS)]
                 result[f"{optimizer}/{'mixed' if mixed else 'memory'}"] = {"losses": gathered(losses),
-                                                                          "kernels": kernels}
+                                                                          "kernels": kernels,
+                                                                          "sent": gathered(traffic.bytes)}
     elif phase == "pipeline":
         # TorchRec's TrainPipelineSparseDist (input distribution of batch t+1 overlapped with step t)
         # over the mixed plan, against the plain loop on the same batches.

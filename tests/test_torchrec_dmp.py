@@ -60,6 +60,19 @@ def test_mixed_plan_trains_as_the_all_in_memory_plan(runs, optimizer):
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("plan", ["memory", "mixed"])
+def test_the_bytes_sent_between_ranks_are_counted_by_kind(runs, plan):
+    # Per step, each table shard's owner sends its pooled rows for the other rank's 8 samples, and
+    # gets their gradients back: 3 table-wise tables of 16 columns and 2 column shards of 8, float32,
+    # whichever rank holds which: the disk kernel sends what TorchRec's own kernel sends.
+    from dmp_worker import BATCH, STEPS
+    run = runs["equivalence"][f"sgd/{plan}"]
+    sent = {kind: sum(rank[kind] for rank in run["sent"]) for kind in ("ids", "outputs", "gradients")}
+    per_step = BATCH * (3 * 16 + 2 * 8) * 4
+    assert sent["outputs"] == sent["gradients"] == STEPS * per_step, sent
+    assert sent["ids"] > 0
+
+
 def test_a_killed_job_resumed_from_its_checkpoint_continues_as_the_uninterrupted_job(runs):
     uninterrupted = runs["equivalence"]["rowwise_adagrad/mixed"]["losses"]  # the same plan, data and start
     save_at = len(uninterrupted[0]) - len(runs["resume"]["losses"][0])

@@ -223,6 +223,13 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     assert summary["populate_s"] > 0
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["samples"] == 12 * 2 * 256
     assert summary["hit_rate"] is not None and summary["disk_bytes"] > 100 << 10, "the planner must put tables on disk"
+    # What the all-to-alls sent between the ranks: each pooled output's gradient comes back.
+    by_kind = summary["embedding_bytes_per_step_by_kind"]
+    assert by_kind["outputs"] == by_kind["gradients"] > 0 and by_kind["ids"] > 0
+    assert summary["embedding_bytes_per_step"] == pytest.approx(sum(by_kind.values()))
+    logged = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    per_step = [r["embedding_bytes_per_step"] for r in logged if "embedding_bytes_per_step" in r]
+    assert len(per_step) == 12 and sum(per_step) == pytest.approx(12 * summary["embedding_bytes_per_step"])
     # The first run ends at step 10, two steps past its last checkpoint (8), and its close takes a cut
     # of every rank's tables at 10: the resumed run reopens them at the checkpoint's cuts, not those.
     _torchrun(tmp_path / "split", 10)

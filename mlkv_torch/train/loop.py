@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, ExperimentConfig
+from ..wire import EmbeddingTraffic
 from . import checkpoints
 from .experiment import Experiment, torch_threads
 
@@ -102,16 +103,21 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     board = _tensorboard(config) if main else None
     train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
+    traffic = EmbeddingTraffic()  # what the embeddings send between ranks in training steps (not evaluations)
+    window_sent = 0  # all ranks' bytes at the last log line
     try:
         with open(metrics_path if main else os.devnull, "a") as metrics:
             step = start_step
             window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
             while step < train.steps:
                 began = time.perf_counter()
+                traffic.start()
                 try:
                     loss, _, labels = pipeline.progress(data)
                 except StopIteration:
                     break
+                finally:
+                    traffic.stop()
                 train_s += time.perf_counter() - began
                 step += 1
                 experiment.boundaries.passed()
@@ -123,10 +129,13 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                     now = time.perf_counter()
                     rate = window_samples / max(now - window_start, 1e-9)
                     input_stats = data.stats()
+                    sent = sum(traffic.all_ranks().values())  # a collective: every rank logs at this step
                     record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth,
+                                  embedding_bytes_per_step=(sent - window_sent) / window_steps,
                                   input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
                                   input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
                     window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
+                    window_sent = sent
                     hit_rate = experiment.hit_rate()
                     if hit_rate is not None:
                         record["hit_rate"] = hit_rate
@@ -152,6 +161,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
         board.close()
     experiment.finish_save()
     elapsed = time.perf_counter() - started
+    sent = traffic.all_ranks()
     if hasattr(experiment.collection, "flush"):
         experiment.collection.flush()
     summary_path = os.path.join(config.output_dir, "summary.json")
@@ -169,6 +179,9 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
+               # All ranks together, a training step's mean: what DMP's all-to-alls sent between ranks.
+               "embedding_bytes_per_step": sum(sent.values()) / max(1, step - start_step),
+               "embedding_bytes_per_step_by_kind": {k: v / max(1, step - start_step) for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
                "storage": config.storage.kind, "populate_s": populate_s,
