@@ -17,16 +17,17 @@ namespace mlkv {
 
 class TaskPool {
  public:
-  // The process's pool, of min(8, cores) - 1 workers (made on first use, never destroyed: a cache
-  // may still read while the process exits).
+  // The process's pool, of min(8, cores) - 2 workers (made on first use, never destroyed: a cache
+  // may still read while the process exits); with none, RunAll runs every task on its caller.
   static TaskPool& Shared();
+  // A pool of its own (tests); its workers live as long as the process.
+  explicit TaskPool(size_t workers);
   // Runs every task, the calling thread taking its share, and returns once all have returned.
   // Tasks must not throw.
   void RunAll(const std::vector<std::function<void()>>& tasks) EXCLUDES(mu_);
   size_t workers() const { return threads_.size(); }
 
  private:
-  explicit TaskPool(size_t workers);
   struct Call;  // one RunAll: its tasks, the next to take, how many are left
   static void Drain(Call* call);
   void Loop() EXCLUDES(mu_);
