@@ -248,8 +248,9 @@ def main(argv: List[str]) -> int:
     configs = []
     for item in args.configs.split(","):
         name, cache, *rest = item.split(":")
-        depth, backward = (rest + ["0", "index_add"][len(rest):])[:2] if len(rest) <= 2 else (None, None)
-        if name not in ("sgd", "adam") or backward not in ("index_add", "sorted"):
+        depth = rest[0] if rest else "0"
+        backward = rest[1] if len(rest) > 1 else "index_add"
+        if name not in ("sgd", "adam") or backward not in ("index_add", "sorted") or len(rest) > 2:
             raise SystemExit(f"--configs takes optimizer:cache[:depth[:backward]] with optimizer sgd or adam and "
                              f"backward index_add or sorted, got {item!r}")
         configs.append((name, float(cache), int(depth), backward))

@@ -155,11 +155,13 @@ void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::
       std::vector<uint8_t> marks(victim_slots.size());
       transfer_->CopyOut(victim_slots, out.data(), marks.data());
       std::vector<int64_t> written;
+      std::vector<float> written_rows;
       for (size_t v = 0; v < victim_slots.size(); ++v) {
         if (!victim_dirty[v] && !marks[v]) continue;
-        WriteBehind(&victim_keys[v], 1, &out[v * row_words_]);
         written.push_back(victim_keys[v]);
+        written_rows.insert(written_rows.end(), &out[v * row_words_], &out[(v + 1) * row_words_]);
       }
+      WriteBehind(written.data(), written.size(), written_rows.data());
       CountWrittenBack(written);
     }
   }
