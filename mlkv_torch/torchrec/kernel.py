@@ -183,11 +183,22 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optimizer
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        if features.variable_stride_per_key():
-            raise ValueError("disk tables do not support variable batch sizes per feature")
+    def forward(self, features: KeyedJaggedTensor, vbe_output_offsets: Optional[torch.Tensor] = None,
+                vbe_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Pools the group's features. With TorchRec's variable batch per feature the output is 1-D,
+        laid out as fbgemm's kernel lays it out; when the lookup merges several kernels' outputs, it
+        passes the merged output and where this kernel's bags go in it (`vbe_output_offsets[r][f]`:
+        where feature f's bags from rank r begin), and gets the merged output back."""
         self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
-        return self._routing.pool(self._batches, features, self._config.is_weighted)
+        pooled = self._routing.pool(self._batches, features, self._config.is_weighted)
+        if vbe_output is None:
+            return pooled
+        bags, dims = features.stride_per_key_per_rank(), self._config.embedding_dims()
+        starts = vbe_output_offsets.tolist()  # type: ignore[union-attr]
+        positions = torch.cat([torch.arange(start[f], start[f] + bags[f][r] * dims[f], device=pooled.device)
+                               for r, start in enumerate(starts) for f in range(len(dims))]
+                              + [torch.empty(0, dtype=torch.int64, device=pooled.device)])
+        return vbe_output.reshape(-1).index_copy(0, positions, pooled)
 
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows that `features` (as `forward` receives them) will look up; returns at once."""

@@ -2,6 +2,7 @@
 tables by kernel and `select_features` picks a group's features out of a KeyedJaggedTensor."""
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -11,8 +12,8 @@ from ..table_batch import DiskTableBatch
 
 
 def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJaggedTensor:
-    """The features at `positions` of a KeyedJaggedTensor with one batch size for every feature,
-    in that order (a feature may be left out or repeated).
+    """The features at `positions` of a KeyedJaggedTensor, in that order (a feature may be left out
+    or repeated); with TorchRec's variable batch per feature, each keeps its bags per rank.
 
     Not `KeyedJaggedTensor.permute`: fbgemm's CPU backward of that op reads outside the weights'
     gradient when features are left out or repeated (a segfault or wrong gradients for learnable
@@ -21,21 +22,42 @@ def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJ
     keys = features.keys()
     if positions == list(range(len(keys))):
         return features
-    if features.variable_stride_per_key():
-        raise ValueError("features of different batch sizes (TorchRec's variable batch per feature) are not supported")
-    stride = features.stride()
     lengths = features.lengths()
     starts = features.offset_per_key()  # where each feature's values begin, and the end
     device = features.values().device
     index = torch.cat([torch.arange(starts[p], starts[p + 1], device=device) for p in positions]
                       + [torch.empty(0, dtype=torch.int64, device=device)])
     weights = features.weights_or_none()
+    if features.variable_stride_per_key():
+        bag_starts = [0] + list(itertools.accumulate(features.stride_per_key()))  # each feature's bags
+        bags = torch.cat([torch.arange(bag_starts[p], bag_starts[p + 1], device=lengths.device) for p in positions]
+                         + [torch.empty(0, dtype=torch.int64, device=lengths.device)])
+        per_rank = features.stride_per_key_per_rank()
+        return KeyedJaggedTensor(
+            keys=[keys[p] for p in positions], values=features.values().index_select(0, index),
+            weights=None if weights is None else weights.index_select(0, index),
+            lengths=lengths.index_select(0, bags), stride_per_key_per_rank=[per_rank[p] for p in positions])
+    stride = features.stride()
     return KeyedJaggedTensor(
         keys=[keys[p] for p in positions], values=features.values().index_select(0, index),
         weights=None if weights is None else weights.index_select(0, index),
         lengths=lengths.view(len(keys), stride).index_select(
             0, torch.tensor(positions, dtype=torch.int64, device=lengths.device)).reshape(-1),
         stride=stride)
+
+
+def variable_batch_layout(per_feature: Sequence[torch.Tensor], bags_per_rank: Sequence[Sequence[int]]
+                          ) -> torch.Tensor:
+    """The pooled bags of a variable batch per feature in the 1-D layout TorchRec's output
+    distribution expects of a kernel (fbgemm's): rank after rank, in each the features in order,
+    in each its bags from that rank. `per_feature[f]` holds feature f's bags [bags, dim], rank
+    after rank, `bags_per_rank[f][r]` of them from rank r."""
+    ranks = len(bags_per_rank[0]) if bags_per_rank else 0
+    chunks = [out.split(list(counts)) for out, counts in zip(per_feature, bags_per_rank)]
+    parts = [chunks[f][r].reshape(-1) for r in range(ranks) for f in range(len(per_feature))]
+    if not parts:
+        return per_feature[0].new_empty(0) if per_feature else torch.empty(0)
+    return torch.cat(parts)
 
 
 class KernelRouting:
@@ -63,20 +85,28 @@ class KernelRouting:
         return select_features(features, self.positions[kernel])
 
     def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool) -> torch.Tensor:
-        """[batch, sum of feature dims] float32, features in order."""
-        batch_size = features.stride()
-        pooled = []
+        """[batch, sum of feature dims] float32, features in order; with TorchRec's variable batch
+        per feature, the 1-D layout of fbgemm's kernel (`variable_batch_layout`)."""
+        pooled = []  # each kernel's bags, feature after feature
         for k, batch in enumerate(batches):
             kjt = self._kernel_input(features, k)
             lengths = kjt.lengths()
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=offsets[1:])
-            out = batch.pool(kjt.values(), kjt.length_per_key(), self.tables[k], offsets,
-                             kjt.weights() if weighted else None).float()
+            pooled.append(batch.pool(kjt.values(), kjt.length_per_key(), self.tables[k], offsets,
+                                     kjt.weights() if weighted else None).float())
+        if features.variable_stride_per_key():
+            bags = features.stride_per_key()
+            per_feature: List[torch.Tensor] = [torch.empty(0)] * len(bags)
+            for out, positions in zip(pooled, self.positions):
+                for i, chunk in zip(positions, out.split([bags[i] for i in positions])):
+                    per_feature[i] = chunk
+            return variable_batch_layout(per_feature, features.stride_per_key_per_rank())
+        batch_size = features.stride()
+        for k, out in enumerate(pooled):
             num_features = len(self.positions[k])
             if num_features > 1:
-                out = out.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
-            pooled.append(out)
+                pooled[k] = out.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
         if self.output_permutation is None:
             return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
         per_feature = [chunk for out, positions in zip(pooled, self.positions)

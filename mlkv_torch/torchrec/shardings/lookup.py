@@ -29,6 +29,16 @@ class DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             return DiskEmbeddingKernel(config, self._disk_options, pg=pg, device=device)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        # TorchRec merges several kernels' variable-batch outputs into one it allocates first, which
+        # fbgemm's CPU kernel refuses: with one of those on the CPU, the outputs are concatenated.
+        if (sparse_features.variable_stride_per_key() and len(self._emb_modules) > 1
+                and sparse_features.device().type == "cpu"
+                and not all(isinstance(m, DiskEmbeddingKernel) for m in self._emb_modules)):
+            groups = sparse_features.split(self._feature_splits)
+            return self._merge_variable_batch_embeddings(self._forward(groups), self._vbe_splits(groups))
+        return super().forward(sparse_features)
+
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows of the disk groups that `features` (as `forward` receives them) will
         look up; the in-memory groups have nothing to read."""
