@@ -76,6 +76,19 @@ class DataConfig(_Section):
     memory_budget_bytes: int = Field(256 << 20, gt=0)
 
 
+class ReplicasConfig(_Section):
+    """Replicas of each sharded table's hottest rows on every rank, under torchrun (HET; see
+    mlkv_torch.torchrec.replicas): `fraction` of each table's rows (0: none), served at most
+    `pull_bound` of the owner's updates stale, their gradients pushed at most `push_bound` steps
+    late; chosen after `warmup_steps` steps and again every `refresh_every` steps."""
+
+    fraction: float = Field(0.0, ge=0, lt=1)
+    pull_bound: int = Field(0, ge=0)
+    push_bound: int = Field(0, ge=0)
+    refresh_every: int = Field(100, gt=0)
+    warmup_steps: int = Field(10, gt=0)
+
+
 class StorageConfig(_Section):
     """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection), `disk`
     (mlkv's log-structured store) or `rocksdb` (the same cache and op over RocksDB: the
@@ -95,6 +108,7 @@ class StorageConfig(_Section):
     # Write every row to the store before training, so reads come from disk as in a table trained
     # for a while, not from the generator of fresh rows (benchmarks).
     populate: bool = False
+    replicas: ReplicasConfig = ReplicasConfig()
 
 
 class PipelineConfig(_Section):

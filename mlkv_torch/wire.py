@@ -11,6 +11,16 @@ the bytes this rank sends to the other ranks (its own split stays in memory), by
 - ``gradients``: floating-point tensors sent while autograd runs a backward.
 
 Per-sample weights (floating point, in the input distribution) count as outputs.
+
+Replicas of hot rows (mlkv_torch.torchrec.replicas) say which share of those bytes is theirs
+(`reattribute`) and add what they send another way (`count`):
+
+- ``replica_pushes``: the gradients of replicated rows pushed to their owners;
+- ``replica_refreshes``: the rows the owners send back to refresh replicas;
+- ``replica_choice``: the candidates for the hot rows each rank offers when they are chosen.
+
+A share is moved on the rank that knows it, which for refreshes is not the rank that sends them:
+one rank's figure of a kind may be off, all ranks' sum (`all_ranks`) is exact.
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-KINDS = ("ids", "outputs", "gradients")
+KINDS = ("ids", "outputs", "gradients", "replica_pushes", "replica_refreshes", "replica_choice")
 
 _lock = threading.Lock()
 _active: List["EmbeddingTraffic"] = []  # counters counting now
@@ -59,6 +69,21 @@ def _counting_all_to_all_single(output: torch.Tensor, input: torch.Tensor, outpu
         for counter in _active:
             counter.bytes[kind] += sent
     return _original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+
+def reattribute(sent_as: str, kind: str, nbytes: int) -> None:
+    """Moves `nbytes` that the all-to-alls count as `sent_as` to `kind`, in every counter counting now."""
+    with _lock:
+        for counter in _active:
+            counter.bytes[sent_as] -= nbytes
+            counter.bytes[kind] += nbytes
+
+
+def count(kind: str, nbytes: int) -> None:
+    """Adds `nbytes` this rank sends outside all_to_all_single to `kind`, in every counter counting now."""
+    with _lock:
+        for counter in _active:
+            counter.bytes[kind] += nbytes
 
 
 class EmbeddingTraffic:

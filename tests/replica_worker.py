@@ -58,9 +58,7 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
         embedding_bag_collection=collection, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
         over_arch_layer_sizes=[16, 1], dense_device=torch.device("cpu"))
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=OPTIMIZERS[optimizer])
-    # On the CPU fbgemm's in-memory kernel has no Adam, and its Adagrad takes no variable batch
-    # (replicas refuse it): t0 is on disk with those.
-    t0_kernel = "fused" if optimizer in ("sgd", "rowwise_adagrad") else DISK_KERNEL
+    t0_kernel = "fused" if optimizer != "adam" else DISK_KERNEL  # fbgemm's CPU kernel has no Adam
     plan = construct_module_sharding_plan(
         collection, {"t0": table_wise(rank=0, compute_kernel=t0_kernel),
                      "t1": table_wise(rank=0, compute_kernel=DISK_KERNEL), "t2": data_parallel(),

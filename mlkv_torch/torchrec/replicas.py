@@ -37,6 +37,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from .. import wire
 from ..checks import is_int
 from ..ranks import all_gather_objects
 
@@ -215,6 +216,7 @@ class HotRowReplicas:
         self._permuted_for: Optional[List[str]] = None  # the keys the variable output's permutation is for
         _allow_variable_batch(sharded)
         self._handles += _data_parallel_outputs_by_feature(sharded, dict(zip(self._features, self._dims)))
+        self._handles += _fixed_batches_for_cpu_kernels(sharded)
         self._lookahead = getattr(sharded, "lookahead", None)
         self._handles += [sharded.register_forward_pre_hook(self._before_forward),
                           sharded.register_forward_hook(self._after_forward)]
@@ -267,7 +269,9 @@ class HotRowReplicas:
             return None
         if self._choice_due(self.step):
             candidates = [t.candidates() for t in self.tables]
-            self.stats["replica_choice"] += 16 * sum(len(ids) for ids, _ in candidates)
+            offer_bytes = 16 * sum(len(ids) for ids, _ in candidates)  # an id and its count, int64 each
+            self.stats["replica_choice"] += offer_bytes
+            wire.count("replica_choice", offer_bytes)
             offered = all_gather_objects(candidates)
             for k, table in enumerate(self.tables):
                 table.choose([o[k] for o in offered])
@@ -370,9 +374,11 @@ class HotRowReplicas:
                     new_weights[i] = torch.cat([new_weights[i], torch.ones(push.numel(), dtype=new_weights[i].dtype)])
                 extra[i] = push.numel()
                 self.stats["push_rows"] += push.numel()
-                nbytes = push.numel() * table.remote_columns * 4
+                nbytes = push.numel() * table.remote_columns * 4  # float32 columns other ranks own
                 self.stats["replica_pushes"] += nbytes
                 self.stats["replica_refreshes"] += nbytes
+                wire.reattribute("gradients", "replica_pushes", nbytes)
+                wire.reattribute("outputs", "replica_refreshes", nbytes)
             plan.tables.append(info)
         # Every feature keeps at least one bag: the output distribution indexes into each.
         strides = []
@@ -408,10 +414,10 @@ class HotRowReplicas:
         out = output.wait() if hasattr(output, "wait") and not isinstance(output, KeyedTensor) else output
         values = out.values()
         B = plan.batch_size
-        starts = [0]
-        for d in out.length_per_key():
-            starts.append(starts[-1] + d)
-        columns = [values[:B, starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
+        # Split, not sliced: each slice's backward would build a gradient of the whole output.
+        samples, push_rows = values.split([B, values.shape[0] - B])
+        columns = list(samples.split(out.length_per_key(), dim=1))
+        push_columns = push_rows.split(out.length_per_key(), dim=1)
         column_of = {key: i for i, key in enumerate(out.keys())}  # the output's order, not the input's
         for info in plan.tables:
             table: _TableReplica = info["table"]
@@ -419,7 +425,7 @@ class HotRowReplicas:
                 continue
             push, local = info["push"], info["local"]
             i0 = column_of[info["features"][0]["key"]]
-            fresh = values[B:B + push.numel(), starts[i0]:starts[i0 + 1]]
+            fresh = push_columns[i0][: push.numel()]
             table.values[push] = fresh.detach()
             table.read_at[push] = self.step - 1
             rows = [_InjectGradient.apply(fresh, info["pending"])]
@@ -446,8 +452,8 @@ class HotRowReplicas:
 
 
 def _check_variable_batch_kernels(sharded: nn.Module) -> None:
-    """Replicas send TorchRec a variable batch per feature, which fbgemm's in-memory kernels take only
-    with some optimizers: refuses the others by table, before training."""
+    """Replicas send TorchRec a variable batch per feature, which fbgemm's in-memory kernels on a GPU
+    take only with some optimizers: refuses the others by table, before training."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     supported = {EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM, EmbOptimType.NONE}
@@ -457,8 +463,10 @@ def _check_variable_batch_kernels(sharded: nn.Module) -> None:
         if sharding_type == ShardingType.DATA_PARALLEL.value:
             continue
         for kernel in getattr(lookup, "_emb_modules", []):
-            optimizer = getattr(getattr(kernel, "_emb_module", None), "optimizer", None)
-            if optimizer is not None and optimizer not in supported:
+            emb_module = getattr(kernel, "_emb_module", None)
+            optimizer = getattr(emb_module, "optimizer", None)
+            # On the CPU a variable batch reaches them as a fixed one (_fixed_batches_for_cpu_kernels).
+            if optimizer is not None and optimizer not in supported and not getattr(emb_module, "use_cpu", False):
                 tables = [t.name for t in kernel.config.embedding_tables]
                 raise ValueError(f"replicas: tables {tables} are in memory with fbgemm's {optimizer.name}, which "
                                  f"takes no variable batch per feature (what replicas send); fbgemm takes SGD, "
@@ -491,6 +499,46 @@ def _data_parallel_outputs_by_feature(sharded: nn.Module, dims: Dict[str, int]) 
         while isinstance(lookup, nn.parallel.DistributedDataParallel):
             lookup = lookup.module
         handles.append(lookup.register_forward_hook(by_feature))
+    return handles
+
+
+def _fixed_batches_for_cpu_kernels(sharded: nn.Module) -> List[Any]:
+    """Hooks fbgemm's in-memory kernels on the CPU so that a variable batch reaches them as a fixed
+    one (each feature's bags, then empty ones up to the most any feature has) and leaves them in
+    the variable layout: fbgemm's CPU kernel runs a variable batch 8-10x slower (docs/benchmarks.md)."""
+    from .routing import variable_batch_layout
+
+    def to_fixed(module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+        features = args[0]
+        if not (isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key()):
+            return None
+        bags = features.stride_per_key()
+        most = max(max(bags, default=0), 1)
+        lengths = features.lengths()
+        padded = torch.zeros(len(bags), most, dtype=lengths.dtype)
+        padded[torch.arange(most).expand(len(bags), most) < torch.tensor(bags).unsqueeze(1)] = lengths
+        module._mlkv_variable_batch = features.stride_per_key_per_rank()  # type: ignore[assignment]
+        fixed = KeyedJaggedTensor(keys=features.keys(), values=features.values(), weights=features.weights_or_none(),
+                                  lengths=padded.reshape(-1), stride=most)
+        return (fixed,) + tuple(args[1:])
+
+    def to_variable(module: nn.Module, args: Tuple[Any, ...], output: torch.Tensor) -> Optional[torch.Tensor]:
+        per_rank = getattr(module, "_mlkv_variable_batch", None)
+        if per_rank is None:
+            return None
+        module._mlkv_variable_batch = None  # type: ignore[assignment]
+        dims = module.config.embedding_dims()
+        columns = output.split(dims, dim=1)
+        return variable_batch_layout([c[: sum(counts)] for c, counts in zip(columns, per_rank)], per_rank)
+
+    handles = []
+    for lookup in getattr(sharded, "_lookups", []):
+        while isinstance(lookup, nn.parallel.DistributedDataParallel):
+            lookup = lookup.module
+        for kernel in getattr(lookup, "_emb_modules", []):
+            emb_module = getattr(kernel, "_emb_module", None)
+            if emb_module is not None and hasattr(emb_module, "optimizer") and getattr(emb_module, "use_cpu", False):
+                handles += [kernel.register_forward_pre_hook(to_fixed), kernel.register_forward_hook(to_variable)]
     return handles
 
 

@@ -55,6 +55,10 @@ class Experiment:
             if "cut" not in self._resumed:
                 raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
                                   f"row, not a cut of the tables); resume it with that version")
+        self.replicas: Optional[Any] = None  # HotRowReplicas under torchrun with storage.replicas.fraction > 0
+        if config.storage.replicas.fraction > 0 and self.world_size < 2:
+            raise ConfigError("storage.replicas.fraction: replicas need several ranks (run under torchrun); with one "
+                              "every row is local: set it to 0")
         try:
             if self.distributed:
                 self._build_sharded(tables)
@@ -89,14 +93,24 @@ class Experiment:
         """Under torchrun: DistributedModelParallel; DiskAwarePlanner puts on disk the tables that do not
         fit `memory_budget_bytes` per rank (storage kind memory: none)."""
         from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner.types import Topology
+        from torchrec.distributed.planner.types import PlannerError, Topology
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         from ..torchrec import DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
 
+        from ..torchrec.replicas import ReplicaSettings, replica_memory_bytes, replicate_hot_rows
+
         config, storage = self.config, self.config.storage
+        # The replicas' memory comes out of the budget first (every table's share: an upper bound,
+        # the plan decides which tables are sharded).
+        replica_bytes = sum(replica_memory_bytes(t.num_embeddings, t.embedding_dim, storage.replicas.fraction)
+                            for t in tables)
+        if storage.kind != "memory" and replica_bytes >= storage.memory_budget_bytes:
+            raise ConfigError(f"storage.replicas.fraction: {storage.replicas.fraction} of the rows takes "
+                              f"{replica_bytes:,} bytes a rank, more than storage.memory_budget_bytes "
+                              f"({storage.memory_budget_bytes:,})")
         model = self._dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")))
         sharder = DiskEmbeddingBagCollectionSharder(
             self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
@@ -104,14 +118,26 @@ class Experiment:
             backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume,  # memory: nothing on disk
             cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None)
         # The planner's cap also covers what it reserves for the dense model and inputs.
-        ddr_cap = (storage.memory_budget_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
+        ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
         topology = Topology(world_size=dist.get_world_size(), compute_device="cpu", ddr_cap=int(ddr_cap),
                             ssd_cap=1 << 42)
         planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, debug=False)
-        plan = planner.collective_plan(model, [sharder])
+        try:
+            plan = planner.collective_plan(model, [sharder])
+        except PlannerError as e:
+            if not replica_bytes:
+                raise
+            raise ConfigError(f"storage.memory_budget_bytes: once the replicas (storage.replicas.fraction "
+                              f"{storage.replicas.fraction}) take {replica_bytes:,} bytes of it a rank, the tables "
+                              f"do not fit in the rest; raise it by that much. The planner: {e}") from e
         self.model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
         self.collection = self.model.module.model.sparse_arch.embedding_bag_collection
+        if storage.replicas.fraction > 0:
+            try:
+                self.replicas = replicate_hot_rows(self.collection, ReplicaSettings(**storage.replicas.model_dump()))
+            except ValueError as e:
+                raise ConfigError(f"storage.replicas: {e}") from e
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(self.model.named_parameters())),
                                       lambda params: torch.optim.Adagrad(params,
                                                                          lr=config.train.dense_lr or config.train.lr))
@@ -280,6 +306,8 @@ class Experiment:
             state = checkpoints.local_copy({"model": self.model.state_dict(),
                                             "optim": self._optimizer_state_without_disk_tables(),
                                             "step": step, "world_size": self.world_size})
+        if self.replicas is not None:  # the step before pushed every gradient they owed (the loop's doing)
+            state["replicas"] = self.replicas.state_dict()
         rank, world, main = self.rank, self.world_size, self.is_main
 
         def commit() -> None:
@@ -342,6 +370,10 @@ class Experiment:
             from ..torchrec import disk_tables_left_out
 
             saved = checkpoints.load_checkpoint(os.path.join(self._latest_sharded()[0], f"rank{self.rank}.pt"))
+            # Replicas continue from the checkpoint's; a run that had none starts them afresh.
+            replica_state = saved.pop("replicas", None)
+            if self.replicas is not None and replica_state is not None:
+                self.replicas.load_state_dict(replica_state)
             if saved["world_size"] != self.world_size:
                 raise ConfigError(f"{self.checkpoint_path()} was written by {saved['world_size']} processes: resume "
                                   f"it with as many (each one's tables and state belong to its place in the plan)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,11 +105,16 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
     traffic = EmbeddingTraffic()  # what the embeddings send between ranks in training steps (not evaluations)
     window_sent = 0  # all ranks' bytes at the last log line
+    replica_lookups = _ReplicaLookups(experiment.replicas)
+    window_served = (0, 0)  # all ranks' replica hits and lookups at the last log line
     try:
         with open(metrics_path if main else os.devnull, "a") as metrics:
             step = start_step
             window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
             while step < train.steps:
+                if experiment.replicas is not None and train.checkpoint_every \
+                        and (step + 1) % train.checkpoint_every == 0:
+                    experiment.replicas.push_all_in_next_step()  # the checkpoint's cut holds every gradient
                 began = time.perf_counter()
                 traffic.start()
                 try:
@@ -139,6 +144,10 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                     hit_rate = experiment.hit_rate()
                     if hit_rate is not None:
                         record["hit_rate"] = hit_rate
+                    if experiment.replicas is not None:
+                        served = replica_lookups.all_ranks()  # a collective, as above
+                        record["replica_hit_rate"] = _share(served, window_served)
+                        window_served = served
                     bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
                                     hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
                 if step % config.eval.every == 0 or step == train.steps:
@@ -162,6 +171,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     experiment.finish_save()
     elapsed = time.perf_counter() - started
     sent = traffic.all_ranks()
+    served = replica_lookups.all_ranks()
     if hasattr(experiment.collection, "flush"):
         experiment.collection.flush()
     summary_path = os.path.join(config.output_dir, "summary.json")
@@ -179,6 +189,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),
                "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
+               "replica_hit_rate": _share(served, (0, 0)) if experiment.replicas is not None else None,
                # All ranks together, a training step's mean: what DMP's all-to-alls sent between ranks.
                "embedding_bytes_per_step": sum(sent.values()) / max(1, step - start_step),
                "embedding_bytes_per_step_by_kind": {k: v / max(1, step - start_step) for k, v in sent.items()},
@@ -191,6 +202,27 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             json.dump(summary, f, indent=1)
     experiment.collection.close()
     return summary
+
+
+class _ReplicaLookups:
+    """The lookups into replicated tables and those the replicas served, all ranks together."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas
+
+    def all_ranks(self) -> Tuple[int, int]:
+        """(served, looked up): a collective under torchrun."""
+        if self.replicas is None:
+            return 0, 0
+        counts = torch.tensor([self.replicas.stats["replica_hits"], self.replicas.stats["lookups"]],
+                              dtype=torch.int64)
+        dist.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
+
+
+def _share(now: Tuple[int, int], before: Tuple[int, int]) -> Optional[float]:
+    looked_up = now[1] - before[1]
+    return (now[0] - before[0]) / looked_up if looked_up else None
 
 
 def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[str, Any]:
