@@ -15,8 +15,10 @@ headers, rendezvous, the dense model's all-reduce and evaluation included); the 
 the held-out AUC. Then a run is checkpointed and stopped, and resumed with `--resume` on every node (each from
 its own storage.path): it must go on from its checkpoint and finish at the steps asked for.
 
-This is the baseline that replicas of hot rows (issue 30) are to be measured against: each
-configuration is the run without replicas. Needs root (CI and the development machines have it).
+Each configuration runs without replicas of hot rows and with each variant of `--replicas`
+(fraction, pull and push bound), whose memory budget is raised by the replicas' bytes so that the
+tables get the same plan; the table gives each against the run without them. Needs root (CI and
+the development machines have it).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--ranks", default="2,4", help="node counts, one rank each")
     ap.add_argument("--rates", default="1gbit,100mbit", help="link rates (tc units), 'none' for unshaped")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--replicas", default="none,0.01:0:0,0.01:3:3",
+                    help="variants: none, or fraction:pull_bound:push_bound (storage.replicas.*)")
     ap.add_argument("--batch", type=int, default=2048, help="samples per rank per step")
     ap.add_argument("--override", action="append", default=[], help="more dotted.key=value for the runner")
     ap.add_argument("--dir", default=None, help="where runs go (default: a temporary directory)")
@@ -51,7 +55,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.smoke:
         args.ranks, args.rates, args.steps, args.batch = "2", "1gbit", 6, 256
-        args.override += ["data.synthetic.scale=2000", "eval.batches=1", "train.log_every=3", "eval.every=6",
+        args.replicas = "none,0.05:1:1"
+        args.override += ["storage.replicas.warmup_steps=2",
+                          "data.synthetic.scale=2000", "eval.batches=1", "train.log_every=3", "eval.every=6",
                           "pipeline.depth=1"]
     return args
 
@@ -95,6 +101,25 @@ def run_job(net: ShapedNetwork, config: str, output_dir: str, tables_root: str, 
     return summary
 
 
+def replica_overrides(variant: str, config: str, overrides: List[str]) -> List[str]:
+    """The runner's keys for a variant; a variant with replicas gets the memory budget raised by
+    their bytes, so its tables get the plan of the run without them."""
+    if variant == "none":
+        return []
+    sys.path.insert(0, REPO)
+    from mlkv_torch.config import cardinalities_of, load_config
+    from mlkv_torch.torchrec.replicas import replica_memory_bytes
+
+    fraction, pull, push = variant.split(":")
+    base = load_config(config, [o for o in overrides if not o.startswith("storage.replicas.")])
+    dim = base.model.embedding_dim
+    rows = cardinalities_of(base.data.synthetic.cardinalities, base.data.synthetic.scale)
+    extra = sum(replica_memory_bytes(n, dim, float(fraction)) for n in rows)
+    return [f"storage.replicas.fraction={fraction}", f"storage.replicas.pull_bound={pull}",
+            f"storage.replicas.push_bound={push}",
+            f"storage.memory_budget_bytes={base.storage.memory_budget_bytes + extra}"]
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     why_not = available()
@@ -110,19 +135,23 @@ def main(argv: Sequence[str]) -> int:
     try:
         for nodes in [int(n) for n in args.ranks.split(",")]:
             for rate in args.rates.split(","):
-                name = f"{nodes} ranks, {rate}"
-                out = os.path.join(root, f"n{nodes}-{rate}")
-                os.makedirs(out)
-                with ShapedNetwork(nodes, None if rate == "none" else rate) as net:
-                    summary = run_job(net, args.config, out, os.path.join(out, "tables"), overrides)
-                steps = summary["steps"]
-                results.append(dict(config=name, nodes=nodes, rate=rate, steps=steps,
-                                    step_ms=summary["train_seconds"] / steps * 1e3,
-                                    link_bytes_per_step=summary["link_bytes"] / steps,
-                                    embedding_bytes_per_step=summary["embedding_bytes_per_step"],
-                                    by_kind=summary["embedding_bytes_per_step_by_kind"], hit_rate=summary["hit_rate"],
-                                    auc=summary["auc"], samples_per_s=summary["samples_per_s"]))
-                shutil.rmtree(out, ignore_errors=True)
+                for variant in args.replicas.split(","):
+                    name = f"{nodes} ranks, {rate}, " + ("no replicas" if variant == "none" else
+                                                         "replicas {}, bounds {}/{}".format(*variant.split(":")))
+                    out = os.path.join(root, f"n{nodes}-{rate}-{variant}")
+                    os.makedirs(out)
+                    with ShapedNetwork(nodes, None if rate == "none" else rate) as net:
+                        summary = run_job(net, args.config, out, os.path.join(out, "tables"),
+                                          [*overrides, *replica_overrides(variant, args.config, overrides)])
+                    steps = summary["steps"]
+                    results.append(dict(config=name, nodes=nodes, rate=rate, replicas=variant, steps=steps,
+                                        step_ms=summary["train_seconds"] / steps * 1e3,
+                                        link_bytes_per_step=summary["link_bytes"] / steps,
+                                        embedding_bytes_per_step=summary["embedding_bytes_per_step"],
+                                        by_kind=summary["embedding_bytes_per_step_by_kind"],
+                                        hit_rate=summary["hit_rate"], replica_hit_rate=summary.get("replica_hit_rate"),
+                                        auc=summary["auc"], samples_per_s=summary["samples_per_s"]))
+                    shutil.rmtree(out, ignore_errors=True)
         # Checkpoint, stop, resume on every node from its own tables: the multi-node restart.
         nodes = int(args.ranks.split(",")[0])
         out = os.path.join(root, "resume")
@@ -141,13 +170,24 @@ def main(argv: Sequence[str]) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     log("")
-    for line in markdown_table(["configuration", "step (ms)", "embedding bytes/step", "ids / outputs / gradients",
-                                "link bytes/step", "hit rate", "AUC"],
+    reference = {(r["nodes"], r["rate"]): r for r in results if r["replicas"] == "none"}
+
+    def versus(r: Dict[str, Any]) -> str:
+        ref = reference.get((r["nodes"], r["rate"]))
+        if ref is None or r is ref:
+            return "-"
+        bytes_ratio = r["embedding_bytes_per_step"] / ref["embedding_bytes_per_step"]
+        speedup = ref["step_ms"] / r["step_ms"]
+        return f"{speedup:.2f}x faster, {bytes_ratio:.2f}x bytes, AUC {r['auc'] - ref['auc']:+.4f}"
+    kinds = ("ids", "outputs", "gradients", "replica_pushes", "replica_refreshes", "replica_choice")
+    for line in markdown_table(["configuration", "step (ms)", "embedding bytes/step", " / ".join(kinds),
+                                "link bytes/step", "replica hit rate", "hit rate", "AUC", "against no replicas"],
                                [[r["config"], f"{r['step_ms']:.1f}", f"{r['embedding_bytes_per_step']:,.0f}",
-                                 " / ".join(f"{r['by_kind'][k]:,.0f}" for k in ("ids", "outputs", "gradients")),
+                                 " / ".join(f"{r['by_kind'].get(k, 0):,.0f}" for k in kinds),
                                  f"{r['link_bytes_per_step']:,.0f}",
+                                 f"{r['replica_hit_rate']:.3f}" if r["replica_hit_rate"] is not None else "-",
                                  f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-",
-                                 f"{r['auc']:.4f}" if r["auc"] is not None else "-"] for r in results]):
+                                 f"{r['auc']:.4f}" if r["auc"] is not None else "-", versus(r)] for r in results]):
         log(line)
     write_json_report(args.out, dict(args=vars(args), date=str(datetime.date.today()), results=results,
                                      resume_ok=resume_ok, lines=log.lines))

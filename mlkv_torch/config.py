@@ -77,15 +77,16 @@ class DataConfig(_Section):
 
 
 class ReplicasConfig(_Section):
-    """Replicas of each sharded table's hottest rows on every rank, under torchrun (HET; see
-    mlkv_torch.torchrec.replicas): `fraction` of each table's rows (0: none), served at most
+    """Replicas of the sharded tables' hottest rows on every rank, under torchrun (HET; see
+    mlkv_torch.torchrec.replicas): `fraction` of their rows (0: none), the most looked up of any
+    table, served at most
     `pull_bound` of the owner's updates stale, their gradients pushed at most `push_bound` steps
     late; chosen after `warmup_steps` steps and again every `refresh_every` steps."""
 
     fraction: float = Field(0.0, ge=0, lt=1)
     pull_bound: int = Field(0, ge=0)
     push_bound: int = Field(0, ge=0)
-    refresh_every: int = Field(100, gt=0)
+    refresh_every: int = Field(25, gt=0)
     warmup_steps: int = Field(10, gt=0)
 
 

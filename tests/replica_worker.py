@@ -40,7 +40,7 @@ from mlkv_torch.torchrec.replicas import ReplicaSettings, replicate_hot_rows
 from mlkv_torch.torchrec.tables import table_seed
 from mlkv_torch.wire import EmbeddingTraffic
 
-DIM, BATCH, STEPS, LR = 8, 32, 14, 0.05
+DIM, BATCH, STEPS, LR = 8, 32, 14, 0.5
 SIZES = {"t0": 400, "t1": 3000, "t2": 60, "t3": 2000, "t4": 1000}
 TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"],
                              pooling=PoolingType.MEAN if name == "t4" else PoolingType.SUM)
@@ -114,6 +114,7 @@ def train(optimizer: str, storage_dir: str, settings):
             opt.step()
             losses.append(float(loss))
     return {"losses": all_gather_objects(losses), "sent": all_gather_objects(traffic.bytes),
+            "shards": all_gather_objects(local_shards(dmp.state_dict(), f"{COLLECTION}.")),
             "stats": all_gather_objects(replicas.stats if replicas else {}),
             "trace": all_gather_objects(replicas.trace if replicas else [])}
 
@@ -132,13 +133,17 @@ def train_linear(storage_dir: str, settings, steps: int):
         opt.zero_grad()
         (pooled.values() * coefficients).sum().backward()
         opt.step()
-    state = dmp.state_dict()
+    return {"shards": local_shards(dmp.state_dict(), ""), "pending": replicas.owed_rows() if replicas else 0}
+
+
+def local_shards(state, prefix: str):
+    """This rank's shards of every table, as lists."""
     shards = {}
     for name in SIZES:
-        weight = state[f"embedding_bags.{name}.weight"]
+        weight = state[f"{prefix}embedding_bags.{name}.weight"]
         local = [weight] if not hasattr(weight, "local_shards") else [s.tensor for s in weight.local_shards()]
         shards[name] = [t.detach().clone().tolist() for t in local]
-    return {"shards": shards, "pending": sum(int(t.has_pending.sum()) for t in replicas.tables) if replicas else 0}
+    return shards
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ def test_benchmark_smoke_runs(tmp_path, script):
                      "loader alone, criteo_terabyte"):
             assert line in done.stdout, done.stdout[-4000:]
     if script == "bench_replicas.py":  # two namespaces as two nodes, and a multi-node run resumed from its checkpoint
-        assert "| 2 ranks, 1gbit |" in done.stdout and ": ok" in done.stdout, done.stdout[-4000:]
+        assert "| 2 ranks, 1gbit, no replicas |" in done.stdout and ": ok" in done.stdout, done.stdout[-4000:]
+        assert "| 2 ranks, 1gbit, replicas 0.05, bounds 1/1 |" in done.stdout, done.stdout[-4000:]
     if extra == ["--runner"]:  # a row for each checkpoint whose steps it compares
         assert "\n| 12 | " in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does
