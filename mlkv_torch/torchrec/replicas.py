@@ -42,7 +42,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from .. import wire
 from ..checks import is_int
 from ..ranks import all_gather_objects
-from .variable_batch import accept_variable_batches, check_variable_batch_kernels, variable_batch_input
+from .variable_batch import accept_variable_batches, variable_batch_input
 
 __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_memory_bytes"]
 
@@ -224,6 +224,9 @@ class HotRowReplicas:
     def __init__(self, sharded: nn.Module, settings: ReplicaSettings) -> None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             raise ValueError("replicas need several ranks: with one, every row is local (set fraction to 0)")
+        device = getattr(sharded, "_device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"replicas run on plans computed on the CPU (gloo) so far, this one on {device}")
         self.settings = settings
         self.rank = dist.get_rank()
         self.step = 0  # training steps the collection has run
@@ -256,7 +259,6 @@ class HotRowReplicas:
                 rows = sum(t.rows for t in group.tables)
                 raise ValueError(f"a fraction of {settings.fraction} of the {rows:,} rows of the sharded tables "
                                  f"{[t.name for t in group.tables]} is no row: raise it")
-        check_variable_batch_kernels(sharded)
         self._sharded = sharded
         self._handles = accept_variable_batches(sharded, self.dims)
         self._lookahead = getattr(sharded, "lookahead", None)

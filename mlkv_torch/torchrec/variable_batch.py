@@ -1,8 +1,8 @@
 """How a sharded collection takes TorchRec's variable batch per feature (VBE) from replicas of hot
 rows (`replicas.py`) on every kind of kernel of a plan: `accept_variable_batches` hooks the
 collection so that fbgemm's kernels, TorchRec's data-parallel lookups and its output
-distribution, built for a fixed batch, take variable ones too (the disk kernel takes them itself),
-and `check_variable_batch_kernels` refuses, before training, the kernels that cannot."""
+distribution, built for a fixed batch, take variable ones too (the disk kernel takes them itself);
+`variable_batch_input` builds one."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .routing import variable_batch_layout
 
-__all__ = ["accept_variable_batches", "check_variable_batch_kernels"]
+__all__ = ["accept_variable_batches", "variable_batch_input"]
 
 
 def _lookups(sharded: nn.Module) -> List[Tuple[nn.Module, str]]:
@@ -33,26 +33,6 @@ def accept_variable_batches(sharded: nn.Module, dims: Dict[str, int]) -> List[An
     ones, `dims` being each feature's columns; returns the hooks' handles."""
     _build_variable_output_dists(sharded)
     return _data_parallel_outputs_by_feature(sharded, dims) + _fixed_batches_for_cpu_kernels(sharded)
-
-
-def check_variable_batch_kernels(sharded: nn.Module) -> None:
-    """Replicas send TorchRec a variable batch per feature, which fbgemm's in-memory kernels on a GPU
-    take only with some optimizers: refuses the others by table, before training."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-    supported = {EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM, EmbOptimType.NONE}
-    for lookup, sharding_type in _lookups(sharded):
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            continue
-        for kernel in getattr(lookup, "_emb_modules", []):
-            emb_module = getattr(kernel, "_emb_module", None)
-            optimizer = getattr(emb_module, "optimizer", None)
-            # On the CPU a variable batch reaches them as a fixed one (_fixed_batches_for_cpu_kernels).
-            if optimizer is not None and optimizer not in supported and not getattr(emb_module, "use_cpu", False):
-                tables = [t.name for t in kernel.config.embedding_tables]
-                raise ValueError(f"replicas: tables {tables} are in memory with fbgemm's {optimizer.name}, which "
-                                 f"takes no variable batch per feature (what replicas send); fbgemm takes SGD, "
-                                 f"row-wise Adagrad and Adam, and disk tables every optimizer")
 
 
 def _build_variable_output_dists(sharded: nn.Module) -> None:
