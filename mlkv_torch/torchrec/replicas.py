@@ -529,9 +529,12 @@ class HotRowReplicas:
         batch = self._batch_size
         # Split, not sliced: each slice's backward would build a gradient of the whole output.
         samples, push_rows = values.split([batch, values.shape[0] - batch])
-        columns = list(samples.split(dims, dim=1))
         push_columns = push_rows.split(dims, dim=1)
         column_of = {key: i for i, key in enumerate(out.keys())}  # the output's order, not the input's
+        starts = [0]
+        for dim in dims:
+            starts.append(starts[-1] + dim)
+        merged = samples  # with each group's hits put in their rows (one index_put a group)
         for group, step in zip(self.groups, steps):
             if step is None:
                 continue
@@ -556,12 +559,11 @@ class HotRowReplicas:
             pooled = F.embedding_bag(row_of[step.hit_slots], torch.cat(rows) if len(rows) > 1 else rows[0],
                                      step.hit_offsets, mode="sum", per_sample_weights=step.hit_weights,
                                      include_last_offset=True)
-            positions = [column_of[k] for k in step.keys]
-            merged = torch.stack([columns[i] for i in positions]).view(-1, group.dim).index_put(
-                (step.hit_bags,), pooled).view(len(positions), batch, group.dim)
-            for i, column in zip(positions, merged.unbind(0)):
-                columns[i] = column
-        return KeyedTensor(keys=out.keys(), length_per_key=dims, values=torch.cat(columns, dim=1))
+            # The group's hit bag k is bag k % batch of its feature k // batch.
+            feature_start = torch.tensor([starts[column_of[k]] for k in step.keys])
+            columns = feature_start[step.hit_bags // batch].unsqueeze(1) + torch.arange(group.dim)
+            merged = merged.index_put(((step.hit_bags % batch).unsqueeze(1), columns), pooled)
+        return KeyedTensor(keys=out.keys(), length_per_key=dims, values=merged)
 
 
 def _members_and_keys(group: _ReplicaGroup, position: Dict[str, int], values: List[torch.Tensor]
