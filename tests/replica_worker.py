@@ -12,7 +12,8 @@ Phases (rank 0 writes OUT_DIR/<phase>.json):
   replicas and with them at bounds 0, from the same rows and batches; the replicas' statistics and
   the bytes sent.
 - linear: SGD on a loss linear in the pooled embeddings, at bounds 2, up to a step that pushes
-  every gradient owed: each rank's shards of every table, and those of the run without replicas.
+  every gradient owed: each rank's shards of every table, and those of the run without replicas;
+  without DLRM, with a sixth table t5 of half the width.
 - bounds: replicas at pull and push bounds 2: the ids each table served and pushed, step by step,
   and the losses beside the run without replicas.
 """
@@ -45,6 +46,9 @@ SIZES = {"t0": 400, "t1": 3000, "t2": 60, "t3": 2000, "t4": 1000}
 TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"],
                              pooling=PoolingType.MEAN if name == "t4" else PoolingType.SUM)
           for name, n in SIZES.items()]
+# Without DLRM, a table of another width too: replicas keep a slot space a width.
+LINEAR_TABLES = TABLES + [EmbeddingBagConfig(name="t5", embedding_dim=DIM // 2, num_embeddings=1500,
+                                             feature_names=["f_t5"])]
 OPTIMIZERS = {"sgd": optim.SGD(lr=LR), "adagrad": optim.Adagrad(lr=LR),
               "rowwise_adagrad": optim.RowWiseAdagrad(lr=LR), "adam": optim.Adam(lr=LR)}
 COLLECTION = "sparse_arch.embedding_bag_collection"
@@ -53,7 +57,8 @@ COLLECTION = "sparse_arch.embedding_bag_collection"
 def build(optimizer: str, storage_dir: str, linear: bool = False):
     """DLRM, or (`linear`) the collection alone, under DMP, every table from mlkv_torch.initial_rows."""
     torch.manual_seed(0)  # the same dense layers in every build
-    collection = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
+    tables = LINEAR_TABLES if linear else TABLES
+    collection = EmbeddingBagCollection(tables, device=torch.device("meta"))
     model = collection if linear else DLRM(
         embedding_bag_collection=collection, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
         over_arch_layer_sizes=[16, 1], dense_device=torch.device("cpu"))
@@ -63,7 +68,8 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
         collection, {"t0": table_wise(rank=0, compute_kernel=t0_kernel),
                      "t1": table_wise(rank=0, compute_kernel=DISK_KERNEL), "t2": data_parallel(),
                      "t3": column_wise(ranks=[0, 1], compute_kernel=DISK_KERNEL),
-                     "t4": table_wise(rank=0, compute_kernel=DISK_KERNEL)},
+                     "t4": table_wise(rank=0, compute_kernel=DISK_KERNEL),
+                     **({"t5": table_wise(rank=1, compute_kernel=DISK_KERNEL)} if linear else {})},
         sharder=sharder, local_size=dist.get_world_size(), world_size=dist.get_world_size(), device_type="cpu")
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder],
                                    plan=ShardingPlan({"" if linear else COLLECTION: plan}))
@@ -71,8 +77,9 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
                                   lambda params: torch.optim.SGD(params, lr=LR))
     state = dmp.state_dict()
     prefix = "" if linear else f"{COLLECTION}."
-    for name, n in SIZES.items():
-        full = initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n)
+    for table in tables:
+        name, n = table.name, table.num_embeddings
+        full = initial_rows(torch.arange(n), table.embedding_dim, seed=table_seed(0, name), num_embeddings=n)
         weight = state[f"{prefix}embedding_bags.{name}.weight"]
         if isinstance(weight, torch.Tensor) and not hasattr(weight, "local_shards"):  # data-parallel
             weight.detach().copy_(full)
@@ -84,17 +91,17 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def batch(step: int):
+def batch(step: int, tables=TABLES):
     """Zipf-like ids (rows recur, a few very often), one id a bag mostly, some bags of two or none."""
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-    lengths = torch.multinomial(torch.tensor([0.05, 0.8, 0.15]), len(TABLES) * BATCH, replacement=True,
+    lengths = torch.multinomial(torch.tensor([0.05, 0.8, 0.15]), len(tables) * BATCH, replacement=True,
                                 generator=g)
     values = []
-    for i, t in enumerate(TABLES):
+    for i, t in enumerate(tables):
         n = int(lengths[i * BATCH:(i + 1) * BATCH].sum())
         u = torch.rand(n, generator=g)
-        values.append(((SIZES[t.name] + 1) ** u - 1).long().clamp_(max=SIZES[t.name] - 1))  # ~ 1/x
-    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in TABLES], values=torch.cat(values),
+        values.append(((t.num_embeddings + 1) ** u - 1).long().clamp_(max=t.num_embeddings - 1))  # ~ 1/x
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in tables], values=torch.cat(values),
                                                  lengths=lengths)
     return torch.randn(BATCH, 4, generator=g), sparse, torch.randint(0, 2, (BATCH,), generator=g).float()
 
@@ -126,7 +133,7 @@ def train_linear(storage_dir: str, settings, steps: int):
     dmp, opt = build("sgd", storage_dir, linear=True)
     replicas = replicate_hot_rows(dmp.module, settings) if settings else None
     for step in range(steps):
-        _, sparse, _ = batch(step)
+        _, sparse, _ = batch(step, LINEAR_TABLES)
         pooled = dmp(sparse)
         pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
         coefficients = torch.randn(pooled.values().shape, generator=torch.Generator().manual_seed(step))
@@ -139,7 +146,7 @@ def train_linear(storage_dir: str, settings, steps: int):
 def local_shards(state, prefix: str):
     """This rank's shards of every table, as lists."""
     shards = {}
-    for name in SIZES:
+    for name in [t.name for t in LINEAR_TABLES if f"{prefix}embedding_bags.{t.name}.weight" in state]:
         weight = state[f"{prefix}embedding_bags.{name}.weight"]
         local = [weight] if not hasattr(weight, "local_shards") else [s.tensor for s in weight.local_shards()]
         shards[name] = [t.detach().clone().tolist() for t in local]

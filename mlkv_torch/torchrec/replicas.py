@@ -560,9 +560,14 @@ class HotRowReplicas:
                                      step.hit_offsets, mode="sum", per_sample_weights=step.hit_weights,
                                      include_last_offset=True)
             # The group's hit bag k is bag k % batch of its feature k // batch.
-            feature_start = torch.tensor([starts[column_of[k]] for k in step.keys])
-            columns = feature_start[step.hit_bags // batch].unsqueeze(1) + torch.arange(group.dim)
-            merged = merged.index_put(((step.hit_bags % batch).unsqueeze(1), columns), pooled)
+            position = torch.tensor([column_of[k] for k in step.keys])[step.hit_bags // batch]
+            sample = step.hit_bags % batch
+            if all(d == group.dim for d in dims):  # rows of [samples x features, dim]: whole-row copies
+                merged = merged.reshape(-1, group.dim).index_put((sample * len(dims) + position,), pooled)
+                merged = merged.view(batch, -1)
+            else:
+                columns = torch.tensor(starts)[position].unsqueeze(1) + torch.arange(group.dim)
+                merged = merged.index_put((sample.unsqueeze(1), columns), pooled)
         return KeyedTensor(keys=out.keys(), length_per_key=dims, values=merged)
 
 
