@@ -50,7 +50,7 @@ _NEVER = -(1 << 62)  # the step a never-read replica row's value is from
 _CANDIDATES = 2  # each rank offers this many times the replicas' rows of its most frequent rows
 _TABLE_SHIFT = 40  # a hot row's key in its group: table index << 40 | row
 _COUNT_EVERY = 16  # training steps whose lookups are counted together (sorting them once)
-_CLASSIFIED = 16  # batches read ahead whose hits are kept for their step
+_KEPT_SPLITS = 16  # batches read ahead whose split is kept for their step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,23 +184,69 @@ class _ReplicaGroup:
             self.counted.append(torch.unique(torch.cat(self.uncounted), return_counts=True))
             self.uncounted = []
 
-    def candidates(self) -> Tuple[List[int], List[int]]:
+    def candidates(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """This rank's most looked-up keys, and their lookups; they stay counted for the next choice."""
         self.count()
         if not self.counted:
-            return [], []
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
         keys, totals = _summed(torch.cat([k for k, _ in self.counted]), torch.cat([c for _, c in self.counted]))
         top = _most_frequent(totals, _CANDIDATES * self.hot_count)
         self.counted = [(keys[top], totals[top])]
-        return keys[top].tolist(), totals[top].tolist()
+        return keys[top], totals[top]
 
-    def choose(self, offered: List[Tuple[List[int], List[int]]]) -> None:
+    def choose(self, offered: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Takes the keys with the most lookups over every rank's candidates (the same on every rank)."""
-        keys, totals = _summed(torch.tensor([k for o in offered for k in o[0]], dtype=torch.int64),
-                               torch.tensor([c for o in offered for c in o[1]], dtype=torch.int64))
+        keys, totals = _summed(torch.cat([k for k, _ in offered]), torch.cat([c for _, c in offered]))
         self.set_hot(keys[_most_frequent(totals, self.hot_count)].sort().values)
 
     STATE = ("keys", "values", "pending", "has_pending", "pending_since", "read_at")
+
+
+@dataclasses.dataclass
+class _GroupSplit:
+    """A batch's bags of one group's tables: which are hits, and the misses kept for TorchRec."""
+
+    members: List[Tuple[int, int]]  # (table, feature position in the batch)
+    at: List[int]  # the members' feature positions
+    group_keys: torch.Tensor  # each id's key, feature after feature
+    ids: torch.Tensor
+    feature_of_value: torch.Tensor
+    group_lengths: torch.Tensor  # the group's bags, feature after feature
+    slots: Optional[torch.Tensor] = None  # each id's slot (None, and the rest: no hot rows yet)
+    bag_of_value: Optional[torch.Tensor] = None
+    hit: Optional[torch.Tensor] = None  # per bag
+    value_hit: Optional[torch.Tensor] = None  # per id
+    kept_lengths: List[torch.Tensor] = dataclasses.field(default_factory=list)  # the misses, per feature
+    kept_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    kept_values: List[int] = dataclasses.field(default_factory=list)  # ids of misses per feature
+    inverse: Optional[torch.Tensor] = None  # [features, batch]: each sample's bag among the misses
+
+    @staticmethod
+    def of(group: "_ReplicaGroup", keys: List[str], batch: int, lengths: torch.Tensor,
+           values: List[torch.Tensor]) -> Optional["_GroupSplit"]:
+        position = {k: i for i, k in enumerate(keys)}
+        members, group_keys = _members_and_keys(group, position, values)
+        if not members:
+            return None
+        at = [p for _, p in members]
+        counts = [values[p].numel() for p in at]
+        split = _GroupSplit(members, at, group_keys, torch.cat([values[p] for p in at]),
+                            torch.repeat_interleave(torch.arange(len(at)), torch.tensor(counts)),
+                            lengths[at].reshape(-1))
+        if group.size == 0:
+            return split
+        split.slots, hot = group.slots_of(group_keys)
+        split.bag_of_value = torch.repeat_interleave(torch.arange(split.group_lengths.numel()), split.group_lengths)
+        cold_per_bag = torch.zeros(split.group_lengths.numel(), dtype=torch.int64).index_add_(
+            0, split.bag_of_value, (~hot).long())
+        split.hit = cold_per_bag == 0
+        split.value_hit = split.hit[split.bag_of_value]
+        miss = (~split.hit).view(len(at), batch)
+        split.kept_values = torch.bincount(split.feature_of_value[~split.value_hit], minlength=len(at)).tolist()
+        split.kept_lengths = list(split.group_lengths[~split.hit].split(miss.sum(1).tolist()))
+        split.kept_ids = list(split.ids[~split.value_hit].split(split.kept_values))
+        split.inverse = torch.where(miss, miss.cumsum(1) - 1, 0)  # a miss's place among the kept
+        return split
 
 
 @dataclasses.dataclass
@@ -233,8 +279,8 @@ class HotRowReplicas:
         self._push_all_in_step: Optional[int] = None
         self._steps: Optional[List[Optional[_GroupStep]]] = None  # the step in flight
         self._batch_size = 0  # its samples
-        # (group, batch) -> the batch's ids, the hot rows' version, slots, hot: from lookaheads
-        self._classified: Dict[Tuple[int, int, int], Tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
+        # (group, batch) -> the batch's ids, the hot rows' version, its split: from lookaheads
+        self._splits: Dict[Tuple[int, int, int], Tuple[torch.Tensor, int, _GroupSplit]] = {}
         self.last_step: Dict[str, int] = {}  # the last training step's rows served by replicas and pushed
         # A list to record in, step by step from the first choice, the ids each table served and pushed.
         self.trace: Optional[List[Dict[str, Dict[str, List[int]]]]] = None
@@ -320,7 +366,7 @@ class HotRowReplicas:
 
     def _choose(self) -> None:
         candidates = [g.candidates() for g in self.groups]
-        offer_bytes = 16 * sum(len(keys) for keys, _ in candidates)  # a key and its count, int64 each
+        offer_bytes = 16 * sum(keys.numel() for keys, _ in candidates)  # a key and its count, int64 each
         self.stats["replica_choice"] += offer_bytes
         wire.count("replica_choice", offer_bytes)
         offered = all_gather_objects(candidates)
@@ -363,7 +409,6 @@ class HotRowReplicas:
         values = list(torch.split(features.values(), features.length_per_key()))
         weights = features.weights_or_none()
         weights_by_feature = list(torch.split(weights, features.length_per_key())) if weights is not None else None
-        position = {k: i for i, k in enumerate(keys)}
         new_lengths: List[torch.Tensor] = list(lengths)
         new_values, new_weights = list(values), list(weights_by_feature) if weights_by_feature is not None else None
         inverse = torch.arange(B).expand(len(keys), B)
@@ -371,38 +416,27 @@ class HotRowReplicas:
         extra: Dict[int, torch.Tensor] = {}  # feature -> push bags' ids
         steps: List[Optional[_GroupStep]] = []
         for group in self.groups:
-            members, group_keys = _members_and_keys(group, position, values)
-            if not members:
+            split = self._group_split(group, features, lengths, values, keep=not train)
+            if split is None:
                 steps.append(None)
                 continue
-            at = [p for _, p in members]
-            counts = [values[p].numel() for p in at]
-            feature_of_value = torch.repeat_interleave(torch.arange(len(at)), torch.tensor(counts))
-            ids = torch.cat([values[p] for p in at])
             if train:
-                self._count(group, group_keys)
-            if group.size == 0:
+                self._count(group, split.group_keys)
+            if split.hit is None:  # no hot rows yet
                 steps.append(None)
                 continue
-            group_lengths = lengths[at].reshape(-1)  # the group's bags, feature after feature
-            slots, hot = self._classify(group, group_keys, features, keep=not train)
-            bag_of_value = torch.repeat_interleave(torch.arange(group_lengths.numel()), group_lengths)
-            cold_per_bag = torch.zeros(group_lengths.numel(), dtype=torch.int64).index_add_(0, bag_of_value,
-                                                                                           (~hot).long())
-            hit = cold_per_bag == 0
-            value_hit = hit[bag_of_value]
-            miss = (~hit).view(len(at), B)
-            kept = miss.sum(1).tolist()
-            kept_values = torch.bincount(feature_of_value[~value_hit], minlength=len(at)).tolist()
-            for p, part in zip(at, group_lengths[~hit].split(kept)):
+            members, at, hit, value_hit = split.members, split.at, split.hit, split.value_hit
+            ids, feature_of_value, group_lengths = split.ids, split.feature_of_value, split.group_lengths
+            for p, part in zip(at, split.kept_lengths):
                 new_lengths[p] = part
-            for p, part in zip(at, ids[~value_hit].split(kept_values)):
+            for p, part in zip(at, split.kept_ids):
                 new_values[p] = part
             if new_weights is not None:
                 group_weights = torch.cat([weights_by_feature[p] for p in at])  # type: ignore[index]
-                for p, part in zip(at, group_weights[~value_hit].split(kept_values)):
+                for p, part in zip(at, group_weights[~value_hit].split(split.kept_values)):
                     new_weights[p] = part
-            inverse_parts[tuple(at)] = torch.where(miss, miss.cumsum(1) - 1, 0)  # a miss's place among the kept
+            inverse_parts[tuple(at)] = split.inverse
+            slots, bag_of_value = split.slots, split.bag_of_value
             if train:
                 self.stats["lookups"] += ids.numel()
                 self.stats["replica_hits"] += int(value_hit.sum())
@@ -455,22 +489,21 @@ class HotRowReplicas:
                                    torch.cat(new_weights) if new_weights is not None else None, bags, full)
         return kjt, steps
 
-    def _classify(self, group: _ReplicaGroup, group_keys: torch.Tensor, features: KeyedJaggedTensor, keep: bool
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Each id's slot and whether it is hot: from the batch's lookahead when it had these hot rows
-        (`keep`: a lookahead's, kept for its step)."""
+    def _group_split(self, group: _ReplicaGroup, features: KeyedJaggedTensor, lengths: torch.Tensor,
+                     values: List[torch.Tensor], keep: bool) -> Optional["_GroupSplit"]:
+        """The batch's hits and misses in the group (None: no feature of it in the batch); a
+        lookahead's (`keep`) is kept for its step, which takes it if the hot rows are the same."""
         key = (id(group), features.values().data_ptr(), features.values().numel())
-        cached = self._classified.pop(key, None)
+        cached = self._splits.pop(key, None)
         # The lookahead's values are kept alive with it, so the same address is the same batch.
         if cached is not None and cached[0] is features.values() and cached[1] == group.version:
-            return cached[2], cached[3]
-        slots, hot = group.slots_of(group_keys)
-        if not keep:
-            return slots, hot
-        self._classified[key] = (features.values(), group.version, slots, hot)
-        while len(self._classified) > _CLASSIFIED * len(self.groups):
-            self._classified.pop(next(iter(self._classified)))
-        return slots, hot
+            return cached[2]
+        split = _GroupSplit.of(group, features.keys(), features.stride(), lengths, values)
+        if keep and split is not None:
+            self._splits[key] = (features.values(), group.version, split)
+            while len(self._splits) > _KEPT_SPLITS * len(self.groups):
+                self._splits.pop(next(iter(self._splits)))
+        return split
 
     def _count(self, group: _ReplicaGroup, group_keys: torch.Tensor) -> None:
         """Keeps a training step's lookups of the group's tables, for the next choice."""
