@@ -105,9 +105,11 @@ def test_batches_read_ahead_into_slots_train_as_torch_does(tmp_path, device, dep
         check_step(batch, reference, step, device, steps, bound)
     check_rows(batch, reference, steps, bound)
     stats = batch.cache.stats()
-    assert stats["prefetch_placed_rows"] > 0 and stats["evictions"] > 0
-    if cache_rows < 300:
+    assert stats["evictions"] > 0
+    if cache_rows < 300:  # how many fit beside the pinned batch depends on timing: some waited in the staging area
         assert stats["prefetched_rows"] > 0
+    else:
+        assert stats["prefetch_placed_rows"] > 0
     batch.close()
 
 

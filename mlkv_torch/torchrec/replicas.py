@@ -20,8 +20,7 @@ written within per-row bounds, so that most lookups skip TorchRec's all-to-alls.
   then every `refresh_every` steps, every rank offers its most frequent rows and all take the same
   ones: the `fraction` of the sharded tables' rows (all together) with the most lookups over the
   ranks. So a small table whose rows are all hot may be replicated whole, and a large one gets
-  less than its share: on the quickstart's tables (Zipf 1.05) 1% of the rows so chosen serve 84%
-  of the lookups, 1% of each table's 57%.
+  less than its share (docs/benchmarks.md has what that gains over a share of each table).
 
 Tables that are data-parallel in the plan are left alone (every rank holds them whole), as are
 evaluations (no gradient): they read the owners' rows.
