@@ -123,6 +123,7 @@ def train(optimizer: str, storage_dir: str, settings):
     return {"losses": all_gather_objects(losses), "sent": all_gather_objects(traffic.bytes),
             "shards": all_gather_objects(local_shards(dmp.state_dict(), f"{COLLECTION}.")),
             "stats": all_gather_objects(replicas.stats if replicas else {}),
+            "hit_rate": all_gather_objects(replicas.hit_rate() if replicas else None),
             "trace": all_gather_objects(replicas.trace if replicas else [])}
 
 

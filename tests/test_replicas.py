@@ -55,8 +55,9 @@ def test_at_bounds_zero_training_equals_training_without_replicas(exact, optimiz
         for table in ours:
             for mine, reference in zip(ours[table], theirs[table]):
                 torch.testing.assert_close(torch.tensor(mine), torch.tensor(reference), rtol=0, atol=tolerance)
-    for stats in replicated["stats"]:
+    for stats, hit_rate in zip(replicated["stats"], replicated["hit_rate"]):
         assert stats["replica_hits"] > 0.2 * stats["lookups"], stats  # replicas did serve
+        assert hit_rate == stats["replica_hits"] / stats["lookups"]
     sent = {kind: sum(rank[kind] for rank in replicated["sent"]) for kind in ("ids", "outputs", "gradients")}
     before = {kind: sum(rank[kind] for rank in plain["sent"]) for kind in ("ids", "outputs", "gradients")}
     assert all(sent[kind] < before[kind] for kind in sent), (sent, before)

@@ -224,14 +224,11 @@ class _GroupSplit:
     def of(group: "_ReplicaGroup", keys: List[str], batch: int, lengths: torch.Tensor,
            values: List[torch.Tensor]) -> Optional["_GroupSplit"]:
         position = {k: i for i, k in enumerate(keys)}
-        members, group_keys = _members_and_keys(group, position, values)
+        members, ids, feature_of_value, group_keys = _members_and_keys(group, position, values)
         if not members:
             return None
         at = [p for _, p in members]
-        counts = [values[p].numel() for p in at]
-        split = _GroupSplit(members, at, group_keys, torch.cat([values[p] for p in at]),
-                            torch.repeat_interleave(torch.arange(len(at)), torch.tensor(counts)),
-                            lengths[at].reshape(-1))
+        split = _GroupSplit(members, at, group_keys, ids, feature_of_value, lengths[at].reshape(-1))
         if group.size == 0:
             return split
         split.slots, hot = group.slots_of(group_keys)
@@ -280,11 +277,11 @@ class HotRowReplicas:
         self._batch_size = 0  # its samples
         # (group, batch) -> the batch's ids, the hot rows' version, its split: from lookaheads
         self._splits: Dict[Tuple[int, int, int], Tuple[torch.Tensor, int, _GroupSplit]] = {}
-        self.last_step: Dict[str, int] = {}  # the last training step's rows served by replicas and pushed
         # A list to record in, step by step from the first choice, the ids each table served and pushed.
         self.trace: Optional[List[Dict[str, Dict[str, List[int]]]]] = None
-        self.stats: Dict[str, int] = dict.fromkeys(
-            ("lookups", "replica_hits", "push_rows", "replica_pushes", "replica_refreshes", "replica_choice"), 0)
+        # This rank's lookups into replicated tables, those replicas served, and rows sent as push bags
+        # (bytes by kind: mlkv_torch.wire).
+        self.stats: Dict[str, int] = dict.fromkeys(("lookups", "replica_hits", "push_rows"), 0)
         plan = sharded.module_sharding_plan  # table -> ParameterSharding
         by_dim: Dict[int, List[_ReplicatedTable]] = {}
         self.dims: Dict[str, int] = {}
@@ -316,10 +313,6 @@ class HotRowReplicas:
         shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
         return sum(int(s.shard_sizes[1]) for s in shards if s.placement.rank() != self.rank)
 
-    @property
-    def tables(self) -> List[_ReplicatedTable]:
-        return [t for g in self.groups for t in g.tables]
-
     # ---- the public handle ----------------------------------------------------------------------------
     def push_all_in_next_step(self) -> None:
         """The next training step pushes every unpushed gradient (before a checkpoint's cut)."""
@@ -332,13 +325,6 @@ class HotRowReplicas:
     def hit_rate(self) -> Optional[float]:
         """The share of this rank's lookups into replicated tables that replicas served."""
         return self.stats["replica_hits"] / self.stats["lookups"] if self.stats["lookups"] else None
-
-    def remove(self) -> None:
-        """Unhooks the replicas (push what is owed first: `push_all_in_next_step`)."""
-        for handle in self._handles:
-            handle.remove()
-        if self._lookahead is not None:
-            del self._sharded.lookahead
 
     def state_dict(self) -> Dict[str, Any]:
         """The replicas' rows and bookkeeping, for a checkpoint: resuming from it continues exactly."""
@@ -366,7 +352,6 @@ class HotRowReplicas:
     def _choose(self) -> None:
         candidates = [g.candidates() for g in self.groups]
         offer_bytes = 16 * sum(keys.numel() for keys, _ in candidates)  # a key and its count, int64 each
-        self.stats["replica_choice"] += offer_bytes
         wire.count("replica_choice", offer_bytes)
         offered = all_gather_objects(candidates)
         for k, group in enumerate(self.groups):
@@ -378,12 +363,11 @@ class HotRowReplicas:
             return None
         if self._choice_due(self.step):
             self._choose()
-        self.last_step = {"step": self.step, "served_locally": 0, "pushed": 0}
         if not any(g.size for g in self.groups):  # warming up: only counted
             position = {k: i for i, k in enumerate(features.keys())}
             values = list(torch.split(features.values(), features.length_per_key()))
             for group in self.groups:
-                self._count(group, _members_and_keys(group, position, values)[1])
+                self._count(group, _members_and_keys(group, position, values)[3])
             self.step += 1
             return None
         if self.trace is not None:
@@ -425,7 +409,7 @@ class HotRowReplicas:
                 steps.append(None)
                 continue
             members, at, hit, value_hit = split.members, split.at, split.hit, split.value_hit
-            ids, feature_of_value, group_lengths = split.ids, split.feature_of_value, split.group_lengths
+            feature_of_value, group_lengths = split.feature_of_value, split.group_lengths
             for p, part in zip(at, split.kept_lengths):
                 new_lengths[p] = part
             for p, part in zip(at, split.kept_ids):
@@ -437,7 +421,6 @@ class HotRowReplicas:
             inverse_parts[tuple(at)] = split.inverse
             slots, bag_of_value = split.slots, split.bag_of_value
             if train:
-                self.stats["lookups"] += ids.numel()
                 self.stats["replica_hits"] += int(value_hit.sum())
                 hit_lengths = group_lengths[hit]
                 hit_offsets = torch.zeros(hit_lengths.numel() + 1, dtype=torch.int64)
@@ -452,11 +435,10 @@ class HotRowReplicas:
                     hit_weights = torch.where(per_value_mean, hit_weights / lengths_of_value, hit_weights)
                 present = torch.zeros(len(group.tables), dtype=torch.bool)
                 present[[t for t, _ in members]] = True
-                step = self._decide(group, slots[value_hit], push_all, present)
-                step.keys = [keys[p] for p in at]
-                step.hit_bags, step.hit_offsets, step.hit_slots = hit.nonzero().squeeze(1), hit_offsets, \
-                    slots[value_hit]
-                step.hit_weights = hit_weights
+                hit_slots = slots[value_hit]
+                push, push_per_table, local, owed = self._decide(group, hit_slots, push_all, present)
+                step = _GroupStep([keys[p] for p in at], hit.nonzero().squeeze(1), hit_offsets, hit_slots,
+                                  hit_weights, push, push_per_table, local, owed)
                 first = {}  # each table's push bags go to its first feature in the batch
                 for t, p in members:
                     first.setdefault(t, p)
@@ -509,13 +491,13 @@ class HotRowReplicas:
         group.uncounted.append(group_keys)
         if len(group.uncounted) >= _COUNT_EVERY:
             group.count()
-        if group.size == 0:
-            self.stats["lookups"] += group_keys.numel()
+        self.stats["lookups"] += group_keys.numel()
 
     def _decide(self, group: _ReplicaGroup, hit_slots: torch.Tensor, push_all: bool, present: torch.Tensor
-                ) -> _GroupStep:
-        """Which rows the step reads from the replica and which it sends as push bags (see the module);
-        push bags go with a feature of their table, so only tables `present` in the batch push."""
+                ) -> Tuple[torch.Tensor, List[int], torch.Tensor, torch.Tensor]:
+        """Which rows the step sends as push bags (ascending, so by table; and how many of each
+        table) and which it reads from the replica, and what was owed for the pushed rows (see the
+        module); push bags go with a feature of their table, so only tables `present` in the batch push."""
         step, s = self.step, self.settings
         used = torch.unique(hit_slots)
         stale = used[(step - group.read_at[used]) > s.pull_bound]
@@ -536,19 +518,14 @@ class HotRowReplicas:
         per_table = torch.bincount(group.table_of(push), minlength=len(group.tables))
         nbytes = int((per_table * group.remote_columns).sum()) * 4  # float32 columns other ranks own
         self.stats["push_rows"] += push.numel()
-        self.stats["replica_pushes"] += nbytes
-        self.stats["replica_refreshes"] += nbytes
         wire.reattribute("gradients", "replica_pushes", nbytes)
         wire.reattribute("outputs", "replica_refreshes", nbytes)
-        self.last_step["served_locally"] += local.numel()
-        self.last_step["pushed"] += push.numel()
         if self.trace is not None:
             for t, table in enumerate(group.tables):
                 self.trace[-1][table.name] = {
                     "served": group.rows_of(local[group.table_of(local) == t]).tolist(),
                     "pushed": group.rows_of(push[group.table_of(push) == t]).tolist()}
-        empty = torch.empty(0, dtype=torch.int64)
-        return _GroupStep([], empty, empty, empty, None, push, per_table.tolist(), local, owed)
+        return push, per_table.tolist(), local, owed
 
     def _after_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
         steps, self._steps = self._steps, None
@@ -604,14 +581,18 @@ class HotRowReplicas:
 
 
 def _members_and_keys(group: _ReplicaGroup, position: Dict[str, int], values: List[torch.Tensor]
-                      ) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
-    """The group's (table, feature position) in a batch, and its ids' keys, feature after feature."""
+                      ) -> Tuple[List[Tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group's (table, feature position) in a batch, and feature after feature its ids, the
+    member each id belongs to, and the ids' keys."""
     members = [(t, position[f]) for t, table in enumerate(group.tables) for f in table.features if f in position]
+    empty = torch.empty(0, dtype=torch.int64)
     if not members:
-        return members, torch.empty(0, dtype=torch.int64)
-    tables = torch.repeat_interleave(torch.tensor([t for t, _ in members], dtype=torch.int64),
-                                     torch.tensor([values[p].numel() for _, p in members]))
-    return members, (tables << _TABLE_SHIFT) | torch.cat([values[p] for _, p in members])
+        return members, empty, empty, empty
+    ids = torch.cat([values[p] for _, p in members])
+    member_of_value = torch.repeat_interleave(torch.arange(len(members)),
+                                              torch.tensor([values[p].numel() for _, p in members]))
+    tables = torch.tensor([t for t, _ in members], dtype=torch.int64)
+    return members, ids, member_of_value, (tables[member_of_value] << _TABLE_SHIFT) | ids
 
 
 def _owe(group: _ReplicaGroup, slots: torch.Tensor) -> Any:

@@ -78,6 +78,15 @@ def planning_with_disk() -> Iterator[None]:
         _planning_with_disk.reset(token)
 
 
+def unwrapped_lookups(sharded: ShardedEmbeddingBagCollection) -> Iterator[nn.Module]:
+    """A sharded collection's lookups, one per sharding type (in `_sharding_types`' order), without
+    the DistributedDataParallel some are wrapped in."""
+    for lookup in sharded._lookups:
+        while isinstance(lookup, nn.parallel.DistributedDataParallel):
+            lookup = lookup.module
+        yield lookup
+
+
 class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """TorchRec's ShardedEmbeddingBagCollection whose ``customized_kernel`` tables live on disk."""
 
@@ -122,11 +131,7 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         super().reset_parameters()
 
     def _unwrapped_lookups(self) -> Iterator[nn.Module]:
-        """The lookups, one per sharding type, without the DistributedDataParallel some are wrapped in."""
-        for lookup in self._lookups:
-            while isinstance(lookup, nn.parallel.DistributedDataParallel):
-                lookup = lookup.module
-            yield lookup
+        return unwrapped_lookups(self)
 
     def disk_kernels(self) -> Iterator[DiskEmbeddingKernel]:
         """The kernels of this rank's disk tables."""

@@ -14,18 +14,14 @@ from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .routing import variable_batch_layout
+from .sharded_collection import unwrapped_lookups
 
 __all__ = ["accept_variable_batches", "variable_batch_input"]
 
 
 def _lookups(sharded: nn.Module) -> List[Tuple[nn.Module, str]]:
-    """The collection's lookups, without the DistributedDataParallel some are wrapped in, and their sharding types."""
-    found = []
-    for lookup, sharding_type in zip(getattr(sharded, "_lookups", []), getattr(sharded, "_sharding_types", [])):
-        while isinstance(lookup, nn.parallel.DistributedDataParallel):
-            lookup = lookup.module
-        found.append((lookup, sharding_type))
-    return found
+    """The collection's lookups and their sharding types."""
+    return list(zip(unwrapped_lookups(sharded), sharded._sharding_types))
 
 
 def accept_variable_batches(sharded: nn.Module, dims: Dict[str, int]) -> List[Any]:
