@@ -83,6 +83,9 @@ def _reads_and_pushes(trace):
 
 
 def test_at_bounds_zero_every_row_read_is_fresh_and_pushed_in_its_step(exact):
+    # Rank 0 owns t0, t1 and t4 whole, so it replicates only t3 (column-wise over both ranks).
+    replicated = [{table for record in trace for table in record} for trace in exact["sgd/replicas"]["trace"]]
+    assert replicated == [{"t3"}, {"t0", "t1", "t3", "t4"}]
     for trace in exact["sgd/replicas"]["trace"]:
         assert len(trace) == 14 - 3  # after the 3 warm-up steps
         assert _reads_and_pushes(trace) == ([], [])  # nothing served locally
@@ -239,3 +242,83 @@ def test_the_variable_batch_layout_is_fbgemms():
         for i, w, bag in zip(ids, weights, lengths)]
     ours = variable_batch_layout(per_feature, bags_per_rank)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_the_hot_row_split_matches_a_plain_reference():
+    # The split a step starts with (mlkv_torch._C.HotRowIndex): a bag is pooled from the replicas
+    # when every id of it is hot (an empty one too); checked against a plain Python reading of that.
+    import torch
+
+    from mlkv_torch import _C
+
+    g = torch.Generator().manual_seed(3)
+    batch, tables = 40, [0, 2, 2]  # two features of table 2
+    hot = sorted({t << 40 | int(r) for t in (0, 2) for r in torch.randint(0, 30, (20,), generator=g)})
+    lengths = torch.randint(0, 4, (len(tables) * batch,), generator=g)
+    ids = [torch.randint(0, 40, (int(lengths[m * batch:(m + 1) * batch].sum()),), generator=g)
+           for m in range(len(tables))]
+    (keys, value_hit, hit_bags, hit_offsets, hit_slots, kept_lengths, kept_ids, kept_bags, kept_values,
+     inverse) = _C.HotRowIndex(torch.tensor(hot)).split(ids, tables, lengths, batch)
+
+    slot = {key: i for i, key in enumerate(hot)}
+    want = dict(keys=[], value_hit=[], hit_bags=[], hit_offsets=[0], hit_slots=[], kept_lengths=[], kept_ids=[],
+                kept_bags=[0] * len(tables), kept_values=[0] * len(tables), inverse=[[0] * batch for _ in tables])
+    for m, table in enumerate(tables):
+        bags = ids[m].split(lengths[m * batch:(m + 1) * batch].tolist())
+        for b, bag in enumerate(bags):
+            bag_keys = [table << 40 | int(i) for i in bag]
+            hit = all(k in slot for k in bag_keys)
+            want["keys"] += bag_keys
+            want["value_hit"] += [hit] * len(bag_keys)
+            if hit:
+                want["hit_bags"].append(m * batch + b)
+                want["hit_slots"] += [slot[k] for k in bag_keys]
+                want["hit_offsets"].append(len(want["hit_slots"]))
+            else:
+                want["inverse"][m][b] = want["kept_bags"][m]
+                want["kept_bags"][m] += 1
+                want["kept_lengths"].append(len(bag_keys))
+                want["kept_ids"] += bag.tolist()
+                want["kept_values"][m] += len(bag_keys)
+    got = dict(keys=keys.tolist(), value_hit=value_hit.tolist(), hit_bags=hit_bags.tolist(),
+               hit_offsets=hit_offsets.tolist(), hit_slots=hit_slots.tolist(), kept_lengths=kept_lengths.tolist(),
+               kept_ids=kept_ids.tolist(), kept_bags=kept_bags, kept_values=kept_values, inverse=inverse.tolist())
+    assert got == want
+    assert 0 < len(want["hit_bags"]) < len(tables) * batch  # both kinds of bag occur
+
+    with pytest.raises(ValueError, match="given twice"):
+        _C.HotRowIndex(torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="non-negative"):
+        _C.HotRowIndex(torch.tensor([-2]))
+    with pytest.raises(TypeError, match="int64"):
+        _C.HotRowIndex(torch.tensor([1.0]))
+    index = _C.HotRowIndex(torch.tensor(hot))
+    with pytest.raises(ValueError, match="lengths do not match"):
+        index.split([torch.tensor([1, 2])], [0], torch.tensor([1, 2]), 2)
+    with pytest.raises(ValueError, match=r"lengths must be contiguous int64 \[members x batch\]"):
+        index.split([torch.tensor([1, 2])], [0], torch.tensor([1, 1]), 3)
+    # A negative id is no hot row: its bag goes to TorchRec, whose lookup names it.
+    assert index.split([torch.tensor([-1])], [0], torch.tensor([1]), 1)[1].tolist() == [False]
+
+
+def test_every_rank_chooses_the_same_rows_with_counts_scaled_to_all_ranks():
+    # Two ranks' groups, without processes: table 0 is owned by rank 1 (only rank 0 counts it),
+    # table 1 is shared (both count it). Scaled to both ranks, table 0's row 5 (10 lookups on one
+    # rank of two) is hotter than table 1's row 7 (8 on each); each rank keeps the chosen rows of
+    # the tables it replicates.
+    import torch
+
+    from mlkv_torch.torchrec.replicas import _ReplicaGroup, _ReplicatedTable
+
+    def table(index, weight):
+        return _ReplicatedTable(f"t{index}", 100, 4, [f"f{index}"], False, 4, index, weight)
+
+    rank0 = _ReplicaGroup([table(0, 2.0), table(1, 1.0)], hot_count=1, sharded_tables=2)
+    rank1 = _ReplicaGroup([table(1, 1.0)], hot_count=1, sharded_tables=2)
+    rank0.uncounted = [torch.tensor([5] * 10 + [1 << 40 | 7] * 8)]  # keys: local table << 40 | row
+    rank1.uncounted = [torch.tensor([7] * 8)]
+    offered = [rank0.candidates(), rank1.candidates()]
+    assert offered[0][0].tolist()[:2] == [5, 1 << 40 | 7]  # offered by the tables' global indices
+    for group in (rank0, rank1):
+        group.choose(offered)
+    assert rank0.keys.tolist() == [5] and rank1.keys.tolist() == []

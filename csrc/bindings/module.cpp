@@ -21,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mlkv::bindings::BindStore(m);
   mlkv::bindings::BindRocksStore(m);
   mlkv::bindings::BindEmbeddingCache(m);
+  mlkv::bindings::BindHotRows(m);
 }

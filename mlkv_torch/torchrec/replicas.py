@@ -17,13 +17,17 @@ written within per-row bounds, so that most lookups skip TorchRec's all-to-alls.
   row with an unpushed gradient before the hot rows are chosen again or a checkpoint is cut.
   At bounds 0 every row a step reads goes in that step: training is exact.
 - **Choice.** The lookups of the replicated tables are counted; after `warmup_steps` steps and
-  then every `refresh_every` steps, every rank offers its most frequent rows and all take the same
-  ones: the `fraction` of the sharded tables' rows (all together) with the most lookups over the
-  ranks. So a small table whose rows are all hot may be replicated whole, and a large one gets
+  then every `refresh_every` steps, every rank offers its most frequent rows and all choose the
+  same ones: the `fraction` of the sharded tables' rows (all together) with the most lookups over
+  the ranks. So a small table whose rows are all hot may be replicated whole, and a large one gets
   less than its share (docs/benchmarks.md has what that gains over a share of each table).
 
-Tables that are data-parallel in the plan are left alone (every rank holds them whole), as are
-evaluations (no gradient): they read the owners' rows.
+A rank replicates only the tables other ranks own part of: its own table's rows are pooled where
+they are, so a replica of them would save no byte and cost the split. A table is so counted only
+on the ranks that replicate it; its counts are scaled by all ranks over those, so that a table
+one rank owns competes on equal terms with one they all share. Tables that are data-parallel in the
+plan are left alone (every rank holds them whole), as are evaluations (no gradient): they read the
+owners' rows.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from .. import wire
+from .. import _C, wire
 from ..checks import is_int
 from ..ranks import all_gather_objects
 from .variable_batch import accept_variable_batches, variable_batch_input
@@ -48,6 +52,7 @@ __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_m
 _NEVER = -(1 << 62)  # the step a never-read replica row's value is from
 _CANDIDATES = 2  # each rank offers this many times the replicas' rows of its most frequent rows
 _TABLE_SHIFT = 40  # a hot row's key in its group: table index << 40 | row
+_ROW_MASK = (1 << _TABLE_SHIFT) - 1
 _COUNT_EVERY = 16  # training steps whose lookups are counted together (sorting them once)
 _KEPT_SPLITS = 16  # batches read ahead whose split is kept for their step
 
@@ -109,15 +114,18 @@ class _InjectGradient(torch.autograd.Function):
 class _ReplicatedTable:
     """A sharded table replicated on this rank."""
 
-    def __init__(self, name: str, rows: int, dim: int, features: List[str], mean: bool, remote_columns: int) -> None:
+    def __init__(self, name: str, rows: int, dim: int, features: List[str], mean: bool, remote_columns: int,
+                 index: int, weight: float) -> None:
         self.name, self.rows, self.dim, self.features, self.mean = name, rows, dim, features, mean
         self.remote_columns = remote_columns  # of each row, the columns other ranks own
+        self.index = index  # among the collection's sharded tables, the same on every rank
+        self.weight = weight  # ranks over the ranks that count its lookups (those that replicate it)
 
 
 def _summed(ids: torch.Tensor, counts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Distinct ids (ascending) and the sum of their counts."""
     unique, inverse = torch.unique(ids, return_inverse=True)
-    return unique, torch.zeros(unique.numel(), dtype=torch.int64).index_add_(0, inverse, counts)
+    return unique, torch.zeros(unique.numel(), dtype=counts.dtype).index_add_(0, inverse, counts)
 
 
 def _most_frequent(counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -130,10 +138,14 @@ class _ReplicaGroup:
     """The replicated tables of one embedding dimension on this rank, their hot rows in one slot
     space (ordered by table, then row), so a step's bookkeeping is a few tensor operations."""
 
-    def __init__(self, tables: List[_ReplicatedTable], fraction: float) -> None:
+    def __init__(self, tables: List[_ReplicatedTable], hot_count: int, sharded_tables: int) -> None:
         self.tables = tables
         self.dim = tables[0].dim
-        self.hot_count = int(fraction * sum(t.rows for t in tables))  # the replicas' rows
+        self.hot_count = hot_count  # the rows chosen over every sharded table of this width
+        self.global_index = torch.tensor([t.index for t in tables], dtype=torch.int64)
+        self.local_index = torch.full((sharded_tables,), -1, dtype=torch.int64)  # -1: not replicated here
+        self.local_index[self.global_index] = torch.arange(len(tables))
+        self.weights = torch.tensor([t.weight for t in tables], dtype=torch.float64)
         # (keys, lookups): this rank's counts since the last choice, and its most counted keys before it
         self.counted: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.keys = torch.empty(0, dtype=torch.int64)  # table index << _TABLE_SHIFT | row, ascending
@@ -143,6 +155,7 @@ class _ReplicaGroup:
         self.has_pending = torch.empty(0, dtype=torch.bool)
         self.pending_since = torch.empty(0, dtype=torch.int64)  # the step of the oldest unpushed gradient
         self.read_at = torch.empty(0, dtype=torch.int64)  # the step whose forward read the value
+        self.index = _C.HotRowIndex(self.keys)  # key -> slot
         self.remote_columns = torch.tensor([t.remote_columns for t in tables], dtype=torch.int64)
         self.uncounted: List[torch.Tensor] = []  # training steps' keys not counted yet (counted in bulk)
         self.version = 0  # of the hot rows: each choice makes a new one
@@ -155,7 +168,7 @@ class _ReplicaGroup:
         return self.slot_tables[slots]
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.keys[slots] & ((1 << _TABLE_SHIFT) - 1)
+        return self.keys[slots] & _ROW_MASK
 
     def set_hot(self, keys: torch.Tensor) -> None:
         """Takes the new hot rows' keys (ascending, with nothing owed: the step before pushed it all);
@@ -165,6 +178,7 @@ class _ReplicaGroup:
         values[kept], read_at[kept] = self.values[slots[kept]], self.read_at[slots[kept]]
         self.keys, self.values, self.read_at = keys, values, read_at
         self.slot_tables = keys >> _TABLE_SHIFT
+        self.index = _C.HotRowIndex(keys)
         self.version += 1
         self.pending = torch.zeros(keys.numel(), self.dim)
         self.has_pending = torch.zeros(keys.numel(), dtype=torch.bool)
@@ -184,37 +198,41 @@ class _ReplicaGroup:
             self.uncounted = []
 
     def candidates(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This rank's most looked-up keys, and their lookups; they stay counted for the next choice."""
+        """This rank's most looked-up rows, keyed by their table's index among the sharded tables,
+        and their scaled lookups; they stay counted for the next choice."""
         self.count()
         if not self.counted:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
         keys, totals = _summed(torch.cat([k for k, _ in self.counted]), torch.cat([c for _, c in self.counted]))
-        top = _most_frequent(totals, _CANDIDATES * self.hot_count)
+        scaled = totals * self.weights[keys >> _TABLE_SHIFT]
+        top = _most_frequent(scaled, _CANDIDATES * self.hot_count)
         self.counted = [(keys[top], totals[top])]
-        return keys[top], totals[top]
+        keys = keys[top]
+        return (self.global_index[keys >> _TABLE_SHIFT] << _TABLE_SHIFT) | (keys & _ROW_MASK), scaled[top]
 
     def choose(self, offered: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Takes the keys with the most lookups over every rank's candidates (the same on every rank)."""
+        """Chooses the rows with the most lookups over every rank's candidates (the same on every
+        rank), and takes those of the tables replicated here."""
         keys, totals = _summed(torch.cat([k for k, _ in offered]), torch.cat([c for _, c in offered]))
-        self.set_hot(keys[_most_frequent(totals, self.hot_count)].sort().values)
+        chosen = keys[_most_frequent(totals, self.hot_count)]
+        local = self.local_index[chosen >> _TABLE_SHIFT]
+        mine = local >= 0
+        self.set_hot(((local[mine] << _TABLE_SHIFT) | (chosen[mine] & _ROW_MASK)).sort().values)
 
     STATE = ("keys", "values", "pending", "has_pending", "pending_since", "read_at")
 
 
 @dataclasses.dataclass
 class _GroupSplit:
-    """A batch's bags of one group's tables: which are hits, and the misses kept for TorchRec."""
+    """A batch's bags of one group's tables: the hits, and the misses kept for TorchRec."""
 
     members: List[Tuple[int, int]]  # (table, feature position in the batch)
     at: List[int]  # the members' feature positions
     group_keys: torch.Tensor  # each id's key, feature after feature
-    ids: torch.Tensor
-    feature_of_value: torch.Tensor
-    group_lengths: torch.Tensor  # the group's bags, feature after feature
-    slots: Optional[torch.Tensor] = None  # each id's slot (None, and the rest: no hot rows yet)
-    bag_of_value: Optional[torch.Tensor] = None
-    hit: Optional[torch.Tensor] = None  # per bag
-    value_hit: Optional[torch.Tensor] = None  # per id
+    hit_bags: Optional[torch.Tensor] = None  # the hits among the group's bags (None, and the rest: no hot rows yet)
+    hit_offsets: Optional[torch.Tensor] = None  # their offsets into hit_slots
+    hit_slots: Optional[torch.Tensor] = None  # the slot of each id of a hit
+    value_hit: Optional[torch.Tensor] = None  # per id, whether its bag is a hit
     kept_lengths: List[torch.Tensor] = dataclasses.field(default_factory=list)  # the misses, per feature
     kept_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)
     kept_values: List[int] = dataclasses.field(default_factory=list)  # ids of misses per feature
@@ -223,26 +241,19 @@ class _GroupSplit:
     @staticmethod
     def of(group: "_ReplicaGroup", keys: List[str], batch: int, lengths: torch.Tensor,
            values: List[torch.Tensor]) -> Optional["_GroupSplit"]:
-        position = {k: i for i, k in enumerate(keys)}
-        members, ids, feature_of_value, group_keys = _members_and_keys(group, position, values)
+        members = _members(group, keys)
         if not members:
             return None
         at = [p for _, p in members]
-        split = _GroupSplit(members, at, group_keys, ids, feature_of_value, lengths[at].reshape(-1))
         if group.size == 0:
-            return split
-        split.slots, hot = group.slots_of(group_keys)
-        split.bag_of_value = torch.repeat_interleave(torch.arange(split.group_lengths.numel()), split.group_lengths)
-        cold_per_bag = torch.zeros(split.group_lengths.numel(), dtype=torch.int64).index_add_(
-            0, split.bag_of_value, (~hot).long())
-        split.hit = cold_per_bag == 0
-        split.value_hit = split.hit[split.bag_of_value]
-        miss = (~split.hit).view(len(at), batch)
-        split.kept_values = torch.bincount(split.feature_of_value[~split.value_hit], minlength=len(at)).tolist()
-        split.kept_lengths = list(split.group_lengths[~split.hit].split(miss.sum(1).tolist()))
-        split.kept_ids = list(split.ids[~split.value_hit].split(split.kept_values))
-        split.inverse = torch.where(miss, miss.cumsum(1) - 1, 0)  # a miss's place among the kept
-        return split
+            return _GroupSplit(members, at, _keys(members, values))
+        (group_keys, value_hit, hit_bags, hit_offsets, hit_slots, kept_lengths, kept_ids, kept_bags, kept_values,
+         inverse) = group.index.split([values[p].long() for p in at], [t for t, _ in members],
+                                      lengths[at].reshape(-1).long(), batch)
+        return _GroupSplit(members, at, group_keys, hit_bags, hit_offsets, hit_slots, value_hit,
+                           list(kept_lengths.to(lengths.dtype).split(kept_bags)),
+                           [part.to(values[p].dtype) for p, part in zip(at, kept_ids.split(kept_values))],
+                           kept_values, inverse)
 
 
 @dataclasses.dataclass
@@ -283,7 +294,10 @@ class HotRowReplicas:
         # (bytes by kind: mlkv_torch.wire).
         self.stats: Dict[str, int] = dict.fromkeys(("lookups", "replica_hits", "push_rows"), 0)
         plan = sharded.module_sharding_plan  # table -> ParameterSharding
-        by_dim: Dict[int, List[_ReplicatedTable]] = {}
+        world = dist.get_world_size()
+        by_dim: Dict[int, List[_ReplicatedTable]] = {}  # the tables replicated here
+        sharded_by_dim: Dict[int, List[str]] = {}  # every sharded table
+        rows_by_dim: Dict[int, int] = {}
         self.dims: Dict[str, int] = {}
         for config in sharded._embedding_bag_configs:
             for name in config.feature_names:
@@ -291,16 +305,26 @@ class HotRowReplicas:
             sharding = plan[config.name]
             if sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
                 continue
-            table = _ReplicatedTable(config.name, config.num_embeddings, config.embedding_dim,
-                                     list(config.feature_names), config.pooling == PoolingType.MEAN,
-                                     self._remote_columns(sharding))
-            by_dim.setdefault(config.embedding_dim, []).append(table)
-        self.groups = [_ReplicaGroup(tables, settings.fraction) for tables in by_dim.values()]
-        for group in self.groups:
-            if group.hot_count == 0 and settings.fraction > 0:
-                rows = sum(t.rows for t in group.tables)
-                raise ValueError(f"a fraction of {settings.fraction} of the {rows:,} rows of the sharded tables "
-                                 f"{[t.name for t in group.tables]} is no row: raise it")
+            dim, index = config.embedding_dim, sum(len(names) for names in sharded_by_dim.values())
+            sharded_by_dim.setdefault(dim, []).append(config.name)
+            rows_by_dim[dim] = rows_by_dim.get(dim, 0) + config.num_embeddings
+            shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+            owners = {s.placement.rank() for s in shards}
+            remote_columns = sum(int(s.shard_sizes[1]) for s in shards if s.placement.rank() != self.rank)
+            if remote_columns == 0:  # this rank owns it whole
+                continue
+            counting = world - (1 if len(owners) == 1 else 0)  # the ranks that replicate it
+            table = _ReplicatedTable(config.name, config.num_embeddings, dim, list(config.feature_names),
+                                     config.pooling == PoolingType.MEAN, remote_columns, index, world / counting)
+            by_dim.setdefault(dim, []).append(table)
+        for dim, names in sharded_by_dim.items():
+            if int(settings.fraction * rows_by_dim[dim]) == 0 and settings.fraction > 0:
+                raise ValueError(f"a fraction of {settings.fraction} of the {rows_by_dim[dim]:,} rows of the sharded "
+                                 f"tables {names} is no row: raise it")
+        sharded_tables = sum(len(names) for names in sharded_by_dim.values())
+        self.groups = [_ReplicaGroup(tables, int(settings.fraction * rows_by_dim[dim]), sharded_tables)
+                       for dim, tables in by_dim.items()]
+        self._chosen = False  # whether hot rows were chosen (from then on every batch is split)
         self._sharded = sharded
         self._handles = accept_variable_batches(sharded, self.dims)
         self._lookahead = getattr(sharded, "lookahead", None)
@@ -308,10 +332,6 @@ class HotRowReplicas:
                           sharded.register_forward_hook(self._after_forward)]
         if self._lookahead is not None:
             sharded.lookahead = self._lookahead_misses  # type: ignore[assignment]
-
-    def _remote_columns(self, sharding: Any) -> int:
-        shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
-        return sum(int(s.shard_sizes[1]) for s in shards if s.placement.rank() != self.rank)
 
     # ---- the public handle ----------------------------------------------------------------------------
     def push_all_in_next_step(self) -> None:
@@ -340,7 +360,9 @@ class HotRowReplicas:
             for key in _ReplicaGroup.STATE:
                 setattr(group, key, saved[key])
             group.slot_tables = group.keys >> _TABLE_SHIFT
+            group.index = _C.HotRowIndex(group.keys)
             group.version += 1
+        self._chosen = self.step > self.settings.warmup_steps
         for group, counted in zip(self.groups, state["counted"]):
             group.counted = counted
 
@@ -350,12 +372,13 @@ class HotRowReplicas:
         return step >= s.warmup_steps and (step - s.warmup_steps) % s.refresh_every == 0
 
     def _choose(self) -> None:
-        candidates = [g.candidates() for g in self.groups]
-        offer_bytes = 16 * sum(keys.numel() for keys, _ in candidates)  # a key and its count, int64 each
+        candidates = {g.dim: g.candidates() for g in self.groups}  # ranks may replicate other widths
+        offer_bytes = 16 * sum(keys.numel() for keys, _ in candidates.values())  # a key and its count, 8 bytes each
         wire.count("replica_choice", offer_bytes)
         offered = all_gather_objects(candidates)
-        for k, group in enumerate(self.groups):
-            group.choose([o[k] for o in offered])
+        for group in self.groups:
+            group.choose([o[group.dim] for o in offered if group.dim in o])
+        self._chosen = True
 
     def _before_forward(self, module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
         features = args[0]
@@ -363,11 +386,10 @@ class HotRowReplicas:
             return None
         if self._choice_due(self.step):
             self._choose()
-        if not any(g.size for g in self.groups):  # warming up: only counted
-            position = {k: i for i, k in enumerate(features.keys())}
+        if not self._chosen:  # warming up: only counted
             values = list(torch.split(features.values(), features.length_per_key()))
             for group in self.groups:
-                self._count(group, _members_and_keys(group, position, values)[3])
+                self._count(group, _keys(_members(group, features.keys()), values))
             self.step += 1
             return None
         if self.trace is not None:
@@ -379,7 +401,7 @@ class HotRowReplicas:
 
     def _lookahead_misses(self, features: KeyedJaggedTensor) -> None:
         """The sharded collection's lookahead, for the bags that will miss the replicas."""
-        if not any(g.size for g in self.groups):
+        if not self._chosen:
             return self._lookahead(features)  # type: ignore[misc]
         self._lookahead(self._split(features, push_all=False, train=False)[0])  # type: ignore[misc]
 
@@ -405,11 +427,10 @@ class HotRowReplicas:
                 continue
             if train:
                 self._count(group, split.group_keys)
-            if split.hit is None:  # no hot rows yet
+            if split.hit_bags is None:  # no hot rows yet
                 steps.append(None)
                 continue
-            members, at, hit, value_hit = split.members, split.at, split.hit, split.value_hit
-            feature_of_value, group_lengths = split.feature_of_value, split.group_lengths
+            members, at, value_hit = split.members, split.at, split.value_hit
             for p, part in zip(at, split.kept_lengths):
                 new_lengths[p] = part
             for p, part in zip(at, split.kept_ids):
@@ -419,25 +440,22 @@ class HotRowReplicas:
                 for p, part in zip(at, group_weights[~value_hit].split(split.kept_values)):
                     new_weights[p] = part
             inverse_parts[tuple(at)] = split.inverse
-            slots, bag_of_value = split.slots, split.bag_of_value
             if train:
-                self.stats["replica_hits"] += int(value_hit.sum())
-                hit_lengths = group_lengths[hit]
-                hit_offsets = torch.zeros(hit_lengths.numel() + 1, dtype=torch.int64)
-                torch.cumsum(hit_lengths, 0, out=hit_offsets[1:])
+                hit_slots = split.hit_slots
+                self.stats["replica_hits"] += hit_slots.numel()
                 hit_weights = None
-                mean = torch.tensor([group.tables[t].mean for t, _ in members])
-                if new_weights is not None or bool(mean.any()):
+                mean = [group.tables[t].mean for t, _ in members]
+                if new_weights is not None or any(mean):
+                    hit_lengths = split.hit_offsets.diff()
                     hit_weights = group_weights[value_hit] if new_weights is not None else torch.ones(
-                        int(value_hit.sum()))
-                    per_value_mean = mean[feature_of_value[value_hit]]
-                    lengths_of_value = group_lengths[bag_of_value[value_hit]].to(hit_weights.dtype)
+                        hit_slots.numel())
+                    per_value_mean = torch.tensor(mean)[torch.repeat_interleave(split.hit_bags // B, hit_lengths)]
+                    lengths_of_value = torch.repeat_interleave(hit_lengths, hit_lengths).to(hit_weights.dtype)
                     hit_weights = torch.where(per_value_mean, hit_weights / lengths_of_value, hit_weights)
                 present = torch.zeros(len(group.tables), dtype=torch.bool)
                 present[[t for t, _ in members]] = True
-                hit_slots = slots[value_hit]
                 push, push_per_table, local, owed = self._decide(group, hit_slots, push_all, present)
-                step = _GroupStep([keys[p] for p in at], hit.nonzero().squeeze(1), hit_offsets, hit_slots,
+                step = _GroupStep([keys[p] for p in at], split.hit_bags, split.hit_offsets, hit_slots,
                                   hit_weights, push, push_per_table, local, owed)
                 first = {}  # each table's push bags go to its first feature in the batch
                 for t, p in members:
@@ -499,17 +517,18 @@ class HotRowReplicas:
         table) and which it reads from the replica, and what was owed for the pushed rows (see the
         module); push bags go with a feature of their table, so only tables `present` in the batch push."""
         step, s = self.step, self.settings
-        used = torch.unique(hit_slots)
+        used_mask = torch.zeros(group.size, dtype=torch.bool)
+        used_mask[hit_slots] = True
+        used = used_mask.nonzero().squeeze(1)  # ascending
         stale = used[(step - group.read_at[used]) > s.pull_bound]
         since = group.pending_since.clone()
         first_use = used[~group.has_pending[used]]
         since[first_use] = step
-        owing = group.has_pending.clone()
-        owing[used] = True
-        owing &= present[group.slot_tables]
-        due = owing if push_all else owing & (since + s.push_bound <= step)
-        push = torch.unique(torch.cat([stale, due.nonzero().squeeze(1)]))
-        local = used[~torch.isin(used, push)]
+        owing = (group.has_pending | used_mask) & present[group.slot_tables]
+        push_mask = owing if push_all else owing & (since + s.push_bound <= step)
+        push_mask[stale] = True
+        push = push_mask.nonzero().squeeze(1)
+        local = used[~push_mask[used]]
         group.pending_since[first_use] = step
         group.has_pending[local] = True
         owed = group.pending[push].clone()
@@ -580,19 +599,17 @@ class HotRowReplicas:
         return KeyedTensor(keys=out.keys(), length_per_key=dims, values=merged)
 
 
-def _members_and_keys(group: _ReplicaGroup, position: Dict[str, int], values: List[torch.Tensor]
-                      ) -> Tuple[List[Tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The group's (table, feature position) in a batch, and feature after feature its ids, the
-    member each id belongs to, and the ids' keys."""
-    members = [(t, position[f]) for t, table in enumerate(group.tables) for f in table.features if f in position]
-    empty = torch.empty(0, dtype=torch.int64)
+def _members(group: _ReplicaGroup, keys: List[str]) -> List[Tuple[int, int]]:
+    """The group's (table, feature position) in a batch of features `keys`."""
+    position = {k: i for i, k in enumerate(keys)}
+    return [(t, position[f]) for t, table in enumerate(group.tables) for f in table.features if f in position]
+
+
+def _keys(members: List[Tuple[int, int]], values: List[torch.Tensor]) -> torch.Tensor:
+    """The members' ids' keys, member after member."""
     if not members:
-        return members, empty, empty, empty
-    ids = torch.cat([values[p] for _, p in members])
-    member_of_value = torch.repeat_interleave(torch.arange(len(members)),
-                                              torch.tensor([values[p].numel() for _, p in members]))
-    tables = torch.tensor([t for t, _ in members], dtype=torch.int64)
-    return members, ids, member_of_value, (tables[member_of_value] << _TABLE_SHIFT) | ids
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat([values[p].long() | (t << _TABLE_SHIFT) for t, p in members])
 
 
 def _owe(group: _ReplicaGroup, slots: torch.Tensor) -> Any:
