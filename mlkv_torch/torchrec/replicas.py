@@ -45,7 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from .. import _C, wire
 from ..checks import is_int
 from ..ranks import all_gather_objects
-from .variable_batch import accept_variable_batches, variable_batch_input
+from .variable_batch import VariableOutputLayout, accept_variable_batches, variable_batch_input
 
 __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_memory_bytes"]
 
@@ -327,6 +327,10 @@ class HotRowReplicas:
         self._chosen = False  # whether hot rows were chosen (from then on every batch is split)
         self._sharded = sharded
         self._handles = accept_variable_batches(sharded, self.dims)
+        self._layout = VariableOutputLayout(sharded)
+        if getattr(sharded, "_has_mean_pooling_callback", False):
+            raise ValueError("replicas do not take plans TorchRec mean-pools after its output all-to-all (mean "
+                             "pooling of a row-wise table) yet")
         self._lookahead = getattr(sharded, "lookahead", None)
         self._handles += [sharded.register_forward_pre_hook(self._before_forward),
                           sharded.register_forward_hook(self._after_forward)]
@@ -550,53 +554,52 @@ class HotRowReplicas:
         steps, self._steps = self._steps, None
         if steps is None:
             return None
-        out = output.wait() if hasattr(output, "wait") and not isinstance(output, KeyedTensor) else output
-        values = out.values()
+        layout = self._layout
+        src, block_start = layout.rows(output)  # the misses' and push bags' rows from TorchRec
         self.step += 1
-        dims = out.length_per_key()
         batch = self._batch_size
-        # Split, not sliced: each slice's backward would build a gradient of the whole output.
-        samples, push_rows = values.split([batch, values.shape[0] - batch])
-        push_columns = push_rows.split(dims, dim=1)
-        column_of = {key: i for i, key in enumerate(out.keys())}  # the output's order, not the input's
-        starts = [0]
-        for dim in dims:
-            starts.append(starts[-1] + dim)
-        merged = samples  # with each group's hits put in their rows (one index_put a group)
+        keys, inverse = args[0].inverse_indices()
+        position = {key: i for i, key in enumerate(keys)}
+        index = layout.gather_index(block_start, inverse[[position[f] for f in layout.block_features], :batch])
+        flat = index.view(-1)  # each output unit's row among `sources`, the hits' rows put in below
+        sources, rows_before = [src], src.shape[0]
         for group, step in zip(self.groups, steps):
             if step is None:
                 continue
             fresh_parts = []  # each table's push bags came back in its first feature's rows
             for table, n in zip(group.tables, step.push_per_table):
                 if n:
-                    first = next(f for f in table.features if f in column_of)
-                    fresh_parts.append(push_columns[column_of[first]][:n])
-            fresh = torch.cat(fresh_parts) if fresh_parts else values.new_empty(0, group.dim)
+                    first = next(f for f in table.features if f in position)
+                    rows = layout.feature_rows(block_start, first, inverse[position[first], batch:batch + n])
+                    fresh_parts.append(src.index_select(0, rows.reshape(-1)).view(n, group.dim))
+            fresh = torch.cat(fresh_parts) if fresh_parts else src.new_empty(0, group.dim)
             group.values[step.push] = fresh.detach()
             group.read_at[step.push] = self.step - 1
+            pushed = _InjectGradient.apply(fresh, step.owed)
+            if step.hit_bags.numel() == 0:
+                sources.append(pushed.view(-1, layout.unit))  # in no output unit: its backward pushes what was owed
+                rows_before += sources[-1].shape[0]
+                continue
             row_of = torch.empty(group.size, dtype=torch.int64)
             row_of[step.push] = torch.arange(step.push.numel())
-            rows = [_InjectGradient.apply(fresh, step.owed)]
+            replica_rows = [pushed]
             if step.local.numel():
                 leaf = group.values[step.local].detach().requires_grad_()
                 leaf.register_hook(_owe(group, step.local))
-                rows.append(leaf)
+                replica_rows.append(leaf)
                 row_of[step.local] = step.push.numel() + torch.arange(step.local.numel())
-            if step.hit_bags.numel() == 0:
-                continue
-            pooled = F.embedding_bag(row_of[step.hit_slots], torch.cat(rows) if len(rows) > 1 else rows[0],
-                                     step.hit_offsets, mode="sum", per_sample_weights=step.hit_weights,
+            pooled = F.embedding_bag(row_of[step.hit_slots], torch.cat(replica_rows) if len(replica_rows) > 1
+                                     else pushed, step.hit_offsets, mode="sum", per_sample_weights=step.hit_weights,
                                      include_last_offset=True)
             # The group's hit bag k is bag k % batch of its feature k // batch.
-            position = torch.tensor([column_of[k] for k in step.keys])[step.hit_bags // batch]
-            sample = step.hit_bags % batch
-            if all(d == group.dim for d in dims):  # rows of [samples x features, dim]: whole-row copies
-                merged = merged.reshape(-1, group.dim).index_put((sample * len(dims) + position,), pooled)
-                merged = merged.view(batch, -1)
-            else:
-                columns = torch.tensor(starts)[position].unsqueeze(1) + torch.arange(group.dim)
-                merged = merged.index_put((sample.unsqueeze(1), columns), pooled)
-        return KeyedTensor(keys=out.keys(), length_per_key=dims, values=merged)
+            units = group.dim // layout.unit
+            starts = torch.tensor([layout.feature_start[k] for k in step.keys])[step.hit_bags // batch]
+            at = ((step.hit_bags % batch) * layout.output_units + starts).unsqueeze(1) + torch.arange(units)
+            flat[at.reshape(-1)] = rows_before + torch.arange(pooled.shape[0] * units)
+            sources.append(pooled.view(-1, layout.unit))
+            rows_before += sources[-1].shape[0]
+        merged = torch.cat(sources).index_select(0, flat).view(batch, -1)
+        return KeyedTensor(keys=layout.keys, length_per_key=layout.dims, values=merged)
 
 
 def _members(group: _ReplicaGroup, keys: List[str]) -> List[Tuple[int, int]]:

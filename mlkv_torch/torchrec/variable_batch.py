@@ -5,6 +5,7 @@ distribution, built for a fixed batch, take variable ones too (the disk kernel t
 `variable_batch_input` builds one."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -16,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .routing import variable_batch_layout
 from .sharded_collection import unwrapped_lookups
 
-__all__ = ["accept_variable_batches", "variable_batch_input"]
+__all__ = ["accept_variable_batches", "variable_batch_input", "VariableOutputLayout"]
 
 
 def _lookups(sharded: nn.Module) -> List[Tuple[nn.Module, str]]:
@@ -105,3 +106,72 @@ def variable_batch_input(sharded: nn.Module, keys: List[str], values: torch.Tens
         sharded._mlkv_permuted_for = list(keys)
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights,
                              stride_per_key_per_rank=[[n] for n in bags], inverse_indices=(keys, inverse))
+
+
+class VariableOutputLayout:
+    """Where TorchRec's variable-batch output all-to-all leaves a collection's pooled bags, so that
+    its output can be gathered from them in one row gather, with rows from elsewhere (replicas'
+    hits) put in the same gather.
+
+    TorchRec's own wait concatenates the all-to-alls' outputs, selects each sample's bag per
+    feature (its inverse indices), then permutes the column shards into the features' order: three
+    copies of the whole output, and three more in backward. Here the output is seen in *units*
+    (the largest width dividing every shard's and feature's): each shard block u of the outputs
+    holds `bags_u` bags of `units[u]` units, and the output is [samples, output units]."""
+
+    def __init__(self, sharded: nn.Module) -> None:
+        names: List[str] = list(sharded._uncombined_embedding_names)
+        dims: List[int] = list(sharded._uncombined_embedding_dims)
+        shard_columns = [meta.shard_offsets[1] if meta is not None else 0
+                         for sharding in sharded._embedding_shardings for meta in sharding.embedding_shard_metadata()]
+        first = {}
+        for i, name in enumerate(names):
+            first.setdefault(name, i)
+        # TorchRec's order of the blocks in the output: by feature (first seen), then by column.
+        order = sorted(range(len(names)), key=lambda i: (first[names[i]], shard_columns[i]))
+        self.keys: List[str] = list(sharded._embedding_names)
+        self.dims: List[int] = list(sharded._embedding_dims)
+        self.unit = math.gcd(*dims, *self.dims)
+        self.block_features = [name.split("@")[0] for name in names]  # each block's input feature
+        self.block_units = torch.tensor([d // self.unit for d in dims])
+        unit_block, unit_within = [], []  # per output unit: its block and its unit within it
+        feature_blocks: Dict[str, List[int]] = {}
+        for u in order:
+            unit_block += [u] * (dims[u] // self.unit)
+            unit_within += range(dims[u] // self.unit)
+            feature_blocks.setdefault(names[u], []).append(u)
+        if list(feature_blocks) != self.keys or [sum(dims[u] for u in blocks) for blocks in
+                                                 feature_blocks.values()] != self.dims:
+            raise ValueError(f"the output's features {self.keys} are not its shards' {list(feature_blocks)}")
+        self.feature_blocks = feature_blocks
+        self.unit_block = torch.tensor(unit_block, dtype=torch.int64)
+        self.unit_within = torch.tensor(unit_within, dtype=torch.int64)
+        starts = [0]
+        for d in self.dims:
+            starts.append(starts[-1] + d // self.unit)
+        self.feature_start = dict(zip(self.keys, starts))  # in units
+        self.output_units = starts[-1]
+
+    def rows(self, output: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Waits for the all-to-alls of `output` (TorchRec's VBE awaitable, not waited for):
+        their bags as rows of one unit, and where each block's rows begin."""
+        if getattr(output, "callbacks", None):
+            raise ValueError("replicas do not take outputs TorchRec changes after its wait (mean pooling of a "
+                             "row-wise table) yet")
+        parts = [w.wait() for w in output._awaitables]
+        src = parts[0] if len(parts) == 1 else torch.cat(parts)
+        bags = torch.tensor(output._batch_size_per_feature_pre_a2a, dtype=torch.int64)
+        sizes = bags * self.block_units
+        return src.view(-1, self.unit), torch.cumsum(sizes, 0) - sizes
+
+    def gather_index(self, block_start: torch.Tensor, block_bags: torch.Tensor) -> torch.Tensor:
+        """[samples, output units]: each unit's row; `block_bags` [blocks, samples] is the bag of
+        each sample in each block."""
+        units, within, block = self.block_units[self.unit_block], self.unit_within, self.unit_block
+        return (block_start[block] + block_bags[block].T * units + within).contiguous()
+
+    def feature_rows(self, block_start: torch.Tensor, feature: str, bags: torch.Tensor) -> torch.Tensor:
+        """[bags, feature's units]: the rows of bags `bags` of `feature` (the same in each of its blocks)."""
+        parts = [block_start[u] + bags.unsqueeze(1) * self.block_units[u] + torch.arange(int(self.block_units[u]))
+                 for u in self.feature_blocks[feature]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
