@@ -97,18 +97,42 @@ def replica_memory_bytes(rows: int, dim: int, fraction: float) -> int:
     return hot * (2 * dim * 4 + 3 * 8 + 1)
 
 
-class _InjectGradient(torch.autograd.Function):
-    """Identity forward; backward adds the rank's unpushed gradient of the push bags' rows."""
+class _PooledHits(torch.autograd.Function):
+    """The hits of a group pooled from its replica rows, whose values the push bags' rows were just
+    refreshed in. Backward: a pushed row's gradient goes to its push bag (`fresh`), with what the
+    rank owed for it; a row served from the replica adds its gradient to what the rank owes."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pending)
-        return rows.view_as(rows)
+    def forward(ctx: Any, fresh: torch.Tensor, group: "_ReplicaGroup", step: "_GroupStep") -> torch.Tensor:
+        ctx.group, ctx.step = group, step
+        return F.embedding_bag(step.hit_slots, group.values, step.hit_offsets, mode="sum",
+                               per_sample_weights=step.hit_weights, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+        group, step = ctx.group, ctx.step
+        per_id = grad.repeat_interleave(step.hit_offsets.diff(), dim=0)
+        if step.hit_weights is not None:
+            per_id = per_id * step.hit_weights.unsqueeze(1)
+        pushed_as = step.push_position[step.hit_slots]  # -1: served from the replica
+        pushed = pushed_as >= 0
+        group.pending.index_add_(0, step.hit_slots[~pushed], per_id[~pushed])
+        return step.owed.clone().index_add_(0, pushed_as[pushed], per_id[pushed]), None, None
+
+
+class _Owed(torch.autograd.Function):
+    """Identity forward; backward gives the push bags' rows what the rank owed for them (a group
+    whose push bags serve no hit in the step)."""
+
+    @staticmethod
+    def forward(ctx: Any, fresh: torch.Tensor, owed: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(owed)
+        return fresh.view_as(fresh)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        (pending,) = ctx.saved_tensors
-        return grad + pending, None
+        (owed,) = ctx.saved_tensors
+        return grad + owed, None
 
 
 class _ReplicatedTable:
@@ -269,6 +293,7 @@ class _GroupStep:
     push_per_table: List[int]
     local: torch.Tensor  # slots read from the replica
     owed: torch.Tensor  # what the rank owed for the pushed rows before this step
+    push_position: Optional[torch.Tensor] = None  # per slot, its place among `push` (-1: not pushed)
 
 
 class HotRowReplicas:
@@ -575,22 +600,14 @@ class HotRowReplicas:
             fresh = torch.cat(fresh_parts) if fresh_parts else src.new_empty(0, group.dim)
             group.values[step.push] = fresh.detach()
             group.read_at[step.push] = self.step - 1
-            pushed = _InjectGradient.apply(fresh, step.owed)
             if step.hit_bags.numel() == 0:
-                sources.append(pushed.view(-1, layout.unit))  # in no output unit: its backward pushes what was owed
+                # In no output unit: its backward pushes what was owed.
+                sources.append(_Owed.apply(fresh, step.owed).view(-1, layout.unit))
                 rows_before += sources[-1].shape[0]
                 continue
-            row_of = torch.empty(group.size, dtype=torch.int64)
-            row_of[step.push] = torch.arange(step.push.numel())
-            replica_rows = [pushed]
-            if step.local.numel():
-                leaf = group.values[step.local].detach().requires_grad_()
-                leaf.register_hook(_owe(group, step.local))
-                replica_rows.append(leaf)
-                row_of[step.local] = step.push.numel() + torch.arange(step.local.numel())
-            pooled = F.embedding_bag(row_of[step.hit_slots], torch.cat(replica_rows) if len(replica_rows) > 1
-                                     else pushed, step.hit_offsets, mode="sum", per_sample_weights=step.hit_weights,
-                                     include_last_offset=True)
+            step.push_position = torch.full((group.size,), -1, dtype=torch.int64)
+            step.push_position[step.push] = torch.arange(step.push.numel())
+            pooled = _PooledHits.apply(fresh, group, step)
             # The group's hit bag k is bag k % batch of its feature k // batch.
             units = group.dim // layout.unit
             starts = torch.tensor([layout.feature_start[k] for k in step.keys])[step.hit_bags // batch]
@@ -613,12 +630,6 @@ def _keys(members: List[Tuple[int, int]], values: List[torch.Tensor]) -> torch.T
     if not members:
         return torch.empty(0, dtype=torch.int64)
     return torch.cat([values[p].long() | (t << _TABLE_SHIFT) for t, p in members])
-
-
-def _owe(group: _ReplicaGroup, slots: torch.Tensor) -> Any:
-    def add(grad: torch.Tensor) -> None:
-        group.pending.index_add_(0, slots, grad)
-    return add
 
 
 def replicate_hot_rows(sharded: nn.Module, settings: ReplicaSettings) -> HotRowReplicas:
