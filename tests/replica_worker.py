@@ -5,7 +5,8 @@ with and without replicas of hot rows (mlkv_torch.torchrec.replicate_hot_rows).
 
 The plan mixes every kind of table replicas meet: on rank 0, t0 table-wise in memory (TorchRec's
 fused kernel) and t1 and t4 (mean pooling) table-wise on disk, whose lookup merges the kernels'
-variable-batch outputs; t2 data-parallel (left alone); t3 column-wise on disk over both ranks.
+variable-batch outputs; t2 data-parallel (left alone); t3 column-wise and t6 table-column-wise on
+disk over both ranks.
 
 Phases (rank 0 writes OUT_DIR/<phase>.json):
 - exact: per optimizer (SGD, Adagrad, row-wise Adagrad, Adam), the losses of STEPS steps without
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, data_parallel,
                                                 table_wise)
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -42,7 +43,7 @@ from mlkv_torch.torchrec.tables import table_seed
 from mlkv_torch.wire import EmbeddingTraffic
 
 DIM, BATCH, STEPS, LR = 8, 32, 14, 0.5
-SIZES = {"t0": 400, "t1": 3000, "t2": 60, "t3": 2000, "t4": 1000}
+SIZES = {"t0": 400, "t1": 3000, "t2": 60, "t3": 2000, "t4": 1000, "t6": 1200}
 TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"],
                              pooling=PoolingType.MEAN if name == "t4" else PoolingType.SUM)
           for name, n in SIZES.items()]
@@ -69,8 +70,11 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
                      "t1": table_wise(rank=0, compute_kernel=DISK_KERNEL), "t2": data_parallel(),
                      "t3": column_wise(ranks=[0, 1], compute_kernel=DISK_KERNEL),
                      "t4": table_wise(rank=0, compute_kernel=DISK_KERNEL),
+                     "t6": column_wise(ranks=[1, 0], compute_kernel=DISK_KERNEL),
                      **({"t5": table_wise(rank=1, compute_kernel=DISK_KERNEL)} if linear else {})},
         sharder=sharder, local_size=dist.get_world_size(), world_size=dist.get_world_size(), device_type="cpu")
+    # TorchRec's helpers make no table-column-wise sharding: t6's column shards, on one host, are one.
+    plan["t6"].sharding_type = ShardingType.TABLE_COLUMN_WISE.value
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder],
                                    plan=ShardingPlan({"" if linear else COLLECTION: plan}))
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -124,7 +128,8 @@ def train(optimizer: str, storage_dir: str, settings):
             "shards": all_gather_objects(local_shards(dmp.state_dict(), f"{COLLECTION}.")),
             "stats": all_gather_objects(replicas.stats if replicas else {}),
             "hit_rate": all_gather_objects(replicas.hit_rate() if replicas else None),
-            "trace": all_gather_objects(replicas.trace if replicas else [])}
+            "trace": all_gather_objects(replicas.trace if replicas else []),
+            "sharding_types": sorted(dmp.module.sparse_arch.embedding_bag_collection._sharding_types)}
 
 
 def train_linear(storage_dir: str, settings, steps: int):

@@ -83,9 +83,12 @@ def _reads_and_pushes(trace):
 
 
 def test_at_bounds_zero_every_row_read_is_fresh_and_pushed_in_its_step(exact):
-    # Rank 0 owns t0, t1 and t4 whole, so it replicates only t3 (column-wise over both ranks).
+    # Rank 0 owns t0, t1 and t4 whole, so it replicates only t3 and t6 (column-wise and
+    # table-column-wise over both ranks).
+    assert exact["sgd/replicas"]["sharding_types"] == ["column_wise", "data_parallel", "table_column_wise",
+                                                       "table_wise"]
     replicated = [{table for record in trace for table in record} for trace in exact["sgd/replicas"]["trace"]]
-    assert replicated == [{"t3"}, {"t0", "t1", "t3", "t4"}]
+    assert replicated == [{"t3", "t6"}, {"t0", "t1", "t3", "t4", "t6"}]
     for trace in exact["sgd/replicas"]["trace"]:
         assert len(trace) == 14 - 3  # after the 3 warm-up steps
         assert _reads_and_pushes(trace) == ([], [])  # nothing served locally
