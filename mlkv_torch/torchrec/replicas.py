@@ -6,7 +6,8 @@ written within per-row bounds, so that most lookups skip TorchRec's all-to-alls.
 
 - **Split.** A bag of a replicated table whose ids are all hot is a *hit*: it is pooled on the rank
   from the replica. The other bags (*misses*) go through TorchRec's input and output distribution
-  as a variable-batch KeyedJaggedTensor (VBE), so the output all-to-all carries only them.
+  as a variable-batch KeyedJaggedTensor (VBE), so the output all-to-all carries only them; the
+  output is gathered back in batch order from theirs and the hits (`VariableOutputLayout`).
 - **Push and refresh in one.** Each row the step must send to its owner travels as one extra
   single-id bag of the same distribution (a *push bag*): its forward output is the owner's current
   row (the refresh), its gradient is what the rank accumulated for the row plus this step's (the
@@ -104,7 +105,9 @@ class _PooledHits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, fresh: torch.Tensor, group: "_ReplicaGroup", step: "_GroupStep") -> torch.Tensor:
-        ctx.group, ctx.step = group, step
+        position = torch.full((group.size,), -1, dtype=torch.int64)  # of each slot among the push bags
+        position[step.push] = torch.arange(step.push.numel())
+        ctx.group, ctx.step, ctx.pushed_as = group, step, position[step.hit_slots]  # -1: served from the replica
         return F.embedding_bag(step.hit_slots, group.values, step.hit_offsets, mode="sum",
                                per_sample_weights=step.hit_weights, include_last_offset=True)
 
@@ -114,7 +117,7 @@ class _PooledHits(torch.autograd.Function):
         per_id = grad.repeat_interleave(step.hit_offsets.diff(), dim=0)
         if step.hit_weights is not None:
             per_id = per_id * step.hit_weights.unsqueeze(1)
-        pushed_as = step.push_position[step.hit_slots]  # -1: served from the replica
+        pushed_as = ctx.pushed_as
         pushed = pushed_as >= 0
         group.pending.index_add_(0, step.hit_slots[~pushed], per_id[~pushed])
         return step.owed.clone().index_add_(0, pushed_as[pushed], per_id[pushed]), None, None
@@ -291,9 +294,7 @@ class _GroupStep:
     hit_weights: Optional[torch.Tensor]  # per id: its weight, over the bag's length for mean pooling
     push: torch.Tensor  # slots sent as push bags, ascending (so by table)
     push_per_table: List[int]
-    local: torch.Tensor  # slots read from the replica
     owed: torch.Tensor  # what the rank owed for the pushed rows before this step
-    push_position: Optional[torch.Tensor] = None  # per slot, its place among `push` (-1: not pushed)
 
 
 class HotRowReplicas:
@@ -483,9 +484,9 @@ class HotRowReplicas:
                     hit_weights = torch.where(per_value_mean, hit_weights / lengths_of_value, hit_weights)
                 present = torch.zeros(len(group.tables), dtype=torch.bool)
                 present[[t for t, _ in members]] = True
-                push, push_per_table, local, owed = self._decide(group, hit_slots, push_all, present)
+                push, push_per_table, owed = self._decide(group, hit_slots, push_all, present)
                 step = _GroupStep([keys[p] for p in at], split.hit_bags, split.hit_offsets, hit_slots,
-                                  hit_weights, push, push_per_table, local, owed)
+                                  hit_weights, push, push_per_table, owed)
                 first = {}  # each table's push bags go to its first feature in the batch
                 for t, p in members:
                     first.setdefault(t, p)
@@ -541,10 +542,11 @@ class HotRowReplicas:
         self.stats["lookups"] += group_keys.numel()
 
     def _decide(self, group: _ReplicaGroup, hit_slots: torch.Tensor, push_all: bool, present: torch.Tensor
-                ) -> Tuple[torch.Tensor, List[int], torch.Tensor, torch.Tensor]:
+                ) -> Tuple[torch.Tensor, List[int], torch.Tensor]:
         """Which rows the step sends as push bags (ascending, so by table; and how many of each
-        table) and which it reads from the replica, and what was owed for the pushed rows (see the
-        module); push bags go with a feature of their table, so only tables `present` in the batch push."""
+        table), and what was owed for them (see the module); the other rows its hits read come from
+        the replica. Push bags go with a feature of their table, so only tables `present` in the
+        batch push."""
         step, s = self.step, self.settings
         used_mask = torch.zeros(group.size, dtype=torch.bool)
         used_mask[hit_slots] = True
@@ -573,7 +575,7 @@ class HotRowReplicas:
                 self.trace[-1][table.name] = {
                     "served": group.rows_of(local[group.table_of(local) == t]).tolist(),
                     "pushed": group.rows_of(push[group.table_of(push) == t]).tolist()}
-        return push, per_table.tolist(), local, owed
+        return push, per_table.tolist(), owed
 
     def _after_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
         steps, self._steps = self._steps, None
@@ -605,8 +607,6 @@ class HotRowReplicas:
                 sources.append(_Owed.apply(fresh, step.owed).view(-1, layout.unit))
                 rows_before += sources[-1].shape[0]
                 continue
-            step.push_position = torch.full((group.size,), -1, dtype=torch.int64)
-            step.push_position[step.push] = torch.arange(step.push.numel())
             pooled = _PooledHits.apply(fresh, group, step)
             # The group's hit bag k is bag k % batch of its feature k // batch.
             units = group.dim // layout.unit
