@@ -95,16 +95,20 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def batch(step: int, tables=TABLES):
-    """Zipf-like ids (rows recur, a few very often), one id a bag mostly, some bags of two or none."""
+def batch(step: int, tables=TABLES, cold: bool = False):
+    """Zipf-like ids (rows recur, a few very often), one id a bag mostly, some bags of two or none;
+    `cold`: one id a bag, each table's last row (never hot), so no bag is a replica hit."""
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     lengths = torch.multinomial(torch.tensor([0.05, 0.8, 0.15]), len(tables) * BATCH, replacement=True,
                                 generator=g)
+    if cold:
+        lengths = torch.ones_like(lengths)
     values = []
     for i, t in enumerate(tables):
         n = int(lengths[i * BATCH:(i + 1) * BATCH].sum())
         u = torch.rand(n, generator=g)
-        values.append(((t.num_embeddings + 1) ** u - 1).long().clamp_(max=t.num_embeddings - 1))  # ~ 1/x
+        values.append(((t.num_embeddings + 1) ** u - 1).long().clamp_(max=t.num_embeddings - 1)  # ~ 1/x
+                      if not cold else torch.full((n,), t.num_embeddings - 1))
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in tables], values=torch.cat(values),
                                                  lengths=lengths)
     return torch.randn(BATCH, 4, generator=g), sparse, torch.randint(0, 2, (BATCH,), generator=g).float()
@@ -135,18 +139,24 @@ def train(optimizer: str, storage_dir: str, settings):
 def train_linear(storage_dir: str, settings, steps: int):
     """SGD on a loss linear in the pooled embeddings: the gradients do not depend on the rows, so
     once every replica gradient is pushed the tables must be those of the run without replicas,
-    whatever rows the replicas served. Returns this rank's shards of every table."""
+    whatever rows the replicas served. The last step's batch is cold: what was owed goes without a
+    hit. Returns this rank's shards of every table, and the rows owed and hits in the last step."""
     dmp, opt = build("sgd", storage_dir, linear=True)
     replicas = replicate_hot_rows(dmp.module, settings) if settings else None
     for step in range(steps):
-        _, sparse, _ = batch(step, LINEAR_TABLES)
+        if replicas is not None and step == steps - 1:
+            owed_before_last, hits_before_last = replicas.owed_rows(), replicas.stats["replica_hits"]
+        _, sparse, _ = batch(step, LINEAR_TABLES, cold=step == steps - 1)
         pooled = dmp(sparse)
         pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
         coefficients = torch.randn(pooled.values().shape, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
         (pooled.values() * coefficients).sum().backward()
         opt.step()
-    return {"shards": local_shards(dmp.state_dict(), ""), "pending": replicas.owed_rows() if replicas else 0}
+    if replicas is None:
+        return {"shards": local_shards(dmp.state_dict(), ""), "pending": 0}
+    return {"shards": local_shards(dmp.state_dict(), ""), "pending": replicas.owed_rows(),
+            "owed_before_last": owed_before_last, "hits_in_last": replicas.stats["replica_hits"] - hits_before_last}
 
 
 def local_shards(state, prefix: str):
