@@ -143,20 +143,27 @@ def train_linear(storage_dir: str, settings, steps: int):
     hit. Returns this rank's shards of every table, and the rows owed and hits in the last step."""
     dmp, opt = build("sgd", storage_dir, linear=True)
     replicas = replicate_hot_rows(dmp.module, settings) if settings else None
+    served_without_push = 0  # steps whose replicas served hits and pushed nothing
     for step in range(steps):
+        if replicas is not None:
+            hits, pushed = replicas.stats["replica_hits"], replicas.stats["push_rows"]
         if replicas is not None and step == steps - 1:
             owed_before_last, hits_before_last = replicas.owed_rows(), replicas.stats["replica_hits"]
-        _, sparse, _ = batch(step, LINEAR_TABLES, cold=step == steps - 1)
+        # Step 5 repeats step 4's batch: within the bounds its rows are served again, none is pushed.
+        _, sparse, _ = batch(4 if step == 5 else step, LINEAR_TABLES, cold=step == steps - 1)
         pooled = dmp(sparse)
         pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
         coefficients = torch.randn(pooled.values().shape, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
         (pooled.values() * coefficients).sum().backward()
         opt.step()
+        if replicas is not None:
+            served_without_push += replicas.stats["replica_hits"] > hits and replicas.stats["push_rows"] == pushed
     if replicas is None:
         return {"shards": local_shards(dmp.state_dict(), ""), "pending": 0}
     return {"shards": local_shards(dmp.state_dict(), ""), "pending": replicas.owed_rows(),
-            "owed_before_last": owed_before_last, "hits_in_last": replicas.stats["replica_hits"] - hits_before_last}
+            "owed_before_last": owed_before_last, "hits_in_last": replicas.stats["replica_hits"] - hits_before_last,
+            "served_without_push": served_without_push}
 
 
 def local_shards(state, prefix: str):

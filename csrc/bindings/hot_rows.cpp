@@ -38,9 +38,9 @@ class HotRowIndex {
                   const torch::Tensor& lengths, int64_t batch) const {
     const int64_t members = static_cast<int64_t>(ids.size());
     TORCH_CHECK_VALUE(static_cast<int64_t>(tables.size()) == members, "a table for each member's ids");
-    TORCH_CHECK_VALUE(batch >= 0 && lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() &&
-                          lengths.numel() == members * batch,
-                      "lengths must be contiguous int64 [members x batch]");
+    TORCH_CHECK_VALUE(batch >= 0 && lengths.scalar_type() == torch::kInt64 && lengths.device().is_cpu() &&
+                          lengths.is_contiguous() && lengths.numel() == members * batch,
+                      "lengths must be contiguous int64 [members x batch] on the CPU");
     int64_t total = 0;
     for (const torch::Tensor& m : ids) {
       CheckKeys(m);
@@ -64,12 +64,14 @@ class HotRowIndex {
       int64_t i = 0;
       for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = len[m * batch + b];
-        TORCH_CHECK_VALUE(n >= 0 && i + n <= end, "member ", m, "'s lengths do not match its ", end, " ids");
+        TORCH_CHECK_VALUE(n >= 0 && n <= end - i, "member ", m, "'s lengths do not match its ", end, " ids");
         bool hit = true;
         bag_slots.clear();
         for (int64_t j = i; j < i + n; ++j) {
-          key[at + j] = id[j] < 0 ? -1 : (table | id[j]);  // a bad id misses here; its lookup names it
-          const int32_t slot = id[j] < 0 ? -1 : slots_.Find(key[at + j]);
+          // An id outside [0, 2^40) is no row of a key: it misses here, and TorchRec's lookup names it.
+          const bool bad = id[j] < 0 || (id[j] >> kTableShift) != 0;
+          key[at + j] = bad ? -1 : (table | id[j]);
+          const int32_t slot = bad ? -1 : slots_.Find(key[at + j]);
           hit = hit && slot >= 0;
           bag_slots.push_back(slot);
         }

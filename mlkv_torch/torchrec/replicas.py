@@ -63,8 +63,8 @@ class ReplicaSettings:
     """How hot rows are replicated (the runner's ``storage.replicas``).
 
     Args:
-        fraction: the replicas' rows on every rank, a share of the sharded tables' rows (together,
-            the hottest of any table), in [0, 1); 0: none.
+        fraction: the rows chosen for replicas, a share of the sharded tables' rows (together, the
+            hottest of any table), in [0, 1); 0: none. A rank keeps those of the tables it replicates.
         pull_bound: a replica serves a row at most this many of the owner's updates stale.
         push_bound: a rank's gradient of a replicated row reaches its owner at most this many steps late.
         refresh_every: steps between choices of the hot rows (after the first).
@@ -125,7 +125,7 @@ class _PooledHits(torch.autograd.Function):
 
 class _Owed(torch.autograd.Function):
     """Identity forward; backward gives the push bags' rows what the rank owed for them (a group
-    whose push bags serve no hit in the step)."""
+    with no hit in the step)."""
 
     @staticmethod
     def forward(ctx: Any, fresh: torch.Tensor, owed: torch.Tensor) -> torch.Tensor:
@@ -385,6 +385,12 @@ class HotRowReplicas:
                 "counted": [[(k.clone(), c.clone()) for k, c in g.counted] for g in self.groups]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if len(state["groups"]) != len(self.groups) or any(
+                saved["values"].shape != (saved["keys"].numel(), group.dim)
+                or bool((saved["keys"] >> _TABLE_SHIFT >= len(group.tables)).any())
+                for group, saved in zip(self.groups, state["groups"])):
+            raise ValueError("the replicas' state is of another plan or rank: resume with the plan and ranks it was "
+                             "saved with")
         self.step = int(state["step"])
         for group, saved in zip(self.groups, state["groups"]):
             for key in _ReplicaGroup.STATE:
@@ -536,7 +542,7 @@ class HotRowReplicas:
 
     def _count(self, group: _ReplicaGroup, group_keys: torch.Tensor) -> None:
         """Keeps a training step's lookups of the group's tables, for the next choice."""
-        group.uncounted.append(group_keys)
+        group.uncounted.append(group_keys[group_keys >= 0])  # a bad id (key -1) is no row
         if len(group.uncounted) >= _COUNT_EVERY:
             group.count()
         self.stats["lookups"] += group_keys.numel()
@@ -599,7 +605,8 @@ class HotRowReplicas:
                     first = next(f for f in table.features if f in position)
                     rows = layout.feature_rows(block_start, first, inverse[position[first], batch:batch + n])
                     fresh_parts.append(src.index_select(0, rows.reshape(-1)).view(n, group.dim))
-            fresh = torch.cat(fresh_parts) if fresh_parts else src.new_empty(0, group.dim)
+            # Empty, still a part of `src`: the hits' pooling must stay in the graph for its backward.
+            fresh = torch.cat(fresh_parts) if fresh_parts else src[:0].view(0, group.dim)
             group.values[step.push] = fresh.detach()
             group.read_at[step.push] = self.step - 1
             if step.hit_bags.numel() == 0:

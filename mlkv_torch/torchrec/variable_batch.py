@@ -159,6 +159,8 @@ class VariableOutputLayout:
             raise ValueError("replicas do not take outputs TorchRec changes after its wait (mean pooling of a "
                              "row-wise table) yet")
         parts = [w.wait() for w in output._awaitables]
+        for resize in getattr(output, "_resize_awaitables", None) or []:
+            resize.wait()
         src = parts[0] if len(parts) == 1 else torch.cat(parts)
         bags = torch.tensor(output._batch_size_per_feature_pre_a2a, dtype=torch.int64)
         sizes = bags * self.block_units
