@@ -146,6 +146,7 @@ class VariableOutputLayout:
         self.feature_blocks = feature_blocks
         self.unit_block = torch.tensor(unit_block, dtype=torch.int64)
         self.unit_within = torch.tensor(unit_within, dtype=torch.int64)
+        self.unit_block_units = self.block_units[self.unit_block]  # per output unit: its block's units
         starts = [0]
         for d in self.dims:
             starts.append(starts[-1] + d // self.unit)
@@ -169,8 +170,8 @@ class VariableOutputLayout:
     def gather_index(self, block_start: torch.Tensor, block_bags: torch.Tensor) -> torch.Tensor:
         """[samples, output units]: each unit's row; `block_bags` [blocks, samples] is the bag of
         each sample in each block."""
-        units, within, block = self.block_units[self.unit_block], self.unit_within, self.unit_block
-        return (block_start[block] + block_bags[block].T * units + within).contiguous()
+        block = self.unit_block
+        return (block_start[block] + block_bags[block].T * self.unit_block_units + self.unit_within).contiguous()
 
     def feature_rows(self, block_start: torch.Tensor, feature: str, bags: torch.Tensor) -> torch.Tensor:
         """[bags, feature's units]: the rows of bags `bags` of `feature` (the same in each of its blocks)."""
