@@ -14,16 +14,19 @@ Phases (rank 0 writes OUT_DIR/<phase>.json):
   the bytes sent.
 - linear: SGD on a loss linear in the pooled embeddings, at bounds 2, up to a step that pushes
   every gradient owed: each rank's shards of every table, and those of the run without replicas;
-  without DLRM, with a sixth table t5 of half the width.
+  without DLRM, with a sixth table t5 of half the width; and the order in which the replicas'
+  served hits and TorchRec's output all-to-alls ran, forward and backward (`CallOrder`).
 - bounds: replicas at pull and push bounds 2: the ids each table served and pushed, step by step,
   and the losses beside the run without replicas.
 """
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed import comm_ops
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, data_parallel,
                                                 table_wise)
@@ -38,6 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from mlkv_torch import initial_rows, optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskEmbeddingBagCollectionSharder
+from mlkv_torch.torchrec import replicas as replicas_module
 from mlkv_torch.torchrec.replicas import ReplicaSettings, replicate_hot_rows
 from mlkv_torch.torchrec.tables import table_seed
 from mlkv_torch.wire import EmbeddingTraffic
@@ -97,7 +101,8 @@ def build(optimizer: str, storage_dir: str, linear: bool = False):
 
 def batch(step: int, tables=TABLES, cold: bool = False):
     """Zipf-like ids (rows recur, a few very often), one id a bag mostly, some bags of two or none;
-    `cold`: one id a bag, each table's last row (never hot), so no bag is a replica hit."""
+    `cold`: one id a bag, each table of width DIM its last row (never hot), so none of their bags is
+    a replica hit (t5, of another width, still hits)."""
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     lengths = torch.multinomial(torch.tensor([0.05, 0.8, 0.15]), len(tables) * BATCH, replacement=True,
                                 generator=g)
@@ -108,7 +113,7 @@ def batch(step: int, tables=TABLES, cold: bool = False):
         n = int(lengths[i * BATCH:(i + 1) * BATCH].sum())
         u = torch.rand(n, generator=g)
         values.append(((t.num_embeddings + 1) ** u - 1).long().clamp_(max=t.num_embeddings - 1)  # ~ 1/x
-                      if not cold else torch.full((n,), t.num_embeddings - 1))
+                      if not (cold and t.embedding_dim == DIM) else torch.full((n,), t.num_embeddings - 1))
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in tables], values=torch.cat(values),
                                                  lengths=lengths)
     return torch.randn(BATCH, 4, generator=g), sparse, torch.randint(0, 2, (BATCH,), generator=g).float()
@@ -136,34 +141,62 @@ def train(optimizer: str, storage_dir: str, settings):
             "sharding_types": sorted(dmp.module.sparse_arch.embedding_bag_collection._sharding_types)}
 
 
+@contextmanager
+def call_order():
+    """Records in a list, in order, the calls of the served hits' pooling (s forward, S backward) and
+    of TorchRec's variable-batch output all-to-all: its request (r sends, R waits for the gradients)
+    and its wait (w waits, W sends the gradients)."""
+    calls = []
+    functions = {comm_ops.Variable_Batch_All2All_Pooled_Req: "r", comm_ops.Variable_Batch_All2All_Pooled_Wait: "w",
+                 replicas_module._ServedHits: "s"}
+    saved = {f: (f.__dict__["forward"], f.__dict__["backward"]) for f in functions}
+
+    def recorded(method, letter):
+        def call(*args):
+            calls.append(letter)
+            return method(*args)
+        return staticmethod(call)
+
+    for f, letter in functions.items():
+        f.forward, f.backward = recorded(f.forward, letter), recorded(f.backward, letter.upper())
+    try:
+        yield calls
+    finally:
+        for f, (forward, backward) in saved.items():
+            f.forward, f.backward = forward, backward
+
+
 def train_linear(storage_dir: str, settings, steps: int):
     """SGD on a loss linear in the pooled embeddings: the gradients do not depend on the rows, so
     once every replica gradient is pushed the tables must be those of the run without replicas,
-    whatever rows the replicas served. The last step's batch is cold: what was owed goes without a
-    hit. Returns this rank's shards of every table, and the rows owed and hits in the last step."""
+    whatever rows the replicas served. The last step's batch is cold but for t5: the width-DIM
+    tables' owed rows go without a hit, and on rank 0 t5's hits come after them in the merge.
+    Returns this rank's shards of every table, the rows owed and hits in the last step, and the
+    calls' order (`call_order`)."""
     dmp, opt = build("sgd", storage_dir, linear=True)
     replicas = replicate_hot_rows(dmp.module, settings) if settings else None
     served_without_push = 0  # steps whose replicas served hits and pushed nothing
-    for step in range(steps):
-        if replicas is not None:
-            hits, pushed = replicas.stats["replica_hits"], replicas.stats["push_rows"]
-        if replicas is not None and step == steps - 1:
-            owed_before_last, hits_before_last = replicas.owed_rows(), replicas.stats["replica_hits"]
-        # Step 5 repeats step 4's batch: within the bounds its rows are served again, none is pushed.
-        _, sparse, _ = batch(4 if step == 5 else step, LINEAR_TABLES, cold=step == steps - 1)
-        pooled = dmp(sparse)
-        pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
-        coefficients = torch.randn(pooled.values().shape, generator=torch.Generator().manual_seed(step))
-        opt.zero_grad()
-        (pooled.values() * coefficients).sum().backward()
-        opt.step()
-        if replicas is not None:
-            served_without_push += replicas.stats["replica_hits"] > hits and replicas.stats["push_rows"] == pushed
+    with call_order() as calls:
+        for step in range(steps):
+            if replicas is not None:
+                hits, pushed = replicas.stats["replica_hits"], replicas.stats["push_rows"]
+            if replicas is not None and step == steps - 1:
+                owed_before_last, hits_before_last = replicas.owed_rows(), replicas.stats["replica_hits"]
+            # Step 5 repeats step 4's batch: within the bounds its rows are served again, none is pushed.
+            _, sparse, _ = batch(4 if step == 5 else step, LINEAR_TABLES, cold=step == steps - 1)
+            pooled = dmp(sparse)
+            pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
+            coefficients = torch.randn(pooled.values().shape, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            (pooled.values() * coefficients).sum().backward()
+            opt.step()
+            if replicas is not None:
+                served_without_push += replicas.stats["replica_hits"] > hits and replicas.stats["push_rows"] == pushed
     if replicas is None:
         return {"shards": local_shards(dmp.state_dict(), ""), "pending": 0}
     return {"shards": local_shards(dmp.state_dict(), ""), "pending": replicas.owed_rows(),
             "owed_before_last": owed_before_last, "hits_in_last": replicas.stats["replica_hits"] - hits_before_last,
-            "served_without_push": served_without_push}
+            "served_without_push": served_without_push, "call_order": "".join(calls)}
 
 
 def local_shards(state, prefix: str):

@@ -108,22 +108,40 @@ def test_no_read_is_staler_and_no_push_later_than_the_bounds(bounds):
             assert abs(ours - theirs) < 1e-3
 
 
-def test_every_gradient_reaches_its_owner_once(tmp_path):
+@pytest.fixture(scope="module")
+def linear(tmp_path_factory):
+    return _result("linear", tmp_path_factory.mktemp("linear"))
+
+
+def test_every_gradient_reaches_its_owner_once(linear):
     # With a loss linear in the pooled embeddings the gradients do not depend on the rows read, so
     # once every replica gradient is pushed, SGD's tables equal the run without replicas' (up to
     # the order of float additions): none was lost, none pushed twice.
     import torch
 
-    linear = _result("linear", tmp_path)
-    for ours, theirs in zip(linear["replicas"], linear["plain"]):
-        # The last step hits no replica row: what was owed goes with the push bags alone. Some
-        # steps served hits and pushed nothing: their gradients were owed, then pushed.
-        assert ours["owed_before_last"] > 0 and ours["hits_in_last"] == 0
+    for rank, (ours, theirs) in enumerate(zip(linear["replicas"], linear["plain"])):
+        # The last step hits no replica row of width 8: what was owed goes with the push bags
+        # alone. Rank 0 replicates t5 (width 4), which hits. Some steps served hits and pushed
+        # nothing: their gradients were owed, then pushed.
+        assert ours["owed_before_last"] > 0 and (ours["hits_in_last"] > 0) == (rank == 0)
         assert ours["served_without_push"] > 0
         assert ours["pending"] == 0
         for table in ours["shards"]:
             for mine, reference in zip(ours["shards"][table], theirs["shards"][table]):
                 torch.testing.assert_close(torch.tensor(mine), torch.tensor(reference), rtol=0, atol=1e-5)
+
+
+def test_the_served_hits_are_pooled_and_their_gradients_kept_while_the_all_to_alls_run(linear):
+    # r/w: TorchRec's output all-to-all sent / waited for; W/R: its gradients sent / waited for;
+    # s/S: the served hits pooled / their gradients added to what the rank owes (replica_worker.call_order).
+    for replicated in linear["replicas"]:
+        order = replicated["call_order"]
+        assert "s" in order and "S" in order, order
+        for i, call in enumerate(order):
+            if call == "s":
+                assert order.rfind("r", 0, i) > order.rfind("w", 0, i), (i, order)
+            if call == "S":
+                assert order.rfind("W", 0, i) > order.rfind("R", 0, i), (i, order)
 
 
 # ---- through the runner (storage.replicas.*), under torchrun --------------------------------------------

@@ -98,29 +98,70 @@ def replica_memory_bytes(rows: int, dim: int, fraction: float) -> int:
     return hot * (2 * dim * 4 + 3 * 8 + 1)
 
 
-class _PooledHits(torch.autograd.Function):
-    """The hits of a group pooled from its replica rows, whose values the push bags' rows were just
-    refreshed in. Backward: a pushed row's gradient goes to its push bag (`fresh`), with what the
-    rank owed for it; a row served from the replica adds its gradient to what the rank owes."""
+@dataclasses.dataclass
+class _HitIds:
+    """Some ids of a group's hit bags, pooled together: `rows` into the table they are read from,
+    `offsets` (one per hit bag, and their count) into `rows`, `weights` per id or None."""
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    weights: Optional[torch.Tensor]
+
+    def pooled(self, table: torch.Tensor) -> torch.Tensor:
+        return F.embedding_bag(self.rows, table, self.offsets, mode="sum", per_sample_weights=self.weights,
+                               include_last_offset=True)
+
+    def per_id(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of each id, from that of the pooled bags."""
+        per_id = grad.repeat_interleave(self.offsets.diff(), dim=0)
+        return per_id * self.weights.unsqueeze(1) if self.weights is not None else per_id
 
     @staticmethod
-    def forward(ctx: Any, fresh: torch.Tensor, group: "_ReplicaGroup", step: "_GroupStep") -> torch.Tensor:
-        position = torch.full((group.size,), -1, dtype=torch.int64)  # of each slot among the push bags
-        position[step.push] = torch.arange(step.push.numel())
-        ctx.group, ctx.step, ctx.pushed_as = group, step, position[step.hit_slots]  # -1: served from the replica
-        return F.embedding_bag(step.hit_slots, group.values, step.hit_offsets, mode="sum",
-                               per_sample_weights=step.hit_weights, include_last_offset=True)
+    def of(step: "_GroupStep", bag_of_id: torch.Tensor, take: torch.Tensor, rows: torch.Tensor,
+           even_none: bool = False) -> Optional["_HitIds"]:
+        """The hit ids `take` (a mask over them; `bag_of_id` the hit bag of each), read at `rows`;
+        None if no id is taken, unless `even_none`."""
+        taken = take.nonzero().squeeze(1)
+        if taken.numel() == 0 and not even_none:
+            return None
+        bags = step.hit_offsets.numel() - 1
+        per_bag = torch.bincount(bag_of_id[taken], minlength=bags)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_bag, 0)])
+        weights = step.hit_weights[taken] if step.hit_weights is not None else None
+        return _HitIds(rows[taken], offsets, weights)
+
+
+class _ServedHits(torch.autograd.Function):
+    """The hits' ids served from the replica rows, pooled. Backward adds their gradients to what the
+    rank owes. Nothing in the graph needs its backward, so autograd runs it while the gradients' all-to-all
+    is in flight: created after TorchRec's request and before its wait, it comes after the wait's
+    backward (which sends) and before the request's (which waits). `anchor`, a leaf, puts it in the graph."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, group: "_ReplicaGroup", served: _HitIds) -> torch.Tensor:
+        ctx.group, ctx.served = group, served
+        return served.pooled(group.values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:
+        served = ctx.served
+        ctx.group.pending.index_add_(0, served.rows, served.per_id(grad))
+        return None, None, None
+
+
+class _PushedHits(torch.autograd.Function):
+    """The hits' ids of rows sent as push bags, pooled from the rows the push bags refreshed
+    (`fresh`). Backward: each push bag's gradient is its ids' plus what the rank owed for its row."""
+
+    @staticmethod
+    def forward(ctx: Any, fresh: torch.Tensor, pushed: _HitIds, owed: torch.Tensor) -> torch.Tensor:
+        ctx.pushed, ctx.owed = pushed, owed
+        return pushed.pooled(fresh)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
-        group, step = ctx.group, ctx.step
-        per_id = grad.repeat_interleave(step.hit_offsets.diff(), dim=0)
-        if step.hit_weights is not None:
-            per_id = per_id * step.hit_weights.unsqueeze(1)
-        pushed_as = ctx.pushed_as
-        pushed = pushed_as >= 0
-        group.pending.index_add_(0, step.hit_slots[~pushed], per_id[~pushed])
-        return step.owed.clone().index_add_(0, pushed_as[pushed], per_id[pushed]), None, None
+        pushed = ctx.pushed
+        return ctx.owed.clone().index_add_(0, pushed.rows, pushed.per_id(grad)), None, None
 
 
 class _Owed(torch.autograd.Function):
@@ -351,6 +392,7 @@ class HotRowReplicas:
         self.groups = [_ReplicaGroup(tables, int(settings.fraction * rows_by_dim[dim]), sharded_tables)
                        for dim, tables in by_dim.items()]
         self._chosen = False  # whether hot rows were chosen (from then on every batch is split)
+        self._anchor = torch.zeros(0, requires_grad=True)  # puts the served hits' pooling in the graph
         self._sharded = sharded
         self._handles = accept_variable_batches(sharded, self.dims)
         self._layout = VariableOutputLayout(sharded)
@@ -543,7 +585,7 @@ class HotRowReplicas:
     def _count(self, group: _ReplicaGroup, group_keys: torch.Tensor) -> None:
         """Keeps a training step's lookups of the group's tables, for the next choice."""
         group.uncounted.append(group_keys[group_keys >= 0])  # a bad id (key -1) is no row
-        if len(group.uncounted) >= _COUNT_EVERY:
+        if len(group.uncounted) > _COUNT_EVERY:  # a training step counts them while its all-to-alls run
             group.count()
         self.stats["lookups"] += group_keys.numel()
 
@@ -587,43 +629,71 @@ class HotRowReplicas:
         steps, self._steps = self._steps, None
         if steps is None:
             return None
+        # TorchRec's output all-to-alls are in flight until `layout.rows` waits for them: what does
+        # not need their rows is done before (the hits served from the replicas above all).
         layout = self._layout
-        src, block_start = layout.rows(output)  # the misses' and push bags' rows from TorchRec
+        block_start = layout.block_start(output)
         self.step += 1
         batch = self._batch_size
         keys, inverse = args[0].inverse_indices()
         position = {key: i for i, key in enumerate(keys)}
         index = layout.gather_index(block_start, inverse[[position[f] for f in layout.block_features], :batch])
         flat = index.view(-1)  # each output unit's row among `sources`, the hits' rows put in below
-        sources, rows_before = [src], src.shape[0]
+        rows_before = int(block_start[-1])
+        merges = []
         for group, step in zip(self.groups, steps):
             if step is None:
                 continue
-            fresh_parts = []  # each table's push bags came back in its first feature's rows
+            if len(group.uncounted) >= _COUNT_EVERY:
+                group.count()
+            group.read_at[step.push] = self.step - 1
+            fresh_rows = []  # each table's push bags come back in its first feature's rows
             for table, n in zip(group.tables, step.push_per_table):
                 if n:
                     first = next(f for f in table.features if f in position)
-                    rows = layout.feature_rows(block_start, first, inverse[position[first], batch:batch + n])
-                    fresh_parts.append(src.index_select(0, rows.reshape(-1)).view(n, group.dim))
-            # Empty, still a part of `src`: the hits' pooling must stay in the graph for its backward.
-            fresh = torch.cat(fresh_parts) if fresh_parts else src[:0].view(0, group.dim)
-            group.values[step.push] = fresh.detach()
-            group.read_at[step.push] = self.step - 1
-            if step.hit_bags.numel() == 0:
-                # In no output unit: its backward pushes what was owed.
-                sources.append(_Owed.apply(fresh, step.owed).view(-1, layout.unit))
-                rows_before += sources[-1].shape[0]
-                continue
-            pooled = _PooledHits.apply(fresh, group, step)
-            # The group's hit bag k is bag k % batch of its feature k // batch.
+                    bags = inverse[position[first], batch:batch + n]
+                    fresh_rows.append(layout.feature_rows(block_start, first, bags))
+            fresh_index = torch.cat(fresh_rows).reshape(-1) if fresh_rows else None
             units = group.dim // layout.unit
-            starts = torch.tensor([layout.feature_start[k] for k in step.keys])[step.hit_bags // batch]
-            at = ((step.hit_bags % batch) * layout.output_units + starts).unsqueeze(1) + torch.arange(units)
-            flat[at.reshape(-1)] = rows_before + torch.arange(pooled.shape[0] * units)
-            sources.append(pooled.view(-1, layout.unit))
-            rows_before += sources[-1].shape[0]
+            pool = self._pool_hits(group, step) if step.hit_bags.numel() else None
+            if pool is not None:
+                # The group's hit bag k is bag k % batch of its feature k // batch.
+                starts = torch.tensor([layout.feature_start[k] for k in step.keys])[step.hit_bags // batch]
+                at = ((step.hit_bags % batch) * layout.output_units + starts).unsqueeze(1) + torch.arange(units)
+                flat[at.reshape(-1)] = rows_before + torch.arange(step.hit_bags.numel() * units)
+                rows_before += step.hit_bags.numel() * units
+            owed_alone = fresh_index is not None and (pool is None or pool[1] is None)
+            if owed_alone:  # in no output unit: its backward pushes what was owed
+                rows_before += step.push.numel() * units
+            merges.append((group, step, fresh_index, pool, owed_alone))
+        src = layout.rows(output)  # the misses' and push bags' rows from TorchRec
+        sources = [src]
+        for group, step, fresh_index, pool, owed_alone in merges:
+            fresh = src.index_select(0, fresh_index).view(-1, group.dim) if fresh_index is not None else None
+            if fresh is not None:
+                group.values[step.push] = fresh.detach()
+            if pool is not None:
+                served, pushed = pool
+                parts = [] if served is None else [served]
+                if pushed is not None:
+                    parts.append(_PushedHits.apply(fresh, pushed, step.owed))
+                sources.append((parts[0] if len(parts) == 1 else parts[0] + parts[1]).view(-1, layout.unit))
+            if owed_alone:
+                sources.append(_Owed.apply(fresh, step.owed).view(-1, layout.unit))
         merged = torch.cat(sources).index_select(0, flat).view(batch, -1)
         return KeyedTensor(keys=layout.keys, length_per_key=layout.dims, values=merged)
+
+    def _pool_hits(self, group: _ReplicaGroup, step: _GroupStep
+                   ) -> Tuple[Optional[torch.Tensor], Optional[_HitIds]]:
+        """A step's hits, those of its ids served from the replica pooled now; the ids of rows the
+        step pushes, to pool from the push bags' refreshed rows (None: none)."""
+        position = torch.full((group.size,), -1, dtype=torch.int64)  # of each slot among the push bags
+        position[step.push] = torch.arange(step.push.numel())
+        pushed_as = position[step.hit_slots]
+        bag_of_id = torch.repeat_interleave(step.hit_offsets.diff())
+        pushed = _HitIds.of(step, bag_of_id, pushed_as >= 0, pushed_as)
+        served = _HitIds.of(step, bag_of_id, pushed_as < 0, step.hit_slots, even_none=pushed is None)
+        return (_ServedHits.apply(self._anchor, group, served) if served is not None else None), pushed
 
 
 def _members(group: _ReplicaGroup, keys: List[str]) -> List[Tuple[int, int]]:

@@ -153,19 +153,21 @@ class VariableOutputLayout:
         self.feature_start = dict(zip(self.keys, starts))  # in units
         self.output_units = starts[-1]
 
-    def rows(self, output: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Waits for the all-to-alls of `output` (TorchRec's VBE awaitable, not waited for):
-        their bags as rows of one unit, and where each block's rows begin."""
+    def block_start(self, output: Any) -> torch.Tensor:
+        """Where each block's rows will begin among the rows of `output` (TorchRec's VBE awaitable),
+        known before its all-to-alls end; the last entry is their count."""
         if getattr(output, "callbacks", None):
             raise ValueError("replicas do not take outputs TorchRec changes after its wait (mean pooling of a "
                              "row-wise table) yet")
+        bags = torch.tensor(output._batch_size_per_feature_pre_a2a, dtype=torch.int64)
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(bags * self.block_units, 0)])
+
+    def rows(self, output: Any) -> torch.Tensor:
+        """Waits for the all-to-alls of `output`: their bags as rows of one unit."""
         parts = [w.wait() for w in output._awaitables]
         for resize in getattr(output, "_resize_awaitables", None) or []:
             resize.wait()
-        src = parts[0] if len(parts) == 1 else torch.cat(parts)
-        bags = torch.tensor(output._batch_size_per_feature_pre_a2a, dtype=torch.int64)
-        sizes = bags * self.block_units
-        return src.view(-1, self.unit), torch.cumsum(sizes, 0) - sizes
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(-1, self.unit)
 
     def gather_index(self, block_start: torch.Tensor, block_bags: torch.Tensor) -> torch.Tensor:
         """[samples, output units]: each unit's row; `block_bags` [blocks, samples] is the bag of
