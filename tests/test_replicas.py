@@ -269,6 +269,52 @@ def test_the_variable_batch_layout_is_fbgemms():
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
+def test_hits_pool_served_and_pushed_rows_as_one_embedding_bag():
+    # A step's hits are pooled in two parts (replicas._ServedHits from the replica before the
+    # all-to-all's wait, replicas._PushedHits from the push bags' refreshed rows after it): together
+    # they must be one embedding_bag over the replica with the pushed rows refreshed, and their
+    # gradients must go to what the rank owes (served rows) and to the push bags, with what was owed
+    # (pushed rows). Small integers, so float sums are exact in any order.
+    from types import SimpleNamespace
+
+    import torch
+
+    from mlkv_torch.torchrec import replicas
+
+    g = torch.Generator().manual_seed(5)
+    table = replicas._ReplicatedTable("t", 100, 4, ["f"], False, 4, 0, 1.0)
+    group = replicas._ReplicaGroup([table], hot_count=10, sharded_tables=1)
+    group.set_hot(torch.arange(10) * 7)
+    group.values = torch.randint(-4, 5, (10, 4), generator=g).float()
+    bags = [[1, 2], [3], [], [4, 1, 5], [6], [5, 6]]  # slots; an empty bag is a hit too
+    slots = torch.tensor([s for bag in bags for s in bag])
+    offsets = torch.tensor([0] + [len(bag) for bag in bags]).cumsum(0)
+    weights = torch.randint(1, 4, (slots.numel(),), generator=g).float()
+    push = torch.tensor([1, 5, 8])  # row 8: pushed without a hit (its push bound)
+    owed = torch.randint(-4, 5, (3, 4), generator=g).float()
+    step = replicas._GroupStep(["f"], torch.arange(len(bags)), offsets, slots, weights, push, [3], owed)
+    fresh = torch.randint(-4, 5, (3, 4), generator=g).float().requires_grad_()
+    grad = torch.randint(-4, 5, (len(bags), 4), generator=g).float()
+
+    served, pushed = replicas.HotRowReplicas._pool_hits(
+        SimpleNamespace(_anchor=torch.zeros(0, requires_grad=True)), group, step)
+    ours = served + replicas._PushedHits.apply(fresh, pushed, owed)
+    ours.backward(grad)
+
+    read = group.values.clone()
+    read[push] = fresh.detach()
+    read.requires_grad_()
+    reference = torch.nn.functional.embedding_bag(slots, read, offsets, mode="sum", per_sample_weights=weights,
+                                                  include_last_offset=True)
+    reference.backward(grad)
+    assert torch.equal(ours, reference)
+    assert torch.equal(fresh.grad, owed + read.grad[push])
+    is_pushed = torch.zeros(10, dtype=torch.bool)
+    is_pushed[push] = True
+    assert torch.equal(group.pending[~is_pushed], read.grad[~is_pushed])
+    assert not group.pending[is_pushed].any()
+
+
 def test_the_hot_row_split_matches_a_plain_reference():
     # The split a step starts with (mlkv_torch._C.HotRowIndex): a bag is pooled from the replicas
     # when every id of it is hot (an empty one too); checked against a plain Python reading of that.

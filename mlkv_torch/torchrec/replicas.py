@@ -585,7 +585,9 @@ class HotRowReplicas:
     def _count(self, group: _ReplicaGroup, group_keys: torch.Tensor) -> None:
         """Keeps a training step's lookups of the group's tables, for the next choice."""
         group.uncounted.append(group_keys[group_keys >= 0])  # a bad id (key -1) is no row
-        if len(group.uncounted) > _COUNT_EVERY:  # a training step counts them while its all-to-alls run
+        # A step's merge counts its groups' at _COUNT_EVERY, while the all-to-alls run; here the
+        # others' (warm-up, a group without hot rows).
+        if len(group.uncounted) > _COUNT_EVERY:
             group.count()
         self.stats["lookups"] += group_keys.numel()
 
