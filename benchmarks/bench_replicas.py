@@ -8,11 +8,13 @@ and only `output_dir` shared.
         [--rates 1gbit,100mbit] [--steps 60] [--smoke]
 
 Reported per (ranks, link rate): the training step's time (the runner's train seconds over its
-steps); the bytes the embeddings' all-to-alls sent between ranks a step, all ranks together and by
-kind (ids, pooled outputs, gradients: the runner's `embedding_bytes_per_step`, counted where they
-are sent); the bytes all nodes sent on their links a step (the links' tx counters over the run:
-headers, rendezvous, the dense model's all-reduce and evaluation included); the cache hit rate and
-the held-out AUC. Then a run is checkpointed and stopped, and resumed with `--resume` on every node (each from
+steps), and after the replicas' warm-up (the log lines' `step_ms` from the first choice on: the
+warm-up steps, without replicas, are a cost of the run's start only); the bytes the embeddings'
+all-to-alls sent between ranks a step, all ranks together and by kind (ids, pooled outputs,
+gradients: the runner's `embedding_bytes_per_step`, counted where they are sent); the bytes all
+nodes sent on their links a step (the links' tx counters over the run: headers, rendezvous, the
+dense model's all-reduce and evaluation included); the cache hit rate and the held-out AUC.
+Then a run is checkpointed and stopped, and resumed with `--resume` on every node (each from
 its own storage.path): it must go on from its checkpoint and finish at the steps asked for.
 
 Each configuration runs without replicas of hot rows and with each variant of `--replicas`
@@ -57,7 +59,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.ranks, args.rates, args.steps, args.batch = "2", "1gbit", 6, 256
         args.replicas = "none,0.05:1:1"
         args.override += ["storage.replicas.warmup_steps=2",
-                          "data.synthetic.scale=2000", "eval.batches=1", "train.log_every=3", "eval.every=6",
+                          "data.synthetic.scale=2000", "eval.batches=1", "eval.every=6",
                           "pipeline.depth=1"]
     return args
 
@@ -101,13 +103,20 @@ def run_job(net: ShapedNetwork, config: str, output_dir: str, tables_root: str, 
     return summary
 
 
+def load_config(config: str, overrides: List[str]) -> Any:
+    """The runner's reading of `config` with `overrides` (an ExperimentConfig)."""
+    sys.path.insert(0, REPO)
+    from mlkv_torch.config import load_config as load
+
+    return load(config, overrides)
+
+
 def replica_overrides(variant: str, config: str, overrides: List[str]) -> List[str]:
     """The runner's keys for a variant; a variant with replicas gets the memory budget raised by
     their bytes, so its tables get the plan of the run without them."""
     if variant == "none":
         return []
-    sys.path.insert(0, REPO)
-    from mlkv_torch.config import cardinalities_of, load_config
+    from mlkv_torch.config import cardinalities_of
     from mlkv_torch.torchrec.replicas import replica_memory_bytes
 
     fraction, pull, push = variant.split(":")
@@ -120,6 +129,20 @@ def replica_overrides(variant: str, config: str, overrides: List[str]) -> List[s
             f"storage.memory_budget_bytes={base.storage.memory_budget_bytes + extra}"]
 
 
+def step_ms_after(metrics_path: str, after: int) -> float:
+    """The mean training step after step `after`, from the runner's log lines (`step_ms`, each its window's)."""
+    total_ms, steps, last = 0.0, 0, 0
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "step_ms" in record:  # not an evaluation's line
+                if last >= after:
+                    total_ms += (record["step"] - last) * record["step_ms"]
+                    steps += record["step"] - last
+                last = record["step"]
+    return total_ms / steps if steps else float("nan")
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     why_not = available()
@@ -130,7 +153,10 @@ def main(argv: Sequence[str]) -> int:
     log(f"# bench_replicas {datetime.date.today()}: {os.path.basename(args.config)}, {args.steps} steps of "
         f"{args.batch} samples a rank, one rank a node, each node's tables in its own directory")
     root = tempfile.mkdtemp(prefix="bench-replicas-", dir=args.dir)
-    overrides = [f"train.steps={args.steps}", f"train.batch_size={args.batch}", *args.override]
+    warmup = load_config(args.config, args.override).storage.replicas.warmup_steps
+    # A log line a warm-up's steps: the steps after the warm-up are whole windows.
+    overrides = [f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.log_every={warmup}",
+                 *args.override]
     results: List[Dict[str, Any]] = []
     try:
         for nodes in [int(n) for n in args.ranks.split(",")]:
@@ -146,6 +172,7 @@ def main(argv: Sequence[str]) -> int:
                     steps = summary["steps"]
                     results.append(dict(config=name, nodes=nodes, rate=rate, replicas=variant, steps=steps,
                                         step_ms=summary["train_seconds"] / steps * 1e3,
+                                        steady_step_ms=step_ms_after(os.path.join(out, "metrics.jsonl"), warmup),
                                         link_bytes_per_step=summary["link_bytes"] / steps,
                                         embedding_bytes_per_step=summary["embedding_bytes_per_step"],
                                         by_kind=summary["embedding_bytes_per_step_by_kind"],
@@ -177,12 +204,15 @@ def main(argv: Sequence[str]) -> int:
         if ref is None or r is ref:
             return "-"
         bytes_ratio = r["embedding_bytes_per_step"] / ref["embedding_bytes_per_step"]
-        speedup = ref["step_ms"] / r["step_ms"]
-        return f"{speedup:.2f}x faster, {bytes_ratio:.2f}x bytes, AUC {r['auc'] - ref['auc']:+.4f}"
+        speedup, steady = ref["step_ms"] / r["step_ms"], ref["steady_step_ms"] / r["steady_step_ms"]
+        return (f"{speedup:.2f}x faster ({steady:.2f}x after warm-up), {bytes_ratio:.2f}x bytes, "
+                f"AUC {r['auc'] - ref['auc']:+.4f}")
     kinds = ("ids", "outputs", "gradients", "replica_pushes", "replica_refreshes", "replica_choice")
-    for line in markdown_table(["configuration", "step (ms)", "embedding bytes/step", " / ".join(kinds),
-                                "link bytes/step", "replica hit rate", "hit rate", "AUC", "against no replicas"],
-                               [[r["config"], f"{r['step_ms']:.1f}", f"{r['embedding_bytes_per_step']:,.0f}",
+    for line in markdown_table(["configuration", "step (ms)", "after warm-up", "embedding bytes/step",
+                                " / ".join(kinds), "link bytes/step", "replica hit rate", "hit rate", "AUC",
+                                "against no replicas"],
+                               [[r["config"], f"{r['step_ms']:.1f}", f"{r['steady_step_ms']:.1f}",
+                                 f"{r['embedding_bytes_per_step']:,.0f}",
                                  " / ".join(f"{r['by_kind'].get(k, 0):,.0f}" for k in kinds),
                                  f"{r['link_bytes_per_step']:,.0f}",
                                  f"{r['replica_hit_rate']:.3f}" if r["replica_hit_rate"] is not None else "-",

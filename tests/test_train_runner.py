@@ -67,6 +67,9 @@ def test_loader_settings_do_not_change_training_and_the_input_wait_is_reported(t
         assert summary["input"]["batch_bytes"] > 0 and summary["input"]["buffer_bytes"] > 0
     records = [json.loads(line) for line in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["input_workers"] == 3 and r["input_wait_ms"] >= 0 for r in records if "loss" in r)
+    # Each log line's step_ms is its 2 steps' mean: together, the summary's training time.
+    logged_ms = sum(2 * r["step_ms"] for r in records if "loss" in r)
+    assert logged_ms == pytest.approx(fixed["train_seconds"] * 1e3, rel=1e-9)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "auto" / "tensorboard"))
@@ -324,7 +327,7 @@ def test_criteo_kaggle_train_txt_split_into_days_shuffled_and_resumed(tmp_path):
     assert unshuffled["steps"] == 5 and _losses(tmp_path / "plain") != {s: expected[s] for s in range(1, 6)}
 
 
-@pytest.mark.parametrize("name", ["quickstart", "synthetic_large", "criteo_kaggle", "criteo_terabyte"])
+@pytest.mark.parametrize("name", sorted(path.stem for path in (REPO / "configs").glob("*.yaml")))
 def test_every_shipped_config_loads(tmp_path, name):
     overrides = [f"output_dir={tmp_path}"]
     if name.startswith("criteo"):

@@ -111,6 +111,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
         with open(metrics_path if main else os.devnull, "a") as metrics:
             step = start_step
             window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
+            window_train_s = 0.0  # train_s at the last log line
             while step < train.steps:
                 if experiment.replicas is not None and train.checkpoint_every \
                         and (step + 1) % train.checkpoint_every == 0:
@@ -135,11 +136,13 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                     rate = window_samples / max(now - window_start, 1e-9)
                     input_stats = data.stats()
                     sent = sum(traffic.all_ranks().values())  # a collective: every rank logs at this step
-                    record.update(step=step, loss=float(loss), samples_per_s=rate, depth=pipeline.depth,
+                    record.update(step=step, loss=float(loss), samples_per_s=rate,
+                                  step_ms=(train_s - window_train_s) * 1e3 / window_steps, depth=pipeline.depth,
                                   embedding_bytes_per_step=(sent - window_sent) / window_steps,
                                   input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
                                   input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
                     window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
+                    window_train_s = train_s
                     window_sent = sent
                     hit_rate = experiment.hit_rate()
                     if hit_rate is not None:
