@@ -210,8 +210,9 @@ def test_killed_at_chosen_points_and_resumed_ends_as_the_uninterrupted_run(tmp_p
     _assert_ends_as(crashed, whole, f"killed at {plan}")
 
 
-# The runner with its disk full from step 6 on (every file is capped at 2 KiB, RLIMIT_FSIZE, as a full
-# disk refuses writes), right after its checkpoint at step 6 was committed.
+# The runner with its disk full from step 6 on (every file is capped at 8 KiB, RLIMIT_FSIZE, as a full
+# disk refuses writes: the stores' files are past it, metrics.jsonl reaches it at about step 28),
+# right after its checkpoint at step 6 was committed.
 FULL_DISK_RUN = """
 import resource, signal, sys
 from mlkv_torch import train
@@ -222,7 +223,7 @@ def save_then_fill_the_disk(self, step):
     if step == 6:
         self.finish_save()
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 train.Experiment.save = save_then_fill_the_disk
 sys.exit(train.main(sys.argv[1:]))

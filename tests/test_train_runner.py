@@ -343,6 +343,15 @@ def test_every_shipped_config_loads(tmp_path, name):
     assert config.train.steps > 0
 
 
+def test_a_full_disk_under_the_log_is_named(tmp_path):
+    # metrics.jsonl on a full device (/dev/full refuses every write): the error says which file.
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "storage.kind=memory", "train.steps=2",
+                                      "train.log_every=1", "eval.every=1000", *SMALL])
+    with pytest.raises(OSError, match=f"writing {tmp_path / 'metrics.jsonl'}: No space left on device"):
+        run(config, progress=False)
+
+
 def test_memory_storage_trains_with_torchrecs_fused_kernels(tmp_path):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "storage.kind=memory", "train.steps=8",
                                       "eval.every=8", *SMALL])

@@ -108,7 +108,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     replica_lookups = _ReplicaLookups(experiment.replicas)
     window_served = (0, 0)  # all ranks' replica hits and lookups at the last log line
     try:
-        with open(metrics_path if main else os.devnull, "a") as metrics:
+        # Unbuffered: a write a full disk refuses leaves nothing behind for the close to raise again.
+        with open(metrics_path if main else os.devnull, "ab", buffering=0) as metrics:
             step = start_step
             window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
             window_train_s = 0.0  # train_s at the last log line
@@ -157,8 +158,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                     evaluation = experiment.evaluate()
                     record.update(step=step, **{f"eval_{k}": v for k, v in evaluation.items()})
                 if record:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
+                    _append_line(metrics, metrics_path, json.dumps(record))
                     if board is not None:
                         for key, value in record.items():
                             if key != "step" and isinstance(value, (int, float)):
@@ -226,6 +226,16 @@ class _ReplicaLookups:
 def _share(now: Tuple[int, int], before: Tuple[int, int]) -> Optional[float]:
     looked_up = now[1] - before[1]
     return (now[0] - before[0]) / looked_up if looked_up else None
+
+
+def _append_line(file: Any, path: str, line: str) -> None:
+    """Writes `line` to the unbuffered `file` (at `path`) whole; a full disk's error names the file."""
+    data = memoryview((line + "\n").encode())
+    try:
+        while data:
+            data = data[file.write(data):]  # a short write: the rest goes again, and fails if the disk is full
+    except OSError as e:
+        raise OSError(e.errno, f"writing {path}: {e.strerror}") from e
 
 
 def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[str, Any]:
