@@ -126,7 +126,7 @@ class _HitIds:
             return None
         bags = step.hit_offsets.numel() - 1
         per_bag = torch.bincount(bag_of_id[taken], minlength=bags)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_bag, 0)])
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(per_bag)
         weights = step.hit_weights[taken] if step.hit_weights is not None else None
         return _HitIds(rows[taken], offsets, weights)
 
@@ -675,11 +675,11 @@ class HotRowReplicas:
             if fresh is not None:
                 group.values[step.push] = fresh.detach()
             if pool is not None:
-                served, pushed = pool
-                parts = [] if served is None else [served]
+                pooled, pushed = pool
                 if pushed is not None:
-                    parts.append(_PushedHits.apply(fresh, pushed, step.owed))
-                sources.append((parts[0] if len(parts) == 1 else parts[0] + parts[1]).view(-1, layout.unit))
+                    from_push = _PushedHits.apply(fresh, pushed, step.owed)
+                    pooled = from_push if pooled is None else pooled + from_push
+                sources.append(pooled.view(-1, layout.unit))
             if owed_alone:
                 sources.append(_Owed.apply(fresh, step.owed).view(-1, layout.unit))
         merged = torch.cat(sources).index_select(0, flat).view(batch, -1)

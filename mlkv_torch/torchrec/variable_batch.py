@@ -160,7 +160,7 @@ class VariableOutputLayout:
             raise ValueError("replicas do not take outputs TorchRec changes after its wait (mean pooling of a "
                              "row-wise table) yet")
         bags = torch.tensor(output._batch_size_per_feature_pre_a2a, dtype=torch.int64)
-        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(bags * self.block_units, 0)])
+        return torch.ops.fbgemm.asynchronous_complete_cumsum(bags * self.block_units)
 
     def rows(self, output: Any) -> torch.Tensor:
         """Waits for the all-to-alls of `output`: their bags as rows of one unit."""
