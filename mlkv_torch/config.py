@@ -144,6 +144,9 @@ class ExperimentConfig(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     output_dir: str
+    # Where the dense model, the tables' hot caches, pooling and batches live. CUDA: one process, disk
+    # or rocksdb tables (storage kind memory is TorchRec's fused kernels, which need fbgemm-gpu's CUDA build).
+    device: Literal["cpu", "cuda"] = "cpu"
 
     @property
     def looks_ahead(self) -> bool:
@@ -159,6 +162,9 @@ class ExperimentConfig(_Section):
             raise ValueError(f"model.over_arch must end with 1, got {self.model.over_arch}")
         if self.data.kind == "criteo" and not self.data.criteo.train:
             raise ValueError("data.criteo.train must list the training files")
+        if self.device == "cuda" and self.storage.kind == "memory":
+            raise ValueError("device cuda trains disk or rocksdb tables (storage.kind); storage kind memory runs "
+                             "TorchRec's fused kernels, which need fbgemm-gpu's CUDA build")
         if self.data.criteo.days is not None and self.data.criteo.format != "tsv":
             raise ValueError("data.criteo.days splits TSV files: it needs data.criteo.format tsv")
         return self

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Union
+from typing import Any, Deque, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,8 @@ class LookaheadPipeline:
         optimizer: stepped after each backward (fused disk tables update in backward).
         depth: batches looked ahead (0: none), or "auto".
         max_depth: the largest depth "auto" picks.
+        device: where the model trains: each batch is copied there as it enters the window, after its
+            read-ahead starts from the host's copy of its ids (default: batches stay where they are).
 
     Example::
 
@@ -76,7 +78,7 @@ class LookaheadPipeline:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, depth: Union[int, str] = 1,
-                 max_depth: int = 8) -> None:
+                 max_depth: int = 8, device: Optional[Union[str, torch.device]] = None) -> None:
         if depth != "auto" and (not is_int(depth) or depth < 0):
             raise ValueError(f"depth must be a non-negative int or 'auto', got {depth!r}")
         if max_depth < 1:
@@ -85,6 +87,7 @@ class LookaheadPipeline:
         self._auto = depth == "auto"
         self._depth = 1 if self._auto else int(depth)
         self._max_depth = max_depth
+        self._device = torch.device(device) if device is not None else None
         self._window: Deque[Any] = deque()
         self._tables: List[nn.Module] = _disk_collections(model)
         # The groups whose ranks look ahead together must also agree on the depth.
@@ -130,6 +133,8 @@ class LookaheadPipeline:
                 for collection in self._tables:
                     collection.lookahead(batch.sparse_features)
                 self._lookahead_ms = self._average(self._lookahead_ms, (time.perf_counter() - start) * 1e3)
+            if self._device is not None:
+                self._window[-1] = batch.to(self._device, non_blocking=True)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Trains one batch; returns the model's output. Raises StopIteration when the data ends."""

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs (the `device` tool): builds the CUDA extension, runs the core's tests
-# (the CUDA twins run there) and benchmarks/bench_gpu.py. Logs and reports go to $OUT (or bench-out/);
-# MLKV_TESTS_TIMEOUT caps each test run (default 420 s).
+# (the CUDA twins run there), benchmarks/bench_gpu.py, the quickstart on CUDA beside the CPU, and the
+# disk's limits (fio) beside the stores' read rates. Logs and reports go to $OUT (or bench-out/);
+# MLKV_TESTS_TIMEOUT caps each test run (default 420 s). The stack that machine lacks (torchrec,
+# fbgemm-gpu-cpu, fio) comes from .gpu-stack/ (`bash scripts/gpu_stack.sh download` here, carried there).
 #
-#   bash scripts/gpu_check.sh [tests|bench|all] [extra bench_gpu.py arguments]
+#   bash scripts/gpu_check.sh [all|PARTS] [extra bench_gpu.py arguments]
+# PARTS: a comma-separated list of quick (the quick CUDA twins), bench, train, disk, tests (every twin).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
 shift || true
+has() { [[ $what == all || ,$what, == *,$1,* ]]; }
 export PYTHONUNBUFFERED=1 MLKV_WITHOUT_ROCKSDB=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-16}
 # The system compiler where there is one: the GPU machine's /opt/gcc links libstdc++ statically,
 # and a second libstdc++ in the process crashed the first C++ exception (in its iostream locale).
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+if [ -d .gpu-stack/wheels ]; then
+  eval "$(bash scripts/gpu_stack.sh install)" || echo "[gpu_check] installing .gpu-stack FAILED"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
 rm -rf build mlkv_torch/_C*.so
@@ -31,19 +38,42 @@ rest="tests/test_disk_embedding_bag.py tests/test_embedding_cache.py tests/test_
   tests/test_initial_rows_and_lookup.py tests/test_table_snapshot.py tests/test_store_bad_input.py"
 run_tests() {  # log name, files...
   local log=$1; shift
-  timeout "${MLKV_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs "$@" 2>&1 \
+  timeout "${MLKV_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs "$@" 2>&1 \
     | tee "$OUT/$log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if has quick || has tests; then
   run_tests tests-quick.log $quick
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has bench; then
   echo "[gpu_check] bench at $(( $(date +%s) - start )) s"
   timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT/gpu.json" "$@" 2>&1 | grep -v USDT | tee "$OUT/bench.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if has train; then
+  echo "[gpu_check] training on CUDA at $(( $(date +%s) - start )) s"
+  run_tests tests-train.log tests/test_cuda_training.py tests/test_torchrec_collection.py
+  for device in cuda cpu; do  # the quickstart, 100 steps, on each device: samples/s and AUC side by side
+    run=/tmp/quickstart-$device
+    rm -rf "$run"
+    timeout 240 python3 -m mlkv_torch.train configs/quickstart.yaml device=$device output_dir="$run" \
+      train.steps=100 eval.every=100 --no-progress >"$run.log" 2>&1 || { status=1; tail -20 "$run.log"; }
+    cp "$run/summary.json" "$OUT/quickstart-$device.json" 2>/dev/null
+    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('[gpu_check] quickstart', s['device'], \
+      f\"{s['samples_per_s']:.0f} samples/s auc {s['auc']:.4f} hit rate {s['hit_rate']:.3f}\")" "$run/summary.json"
+  done
+fi
+if has disk; then
+  echo "[gpu_check] the disk's limits at $(( $(date +%s) - start )) s"
+  timeout 120 python3 benchmarks/disk_limits.py /tmp/mlkv-fio --seconds 4 | tee "$OUT/fio.tsv" || status=1
+  for dir in /tmp/mlkv-gpu-bench /dev/shm/mlkv-gpu-bench; do  # the stores' rows/s from the disk, then memory
+    mkdir -p "$dir"
+    timeout 200 python3 benchmarks/bench_gpu.py --configs sgd:0.1:2 --steps 8 --warmup 4 --dir "$dir" \
+      --out "$OUT/read-$(basename "$(dirname "$dir")").json" 2>&1 | grep -v USDT | tail -4 || status=1
+    rm -rf "$dir"
+  done
+fi
+if has tests; then
   echo "[gpu_check] the other tests at $(( $(date +%s) - start )) s"
   run_tests tests.log $rest
 fi

@@ -43,6 +43,12 @@ class Experiment:
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            if self.distributed:
+                raise ConfigError("device cuda trains in one process; under torchrun the runner trains on the CPU")
+            if not torch.cuda.is_available():
+                raise ConfigError("device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
         self.resume = resume
         self._saving: Optional[threading.Thread] = None  # the checkpoint being written
         # The training loop marks each boundary; the checkpoint's work follows them.
@@ -68,12 +74,15 @@ class Experiment:
             raise ConfigError(f"storage.memory_budget_bytes: {e}") from e
 
     def _dlrm(self, collection: torch.nn.Module) -> torch.nn.Module:
+        """DLRM over `collection`; its dense layers start from the seed's CPU values on every device, so
+        a run on CUDA starts where the same run on the CPU does."""
         from torchrec.models.dlrm import DLRM, DLRMTrain
 
         model = self.config.model
-        return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=self.source.num_dense,
+        dlrm = DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=self.source.num_dense,
                               dense_arch_layer_sizes=model.dense_arch, over_arch_layer_sizes=model.over_arch,
                               dense_device=torch.device("cpu")))
+        return dlrm.to(self.device) if self.device.type != "cpu" else dlrm
 
     def _build_local(self, tables) -> None:
         """One process, disk storage: DiskEmbeddingBagCollection (so the pipeline can look ahead)."""
@@ -83,7 +92,7 @@ class Experiment:
         self.collection = DiskEmbeddingBagCollection(
             tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
             cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
-            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume,
+            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume, device=self.device,
             cut=self._resumed["cut"] if self._resumed else None)
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
@@ -185,7 +194,8 @@ class Experiment:
         planted = False
         with torch.no_grad():
             for batch, probabilities in self.source.eval(self.config.eval.batches, self.rank, self.world_size):
-                loss, (_, logits, labels) = self.model(batch)
+                loss, (_, logits, labels) = self.model(batch.to(self.device))
+                logits, labels = logits.cpu(), labels.cpu()  # the metrics and the planted probabilities' device
                 auroc.update(torch.sigmoid(logits), labels.int())
                 if probabilities is not None:
                     oracle.update(probabilities, labels.int())

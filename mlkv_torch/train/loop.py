@@ -89,7 +89,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             raise ConfigError(f"--resume: no checkpoint at {experiment.checkpoint_path()}")
         start_step = experiment.load()
     train = config.train
-    pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth)
+    pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
+                                 device=experiment.device if experiment.device.type != "cpu" else None)
     data = experiment.loader(start_step, train.steps - start_step)
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     evaluation: Dict[str, float] = {}
@@ -187,7 +188,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 return json.load(f)
         if not evaluation:
             evaluation = experiment.evaluate()
-    summary = {"steps": step, "samples": samples, "world_size": world, "seconds": elapsed,
+    summary = {"steps": step, "samples": samples, "world_size": world, "device": config.device, "seconds": elapsed,
                "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),

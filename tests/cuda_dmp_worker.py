@@ -1,0 +1,87 @@
+"""A torchrun worker for tests/test_cuda_training.py: DLRM under DistributedModelParallel on one GPU
+(NCCL, world size 1) with every table on the disk kernel, table-wise, beside the same model under DMP
+on the CPU (a gloo group of the same process), trained on the same batches.
+
+    torchrun --nproc_per_node 1 tests/cuda_dmp_worker.py OUT_DIR
+
+Writes OUT_DIR/cuda_dmp.json: each device's losses, the device of the CUDA model's output and of its
+tables' caches.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner.types import ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from mlkv_torch import optim
+from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+
+DIM, BATCH, STEPS, LR = 16, 32, 10, 0.1
+SIZES = {"t0": 300, "t1": 2000}
+TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
+          for name, n in SIZES.items()]
+
+
+def build(device: torch.device, group: dist.ProcessGroup, storage_dir: str):
+    torch.manual_seed(0)  # the same dense layers on both devices: made on the CPU, then moved
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(TABLES, device=torch.device("meta")),
+                 dense_in_features=4, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
+                 dense_device=torch.device("cpu"))
+    sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
+    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[DISK_KERNEL])
+                   for t in TABLES}
+    planner = DiskAwarePlanner(topology=Topology(world_size=1, compute_device=device.type), batch_size=BATCH,
+                               constraints=constraints)
+    plan = planner.collective_plan(model, [sharder], group)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(group), device=device, plan=plan,
+                                   sharders=[sharder])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def batch(step: int, device: torch.device):
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (len(TABLES) * BATCH,), generator=g)
+    values = torch.cat([torch.randint(0, 60, (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),), generator=g)
+                        for i in range(len(TABLES))])
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t.name}" for t in TABLES], values=values, lengths=lengths)
+    dense, labels = torch.randn(BATCH, 4, generator=g), torch.randint(0, 2, (BATCH,), generator=g).float()
+    return dense.to(device), sparse.to(device), labels.to(device)
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    result = {}
+    for name, device, group in (("cuda", torch.device("cuda:0"), dist.group.WORLD),
+                                ("cpu", torch.device("cpu"), dist.new_group(backend="gloo"))):
+        dmp, optimizer = build(device, group, os.path.join(out_dir, f"tables-{name}"))
+        losses = []
+        for step in range(STEPS):
+            dense, sparse, labels = batch(step, device)
+            optimizer.zero_grad()
+            logits = dmp(dense, sparse).squeeze(1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        result[name] = {"losses": losses, "output_device": logits.device.type}
+    with open(os.path.join(out_dir, "cuda_dmp.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
