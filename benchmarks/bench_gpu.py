@@ -178,16 +178,18 @@ class Disk:
         loss.backward()
         return loss.detach()
 
-    def store_read_rate(self, rows: int = 1 << 16) -> float:
-        """Rows a second the stores deliver to one thread, in one batched read per table of random
-        rows (as the read-ahead thread reads a batch's misses)."""
-        g = torch.Generator().manual_seed(7)
+    def store_read_rate(self, rows: int = 1 << 16, threads: int = 1) -> float:
+        """Rows a second the stores deliver, in one batched read per table of random rows (as the
+        read-ahead reads a batch's misses), the tables read by `threads` threads side by side."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        g = torch.Generator().manual_seed(7 + threads)
         per_table = max(1, rows // len(self.tables))
-        start = time.perf_counter()
-        for t in self.tables:
-            ids = torch.randint(0, self.batch.tables[t].num_embeddings, (per_table,), generator=g)
-            self.batch.stores[t].lookup(ids)
-        return per_table * len(self.tables) / (time.perf_counter() - start)
+        ids = [torch.randint(0, self.batch.tables[t].num_embeddings, (per_table,), generator=g) for t in self.tables]
+        with ThreadPoolExecutor(threads) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda t: self.batch.stores[t].lookup(ids[t]), self.tables))
+            return per_table * len(self.tables) / (time.perf_counter() - start)
 
     def counters(self) -> Dict[str, int]:
         """The cache's hits, misses and store reads over every table; the rows the read-ahead thread
@@ -290,6 +292,9 @@ def main(argv: List[str]) -> int:
             disk.batch.bag_backward = backward
             populate_s = disk.populate() if cache < 1.0 else disk.load_all()
             read_rate = disk.store_read_rate() if cache < 1.0 else None
+            # The stores' rate with every core reading a table of its own: what the machine can deliver.
+            side_by_side = min(os.cpu_count() or 1, len(disk.tables))
+            parallel_rate = disk.store_read_rate(1 << 18, side_by_side) if cache < 1.0 else None
             disk.read_ahead_first(batches)
             time_steps(disk, batches, warm, device)
             before = disk.counters()
@@ -307,6 +312,7 @@ def main(argv: List[str]) -> int:
             results.append(dict(config=label, samples_per_s=rate, ratio=rate / reference_rate[opt_name],
                                 hit_rate=(after["cache_hits"] - before["cache_hits"]) / looked_up if looked_up else 0.0,
                                 store_reads_per_step=store_reads, store_read_rows_per_s=read_rate,
+                                store_read_rows_per_s_side_by_side=parallel_rate, store_read_threads=side_by_side,
                                 roofline_samples_per_s=roofline, of_roofline=rate / roofline if roofline else None,
                                 populate_s=populate_s, loss_max_rel_diff=worst,
                                 losses_equal=worst < (1e-5 if device.type == "cpu" else 1e-3), **prof))
@@ -328,8 +334,9 @@ def main(argv: List[str]) -> int:
         log(line)
     for r in results:
         if r.get("store_read_rows_per_s"):
-            log(f"{r['config']}: stores read {r['store_read_rows_per_s']:,.0f} rows/s on one thread; roofline "
-                f"{r['roofline_samples_per_s']:,.0f} samples/s")
+            log(f"{r['config']}: stores read {r['store_read_rows_per_s']:,.0f} rows/s on one thread, "
+                f"{r['store_read_rows_per_s_side_by_side']:,.0f} on {r['store_read_threads']} side by side; "
+                f"roofline {r['roofline_samples_per_s']:,.0f} samples/s")
         log(f"{r['config']}: top host ops (ms/step) {r['top_cpu_ops_ms_per_step']}")
     write_json_report(args.out, dict(args=vars(args), gpu=gpu, torch=torch.__version__,
                                      date=str(datetime.date.today()), results=results, lines=log.lines))

@@ -69,7 +69,7 @@ def initial_rows(ids: KeysLike, dim: int, seed: int = 0, low: Optional[float] = 
                            int(first_column), normal)
 
 
-_IO_ENGINES = ("auto", "uring", "threads")
+_IO_ENGINES = ("auto", "uring", "threads", "pread")
 
 KeysLike = Union[torch.Tensor, Sequence[int]]
 
@@ -197,7 +197,9 @@ class KVStore(_RowStore):
         page_bytes: log page size; 0 picks budget/16, at most 1 MiB.
         mutable_fraction: share of the memory pages updated in place.
         io_depth: disk reads in flight per batch.
-        io_engine: "uring", "threads" (a pool of pread workers) or "auto".
+        io_engine: "uring", "threads" (a pool of pread workers), "pread" (on the calling
+            thread) or "auto": "pread" for a store in memory (tmpfs, /dev/shm), where a read is
+            a copy, else io_uring where the kernel allows it, else "threads".
         io_threads: workers of the "threads" engine.
         direct_io: bypass the page cache (O_DIRECT) where the file system allows.
         compaction_ratio: compact automatically once the on-disk log exceeds

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from conftest import (DIM, HAS_PROMOTE, NO_PROMOTE, SMALL_OPTIONS, assert_reopen
                       rows_for)
 
 URING = mlkv_torch._C.uring_available()
-ENGINES = ["threads", pytest.param("uring", marks=pytest.mark.skipif(not URING, reason="no io_uring here"))]
+ENGINES = ["threads", "pread", pytest.param("uring", marks=pytest.mark.skipif(not URING, reason="no io_uring here"))]
 
 
 def random_rows(n, dim, dtype, seed):
@@ -329,7 +331,7 @@ def test_io_engines_agree(tmp_path, engine, direct_io):
     g = torch.Generator().manual_seed(11)
     values = torch.randn(n, DIM, generator=g)
     with KVStore(path, DIM, io_engine=engine, direct_io=direct_io, io_depth=4, io_threads=3, **SMALL_OPTIONS) as store:
-        assert store.stats()["io_engine"] == {"threads": "threads", "uring": "io_uring"}[engine]
+        assert store.stats()["io_engine"] == {"threads": "threads", "uring": "io_uring", "pread": "pread"}[engine]
         assert store.stats()["direct_io"] == direct_io
         store.put(torch.arange(n), values)
         perm = torch.randperm(n, generator=g)
@@ -339,6 +341,31 @@ def test_io_engines_agree(tmp_path, engine, direct_io):
     other = "threads" if engine == "uring" else ("uring" if URING else "threads")
     with KVStore(path, DIM, io_engine=other, **SMALL_OPTIONS) as store:
         torch.testing.assert_close(store.get(torch.arange(n)), values, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_auto_reads_a_store_in_memory_on_the_calling_thread_and_one_on_disk_through_the_kernels_queue(tmp_path):
+    # /dev/shm is tmpfs: a read there is a copy, which a hand-off to io_uring's or the pool's threads only delays.
+    in_memory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        with KVStore(os.path.join(in_memory, "store"), DIM, **SMALL_OPTIONS) as store:
+            assert store.stats()["io_engine"] == "pread"
+            store.put(torch.arange(3000), torch.ones(3000, DIM))
+            torch.testing.assert_close(store.get(torch.arange(3000)), torch.ones(3000, DIM), rtol=0, atol=0)
+            assert store.stats()["disk_rows"] > 0
+    finally:
+        shutil.rmtree(in_memory)
+    on_disk = "pread" if _on_tmpfs(tmp_path) else "io_uring" if URING else "threads"
+    with KVStore(str(tmp_path / "store"), DIM, **SMALL_OPTIONS) as store:
+        assert store.stats()["io_engine"] == on_disk
+
+
+def _on_tmpfs(path) -> bool:
+    with open("/proc/mounts") as mounts:
+        points = [(line.split()[1], line.split()[2]) for line in mounts]
+    mount = max((p for p in points if str(path).startswith(p[0].rstrip("/") + "/") or str(path) == p[0]),
+                key=lambda p: len(p[0]))
+    return mount[1] in ("tmpfs", "ramfs")
 
 
 def test_large_batch_get_many_blocks(open_store):

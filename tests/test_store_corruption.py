@@ -190,7 +190,7 @@ def test_missing_snapshot_detected(tmp_path):
 # --- while the store is open ---------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("engine", ["threads", "uring", "pread"])
 def test_flipped_byte_detected_by_get_while_open(tmp_path, engine):
     if engine == "uring" and not mlkv_torch._C.uring_available():
         pytest.skip("no io_uring here")

@@ -21,7 +21,7 @@ from conftest import DIM, SMALL_OPTIONS
 
 KEY_SPACE = 3000
 keys_st = st.integers(min_value=0, max_value=KEY_SPACE - 1)
-ENGINES = ["threads", "uring"] if mlkv_torch._C.uring_available() else ["threads"]
+ENGINES = ["threads", "pread"] + (["uring"] if mlkv_torch._C.uring_available() else [])
 
 
 def make_rows(n: int, seed: int) -> torch.Tensor:

@@ -42,8 +42,10 @@ class Store : public RowStoreHandle {
       o.io_engine = mlkv::IoEngine::kUring;
     } else if (io_engine == "threads") {
       o.io_engine = mlkv::IoEngine::kThreads;
+    } else if (io_engine == "pread") {
+      o.io_engine = mlkv::IoEngine::kPread;
     } else {
-      throw py::value_error("io_engine must be 'auto', 'uring' or 'threads', got '" + io_engine + "'");
+      throw py::value_error("io_engine must be 'auto', 'uring', 'threads' or 'pread', got '" + io_engine + "'");
     }
     o.io_threads = u32(io_threads, "io_threads");
     o.direct_io = direct_io;

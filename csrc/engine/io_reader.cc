@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <linux/io_uring.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -199,6 +201,16 @@ class UringReader : public BlockReader {
   uint32_t depth_;
 };
 
+// pread on the calling thread, one request after another.
+class CallerReader : public BlockReader {
+ public:
+  const char* name() const override { return "pread"; }
+  Status ReadAll(ReadRequest* reqs, size_t n) override {
+    for (size_t i = 0; i < n; ++i) reqs[i].result = PreadFully(reqs[i]);
+    return Status::OK();
+  }
+};
+
 // A fixed pool of pread workers; each call spreads its requests over them.
 class ThreadPoolReader : public BlockReader {
  public:
@@ -353,11 +365,22 @@ bool UringAvailable() {
   return available;
 }
 
-Status BlockReader::Create(IoEngine engine, uint32_t depth, uint32_t threads, std::unique_ptr<BlockReader>* out) {
+bool InMemoryFileSystem(const std::string& path) {
+  struct statfs fs;
+  if (statfs(path.c_str(), &fs) != 0) return false;
+  return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
+}
+
+Status BlockReader::Create(IoEngine engine, uint32_t depth, uint32_t threads, bool in_memory,
+                           std::unique_ptr<BlockReader>* out) {
   if (depth == 0 || depth > 4096)
     return Status::InvalidArgument("io_depth must be in [1, 4096], got " + std::to_string(depth));
-  if (engine == IoEngine::kAuto) engine = UringAvailable() ? IoEngine::kUring : IoEngine::kThreads;
-  if (engine == IoEngine::kUring) {
+  if (engine == IoEngine::kAuto) {
+    engine = in_memory ? IoEngine::kPread : UringAvailable() ? IoEngine::kUring : IoEngine::kThreads;
+  }
+  if (engine == IoEngine::kPread) {
+    out->reset(new CallerReader());
+  } else if (engine == IoEngine::kUring) {
     if (!UringAvailable())
       return Status::InvalidArgument("io_engine='uring' requested but this kernel refuses io_uring_setup");
     out->reset(new UringReader(depth));

@@ -94,7 +94,8 @@ Status KVStore::Init() {
     max_open_files = std::min<size_t>(1024, std::max<size_t>(4, files_limit.rlim_cur / 4));
   }
   segments_.Configure(direct_io_, max_open_files);
-  MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads, &reader_));
+  MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads,
+                                           InMemoryFileSystem(path_), &reader_));
   MLKV_RETURN_IF_ERROR(FileExists(path_ + "/CHECKPOINT") ? Recover() : CreateFresh());
   WriterLock lock(&mu_);
   closed_ = false;

@@ -65,7 +65,7 @@ struct StoreOptions {
   uint64_t page_bytes = 0;                       // log page size; 0 = budget / 16, at most 1 MiB
   double mutable_fraction = 0.9;                 // share of memory pages updated in place
   uint32_t io_depth = 64;                        // disk reads in flight per batch
-  IoEngine io_engine = IoEngine::kAuto;          // io_uring when the kernel allows it
+  IoEngine io_engine = IoEngine::kAuto;          // see BlockReader::Create
   uint32_t io_threads = 16;                      // pread workers, for IoEngine::kThreads
   bool direct_io = true;                         // O_DIRECT on segment files where supported
   double compaction_ratio = 2.0;                 // compact when on-disk log > ratio x live rows; 0 = never
