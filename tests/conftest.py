@@ -24,6 +24,11 @@ HAS_PROMOTE = "promote_hot_reads" in inspect.signature(KVStore.__init__).paramet
 NO_PROMOTE = {"promote_hot_reads": False} if HAS_PROMOTE else {}
 
 
+# torch's vectorized CPU kernels (AVX2, AVX-512) run an add with alpha as one fused multiply-add, as
+# our SGD does; its scalar kernel (ATEN_CPU_CAPABILITY=default) rounds the product first.
+TORCH_FUSES_MULTIPLY_ADD = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
 def rounding_tolerance(steps: int, lr: float, step_bound: float) -> Dict[str, float]:
     """assert_close's tolerances between rows trained by our rule and by a reference that rounds some
     operations differently. torch's CPU sqrt is not correctly rounded (1 ulp off for 0.7% of float32

@@ -131,19 +131,19 @@ def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_pa
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
     data = batches()
     losses = train(model, opt, data, collection.lookahead, depth=2 if cache == "part" else 0)
-    # One rule in the same operation order, and each row's gradient summed over its ids in the
-    # order fbgemm sums them: the computation is the same, so the results are equal to the bit.
-    torch.testing.assert_close(losses, expected, rtol=0, atol=0)
+    # SGD: one rule in the same operation order, and each row's gradient summed over its ids in the
+    # order fbgemm sums them: the computation is the same, so the losses and rows are equal to the bit.
+    # fbgemm's Adagrad adds eps in double and its row-wise Adagrad sums squares in SIMD lanes: their
+    # rows and state, and the losses after them, differ in rounding (conftest.rounding_tolerance).
+    bound = STEP_BOUNDS[optimizer]
+    tolerance = dict(rtol=0, atol=0) if bound is None else rounding_tolerance(STEPS, LR, bound)
+    torch.testing.assert_close(losses, expected, **tolerance)
     stats = collection.stats()
     if cache == "part":  # rows went through the cache, the store and the staging area
         assert sum(s["evictions"] for s in stats.values()) > 0
         assert sum(s["prefetch_hits"] for s in stats.values()) > 0
     trained = {name: bag.export_rows(torch.arange(ROWS[name]), include_state=True)
                for name, bag in collection.embedding_bags.items()}
-    # SGD's rows are equal to the bit. fbgemm's Adagrad adds eps in double and its row-wise Adagrad sums
-    # squares in SIMD lanes: their rows and state differ in rounding (conftest.rounding_tolerance).
-    bound = STEP_BOUNDS[optimizer]
-    tolerance = dict(rtol=0, atol=0) if bound is None else rounding_tolerance(STEPS, LR, bound)
     for name, (rows, state) in trained.items():
         expected_rows, expected_state = expected_tables[name]
         torch.testing.assert_close(rows, expected_rows, **tolerance, msg=f"table {name}'s rows")
@@ -212,7 +212,20 @@ def test_dlrm_with_adam_on_the_disk_kernel_equals_sparse_adam(tmp_path, cache):
                                             cache_rows=cache_rows, memory_budget_bytes=1 << 20, seed=0)
     model = dlrm(collection)
     opt = torch.optim.SGD([p for name, p in model.named_parameters() if "embedding_bags" not in name], lr=LR)
-    torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected, rtol=0, atol=0)
+    # SparseAdam's vectorized kernels round differently from one CPU capability to another (a loss
+    # differed by 1 ulp on AVX2), so against it: the rounding of a few operations a step
+    # (conftest.rounding_tolerance), a step over lr at most (1 - beta1) / sqrt(1 - beta2) < 3.2. A row
+    # also feels the rounding of earlier steps through its later gradients, which Adam divides by
+    # sqrt(v), small for rare rows: that carried the rows to 1.3x the bound (AVX2), so they get 4x. The
+    # rule itself equals its float32 model to the bit (test_optim.py); a rule off by 0.1% moves these
+    # rows 100x further than this tolerance.
+    tolerance = rounding_tolerance(STEPS, LR, 3.2)
+    torch.testing.assert_close(train(model, opt, batches(), collection.lookahead, depth=1), expected, **tolerance)
+    rows_tolerance = {k: 4 * v for k, v in tolerance.items()}
+    for name, bag in collection.embedding_bags.items():
+        reference_rows = reference.sparse_arch.embedding_bag_collection.bags[name].weight.detach()
+        torch.testing.assert_close(bag.export_rows(torch.arange(ROWS[name])), reference_rows, **rows_tolerance,
+                                   msg=f"table {name}'s rows")
     collection.close()
 
 
