@@ -440,6 +440,15 @@ def test_built_on_the_meta_device_it_opens_nothing_until_to_empty(tmp_path):
                  over_arch_layer_sizes=[16, 1], dense_device=torch.device("meta"))
     assert not path.exists()  # no store opened, no rows allocated
     assert model.state_dict()["sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"].is_meta
+    # A table's weight is a meta tensor of its shape, as EmbeddingBagCollection's there, built either way.
+    with torch.device("meta"):
+        in_context = DiskEmbeddingBagCollection(tables(), path=tmp_path / "c", optimizer=optim.SGD(lr=0.1))
+        theirs = EmbeddingBagCollection(tables())
+    assert in_context.device.type == "meta" and not (tmp_path / "c").exists()
+    for collection in (ebc, in_context):
+        for name, bag in theirs.embedding_bags.items():
+            weight = collection.embedding_bags[name].weight
+            assert weight.device.type == "meta" and weight.shape == bag.weight.shape, name
     # Forward there gives shapes alone, as EmbeddingBagCollection's on meta: the same keys and shape,
     # also through the model.
     ours, theirs = ebc(kjt(0)), EmbeddingBagCollection(tables(), device=torch.device("meta"))(kjt(0))

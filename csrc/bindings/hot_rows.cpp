@@ -7,13 +7,12 @@
 
 #include "bindings/bindings.h"
 #include "bindings/errors.h"
+#include "embedding_cache.h"  // kTableShift: a key is table << kTableShift | row, as the cache keys rows
 #include "id_map.h"
 
 namespace mlkv::bindings {
 
 namespace {
-
-constexpr int kTableShift = 40;  // a key: table << 40 | row, as replicas.py keys them
 
 class HotRowIndex {
  public:

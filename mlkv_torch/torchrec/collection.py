@@ -71,8 +71,14 @@ class _TableOnMeta(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = config.num_embeddings, config.embedding_dim
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A meta tensor of the table's shape, as EmbeddingBagCollection's table has on meta (not a
+        parameter: materialising the model must not allocate the table)."""
+        return torch.empty(self.num_embeddings, self.embedding_dim, device="meta")
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
-        destination[prefix + "weight"] = torch.empty(self.num_embeddings, self.embedding_dim, device="meta")
+        destination[prefix + "weight"] = self.weight
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
                               unexpected_keys, error_msgs):
@@ -103,7 +109,8 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     Args:
         tables: the tables, as for EmbeddingBagCollection (none: an empty collection).
         is_weighted: features carry per-id weights.
-        device: where the caches, pooling and outputs live (default CPU).
+        device: where the caches, pooling and outputs live (default: torch's default device, the CPU
+            unless set otherwise; meta inside ``with torch.device("meta"):``).
         path: a directory; table ``t`` lives in ``path/t``.
         optimizer: the fused sparse optimizer of every table (an `mlkv_torch.optim` rule; default
             SGD(lr=0.01), with a warning). The model's torch optimizer does not reach the tables;
@@ -160,7 +167,8 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             if not t.feature_names:
                 t.feature_names = [t.name]
         self._is_weighted = is_weighted
-        self._device = torch.device(device if device is not None else "cpu")
+        # No device given: torch's default, as a module's parameters take it (meta inside `with torch.device("meta")`).
+        self._device = torch.device(device) if device is not None else torch.empty(0).device
         self._embedding_bag_configs = tables
         traffic = dict(lookups_per_sample or {})
         unknown = sorted(set(traffic) - set(names))

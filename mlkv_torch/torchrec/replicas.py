@@ -52,7 +52,7 @@ __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_m
 
 _NEVER = -(1 << 62)  # the step a never-read replica row's value is from
 _CANDIDATES = 2  # each rank offers this many times the replicas' rows of its most frequent rows
-_TABLE_SHIFT = 40  # a hot row's key in its group: table index << 40 | row
+_TABLE_SHIFT = _C.EmbeddingCache.table_shift  # a hot row's key in its group: table index << shift | row, as the cache's
 _ROW_MASK = (1 << _TABLE_SHIFT) - 1
 _COUNT_EVERY = 16  # training steps whose lookups are counted together (sorting them once)
 _KEPT_SPLITS = 16  # batches read ahead whose split is kept for their step

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test suite, then its comparisons with torch, TorchRec and fbgemm again under each CPU
+# capability torch can dispatch to here (ATEN_CPU_CAPABILITY): torch rounds differently on each,
+# and a claim must hold on every CPU a user runs it on (docs/testing.md, "How exact").
+#
+#   bash scripts/test.sh [pytest arguments for the whole suite]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+[ -x "$py" ] || py=python3
+comparisons=(tests/test_optim.py tests/test_table_batch_exact.py tests/test_torchrec_collection.py
+  tests/test_disk_embedding_bag.py tests/test_table_batch.py tests/test_model_zoo.py)
+"$py" -m pytest -q tests "$@"
+capabilities=(default avx2)
+grep -q avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)
+for capability in "${capabilities[@]}"; do
+  echo "[test] the comparisons under ATEN_CPU_CAPABILITY=$capability"
+  ATEN_CPU_CAPABILITY=$capability "$py" -m pytest -q -p no:cacheprovider "${comparisons[@]}"
+done
