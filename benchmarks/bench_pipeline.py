@@ -44,8 +44,9 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--fresh", action="store_true", help="do not populate the disk tables first")
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.scale, args.steps, args.batch = 1000, 6, 256
+    rocksdb_depths = ("0", "1", "auto")
+    if args.smoke:  # each store with and without look-ahead, and the in-memory reference
+        args.scale, args.steps, args.batch, args.depths, rocksdb_depths = 1000, 6, 256, "0,auto", ("auto",)
     sys.path.insert(0, REPO)
     from mlkv_torch.config import cardinalities_of, load_config
 
@@ -54,7 +55,7 @@ def main(argv: List[str]) -> int:
     budget = max(1 << 20, int(args.budget * rows * BYTES_PER_ROW / args.nproc))  # per rank
     populate = [] if args.fresh else ["storage.populate=true"]
     configs = [(f"{kind}, depth {depth}", [f"storage.kind={kind}", f"pipeline.depth={depth}", *populate])
-               for kind, depths in (("disk", args.depths.split(",")), ("rocksdb", ("0", "1", "auto")))
+               for kind, depths in (("disk", args.depths.split(",")), ("rocksdb", rocksdb_depths))
                for depth in depths]
     configs.append(("memory (TorchRec fused)", ["storage.kind=memory"]))
     results: List[Dict[str, Any]] = []

@@ -14,11 +14,18 @@ mkdir -p "$out"
 torch_free_srcs="csrc/engine/*.cc csrc/id_map.cpp csrc/write_back_buffer.cpp csrc/admission_policy.cpp
   csrc/slot_index.cpp csrc/staging_area.cpp csrc/slot_transfer.cpp"
 stress_programs=(store_stress cache_stress)
-build_and_run() {  # sanitizer flags...
+jobs=$(nproc 2>/dev/null || echo 2)
+build_and_run() {  # name, sanitizer flags...
   local name=$1; shift
-  local program
+  local program objects="$out/objects-$name"
+  # Each source compiled once for both programs, on every core.
+  mkdir -p "$objects"
+  # shellcheck disable=SC2086
+  printf '%s\n' $torch_free_srcs csrc/tests/*.cc | xargs -P "$jobs" -I{} sh -c \
+    'g++ -std=c++17 -g -O1 -fno-omit-frame-pointer -Icsrc "$@" -c "{}" -o "'"$objects"'/$(echo "{}" | tr / _).o"' \
+    sh "$@"
   for program in "${stress_programs[@]}"; do
-    g++ -std=c++17 -g -O1 -fno-omit-frame-pointer -Icsrc "$@" $torch_free_srcs "csrc/tests/$program.cc" \
+    g++ "$@" $(ls "$objects"/*.o | grep -v '_tests_') "$objects/csrc_tests_$program.cc.o" \
       -o "$out/${program}_$name" -lpthread
     echo "== $program $name"
     "$out/${program}_$name" "$out/data-$program-$name"
@@ -33,17 +40,18 @@ if [[ $which == tsan || $which == all ]]; then
 fi
 if [[ $which == threads || $which == all ]]; then
   echo "== thread-safety analysis"
-  for src in $torch_free_srcs csrc/tests/*.cc; do
-    clang++ -std=c++17 -fsyntax-only -Icsrc -Wthread-safety -Werror=thread-safety "$src"
-  done
+  # shellcheck disable=SC2086
+  printf '%s\n' $torch_free_srcs csrc/tests/*.cc |
+    xargs -P "$jobs" -n 1 clang++ -std=c++17 -fsyntax-only -Icsrc -Wthread-safety -Werror=thread-safety
   # The cache's files that include torch, with the include paths of the torch $PYTHON imports.
   python=${PYTHON:-python3}
   if torch_includes=$("$python" -c "import sysconfig
 from torch.utils.cpp_extension import include_paths
 print(' '.join('-isystem ' + p for p in include_paths() + [sysconfig.get_paths()['include']]))" 2>/dev/null); then
-    for src in csrc/embedding_cache.cpp csrc/cache_*.cpp; do
-      clang++ -std=c++17 -fsyntax-only -Icsrc $torch_includes -Wthread-safety -Werror=thread-safety "$src"
-    done
+    # One translation unit of them all: torch's headers, most of the time, are parsed once.
+    printf '#include "%s"\n' "$PWD"/csrc/embedding_cache.cpp "$PWD"/csrc/cache_*.cpp >"$out/cache_files.cpp"
+    # shellcheck disable=SC2086
+    clang++ -std=c++17 -fsyntax-only -Icsrc $torch_includes -Wthread-safety -Werror=thread-safety "$out/cache_files.cpp"
     echo "thread-safety analysis of the cache's torch files: clean"
   else
     echo "thread-safety analysis of the cache's torch files: skipped ($python cannot import torch; set PYTHON)"
