@@ -6,13 +6,13 @@
 #   bash scripts/gpu_stack.sh download [PYTHON_VERSION TORCH_MINOR]   # here, with a network (default 3.12 11)
 #   bash scripts/gpu_stack.sh install                                 # there: into .gpu-stack/site
 #
-# `install` prints the PYTHONPATH and PATH lines to export. TorchRec's releases track torch's
+# `install` prints the PYTHONPATH and PATH lines to export; MLKV_GPU_STACK names another folder. TorchRec's releases track torch's
 # (torch 2.N pairs with fbgemm-gpu and torchrec 1.(N-5)); the CPU build of fbgemm is enough for the
 # collection and the runner, whose kernels are ours. fio is built from source (FIO_SRC: a checkout
 # to build from, else FIO_GIT is cloned), with io_uring, linked only to libc, libm and zlib.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STACK=.gpu-stack
+STACK=$(realpath -m "${MLKV_GPU_STACK:-.gpu-stack}")  # where the wheels, fio and the installed packages go
 what=${1:-}
 
 download() {
@@ -47,7 +47,7 @@ install() {
   # The machine's own packages (torch, numpy, torchmetrics...) stay; only what it lacks is added.
   python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --upgrade \
     --target "$STACK/site" "$STACK"/wheels/*.whl
-  echo "export PYTHONPATH=$PWD/$STACK/site\${PYTHONPATH:+:\$PYTHONPATH} PATH=$PWD/$STACK/bin:\$PATH"
+  echo "export PYTHONPATH=$STACK/site\${PYTHONPATH:+:\$PYTHONPATH} PATH=$STACK/bin:\$PATH"
 }
 
 case $what in
