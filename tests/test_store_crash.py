@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -260,7 +261,8 @@ def _with_the_nth_call_failing(tmp_path, call: str, nth: int, path: str,
     """Runs SYNC_FAILS_CHILD on `path` with the nth `call` (a system call) failing with EIO, by
     strace's fault injection; skips the test where strace cannot trace."""
     script = tmp_path / "child.py"
-    script.write_text(SYNC_FAILS_CHILD)
+    if not script.exists():
+        script.write_text(SYNC_FAILS_CHILD)
     # --seccomp-bpf: only `call` stops the child (importing torch under full tracing took 5x longer).
     run = subprocess.run(["strace", "-f", "--seccomp-bpf", "-o", os.devnull, "-e", f"trace={call}",
                           "-e", f"inject={call}:error=EIO:when={nth}", sys.executable, str(script), path, *child_args],
@@ -268,6 +270,16 @@ def _with_the_nth_call_failing(tmp_path, call: str, nth: int, path: str,
     if run.returncode != 0 and "ptrace" in run.stderr:
         pytest.skip(f"strace cannot trace here: {run.stderr.strip()[-200:]}")
     return run
+
+
+def _each_nth_call_failing(tmp_path, call: str, nths, *child_args: str):
+    """`_with_the_nth_call_failing` for each nth, on a store of its own (two children at a time: each
+    spends most of its time importing torch): {nth: (the store's path, the child's run)}."""
+    paths = {nth: str(tmp_path / f"store{nth}") for nth in nths}
+    (tmp_path / "child.py").write_text(SYNC_FAILS_CHILD)
+    with ThreadPoolExecutor(2) as pool:
+        runs = pool.map(lambda nth: _with_the_nth_call_failing(tmp_path, call, nth, paths[nth], *child_args), nths)
+        return {nth: (paths[nth], run) for nth, run in zip(nths, runs)}
 
 
 SYNC_FAILS_CHILD = textwrap.dedent("""
@@ -305,9 +317,8 @@ def test_a_sync_failing_anywhere_in_a_checkpoint_leaves_a_checkpoint_to_reopen(t
     directory sync after CHECKPOINT's rename removed the files the renamed record names, and the
     store could not be reopened."""
     outcomes = set()
-    for nth in range(1, 13):
-        path = str(tmp_path / f"store{nth}")
-        run = _with_the_nth_call_failing(tmp_path, "fsync", nth, path, str(1 << 20), "100", "0,1", "crash")
+    runs = _each_nth_call_failing(tmp_path, "fsync", range(1, 13), str(1 << 20), "100", "0,1", "crash")
+    for nth, (path, run) in runs.items():
         if not os.path.exists(os.path.join(path, "CHECKPOINT")):
             continue  # the store's creation failed: nothing to reopen
         outcomes.update(line.split(" ")[0] + line.split(" ")[1] for line in run.stdout.splitlines())
@@ -331,10 +342,9 @@ def test_after_a_failed_sync_of_the_log_no_checkpoint_claims_its_pages(tmp_path)
     failed writeback. Now every later checkpoint and the close fail, the store closes, and reopening
     gives the last checkpoint that succeeded."""
     hit_a_segment = False
-    for nth in range(1, 8):
-        path = str(tmp_path / f"store{nth}")
-        # Each pass writes log pages out to a segment.
-        run = _with_the_nth_call_failing(tmp_path, "fdatasync", nth, path, str(64 << 10), "20000", "1,2,3", "close")
+    # Each pass writes log pages out to a segment.
+    runs = _each_nth_call_failing(tmp_path, "fdatasync", range(1, 8), str(64 << 10), "20000", "1,2,3", "close")
+    for nth, (path, run) in runs.items():
         assert run.returncode == 0, run.stderr[-2000:]
         lines = run.stdout.splitlines()
         failed = [line for line in lines if line.startswith("failed") and "segment-" in line]
