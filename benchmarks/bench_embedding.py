@@ -341,11 +341,12 @@ def populate_store(path: str, rows: int, dim: int, lr: float, budget: int, chunk
 def time_unique(wl: Workload, rows: int, first: int, count: int) -> Optional[float]:
     """ms per batch of the module's deduplication step alone (the kernel's unique_keys, which also
     checks each id's range); None when the module has no such step."""
-    from mlkv_torch.embedding import DiskTable as TableSpec, DiskTableBatch
+    from mlkv_torch.embedding import DiskTable as TableSpec
+    from mlkv_torch.opening import open_table_batch
 
     batches = wl.batches[first:first + count]
     with tempfile.TemporaryDirectory(prefix="bench-unique-") as work:
-        kernel = DiskTableBatch([TableSpec("t", rows, os.path.join(work, "t"))], 8, memory_budget_bytes=1 << 20)
+        kernel = open_table_batch([TableSpec("t", rows, os.path.join(work, "t"))], 8, memory_budget_bytes=1 << 20)
         if not hasattr(kernel, "unique_keys"):
             kernel.close()
             return None
@@ -406,8 +407,9 @@ def markdown_report(results: List[Dict[str, Any]], best_ref: Optional[float], ar
     counter_columns = [("cache_misses", "cache misses"), ("disk_rows", "rows read from disk"),
                        ("disk_reads", "4 KiB reads"), ("memory_hits", "store memory hits"),
                        ("rejected", "misses not admitted"), ("written_back", "rows written back"),
-                       ("promoted_rows", "rows promoted"), ("prefetched_rows", "lookahead rows staged"),
-                       ("prefetch_hits", "lookahead rows used"), ("lookahead_rows", "lookahead rows to store memory")]
+                       ("promoted_rows", "rows promoted"), ("read_ahead_rows", "rows read ahead, staged"),
+                       ("read_ahead_hits", "rows read ahead, used"),
+                       ("lookahead_rows", "lookahead rows to store memory")]
     disk_runs = [r for r in ok if "counters" in r]
     present = [(k, title) for k, title in counter_columns if any(k in r["counters"] for r in disk_runs)]
     if disk_runs:

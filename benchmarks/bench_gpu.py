@@ -48,7 +48,8 @@ from common import REPO, ReportLog, markdown_table, torch_embedding_bag, write_j
 
 sys.path.insert(0, REPO)
 from mlkv_torch import initial_rows, optim  # noqa: E402
-from mlkv_torch.embedding import DiskEmbeddingBag, DiskTable, DiskTableBatch  # noqa: E402
+from mlkv_torch.embedding import DiskEmbeddingBag, DiskTable  # noqa: E402
+from mlkv_torch.opening import open_table_batch  # noqa: E402
 
 LR = 0.05
 
@@ -142,7 +143,7 @@ class Disk:
         rule = optim.SGD(lr=LR) if optimizer == "sgd" else optim.Adam(lr=LR)
         self.tables = list(range(args.tables))
         self.counts = [args.batch * args.bag] * args.tables
-        self.batch = DiskTableBatch(
+        self.batch = open_table_batch(
             [DiskTable(f"t{t}", rows_per_table, os.path.join(root, f"t{t}"), seed=t) for t in self.tables], args.dim,
             optimizer=rule, cache_rows=int(cache * rows_per_table * args.tables), memory_budget_bytes=512 << 20,
             device=device)
@@ -196,7 +197,7 @@ class Disk:
         read (counted for the tables together), into slots or the staging area, among the reads."""
         stats = [self.batch.stats(t) for t in self.tables]
         counts = {k: sum(s[k] for s in stats) for k in ("cache_hits", "cache_misses", "store_reads")}
-        counts["store_reads"] += stats[0]["prefetched_rows"] + stats[0]["prefetch_placed_rows"]
+        counts["store_reads"] += stats[0]["read_ahead_rows"] + stats[0]["read_ahead_placed_rows"]
         return counts
 
     def close(self) -> None:

@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
         result.update(hit_rate=(after["hits"] - before["hits"]) / max(1, looked_up),
                       disk_reads_per_step=(after["disk_reads"] - before["disk_reads"]) / args.steps,
                       misses_per_step=(after["misses"] - before["misses"]) / args.steps,
-                      prefetch_wait_ms_per_step=(after["prefetch_wait_ms"] - before["prefetch_wait_ms"]) / args.steps,
+                      read_ahead_wait_ms_per_step=(after["read_ahead_wait_ms"]
+                                                   - before["read_ahead_wait_ms"]) / args.steps,
                       step_ms=seconds / args.steps * 1e3)
     return result
 
@@ -228,7 +229,7 @@ def _counters(collection) -> Dict[str, int]:
     return {"hits": sum(s["cache_hits"] for s in stats.values()),
             "misses": sum(s["cache_misses"] for s in stats.values()),
             "disk_reads": sum(s["disk_reads"] for s in stats.values()),
-            "prefetch_wait_ms": sum(stats[names[0]]["prefetch_wait_ms"] for names in kernels_of(collection))}
+            "read_ahead_wait_ms": sum(stats[names[0]]["read_ahead_wait_ms"] for names in kernels_of(collection))}
 
 
 def main(argv: List[str]) -> int:
@@ -312,7 +313,7 @@ def main(argv: List[str]) -> int:
                   f"{allowed:,.0f} samples/s; measured {r['samples_per_s'] / allowed:.2f}x of that, reading "
                   f"{r['disk_reads_per_step'] * r['samples_per_s'] / args.batch:,.0f} rows/s "
                   f"({r['disk_reads_per_step'] * r['samples_per_s'] / args.batch / args.iops:.0%} of the IOPS); "
-                  f"a step {r['step_ms']:.1f} ms, of which {r['prefetch_wait_ms_per_step']:.1f} ms waiting for the "
+                  f"a step {r['step_ms']:.1f} ms, of which {r['read_ahead_wait_ms_per_step']:.1f} ms waiting for the "
                   f"look-ahead's reads")
     write_json_report(args.out, {"args": vars(args), "rows": total_rows, "results": results})
     return 0

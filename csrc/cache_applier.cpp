@@ -31,26 +31,26 @@ void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int6
   });
 }
 
-void EmbeddingCache::AddPending(const int64_t* ids, int64_t n, int delta) {
+void EmbeddingCache::AddPending(const int64_t* keys, int64_t n, int delta) {
   for (int64_t i = 0; i < n; ++i) {
     if (delta > 0) {
-      int32_t* count = pending_.FindMutable(ids[i]);
+      int32_t* count = pending_.FindMutable(keys[i]);
       if (count) {
         ++*count;
       } else {
-        pending_.Insert(ids[i], 1);
+        pending_.Insert(keys[i], 1);
       }
     } else {
-      int32_t* count = pending_.FindMutable(ids[i]);
-      if (count && --*count == 0) pending_.Erase(ids[i]);
+      int32_t* count = pending_.FindMutable(keys[i]);
+      if (count && --*count == 0) pending_.Erase(keys[i]);
     }
   }
 }
 
 void EmbeddingCache::Apply(const Update& u) {
-  const int64_t n = u.ids.numel();
-  const int64_t* id = u.ids.data_ptr<int64_t>();
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
+  const int64_t n = u.keys.numel();
+  const int64_t* key = u.keys.data_ptr<int64_t>();
+  const CacheSplit split = SplitByCache(key, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   const int64_t m = static_cast<int64_t>(missed_ids.size());
   // Under the lock throughout: the slots split above stay the rows' slots. Rows outside the
@@ -78,7 +78,7 @@ void EmbeddingCache::Apply(const Update& u) {
       ApplyOutsideCache(missed_ids.data(), m, grads.data_ptr<float>(), u);
     }
   }
-  if (opt_.staleness > 0) AddPending(id, n, -1);
+  if (opt_.staleness > 0) AddPending(key, n, -1);
   ++stats_.updates_applied;
   stats_.rows_updated += n;
 }
@@ -93,15 +93,15 @@ void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const flo
   WriteBehind(keys, static_cast<size_t>(m), data);
 }
 
-void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr) {
+void EmbeddingCache::QueueUpdate(const torch::Tensor& keys, const torch::Tensor& grads, int64_t step, double lr) {
   TORCH_CHECK_VALUE(std::isfinite(lr) && lr > 0, "the learning rate must be a positive finite number, got ", lr);
-  CheckIds(ids);
+  CheckInt64Vector(keys, "keys");
   TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
-                        grads.size(0) == ids.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
-                    "grads must be a contiguous float32 [", ids.numel(), ", ", opt_.dim, "] tensor on ", device_);
+                        grads.size(0) == keys.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
+                    "grads must be a contiguous float32 [", keys.numel(), ", ", opt_.dim, "] tensor on ", device_);
   // Aliases without a Python object: the applier may drop the last reference
   // without taking the GIL (a Python-owned tensor would need it to die).
-  Update u{at::alias(ids), at::alias(grads), step, static_cast<float>(lr)};
+  Update u{at::alias(keys), at::alias(grads), step, static_cast<float>(lr)};
   if (!device_.is_cpu()) {
     // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
     MutexLock lock(&mu_);
@@ -113,7 +113,7 @@ void EmbeddingCache::QueueUpdate(const torch::Tensor& ids, const torch::Tensor& 
     MutexLock lock(&mu_);
     ThrowIfFailed();
     TORCH_CHECK(!closed_, "the table is closed");
-    if (opt_.staleness > 0) AddPending(ids.data_ptr<int64_t>(), ids.numel(), +1);
+    if (opt_.staleness > 0) AddPending(keys.data_ptr<int64_t>(), keys.numel(), +1);
   }
   {
     MutexLock lock(&queue_mu_);

@@ -25,9 +25,9 @@ void EmbeddingCache::BeginCut() {
   // What waits for the stores is the cut's: it moves over whole (no batch of it in flight).
   while (writer_busy_) written_cv_.wait(lock.native());
   write_back_.Swap(cut_write_back_);
-  std::vector<int64_t> ids;
-  std::vector<int32_t> slots = TakeDirtySlots(&ids);
-  stats_.cut_rows = static_cast<int64_t>(cut_write_back_.size() + ids.size());
+  std::vector<int64_t> keys;
+  std::vector<int32_t> slots = TakeDirtySlots(&keys);
+  stats_.cut_rows = static_cast<int64_t>(cut_write_back_.size() + keys.size());
   if (on_host_) {
     for (int32_t s : slots) cut_slot_[s] = 1;
     cut_slots_ = std::move(slots);
@@ -35,9 +35,9 @@ void EmbeddingCache::BeginCut() {
   } else if (!slots.empty()) {  // device slots: the cut's rows come to the host now
     const torch::Tensor rows = SlotRowsToHost(slots);
     const float* data = rows.data_ptr<float>();
-    for (size_t i = 0; i < ids.size(); ++i) cut_write_back_.Put(ids[i], data + i * row_words_);
+    for (size_t i = 0; i < keys.size(); ++i) cut_write_back_.Put(keys[i], data + i * row_words_);
   }
-  CountWrittenBack(ids);
+  CountWrittenBack(keys);
   cut_sequences_.clear();
   cut_error_ = Status::OK();
   cut_state_ = CutState::kWriting;

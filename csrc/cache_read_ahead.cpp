@@ -1,6 +1,7 @@
-// EmbeddingCache's read-ahead: ReadAhead (Python's lookahead) queues the keys of future batches, the read-ahead thread
-// reads them from the stores into the staging area, and a fetch waits for a read-ahead in flight
-// rather than reading its rows twice (see embedding_cache.h).
+// EmbeddingCache's read-ahead: ReadAhead (what Python's lookahead starts) queues the keys of
+// future batches, the read-ahead thread reads them from the stores into the staging area, and a
+// fetch waits for a read-ahead in flight rather than reading its rows twice (see
+// embedding_cache.h).
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -39,10 +40,10 @@ void EmbeddingCache::ReadAheadBatch(const torch::Tensor& values, const std::vect
   ReadAhead(unique, BatchFingerprint(values.data_ptr<int64_t>(), feature_counts, feature_tables));
 }
 
-void EmbeddingCache::ReadAhead(const torch::Tensor& ids, uint64_t fingerprint) {
-  CheckIds(ids);
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
+void EmbeddingCache::ReadAhead(const torch::Tensor& keys, uint64_t fingerprint) {
+  CheckInt64Vector(keys, "keys");
+  const int64_t n = keys.numel();
+  const int64_t* key = keys.data_ptr<int64_t>();
   std::vector<int64_t> outside;
   bool into_slots = false;
   {
@@ -60,7 +61,7 @@ void EmbeddingCache::ReadAhead(const torch::Tensor& ids, uint64_t fingerprint) {
       }
     }
     for (int64_t i = 0; i < n; ++i) {
-      const int32_t slot = slot_index_.Find(id[i]);
+      const int32_t slot = slot_index_.Find(key[i]);
       if (slot >= 0) {
         if (into_slots) policy_.Pin(slot, sequence);  // kept until this batch is done with it
         continue;
@@ -68,10 +69,10 @@ void EmbeddingCache::ReadAhead(const torch::Tensor& ids, uint64_t fingerprint) {
       // A row on its way in already is pinned for the newest read-ahead when it lands. Staged and
       // buffered rows are newer than the store: the staging path leaves them for the fetch, the
       // slot path places them (PlaceReadAhead takes their newest value).
-      if (reading_ahead_.Find(id[i]) >= 0) continue;
-      if (!into_slots && (staging_.Contains(id[i]) || BufferedRow(id[i]) != nullptr)) continue;
-      reading_ahead_.Insert(id[i], sequence);
-      outside.push_back(id[i]);
+      if (reading_ahead_.Find(key[i]) >= 0) continue;
+      if (!into_slots && (staging_.Contains(key[i]) || BufferedRow(key[i]) != nullptr)) continue;
+      reading_ahead_.Insert(key[i], sequence);
+      outside.push_back(key[i]);
     }
     if (outside.empty()) return;
     // Queued under mu_ too, so requests reach the read-ahead thread in sequence order.
@@ -91,7 +92,7 @@ int32_t EmbeddingCache::TakeReadAhead(std::optional<uint64_t> fingerprint) {
 }
 
 void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::vector<float>& rows) {
-  const std::vector<int64_t>& ids = request.ids;
+  const std::vector<int64_t>& requested = request.keys;
   std::vector<int32_t> slots, victim_slots;
   std::vector<int64_t> keys, victim_keys;
   std::vector<uint8_t> victim_dirty;
@@ -108,8 +109,8 @@ void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::
       written_cv_.wait(lock.native());
     }
     policy_.BeginFetch();  // slots reserved below are safe from this pass's own evictions
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const int64_t key = ids[i];
+    for (size_t i = 0; i < requested.size(); ++i) {
+      const int64_t key = requested[i];
       // A row a fetch took over (WaitForReadAheads) or a later request holds is not this one's to place.
       if (reading_ahead_.Find(key) != request.sequence) continue;
       reading_ahead_.Erase(key);
@@ -130,7 +131,7 @@ void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::
                                       cut_state_ == CutState::kWriting, &evicts, /*force=*/true);
       if (s < 0) {  // every slot is pinned: the row waits in the staging area for its fetch
         ++stats_.read_ahead_unplaced;
-        if (staging_.Stage(key, row.data(), /*read_ahead=*/true, policy_.fetch_epoch())) ++stats_.lookahead_rows;
+        if (staging_.Stage(key, row.data(), /*read_ahead=*/true, policy_.fetch_epoch())) ++stats_.read_ahead_rows;
         continue;
       }
       policy_.Reserve(s);
@@ -188,7 +189,7 @@ void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::
 }
 
 void EmbeddingCache::ReadAheadLoop() {
-  NameThisThread("mlkv-prefetch");
+  NameThisThread("mlkv-read-ahead");
   for (;;) {
     ReadAheadRequest request;
     {
@@ -198,7 +199,7 @@ void EmbeddingCache::ReadAheadLoop() {
       request = std::move(read_ahead_queue_.front());
       read_ahead_queue_.pop_front();
     }
-    const std::vector<int64_t>& ids = request.ids;
+    const std::vector<int64_t>& keys = request.keys;
     {
       MutexLock lock(&mu_);
       ++reads_in_flight_;
@@ -206,9 +207,9 @@ void EmbeddingCache::ReadAheadLoop() {
     std::vector<float> rows;
     bool read_ok = true;
     try {
-      rows.resize(ids.size() * static_cast<size_t>(row_words_));
-      std::unique_ptr<bool[]> fresh(new bool[ids.size()]);
-      ReadFromStore(ids.data(), ids.size(), rows.data(), fresh.get());
+      rows.resize(keys.size() * static_cast<size_t>(row_words_));
+      std::unique_ptr<bool[]> fresh(new bool[keys.size()]);
+      ReadFromStore(keys.data(), keys.size(), rows.data(), fresh.get());
     } catch (const std::exception&) {
       read_ok = false;  // the fetch that needs these rows reads them itself and meets the error
     }
@@ -222,19 +223,19 @@ void EmbeddingCache::ReadAheadLoop() {
       }
     } else {
       MutexLock lock(&mu_);
-      for (size_t i = 0; i < ids.size(); ++i) {
+      for (size_t i = 0; i < keys.size(); ++i) {
         // A row a fetch took over (WaitForReadAheads) or a later request holds is not this one's to stage.
-        if (reading_ahead_.Find(ids[i]) != request.sequence) continue;
-        reading_ahead_.Erase(ids[i]);
+        if (reading_ahead_.Find(keys[i]) != request.sequence) continue;
+        reading_ahead_.Erase(keys[i]);
         // A row written since the read began (now waiting to be written, or written) is newer than the read.
-        if (!read_ok || written_during_reads_.Find(ids[i]) >= 0 || BufferedRow(ids[i]) != nullptr ||
-            slot_index_.Find(ids[i]) >= 0 || staging_.Contains(ids[i])) {
+        if (!read_ok || written_during_reads_.Find(keys[i]) >= 0 || BufferedRow(keys[i]) != nullptr ||
+            slot_index_.Find(keys[i]) >= 0 || staging_.Contains(keys[i])) {
           continue;
         }
-        if (staging_.Stage(ids[i], &rows[i * row_words_], /*read_ahead=*/true, policy_.fetch_epoch())) {
-          ++stats_.lookahead_rows;
+        if (staging_.Stage(keys[i], &rows[i * row_words_], /*read_ahead=*/true, policy_.fetch_epoch())) {
+          ++stats_.read_ahead_rows;
         } else {
-          ++stats_.lookahead_dropped;
+          ++stats_.read_ahead_dropped;
         }
       }
       EndRead();
@@ -251,7 +252,7 @@ void EmbeddingCache::ReadAheadLoop() {
   }
 }
 
-void EmbeddingCache::WaitForReadAheads(const int64_t* ids, int64_t n) {
+void EmbeddingCache::WaitForReadAheads(const int64_t* keys, int64_t n) {
   int32_t needed = 0;
   {
     MutexLock lock(&mu_);
@@ -263,7 +264,7 @@ void EmbeddingCache::WaitForReadAheads(const int64_t* ids, int64_t n) {
     // stages only rows its request still holds, so never over what the fetch brought in).
     std::vector<std::pair<int32_t, int64_t>> rows_of;  // request -> rows of this fetch it reads
     for (int64_t i = 0; i < n; ++i) {
-      const int32_t sequence = reading_ahead_.Find(ids[i]);
+      const int32_t sequence = reading_ahead_.Find(keys[i]);
       if (sequence <= 0) continue;
       auto it = std::find_if(rows_of.begin(), rows_of.end(), [&](const auto& r) { return r.first == sequence; });
       if (it == rows_of.end()) {
@@ -276,7 +277,7 @@ void EmbeddingCache::WaitForReadAheads(const int64_t* ids, int64_t n) {
       if (rows >= kReadItselfRows) needed = std::max(needed, sequence);
     }
     for (int64_t i = 0; i < n; ++i) {
-      if (reading_ahead_.Find(ids[i]) > needed) reading_ahead_.Erase(ids[i]);
+      if (reading_ahead_.Find(keys[i]) > needed) reading_ahead_.Erase(keys[i]);
     }
   }
   if (needed <= 0) return;

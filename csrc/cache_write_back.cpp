@@ -137,9 +137,9 @@ Status EmbeddingCache::PutToStores(const int64_t* keys, size_t n, const float* r
   return first_error;
 }
 
-std::vector<int32_t> EmbeddingCache::TakeDirtySlots(std::vector<int64_t>* ids) {
+std::vector<int32_t> EmbeddingCache::TakeDirtySlots(std::vector<int64_t>* keys) {
   FoldDeviceDirty();
-  return slot_index_.TakeDirty(ids);
+  return slot_index_.TakeDirty(keys);
 }
 
 void EmbeddingCache::CountWrittenBack(const std::vector<int64_t>& keys) {
@@ -163,12 +163,12 @@ void EmbeddingCache::WriteBack() {
   // stores' checkpoints are finished: the stores may be closed next.
   if (write_back_.size() > 0) CheckWriterNotPaused();
   if (cut_state_ != CutState::kNone) WaitCutDurable(lock);
-  std::vector<int64_t> ids;
-  const std::vector<int32_t> slots = TakeDirtySlots(&ids);
-  if (!ids.empty()) {
+  std::vector<int64_t> keys;
+  const std::vector<int32_t> slots = TakeDirtySlots(&keys);
+  if (!keys.empty()) {
     torch::Tensor rows = SlotRowsToHost(slots);
-    WriteBehind(ids.data(), ids.size(), rows.data_ptr<float>());
-    CountWrittenBack(ids);
+    WriteBehind(keys.data(), keys.size(), rows.data_ptr<float>());
+    CountWrittenBack(keys);
   }
   // Every row reaches its store before this returns.
   if (write_back_.size() > 0) CheckWriterNotPaused();
@@ -181,20 +181,20 @@ void EmbeddingCache::WriteBack() {
   }
 }
 
-void EmbeddingCache::WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) {
-  CheckIds(ids);
+void EmbeddingCache::WriteRows(const torch::Tensor& keys, const torch::Tensor& rows) {
+  CheckInt64Vector(keys, "keys");
   TORCH_CHECK_VALUE(rows.scalar_type() == torch::kFloat32 && rows.device().is_cpu() && rows.is_contiguous() &&
-                        rows.dim() == 2 && rows.size(0) == ids.numel() && rows.size(1) == row_words_,
-                    "rows must be a contiguous float32 CPU tensor [", ids.numel(), ", ", row_words_, "]");
+                        rows.dim() == 2 && rows.size(0) == keys.numel() && rows.size(1) == row_words_,
+                    "rows must be a contiguous float32 CPU tensor [", keys.numel(), ", ", row_words_, "]");
   Drain();
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t n = keys.numel();
+  const int64_t* key = keys.data_ptr<int64_t>();
   // No fetch admits or evicts meanwhile: rows found missing stay missing while they are written.
   MutexLock fetch_lock(&fetch_mu_);
   MutexLock lock(&mu_);
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/true);
+  const CacheSplit split = SplitByCache(key, n, /*will_write=*/true);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
-  // Ids repeat at most harmlessly: the last row written for an id wins in both places.
+  // Keys repeat at most harmlessly: the last row written for a key wins in both places.
   if (!cached_pos.empty())
     CopyRowsToSlots(cached_slots, rows.index_select(0, torch::tensor(cached_pos, torch::kInt64)));
   // The rest through the write-back buffer, a buffer's worth at a time, so an import of many rows

@@ -40,10 +40,9 @@ CacheOptions CheckedOptions(CacheOptions o) {
 
 // ---- EmbeddingCache ------------------------------------------------------------------------------
 
-void EmbeddingCache::CheckIds(const torch::Tensor& ids) {
-  TORCH_CHECK_VALUE(
-      ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.device().is_cpu() && ids.is_contiguous(),
-      "ids must be a contiguous 1-D int64 CPU tensor");
+void EmbeddingCache::CheckInt64Vector(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.scalar_type() == torch::kInt64 && t.dim() == 1 && t.device().is_cpu() && t.is_contiguous(), what,
+                    " must be a contiguous 1-D int64 CPU tensor");
 }
 
 EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device)
@@ -152,7 +151,7 @@ EmbeddingCache::~EmbeddingCache() {
 std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch::Tensor& values,
                                                                     const std::vector<int64_t>& feature_counts,
                                                                     const std::vector<int64_t>& feature_tables) const {
-  CheckIds(values);
+  CheckInt64Vector(values, "values");
   const int64_t n = values.numel();
   CheckFeatures(n, feature_counts, feature_tables);
   const int64_t* id = values.data_ptr<int64_t>();
@@ -305,10 +304,10 @@ torch::Tensor EmbeddingCache::SlotRowsToHost(const std::vector<int32_t>& slots) 
   return slots_.index_select(0, index).cpu();
 }
 
-EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int64_t n, bool will_write) {
+EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* keys, int64_t n, bool will_write) {
   CacheSplit split;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slot_index_.Find(ids[i]);
+    const int32_t s = slot_index_.Find(keys[i]);
     if (s >= 0) {
       split.cached_pos.push_back(i);
       split.cached_slots.push_back(s);
@@ -318,7 +317,7 @@ EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int6
       }
     } else {
       split.missed_pos.push_back(i);
-      split.missed_ids.push_back(ids[i]);
+      split.missed_ids.push_back(keys[i]);
     }
   }
   return split;
@@ -326,23 +325,23 @@ EmbeddingCache::CacheSplit EmbeddingCache::SplitByCache(const int64_t* ids, int6
 
 // ---- the operations ------------------------------------------------------------------------------
 
-torch::Tensor EmbeddingCache::FetchBatch(const torch::Tensor& ids) {
+torch::Tensor EmbeddingCache::FetchBatch(const torch::Tensor& keys) {
   {
     MutexLock lock(&mu_);
     TakeReadAhead(std::nullopt);  // on the host rows are found by key: only the pins matter
   }
-  return Fetch(ids);
+  return Fetch(keys);
 }
 
-torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
-  CheckIds(ids);
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
+torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& keys) {
+  CheckInt64Vector(keys, "keys");
+  const int64_t n = keys.numel();
+  const int64_t* key = keys.data_ptr<int64_t>();
   torch::Tensor out;
   std::vector<int64_t> source(static_cast<size_t>(n));  // slot, or -1: row i of `missed`
   std::vector<int64_t> missed_pos, missed_ids;
   WaitQueuedAtMost(opt_.staleness);
-  WaitForReadAheads(id, n);
+  WaitForReadAheads(key, n);
   // One fetch at a time: between its unlocked store reads and its admissions no other fetch
   // changes which rows are cached.
   MutexLock fetch_lock(&fetch_mu_);
@@ -352,8 +351,8 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
   WaitForWriteBackRoom(lock);
   policy_.BeginFetch();
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slot_index_.Find(id[i]);
-    TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(id[i]))];
+    const int32_t s = slot_index_.Find(key[i]);
+    TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(key[i]))];
     if (s >= 0) {
       source[i] = s;
       policy_.Touch(s);
@@ -362,12 +361,12 @@ torch::Tensor EmbeddingCache::Fetch(const torch::Tensor& ids) {
       source[i] = -1;
       ++counters.misses;
       missed_pos.push_back(i);
-      missed_ids.push_back(id[i]);
+      missed_ids.push_back(key[i]);
     }
   }
   if (opt_.staleness > 0 && pending_.size() > 0) {
     int64_t worst = 0;
-    for (int64_t i = 0; i < n; ++i) worst = std::max<int64_t>(worst, pending_.Find(id[i]));
+    for (int64_t i = 0; i < n; ++i) worst = std::max<int64_t>(worst, pending_.Find(key[i]));
     stats_.max_staleness = std::max(stats_.max_staleness, worst);
   }
   const int64_t m = static_cast<int64_t>(missed_ids.size());
@@ -536,14 +535,14 @@ void EmbeddingCache::EndRead() {
   if (--reads_in_flight_ == 0) written_during_reads_.Clear();
 }
 
-torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
-  CheckIds(ids);
+torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& keys) {
+  CheckInt64Vector(keys, "keys");
   Drain();
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t n = keys.numel();
+  const int64_t* key = keys.data_ptr<int64_t>();
   torch::Tensor out = torch::empty({n, row_words_}, torch::kFloat32);
   MutexLock lock(&mu_);
-  const CacheSplit split = SplitByCache(id, n, /*will_write=*/false);
+  const CacheSplit split = SplitByCache(key, n, /*will_write=*/false);
   const auto& [cached_pos, cached_slots, missed_pos, missed_ids] = split;
   float* dst = out.data_ptr<float>();
   torch::Tensor cached = SlotRowsToHost(cached_slots);
@@ -573,7 +572,7 @@ torch::Tensor EmbeddingCache::ReadRows(const torch::Tensor& ids) {
 bool EmbeddingCache::TakeStaged(int64_t key, float* row) {
   bool read_ahead = false;
   if (!staging_.Take(key, row, &read_ahead)) return false;
-  if (read_ahead) ++table_stats_[static_cast<size_t>(TableOf(key))].lookahead_hits;
+  if (read_ahead) ++table_stats_[static_cast<size_t>(TableOf(key))].read_ahead_hits;
   return true;
 }
 
@@ -594,15 +593,15 @@ CacheStats EmbeddingCache::Stats() {
     s = stats_;
     s.cached_rows = static_cast<int64_t>(slot_index_.size());
     s.pending_rows = static_cast<int64_t>(pending_.size());
-    s.lookahead_hits = 0;
-    for (const TableCounters& t : table_stats_) s.lookahead_hits += t.lookahead_hits;
+    s.read_ahead_hits = 0;
+    for (const TableCounters& t : table_stats_) s.read_ahead_hits += t.read_ahead_hits;
     s.write_back_rows = static_cast<int64_t>(write_back_.size() + cut_write_back_.size() +
                                              (cut_slots_.size() - std::min(cut_next_, cut_slots_.size())));
   }
   {
     MutexLock lock(&read_ahead_mu_);
-    s.lookahead_latency_us = read_ahead_latency_us_;
-    s.lookahead_wait_us = read_ahead_wait_us_;
+    s.read_ahead_latency_us = read_ahead_latency_us_;
+    s.read_ahead_wait_us = read_ahead_wait_us_;
   }
   MutexLock lock(&queue_mu_);
   s.queued_updates = queued_;

@@ -11,12 +11,12 @@
 //   AdmissionPolicy ("lfu": a count-min sketch's admission test; "lru": the baseline).
 // - Dirty rows are written back to the store on eviction and on WriteBack, through the
 //   write-back buffer (WriteBackBuffer) and the writer thread (cache_write_back.cpp).
-// - Read-ahead (ReadAhead, Python's `lookahead`; the read-ahead thread is named mlkv-prefetch):
+// - Read-ahead (ReadAhead, what Python's `lookahead` starts; the thread is named mlkv-read-ahead):
 //   rows of future batches are read from the stores into the staging area (StagingArea), which
 //   also holds rows the policy kept out; a fetch takes staged rows instead of reading the store,
 //   and waits for a read-ahead in flight rather than issuing it twice (cache_read_ahead.cpp).
-//   "Read-ahead" is the act and "staging area" where its rows wait; the stats keep their
-//   `lookahead_*` names. Every store write of the cache drops staged copies of its rows (and
+//   "Read-ahead" is the act and "staging area" where its rows wait; the stats say `read_ahead_*`.
+//   Every store write of the cache drops staged copies of its rows (and
 //   rows of the read in flight), so staged rows are never older than the store.
 // - Read-ahead into slots (`read_ahead_into_slots`, the default on CUDA): the read-ahead thread
 //   puts the rows it read straight into reserved slots through a SlotTransfer (slot_transfer.h:
@@ -110,7 +110,7 @@ struct CacheOptions {
   std::vector<float> initial_state;  // state of rows never written
   CachePolicy policy = CachePolicy::kLfu;
   int64_t staleness = 0;
-  // Rows of the lookahead staging area, and of the write-back buffer before a fetch waits for the
+  // Rows of the read-ahead staging area, and of the write-back buffer before a fetch waits for the
   // writer (each at least 1); the memory budget counts both (HostBytesOfBuffers).
   int64_t staging_rows = 4096;
   int64_t write_back_rows = 4096;  // rows the buffer may hold before a fetch waits for the writer
@@ -121,11 +121,12 @@ struct CacheOptions {
 struct CacheStats {
   int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, admitted = 0, rejected = 0, evictions = 0,
           written_back = 0, updates_applied = 0, rows_updated = 0, queued_updates = 0, pending_rows = 0,
-          max_staleness = 0, cached_rows = 0, waits = 0, lookahead_rows = 0, lookahead_hits = 0, lookahead_dropped = 0;
+          max_staleness = 0, cached_rows = 0, waits = 0, read_ahead_rows = 0, read_ahead_hits = 0,
+          read_ahead_dropped = 0;
   // Read-ahead timing: the latency of a read-ahead (queued -> rows staged), a moving average over
   // recent requests, and the total time fetches waited for read-aheads still in flight.
-  double lookahead_latency_us = 0;
-  int64_t lookahead_wait_us = 0;
+  double read_ahead_latency_us = 0;
+  int64_t read_ahead_wait_us = 0;
   int64_t write_back_rows = 0;  // rows waiting in the write-back buffer
   // Fetches that found the write-back buffer over its limit and waited for the writer, and how long.
   int64_t write_back_waits = 0, write_back_wait_us = 0;
@@ -138,7 +139,7 @@ struct CacheStats {
 
 // The counters of CacheStats that belong to one table of the cache.
 struct TableCounters {
-  int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, cached_rows = 0, lookahead_hits = 0, written_back = 0;
+  int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, cached_rows = 0, read_ahead_hits = 0, written_back = 0;
 };
 
 class EmbeddingCache {
@@ -160,11 +161,11 @@ class EmbeddingCache {
   std::tuple<torch::Tensor, torch::Tensor> UniqueKeys(const torch::Tensor& values,
                                                       const std::vector<int64_t>& feature_counts,
                                                       const std::vector<int64_t>& feature_tables) const;
-  // Weights [n, weight_words] (float32 words) of distinct keys `ids`, on the device;
+  // Weights [n, weight_words] (float32 words) of distinct keys `keys`, on the device;
   // admits misses per policy. Every method below takes keys (TableKey), not ids.
-  torch::Tensor Fetch(const torch::Tensor& ids) EXCLUDES(fetch_mu_, mu_);
+  torch::Tensor Fetch(const torch::Tensor& keys) EXCLUDES(fetch_mu_, mu_);
   // Fetch of a batch's keys: the batch takes the oldest read-ahead not yet taken (see ReadAheadBatch).
-  torch::Tensor FetchBatch(const torch::Tensor& ids) EXCLUDES(fetch_mu_, mu_);
+  torch::Tensor FetchBatch(const torch::Tensor& keys) EXCLUDES(fetch_mu_, mu_);
 #ifdef MLKV_WITH_CUDA
   // The device-resident lookup of a batch of features (CUDA; `values` int64 on the device, as
   // UniqueKeys takes them): returns the distinct keys (sorted), each value's index among them,
@@ -180,10 +181,10 @@ class EmbeddingCache {
   void UpdateOnDevice(const torch::Tensor& keys, const torch::Tensor& slots, int64_t version, int64_t outside,
                       const torch::Tensor& grads, int64_t step, double lr);
 #endif
-  // Queues one optimizer step for distinct `ids` with gradient rows `grads`
+  // Queues one optimizer step for distinct `keys` with gradient rows `grads`
   // [n, dim] float32 (on the device), at learning rate `lr` (the rate when
   // the step was taken, so a schedule applies even to updates still queued).
-  void QueueUpdate(const torch::Tensor& ids, const torch::Tensor& grads, int64_t step, double lr)
+  void QueueUpdate(const torch::Tensor& keys, const torch::Tensor& grads, int64_t step, double lr)
       EXCLUDES(mu_, queue_mu_);
   // Waits until every queued update is applied.
   void Drain() EXCLUDES(mu_, queue_mu_);
@@ -193,14 +194,14 @@ class EmbeddingCache {
   // Holds the writer back (tests of cuts): a call that would wait for it raises instead.
   void PauseWriter(bool paused) EXCLUDES(mu_);
   // Current full rows [n, row_words] float32 on the CPU; no admission.
-  torch::Tensor ReadRows(const torch::Tensor& ids) EXCLUDES(mu_);
+  torch::Tensor ReadRows(const torch::Tensor& keys) EXCLUDES(mu_);
   // Replaces full rows (CPU float32 [n, row_words]) in the cache or the store.
-  void WriteRows(const torch::Tensor& ids, const torch::Tensor& rows) EXCLUDES(fetch_mu_, mu_);
-  // Queues a read-ahead of the rows of `ids` neither cached nor staged; returns at once. The
+  void WriteRows(const torch::Tensor& keys, const torch::Tensor& rows) EXCLUDES(fetch_mu_, mu_);
+  // Queues a read-ahead of the rows of `keys` neither cached nor staged; returns at once. The
   // read-ahead thread puts them in the staging area, where the next fetch takes them instead of
   // reading the store, or (read_ahead_into_slots) into slots. `fingerprint`: of the batch's keys
   // (BatchFingerprint), which the batch's lookup compares.
-  void ReadAhead(const torch::Tensor& ids, uint64_t fingerprint = 0) EXCLUDES(mu_, read_ahead_mu_);
+  void ReadAhead(const torch::Tensor& keys, uint64_t fingerprint = 0) EXCLUDES(mu_, read_ahead_mu_);
   // The read-ahead of a batch of features, as UniqueKeys takes them. Lookups (FetchBatch,
   // LookupOnDevice) take read-aheads in the order they were asked for, one each.
   void ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
@@ -243,20 +244,20 @@ class EmbeddingCache {
 
  private:
   struct Update {
-    torch::Tensor ids, grads;
+    torch::Tensor keys, grads;
     int64_t step;
     float lr;
   };
-  // Positions of `ids` held by the cache (with their slots) and the rest; marks the cached ones
+  // Positions of `keys` held by the cache (with their slots) and the rest; marks the cached ones
   // dirty when the caller will write them.
   struct CacheSplit {
     std::vector<int64_t> cached_pos;
     std::vector<int32_t> cached_slots;
     std::vector<int64_t> missed_pos, missed_ids;
   };
-  CacheSplit SplitByCache(const int64_t* ids, int64_t n, bool will_write) REQUIRES(mu_);
-  // Raises (ValueError) unless `ids` is a contiguous 1-D int64 CPU tensor.
-  static void CheckIds(const torch::Tensor& ids);
+  CacheSplit SplitByCache(const int64_t* keys, int64_t n, bool will_write) REQUIRES(mu_);
+  // Raises (ValueError naming `what`) unless `t` is a contiguous 1-D int64 CPU tensor.
+  static void CheckInt64Vector(const torch::Tensor& t, const char* what);
   // Calls f with a value of the C++ type of weight type t.
   template <typename F>
   static void DispatchWeightType(WeightType t, F&& f) {
@@ -296,7 +297,7 @@ class EmbeddingCache {
   // reads; with `lock` (holding mu_), the stores are read with it released.
   void ReadOutsideCache(const int64_t* keys, size_t n, float* out, MutexLock* lock) REQUIRES(mu_);
   void EndRead() REQUIRES(mu_);  // a store read without mu_ ended
-  // Copies and unstages a staged row, counting a lookahead hit when it was read ahead.
+  // Copies and unstages a staged row, counting a read-ahead hit when it was read ahead.
   bool TakeStaged(int64_t key, float* row) REQUIRES(mu_);
 
   // ---- updates and the applier (cache_applier.cpp)
@@ -314,7 +315,7 @@ class EmbeddingCache {
     spec.lr = u.lr;
     return spec;
   }
-  void AddPending(const int64_t* ids, int64_t n, int delta) REQUIRES(mu_);
+  void AddPending(const int64_t* keys, int64_t n, int delta) REQUIRES(mu_);
 
   // ---- the device (cache_device.cpp)
   // Device slots `slot_index` (int32 on the device; -1 skipped) updated with gradient rows
@@ -345,9 +346,9 @@ class EmbeddingCache {
   // table is written even when one fails; the first failure is returned.
   Status PutToStores(const int64_t* keys, size_t n, const float* rows, std::vector<uint8_t>* landed) const;
   void CountWrittenBack(const std::vector<int64_t>& keys) REQUIRES(mu_);
-  // The dirty slots (device marks folded in) and their keys (appended to *ids), marked clean:
+  // The dirty slots (device marks folded in) and their keys (appended to *keys), marked clean:
   // the caller takes their rows to the stores.
-  std::vector<int32_t> TakeDirtySlots(std::vector<int64_t>* ids) REQUIRES(mu_);
+  std::vector<int32_t> TakeDirtySlots(std::vector<int64_t>* keys) REQUIRES(mu_);
   // The newest value of `key` on its way to the stores, or nullptr.
   const float* BufferedRow(int64_t key) const REQUIRES(mu_) {
     const float* row = write_back_.Find(key);
@@ -374,7 +375,7 @@ class EmbeddingCache {
   void ReadAheadLoop() EXCLUDES(mu_, read_ahead_mu_);
   struct ReadAheadRequest {
     int32_t sequence;
-    std::vector<int64_t> ids;
+    std::vector<int64_t> keys;
     std::chrono::steady_clock::time_point queued;
     bool into_slots;  // else into the staging area
   };
@@ -387,8 +388,8 @@ class EmbeddingCache {
   // with its rows (their pins released). Returns the read-ahead's sequence when its fingerprint is
   // `fingerprint` (its slots are pinned until this batch's update), else 0.
   int32_t TakeReadAhead(std::optional<uint64_t> fingerprint) REQUIRES(mu_);
-  // Waits (without mu_) until no read-ahead in flight covers one of `ids`.
-  void WaitForReadAheads(const int64_t* ids, int64_t n) EXCLUDES(mu_, read_ahead_mu_);
+  // Waits (without mu_) until no read-ahead in flight covers one of `keys`.
+  void WaitForReadAheads(const int64_t* keys, int64_t n) EXCLUDES(mu_, read_ahead_mu_);
 
   const std::vector<CacheTable> tables_;
   const CacheOptions opt_;

@@ -1,6 +1,6 @@
 // StagingArea: a bounded area in host memory where rows read from the stores, and not cached,
 // wait for the fetch or update that needs them: rows the admission policy kept out (their update
-// takes them instead of reading the store again) and rows read ahead (EmbeddingCache::Lookahead).
+// takes them instead of reading the store again) and rows read ahead (EmbeddingCache::ReadAhead).
 //
 // Not thread-safe: the cache's lock guards it.
 #pragma once
@@ -39,7 +39,7 @@ class StagingArea {
   std::vector<int32_t> free_;
   std::vector<int64_t> key_;         // per entry, -1 when free
   std::vector<uint32_t> epoch_;      // per entry, the fetch it was staged in
-  std::vector<uint8_t> read_ahead_;  // per entry, staged by a read-ahead (its take is a lookahead hit)
+  std::vector<uint8_t> read_ahead_;  // per entry, staged by a read-ahead (its take is a read-ahead hit)
 };
 
 }  // namespace mlkv

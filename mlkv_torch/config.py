@@ -65,7 +65,7 @@ class CriteoDataConfig(_Section):
 class DataConfig(_Section):
     """The data and its loader: `workers` threads make batches, `prefetch` batches wait ready;
     "auto" (the default) picks and re-picks them from measured times within a CPU budget (the
-    cores torch's threads and the disk tables' prefetch thread leave) and `memory_budget_bytes`
+    cores torch's threads and the disk tables' read-ahead thread leave) and `memory_budget_bytes`
     for the batches in flight."""
 
     kind: Literal["synthetic", "criteo"] = "synthetic"
@@ -150,7 +150,7 @@ class ExperimentConfig(_Section):
 
     @property
     def looks_ahead(self) -> bool:
-        """Whether the run's disk tables read ahead on a prefetch thread of their own."""
+        """Whether the run's disk tables read ahead (each kernel on a thread of its own)."""
         return self.storage.kind != "memory" and self.pipeline.depth != 0
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .checks import is_int
 from .cut import read_json_record, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
 
@@ -75,6 +76,15 @@ class DiskTable:
     expected_rows: Optional[int] = None
     init: Optional[Tuple[str, float, float]] = None
     seed_drawn: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_int(self.num_embeddings) or self.num_embeddings <= 0:
+            raise ValueError(f"num_embeddings must be a positive int, got {self.num_embeddings!r}")
+        if not is_int(self.first_column) or self.first_column < 0:
+            raise ValueError(f"first_column must be a non-negative int, got {self.first_column!r}")
+        if self.init is not None and (len(self.init) != 3 or self.init[0] not in ("uniform", "normal")):
+            raise ValueError(f"table {self.name!r}: init must be ('uniform', low, high) or ('normal', mean, std), "
+                             f"got {self.init!r}")
 
     def initial_distribution(self) -> Tuple[str, float, float]:
         """("uniform", low, high) or ("normal", mean, std) of the rows never written."""

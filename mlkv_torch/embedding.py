@@ -27,6 +27,7 @@ from .checks import is_int
 from .cut import PendingCut, read_cut
 from .disk_table import DiskTable, directory_path, draw_seed
 from .store import KVStore
+from .opening import open_table_batch
 from .table_batch import DiskTableBatch, as_int64_cpu
 # Names that moved to their own modules, still importable from here.
 from .disk_table import TABLE_RECORD, destroy_table  # noqa: F401
@@ -190,7 +191,7 @@ class DiskEmbeddingBag(nn.Module):
         cut = read_cut(path) if reopen else None
         if cut is not None and len(cut["tables"]) == 1:  # its one table, whatever the directory is called now
             cut = dict(cut, tables={name: next(iter(cut["tables"].values()))})
-        batch = DiskTableBatch(
+        batch = open_table_batch(
             [DiskTable(name, num_embeddings, path,
                        draw_seed() if seed is None else seed, first_column, expected_rows, seed_drawn=seed is None)],
             embedding_dim, mode=mode, optimizer=optimizer, cache_rows=cache_rows,
@@ -427,7 +428,7 @@ class DiskEmbeddingBag(nn.Module):
     def stats(self) -> Dict[str, Any]:
         """The store's counters, this table's part of the cache's (hits, misses, store reads,
         cached rows), the counters its batch shares (evictions, pending updates, largest staleness
-        served, prefetch timing) and the optimizer step count."""
+        served, read-ahead timing) and the optimizer step count."""
         return self._batch.stats(self._table)
 
     def checkpoint(self) -> Dict[str, Any]:

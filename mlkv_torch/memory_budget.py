@@ -1,17 +1,21 @@
-"""The memory-budget rule of a table batch: how one host budget is split between the hot cache,
-the staging area, the write-back buffer and the stores' in-memory logs, and the least budgets
-that hold a given cache (`split_host_memory` is the rule; the rest are searched from it)."""
+"""The memory-budget rule: how one host budget is shared by the row layouts of a set of tables
+(`plan_host_memory`, by traffic, `split_budget`), how each layout's share is split between its hot
+cache, staging area, write-back buffer and stores' in-memory logs (`split_host_memory`), the least
+budgets that hold a given cache (searched from that rule), and what a rank's disk shard is given
+(`shard_memory_budget`)."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _C
 from .store import KVStore
 
-__all__ = ["MemoryBudgetError", "HostMemorySplit", "split_host_memory", "cache_host_bytes", "buffer_host_bytes",
-           "host_memory_for_all_rows", "least_host_memory", "stores_min_bytes"]
+__all__ = ["MemoryBudgetError", "HostMemorySplit", "LayoutDemand", "plan_host_memory", "split_budget",
+           "split_host_memory", "cache_host_bytes", "buffer_host_bytes", "host_memory_for_all_rows",
+           "least_host_memory", "stores_min_bytes", "shard_memory_budget", "MIN_SHARD_BUDGET"]
 
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
+MIN_SHARD_BUDGET = 64 << 10  # a disk shard's budget never drops below the store's few pages
 
 
 class MemoryBudgetError(ValueError):
@@ -25,6 +29,72 @@ class HostMemorySplit(NamedTuple):
     log_bytes: int        # each table's store log in memory
     staging_rows: int     # rows of the staging area: rows read ahead, rows kept out of the cache
     write_back_rows: int  # rows the write-back buffer holds before a fetch waits for the writer
+
+
+class LayoutDemand(NamedTuple):
+    """What the tables of one row layout (one table batch) ask of a budget."""
+    num_tables: int
+    total_rows: int
+    row_bytes: int        # bytes of a row: weights and optimizer state (`row_layout.row_bytes`)
+    store_min_bytes: int  # the least log memory its stores reopen with (`stores_min_bytes`)
+    traffic: float        # lookups per sample across its tables
+
+
+def plan_host_memory(memory_budget_bytes: int, layouts: Sequence[LayoutDemand], on_host: bool,
+                     cache_rows: Optional[int] = None, staging_bytes: Optional[int] = None
+                     ) -> List[Tuple[int, HostMemorySplit]]:
+    """The one rule from a budget to what each table batch spends: a lone layout takes the whole
+    budget; several share it by `split_budget` (each its least, then the rest by traffic, none
+    more than caching all its rows needs). `cache_rows` and `staging_bytes`, when given for all
+    the layouts, are shared in proportion to the bytes. Each share is then split within its
+    batch by `split_host_memory`. Returns each layout's (share, split); MemoryBudgetError names
+    the least budget that opens them."""
+    if len(layouts) == 1:
+        shares = [memory_budget_bytes]
+    else:
+        least = [least_host_memory(d.num_tables, d.total_rows, d.row_bytes, d.store_min_bytes) for d in layouts]
+        needs = [host_memory_for_all_rows(d.num_tables, d.total_rows, d.row_bytes, d.store_min_bytes)
+                 for d in layouts]
+        shares = split_budget(memory_budget_bytes, needs, [d.traffic for d in layouts], least)
+    return [(share, split_host_memory(share, d.num_tables, d.total_rows, d.row_bytes, on_host,
+                                      None if cache_rows is None else cache_rows * share // memory_budget_bytes,
+                                      None if staging_bytes is None else staging_bytes * share // memory_budget_bytes,
+                                      d.store_min_bytes))
+            for d, share in zip(layouts, shares)]
+
+
+def split_budget(budget: int, needs: List[int], traffic: List[float], least: Optional[List[int]] = None) -> List[int]:
+    """Splits `budget` bytes among layouts: each first gets its `least` (what it cannot open
+    without), the rest goes in proportion to their `traffic`, giving none more than it `needs`
+    (water-filling: the budget a capped layout leaves is split among the rest).
+    MemoryBudgetError when the budget does not hold every `least`."""
+    least = least if least is not None else [0] * len(needs)
+    if sum(least) > budget:
+        raise MemoryBudgetError(f"memory_budget_bytes={budget} cannot hold the least each row layout of the tables "
+                                f"needs ({least}: the stores' logs, the staging area and write-back buffer); use at "
+                                f"least {sum(least)}")
+    shares = list(least)
+    room = [max(0, need - low) for need, low in zip(needs, least)]
+    active, left = list(range(len(needs))), float(budget - sum(least))
+    while active:
+        weight = sum(traffic[i] for i in active)
+        capped = [i for i in active if left * traffic[i] / weight >= room[i]]
+        if not capped:
+            for i in active:
+                shares[i] += int(left * traffic[i] / weight)
+            break
+        for i in capped:
+            shares[i] += room[i]
+            left -= room[i]
+        active = [i for i in active if i not in capped]
+    return shares
+
+
+def shard_memory_budget(rows: int, row_bytes: int, memory_fraction: float) -> int:
+    """Host memory a rank's disk shard of `rows` rows of `row_bytes` is given (its cache and store
+    log): `memory_fraction` of its stored bytes, at least MIN_SHARD_BUDGET. The planner's storage
+    estimate is this; the rank's kernel shares the sum of its shards' by `plan_host_memory`."""
+    return max(MIN_SHARD_BUDGET, int(memory_fraction * rows * row_bytes))
 
 
 def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,

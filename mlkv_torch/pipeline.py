@@ -6,7 +6,7 @@ asks every disk table of the model to start reading its rows (`lookahead`), so t
 overlap the training of the batches before it. Lookahead never changes results: at
 staleness 0 training equals the loop without the pipeline.
 
-``depth="auto"`` picks k from the measured prefetch latency and step time, k =
+``depth="auto"`` picks k from the measured read-ahead latency and step time, k =
 ceil(latency / step time) within [1, max_depth], and re-measures every few steps, so it
 follows them when they change.
 
@@ -40,7 +40,7 @@ from .checks import is_int
 
 __all__ = ["LookaheadPipeline"]
 
-_ADAPT_EVERY = 8  # steps between readings of the prefetch latency (and choices of the auto depth)
+_ADAPT_EVERY = 8  # steps between readings of the read-ahead latency (and choices of the auto depth)
 _EWMA = 0.3
 
 
@@ -109,14 +109,14 @@ class LookaheadPipeline:
 
         Returns:
             ``depth``; ``step_ms``, a moving average of forward, backward and optimizer step;
-            ``prefetch_latency_ms``, the largest the disk tables report (with depth "auto", as
+            ``read_ahead_latency_ms``, the largest the disk tables report (with depth "auto", as
             read at its last choice, every few steps, and under DMP the largest of any rank:
             "auto" picks the depth from these two); ``lookahead_ms``, a moving average of the time to issue one batch's
             lookahead (under DMP: its input distribution, including the wait for the other
             ranks); ``disk_collections``, the disk collections found in the model.
         """
         latency_ms = self._latency_ms if self._auto else self._table_latency_ms()
-        return {"depth": self._depth, "step_ms": self._step_ms, "prefetch_latency_ms": latency_ms,
+        return {"depth": self._depth, "step_ms": self._step_ms, "read_ahead_latency_ms": latency_ms,
                 "lookahead_ms": self._lookahead_ms, "disk_collections": len(self._tables)}
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
@@ -174,13 +174,13 @@ class LookaheadPipeline:
         return sample if average == 0.0 else (1 - _EWMA) * average + _EWMA * sample
 
     def _table_latency_ms(self) -> float:
-        """The largest prefetch latency the disk tables of this rank report (their stats() read the
+        """The largest read-ahead latency the disk tables of this rank report (their stats() read the
         stores too: not for every step)."""
-        return max((stats.get("prefetch_latency_ms", 0.0) for collection in self._tables
+        return max((stats.get("read_ahead_latency_ms", 0.0) for collection in self._tables
                     for stats in collection.stats().values()), default=0.0)
 
     def _adapt(self) -> None:
-        """Depth "auto": picks the depth from the prefetch latency and the step time."""
+        """Depth "auto": picks the depth from the read-ahead latency and the step time."""
         latency_ms = self._table_latency_ms()
         wanted = 0  # no measurement yet: keep the depth
         if latency_ms > 0 and self._step_ms > 0:

@@ -5,23 +5,23 @@ from __future__ import annotations
 import atexit
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import _C
-from . import optim as optim_lib
 from .checks import is_int
 from .cut import CutPart, check_cut
 from .disk_table import DiskTable, settle_reopened
-from .memory_budget import split_host_memory, stores_min_bytes
-from .row_layout import row_bytes, weight_words
+from .memory_budget import HostMemorySplit
+from .row_layout import RowLayout
 from .store import KVStore, RocksDBStore
 
-_MODES = ("sum", "mean")
-_WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+MODES = ("sum", "mean")  # how a bag pools its rows
+_WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # the cache's codes
 _CACHE_POLICIES = ("lfu", "lru")
 BACKENDS = ("mlkv", "rocksdb")  # the stores a table can sit on
 # A table's store updates half its log pages in place, not 0.9 (KVStore's default): the cache in
@@ -44,7 +44,7 @@ class _PooledLookup(torch.autograd.Function):
         ctx.sorted_backward = None  # (offset2bag, bag_size, max_indices) of the forward, for the sorted backward
         if batch.bag_backward == "sorted" and per_sample_weights is None and weights.dtype == torch.float32:
             out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
-                weights, inverse, offsets, False, _MODES.index(batch.mode), False, None, True, -1)
+                weights, inverse, offsets, False, MODES.index(batch.mode), False, None, True, -1)
             ctx.sorted_backward = (offset2bag, bag_size, max_indices)
         else:
             out = F.embedding_bag(inverse, weights, offsets, mode=batch.mode, per_sample_weights=per_sample_weights,
@@ -65,7 +65,7 @@ class _PooledLookup(torch.autograd.Function):
             # pass, where the other path gathers a gradient row per value and adds them atomically.
             grads = torch.ops.aten._embedding_bag_backward(
                 grad_out.contiguous(), inverse, offsets, *ctx.sorted_backward, unique.numel(), False,
-                _MODES.index(batch.mode), False, None, -1)
+                MODES.index(batch.mode), False, None, -1)
             grad_psw = None
         elif grad_out.device.type == "cpu":
             grads, grad_psw = _C.bag_backward(grad_out, offsets, inverse, unique.numel(), batch.mode == "mean",
@@ -148,18 +148,74 @@ def as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
     return _as_int64(ids, what, torch.device("cpu"))  # the cache's index lives on the host
 
 
+@dataclass(frozen=True)
+class BatchSettings:
+    """What the table batches of a collection share beside their row layout.
+
+    Args:
+        staleness: updates a forward may miss per row (0: exact).
+        cache_policy: "lfu" (frequency-based admission) or "lru".
+        backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
+    """
+
+    staleness: int = 0
+    cache_policy: str = "lfu"
+    backend: str = "mlkv"
+
+    def __post_init__(self) -> None:
+        if not is_int(self.staleness) or self.staleness < 0:
+            raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
+        if self.cache_policy not in _CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {self.cache_policy!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class TableBatchSpec:
+    """Everything a DiskTableBatch is opened from but its device and cut: its tables, their row
+    layout and pooling, its share of the memory budget and how that share is spent
+    (`memory_budget.plan_host_memory`), and the settings it shares. `opening.open_tables` makes
+    them."""
+
+    tables: Tuple[DiskTable, ...]
+    layout: RowLayout
+    mode: str
+    memory_budget_bytes: int
+    memory: HostMemorySplit
+    settings: BatchSettings = BatchSettings()
+
+    def __post_init__(self) -> None:
+        if not self.tables:
+            raise ValueError("a table batch needs at least one table")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+    """Where a batch computes: the CPU by default; a CUDA device by index (the current one when
+    none is named). ValueError when CUDA is asked for and torch sees none."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DiskTableBatch:
     """The table-batched disk kernel: tables of one row layout (dim, weight type, optimizer,
     pooling) behind one hot cache, as FBGEMM's table-batched embeddings are.
 
     A batch of every table's features is deduplicated, fetched (misses read from each table's
     store in one batched read per table), pooled in one ``embedding_bag`` call and updated by one
-    fused optimizer pass over its distinct rows; one applier and one prefetch thread serve all the
-    tables. A cached row of table t, id i, is keyed ``(t << table_shift) | i``, so admission and
-    eviction weigh every table's rows against each other by frequency.
+    fused optimizer pass over its distinct rows; one applier and one read-ahead thread serve all
+    the tables. A cached row of table t, id i, is keyed ``(t << table_shift) | i``, so admission
+    and eviction weigh every table's rows against each other by frequency.
 
-    DiskEmbeddingBag is the one-table case; DiskEmbeddingBagCollection and the sharded disk kernel
-    build one batch per row layout and view each table as a DiskEmbeddingBag.
+    Opened by `mlkv_torch.opening.open_tables` (or `open_table_batch` for one batch), which plans
+    its memory; DiskEmbeddingBag is the one-table case, and DiskEmbeddingBagCollection and the
+    sharded disk kernel open one batch per row layout and view each table as a DiskEmbeddingBag.
 
     `bag_backward` says how backward reduces a batch's gradients to one row per distinct key on a
     GPU (the CPU has its own kernel, `_C.bag_backward`, unless "sorted" is asked for): "index_add"
@@ -168,20 +224,8 @@ class DiskTableBatch:
     pass; float32 weights without per-sample weights). `benchmarks/bench_gpu.py` measures both.
 
     Args:
-        tables: the tables (each its own store directory).
-        embedding_dim: elements per row.
-        mode: "sum" or "mean".
-        optimizer: a `mlkv_torch.optim` rule, shared by the tables.
-        cache_rows: rows of the hot cache on `device`, for all tables; default by `split_host_memory`.
-        memory_budget_bytes: host memory for rows, for all tables (`split_host_memory`).
-        staleness: updates a forward may miss per row (0: exact).
-        dtype: float32, float16, bfloat16 or float64 weights (optimizer state stays float32).
+        spec: the tables, their layout, the memory plan and the settings (`TableBatchSpec`).
         device: where the cache, the pooling and the output live (CPU or CUDA).
-        cache_policy: "lfu" (frequency-based admission) or "lru".
-        staging_bytes: bytes of rows for the staging area (rows read ahead, rows the policy kept out
-            until their update), inside the budget; default an eighth of the budget
-            (`split_host_memory`).
-        backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
         reopen: continue from the rows and optimizer state that the tables' directories hold
             from an earlier run; without it, a directory holding rows is refused
             (FileExistsError), so a second run of a script never continues silently.
@@ -197,78 +241,44 @@ class DiskTableBatch:
             (tests hold copies in flight with it).
     """
 
-    def __init__(self, tables: Sequence[DiskTable], embedding_dim: int, *, mode: str = "sum",
-                 optimizer: Optional[optim_lib.SparseOptimizer] = None, cache_rows: Optional[int] = None,
-                 memory_budget_bytes: int = 64 << 20, staleness: int = 0, dtype: torch.dtype = torch.float32,
-                 device: Optional[Union[str, torch.device]] = None, cache_policy: str = "lfu",
-                 staging_bytes: Optional[int] = None, backend: str = "mlkv", reopen: bool = False,
-                 cut: Optional[Dict[str, Any]] = None, read_ahead_into_slots: Optional[bool] = None,
-                 transfer_delay_us: int = 0) -> None:
-        for name, value in (("embedding_dim", embedding_dim), ("memory_budget_bytes", memory_budget_bytes)):
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("staleness", staleness), ("cache_rows", 0 if cache_rows is None else cache_rows),
-                            ("transfer_delay_us", transfer_delay_us),
-                            ("staging_bytes", 0 if staging_bytes is None else staging_bytes)):
-            if not is_int(value) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if not tables:
-            raise ValueError("a table batch needs at least one table")
-        for t in tables:
-            if not is_int(t.num_embeddings) or t.num_embeddings <= 0:
-                raise ValueError(f"num_embeddings must be a positive int, got {t.num_embeddings!r}")
-            if not is_int(t.first_column) or t.first_column < 0:
-                raise ValueError(f"first_column must be a non-negative int, got {t.first_column!r}")
-            if t.init is not None and (len(t.init) != 3 or t.init[0] not in ("uniform", "normal")):
-                raise ValueError(f"table {t.name!r}: init must be ('uniform', low, high) or ('normal', mean, std), "
-                                 f"got {t.init!r}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if dtype not in _WEIGHT_TYPES:
-            raise TypeError(f"dtype must be one of {list(_WEIGHT_TYPES)}, got {dtype}")
-        if cache_policy not in _CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {cache_policy!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        optimizer = optimizer if optimizer is not None else optim_lib.SGD()
-        if not isinstance(optimizer, optim_lib.SparseOptimizer):
-            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(optimizer).__name__}")
-        device = torch.device(device if device is not None else "cpu")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device} was asked for, but torch sees no CUDA device")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    def __init__(self, spec: TableBatchSpec, *, device: Optional[Union[str, torch.device]] = None,
+                 reopen: bool = False, cut: Optional[Dict[str, Any]] = None,
+                 read_ahead_into_slots: Optional[bool] = None, transfer_delay_us: int = 0) -> None:
+        if not is_int(transfer_delay_us) or transfer_delay_us < 0:
+            raise ValueError(f"transfer_delay_us must be a non-negative int, got {transfer_delay_us!r}")
+        device = resolve_device(device)
         if read_ahead_into_slots is None:
             read_ahead_into_slots = device.type == "cuda"
+        layout, settings, optimizer = spec.layout, spec.settings, spec.layout.optimizer
+        self.spec = spec
         self.read_ahead_into_slots = bool(read_ahead_into_slots)
         self.bag_backward = "index_add"
-        self.tables = list(tables)
+        self.tables = list(spec.tables)
         self._closed_by_close = False  # set by close(): every operation refuses from then on
-        self.embedding_dim = embedding_dim
-        self.mode = mode
+        self.embedding_dim = layout.embedding_dim
+        self.mode = spec.mode
         self.optimizer = optimizer
         self.lr = float(optimizer.lr)
-        self.staleness = staleness
-        self.dtype = dtype
+        self.staleness = settings.staleness
+        self.dtype = layout.dtype
         self.device = device
-        self.memory_budget_bytes = memory_budget_bytes
-        self.state_dim = optimizer.state_dim(embedding_dim)
-        self.weight_words = weight_words(embedding_dim, dtype)
-        self.row_bytes = row_bytes(embedding_dim, dtype, optimizer)
-        store_min_bytes = stores_min_bytes([t.path for t in self.tables], backend)
-        self.cache_rows, log_bytes, self.staging_rows, self.write_back_rows = split_host_memory(
-            memory_budget_bytes, len(self.tables), sum(t.num_embeddings for t in self.tables), self.row_bytes,
-            device.type == "cpu", cache_rows, staging_bytes, store_min_bytes)
+        self.memory_budget_bytes = spec.memory_budget_bytes
+        self.state_dim = layout.state_dim
+        self.weight_words = layout.weight_words
+        self.row_bytes = layout.row_bytes
+        self.cache_rows, self.staging_rows, self.write_back_rows = (
+            spec.memory.cache_rows, spec.memory.staging_rows, spec.memory.write_back_rows)
+        log_bytes = spec.memory.log_bytes
         self.step = 0
-        self.backend = backend
+        self.backend = settings.backend
         # One empty parameter per table: autograd runs backward through it and tells which tables train.
         # [0, dim]: TorchRec's row-wise optimizers (apply_optimizer_in_backward) build on it without failing.
-        self.anchors = [nn.Parameter(torch.empty(0, embedding_dim)) for _ in self.tables]
+        self.anchors = [nn.Parameter(torch.empty(0, self.embedding_dim)) for _ in self.tables]
         at_cut = self._entries_at(cut) if cut is not None else None
         self.stores: List[Union[KVStore, RocksDBStore]] = []
         try:
             for i, t in enumerate(self.tables):
-                if backend == "rocksdb":
+                if self.backend == "rocksdb":
                     self.stores.append(RocksDBStore(t.path, self.weight_words + self.state_dim, torch.float32,
                                                     log_bytes))
                     continue
@@ -291,12 +301,12 @@ class DiskTableBatch:
             self.cache = _C.EmbeddingCache(
                 [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
                  for t, store in zip(self.tables, self.stores)],
-                capacity=self.cache_rows, dim=embedding_dim, weight_type=_WEIGHT_TYPES[dtype], kind=optimizer.kind,
-                eps=eps, beta1=beta1, beta2=beta2,
-                initial_state=optimizer.initial_state(1, embedding_dim).flatten().tolist(), policy=cache_policy,
-                staleness=staleness, device=str(device), staging_rows=self.staging_rows,
-                write_back_rows=self.write_back_rows, read_ahead_into_slots=self.read_ahead_into_slots,
-                transfer_delay_us=transfer_delay_us)
+                capacity=self.cache_rows, dim=self.embedding_dim, weight_type=_WEIGHT_TYPES[self.dtype],
+                kind=optimizer.kind, eps=eps, beta1=beta1, beta2=beta2,
+                initial_state=optimizer.initial_state(1, self.embedding_dim).flatten().tolist(),
+                policy=settings.cache_policy, staleness=self.staleness, device=str(device),
+                staging_rows=self.staging_rows, write_back_rows=self.write_back_rows,
+                read_ahead_into_slots=self.read_ahead_into_slots, transfer_delay_us=transfer_delay_us)
         except BaseException:
             for store in self.stores:
                 store.close()
@@ -428,7 +438,7 @@ class DiskTableBatch:
 
     def stats(self, table: int) -> Dict[str, Any]:
         """Table `table`'s store counters and its part of the cache's (hits, misses, store reads,
-        cached rows), beside the counters the tables share (pending updates, staleness, prefetch
+        cached rows), beside the counters the tables share (pending updates, staleness, read-ahead
         timing)."""
         cache = dict(self.cache.stats(), **self.cache.table_stats()[table])
         looked_up = cache["cache_hits"] + cache["cache_misses"]

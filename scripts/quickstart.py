@@ -1,7 +1,7 @@
 """A first look at mlkv-torch: a store 20x larger than its memory budget.
 
 Writes 1M embedding rows (dim 32) with a 6 MiB memory budget, reads them back
-with skewed and uniform keys, prefetches with lookahead, checkpoints, reopens,
+with skewed and uniform keys, reads ahead with lookahead, checkpoints, reopens,
 and prints what each step did.
 """
 import argparse

@@ -7,7 +7,7 @@ column-wise on disk).
 For each mode (the plain loop, then the pipeline at each of DEPTHS), a fresh model from the same
 initial rows trains the same STEPS batches, with ids drawn over whole tables so that most rows a
 batch needs are not in memory yet. Rank 0 writes OUT_DIR/lookahead.json: per mode, every rank's
-losses, the prefetch hits and prefetched rows of its disk shards (DiskEmbeddingBag.stats()), its
+losses, the read-ahead hits and rows read ahead of its disk shards (DiskEmbeddingBag.stats()), its
 number of disk shards, the pipeline's stats(), and whether a lookahead on features in another
 order than the forward's is refused.
 """
@@ -50,8 +50,8 @@ def train(mode, storage_dir: str) -> dict:
     stats = sharded.stats()
     result = {"refuses_other_keys": gathered(refuses_other_keys(sharded, Batch(*batch(STEPS)).sparse_features)),
               "losses": gathered(losses),
-              "prefetch_hits": gathered(sum(s["prefetch_hits"] for s in stats.values())),
-              "prefetched_rows": gathered(sum(s["prefetched_rows"] for s in stats.values())),
+              "read_ahead_hits": gathered(sum(s["read_ahead_hits"] for s in stats.values())),
+              "read_ahead_rows": gathered(sum(s["read_ahead_rows"] for s in stats.values())),
               "disk_shards": gathered(len(stats)),
               "pipeline": gathered(pipeline.stats() if pipeline is not None else None)}
     sharded.close()

@@ -106,7 +106,7 @@ def test_lookahead_changes_nothing_at_staleness_zero(tmp_path, depth):
     torch.testing.assert_close(ahead.export_rows(torch.arange(NUM)), plain.export_rows(torch.arange(NUM)),
                                rtol=0, atol=0)
     stats = ahead.stats()
-    assert stats["prefetched_rows"] > 0 and stats["prefetch_hits"] > 0, stats
+    assert stats["read_ahead_rows"] > 0 and stats["read_ahead_hits"] > 0, stats
     assert stats["store_reads"] + stats["fresh_rows"] < plain.stats()["store_reads"] + plain.stats()["fresh_rows"]
 
 
@@ -331,7 +331,7 @@ def test_a_billion_row_table_opens_at_once(tmp_path):
     assert emb.stats()["rows"] == 3  # only the rows written take space
 
 
-def test_rows_kept_out_of_the_cache_are_not_prefetch_hits(tmp_path):
+def test_rows_kept_out_of_the_cache_are_not_read_ahead_hits(tmp_path):
     """A row the policy keeps out waits in the staging area for its batch's update; taking it there
     is not a lookahead's hit (with no lookahead there are none)."""
     emb = make(tmp_path, cache_rows=8)
@@ -340,10 +340,10 @@ def test_rows_kept_out_of_the_cache_are_not_prefetch_hits(tmp_path):
         emb(ids, offsets).sum().backward()
     emb.flush()
     stats = emb.stats()
-    assert stats["rejected"] > 0 and stats["prefetch_hits"] == stats["prefetched_rows"] == 0
+    assert stats["rejected"] > 0 and stats["read_ahead_hits"] == stats["read_ahead_rows"] == 0
     emb.lookahead(torch.arange(64, 128))  # rows read ahead are, once a fetch takes them
     emb(torch.arange(64, 128), offsets).sum().backward()
-    assert emb.stats()["prefetch_hits"] > 0
+    assert emb.stats()["read_ahead_hits"] > 0
     emb.close()
 
 
@@ -367,7 +367,7 @@ def test_a_fetch_reads_the_few_rows_a_later_lookahead_holds_itself(tmp_path):
     emb.lookahead(torch.arange(1, num, 4))  # queued behind it: 50,000 rows, 2 of them the batch's
     out = emb(wanted, offsets)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    assert emb.stats()["prefetch_wait_ms"] == 0  # with the old rule it waited for 100,000 reads
+    assert emb.stats()["read_ahead_wait_ms"] == 0  # with the old rule it waited for 100,000 reads
     assert emb.stats()["rejected"] == rejected + 2
     out.sum().backward()  # each row: -0.5 per element, written back outside the cache
     torch.testing.assert_close(emb(wanted, offsets), (rows - 0.5).sum(0, keepdim=True), rtol=0, atol=0)

@@ -4,7 +4,7 @@ tests/lookahead_dmp_worker.py trains DLRM (DLRMTrain) with the mixed plan of
 tests/dmp_worker.py (a table-wise and a column-wise table on disk, row-wise Adagrad) with the
 plain loop and with the pipeline at depths 0, 1, 3 and "auto". The losses must equal the plain
 loop's exactly on every rank, and at depth >= 1 the disk shards of every rank must have served
-rows read ahead (prefetch hits), which only a lookahead on the distributed ids produces. A
+rows read ahead (read-ahead hits), which only a lookahead on the distributed ids produces. A
 lookahead on features in another order than the forward's is refused, not misrouted.
 """
 import json
@@ -40,19 +40,19 @@ def test_training_equals_the_plain_loop_and_rows_are_read_ahead(runs, depth):
         assert stats["disk_collections"] == 1
         assert piped["disk_shards"][rank] > 0, "the plan puts a disk shard on every rank"
         if depth == "0":
-            assert piped["prefetch_hits"][rank] == piped["prefetched_rows"][rank] == 0
+            assert piped["read_ahead_hits"][rank] == piped["read_ahead_rows"][rank] == 0
             assert stats["lookahead_ms"] == 0
         else:
-            assert piped["prefetch_hits"][rank] > 0, f"rank {rank}: rows of future batches must be read ahead"
+            assert piped["read_ahead_hits"][rank] > 0, f"rank {rank}: rows of future batches must be read ahead"
             assert stats["lookahead_ms"] > 0
-    assert plain["prefetch_hits"] == [0, 0]
+    assert plain["read_ahead_hits"] == [0, 0]
 
 
 def test_auto_depth_is_agreed_by_all_ranks(runs):
     ranks = runs["auto"]["pipeline"]
     assert ranks[0]["depth"] == ranks[1]["depth"] and 1 <= ranks[0]["depth"] <= 8
     # The ranks chose from the same (largest) latency.
-    assert ranks[0]["prefetch_latency_ms"] == ranks[1]["prefetch_latency_ms"] > 0
+    assert ranks[0]["read_ahead_latency_ms"] == ranks[1]["read_ahead_latency_ms"] > 0
     assert all(r["step_ms"] > 0 for r in ranks)
 
 

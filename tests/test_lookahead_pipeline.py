@@ -1,5 +1,5 @@
 """LookaheadPipeline: at staleness 0 training equals the plain loop at every depth, while the
-rows of future batches are read ahead (prefetch hits); depth "auto" follows the measurements."""
+rows of future batches are read ahead (read-ahead hits); depth "auto" follows the measurements."""
 import itertools
 
 import pytest
@@ -63,14 +63,14 @@ def test_training_equals_the_plain_loop_at_every_depth(tmp_path, reference, dept
             break
         losses.append(float(loss))
     assert losses == pytest.approx(reference, rel=0, abs=0)
-    hits = sum(s["prefetch_hits"] for s in ebc.stats().values())
+    hits = sum(s["read_ahead_hits"] for s in ebc.stats().values())
     if depth == 0:
         assert hits == 0
     else:
         assert hits > 0, "rows of future batches must be staged before they are needed"
     if depth == "auto":
         stats = pipeline.stats()
-        assert 1 <= pipeline.depth <= 8 and stats["prefetch_latency_ms"] > 0 and stats["step_ms"] > 0
+        assert 1 <= pipeline.depth <= 8 and stats["read_ahead_latency_ms"] > 0 and stats["step_ms"] > 0
     ebc.close()
 
 
@@ -96,7 +96,7 @@ def test_a_batch_whose_parts_disagree_on_its_size_is_refused_before_any_lookahea
     with torch.no_grad():  # a fetch waits for reads ahead of its ids: had the batch been looked ahead, it would hit
         ebc(good.sparse_features)
     stats = list(ebc.stats().values())
-    assert sum(s["prefetched_rows"] for s in stats) == 0 and sum(s["prefetch_hits"] for s in stats) == 0
+    assert sum(s["read_ahead_rows"] for s in stats) == 0 and sum(s["read_ahead_hits"] for s in stats) == 0
     with pytest.raises(TypeError, match="batch 1 has no sparse_features"):
         pipeline.progress(iter([{"dense": torch.zeros(3)}]))
     ebc.close()

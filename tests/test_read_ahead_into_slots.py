@@ -12,6 +12,7 @@ import torch
 from conftest import rounding_tolerance
 from mlkv_torch import optim
 from mlkv_torch.disk_table import DiskTable
+from mlkv_torch.opening import open_table_batch
 from mlkv_torch.table_batch import DiskTableBatch
 
 ROWS = [700, 40, 300]
@@ -63,9 +64,9 @@ OPTIMIZERS = {
 
 
 def make_batch(tmp_path, optimizer, cache_rows: int, delay_us: int, device: str = "cpu", policy: str = "lfu"):
-    return DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
-                          optimizer=optimizer, cache_rows=cache_rows, memory_budget_bytes=1 << 20, staging_bytes=0,
-                          device=device, cache_policy=policy, read_ahead_into_slots=True, transfer_delay_us=delay_us)
+    return open_table_batch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
+                            optimizer=optimizer, cache_rows=cache_rows, memory_budget_bytes=1 << 20, staging_bytes=0,
+                            device=device, cache_policy=policy, read_ahead_into_slots=True, transfer_delay_us=delay_us)
 
 
 def check_step(batch: DiskTableBatch, reference: Reference, step: int, device: str, steps: int, bound: float) -> None:
@@ -107,9 +108,9 @@ def test_batches_read_ahead_into_slots_train_as_torch_does(tmp_path, device, dep
     stats = batch.cache.stats()
     assert stats["evictions"] > 0
     if cache_rows < 300:  # how many fit beside the pinned batch depends on timing: some waited in the staging area
-        assert stats["prefetched_rows"] > 0
+        assert stats["read_ahead_rows"] > 0
     else:
-        assert stats["prefetch_placed_rows"] > 0
+        assert stats["read_ahead_placed_rows"] > 0
     batch.close()
 
 
@@ -135,7 +136,7 @@ def test_a_random_schedule_of_read_aheads_loses_no_update(tmp_path, device, seed
         check_step(batch, reference, step, device, steps, bound)
         next_ahead = max(next_ahead, step + 1)
     check_rows(batch, reference, steps, bound)
-    assert batch.cache.stats()["prefetch_placed_rows"] > 0
+    assert batch.cache.stats()["read_ahead_placed_rows"] > 0
     batch.close()
 
 
@@ -144,10 +145,10 @@ def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_fo
     # The staging path is checked against torch elsewhere; the rows each path hands the optimizer
     # are the same values, so every weight and state word must be equal.
     def run(into_slots: bool, where: str):
-        batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / where / f"t{i}"), seed=i)
+        batch = open_table_batch([DiskTable(f"t{i}", n, str(tmp_path / where / f"t{i}"), seed=i)
                                 for i, n in enumerate(ROWS)], DIM, optimizer=optimizer, cache_rows=400,
-                               memory_budget_bytes=1 << 20, staging_bytes=0, read_ahead_into_slots=into_slots,
-                               transfer_delay_us=1000 if into_slots else 0)
+                                 memory_budget_bytes=1 << 20, staging_bytes=0, read_ahead_into_slots=into_slots,
+                                 transfer_delay_us=1000 if into_slots else 0)
         outs = []
         for ahead in range(2):
             batch.lookahead(*feature_batch(ahead)[:2], TABLES)
@@ -159,7 +160,7 @@ def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_fo
             outs.append(out.detach())
         batch.flush()
         rows = [batch.read_rows(t, torch.arange(n)) for t, n in enumerate(ROWS)]
-        placed = batch.cache.stats()["prefetch_placed_rows"]
+        placed = batch.cache.stats()["read_ahead_placed_rows"]
         batch.close()
         return outs, rows, placed
 
@@ -184,7 +185,7 @@ def test_batches_the_slots_cannot_hold_are_read_ahead_into_the_staging_area(tmp_
         check_step(batch, reference, step, "cpu", 10, bound)
     check_rows(batch, reference, 10, bound)
     stats = batch.cache.stats()
-    assert stats["prefetch_placed_rows"] == 0 and stats["prefetched_rows"] > 0
+    assert stats["read_ahead_placed_rows"] == 0 and stats["read_ahead_rows"] > 0
     batch.close()
 
 
@@ -198,9 +199,9 @@ def test_a_negative_transfer_delay_is_refused_by_name(tmp_path):
 def test_the_sorted_bag_backward_trains_as_torch_does(tmp_path, device, mode):
     # bag_backward="sorted" (torch's own embedding-bag backward, an experiment for the GPU): the
     # same outputs and rows as torch's EmbeddingBag with SGD.
-    batch = DiskTableBatch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
-                           mode=mode, optimizer=optim.SGD(lr=LR), cache_rows=300, memory_budget_bytes=1 << 20,
-                           device=device)
+    batch = open_table_batch([DiskTable(f"t{i}", n, str(tmp_path / f"t{i}"), seed=i) for i, n in enumerate(ROWS)], DIM,
+                             mode=mode, optimizer=optim.SGD(lr=LR), cache_rows=300, memory_budget_bytes=1 << 20,
+                             device=device)
     batch.bag_backward = "sorted"
     reference = Reference(batch, lambda p: torch.optim.SGD(p, lr=LR))
     for bag in reference.bags:

@@ -141,7 +141,7 @@ def test_dlrm_on_the_disk_kernel_equals_torchrec_in_memory(process_group, tmp_pa
     stats = collection.stats()
     if cache == "part":  # rows went through the cache, the store and the staging area
         assert sum(s["evictions"] for s in stats.values()) > 0
-        assert sum(s["prefetch_hits"] for s in stats.values()) > 0
+        assert sum(s["read_ahead_hits"] for s in stats.values()) > 0
     trained = {name: bag.export_rows(torch.arange(ROWS[name]), include_state=True)
                for name, bag in collection.embedding_bags.items()}
     for name, (rows, state) in trained.items():

@@ -1,5 +1,5 @@
 """The threads of a process do not grow with its number of disk tables: one table-batched kernel
-has three (applier, prefetch, writer), and the stores share three background threads (page
+has three (applier, read-ahead, writer), and the stores share three background threads (page
 writes, copies, compactions) and one pool of pread workers, however many stores there are."""
 import collections
 import os
@@ -8,7 +8,7 @@ import torch
 
 from mlkv_torch import KVStore, optim
 from mlkv_torch.disk_table import DiskTable
-from mlkv_torch.table_batch import DiskTableBatch
+from mlkv_torch.opening import open_table_batch
 
 
 def mlkv_threads() -> collections.Counter:
@@ -27,8 +27,8 @@ def train_kernel(path, tables: int) -> collections.Counter:
     (other tests' tables may still be open)."""
     before = mlkv_threads()
     rows = 4000
-    batch = DiskTableBatch([DiskTable(f"t{i}", rows, str(path / f"t{i}")) for i in range(tables)], 8,
-                           optimizer=optim.SGD(lr=0.1), cache_rows=64, memory_budget_bytes=tables * (64 << 10))
+    batch = open_table_batch([DiskTable(f"t{i}", rows, str(path / f"t{i}")) for i in range(tables)], 8,
+                             optimizer=optim.SGD(lr=0.1), cache_rows=64, memory_budget_bytes=tables * (64 << 10))
     g = torch.Generator().manual_seed(0)
     for step in range(30):
         # every table's rows, more than the cache holds: misses, evictions, write-back, log pages flushed
@@ -45,7 +45,7 @@ def train_kernel(path, tables: int) -> collections.Counter:
 
 def test_kernel_threads_do_not_grow_with_tables(tmp_path):
     few, many = train_kernel(tmp_path / "few", 2), train_kernel(tmp_path / "many", 24)
-    for name in ("mlkv-applier", "mlkv-prefetch", "mlkv-writer"):
+    for name in ("mlkv-applier", "mlkv-read-ahead", "mlkv-writer"):
         assert few[name] == many[name] == 1, (few, many)
     assert many["mlkv-flush"] <= 1 and many["mlkv-copy"] <= 1 and many["mlkv-compact"] <= 1, many  # shared
     assert sum(many.values()) <= 6, many

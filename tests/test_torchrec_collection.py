@@ -232,7 +232,7 @@ def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_
 
 
 def test_split_budget_follows_traffic_and_caps_at_need():
-    from mlkv_torch.torchrec.collection import split_budget
+    from mlkv_torch.memory_budget import split_budget
 
     assert split_budget(1000, [10_000, 10_000], [1, 3]) == [250, 750]
     # The small table takes only what it needs; the rest splits by traffic.

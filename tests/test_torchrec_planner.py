@@ -16,7 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 from mlkv_torch import optim  # noqa: E402
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder  # noqa: E402
 from mlkv_torch.torchrec.planner import DISK_SPACE_AMPLIFICATION  # noqa: E402
-from mlkv_torch.torchrec.kernel import shard_memory_budget  # noqa: E402
+from mlkv_torch.memory_budget import shard_memory_budget  # noqa: E402
 from mlkv_torch.torchrec.sharded_collection import planning_with_disk  # noqa: E402
 from mlkv_torch.row_layout import row_bytes  # noqa: E402
 from mlkv_torch.torchrec.fused_optimizer import fused_params_of, optimizer_from_fused_params  # noqa: E402
@@ -106,7 +106,7 @@ def test_storage_estimate_of_a_disk_shard(ebc):
     storage = disk[0].shards[0].storage
     per_row = row_bytes(16, torch.float32, optim.RowWiseAdagrad())  # 16 weights + 1 accumulator
     assert per_row == 68
-    assert storage.ddr == shard_memory_budget(SIZES["t3"], 16, torch.float32, optim.RowWiseAdagrad(), 0.05)
+    assert storage.ddr == shard_memory_budget(SIZES["t3"], row_bytes(16, torch.float32, optim.RowWiseAdagrad()), 0.05)
     assert storage.ssd == int(SIZES["t3"] * (per_row + 16) * DISK_SPACE_AMPLIFICATION)
     assert storage.hbm == 0
     assert not [o for o in options if o.compute_kernel == DISK_KERNEL and o.sharding_type == "data_parallel"]

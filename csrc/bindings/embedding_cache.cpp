@@ -75,13 +75,13 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["max_staleness"] = s.max_staleness;
   d["cached_rows"] = s.cached_rows;
   d["staleness_waits"] = s.waits;
-  d["prefetched_rows"] = s.lookahead_rows;
-  d["prefetch_hits"] = s.lookahead_hits;
-  d["prefetch_dropped_rows"] = s.lookahead_dropped;
-  d["prefetch_latency_ms"] = s.lookahead_latency_us / 1e3;
-  d["prefetch_wait_ms"] = static_cast<double>(s.lookahead_wait_us) / 1e3;
-  d["prefetch_placed_rows"] = s.read_ahead_placed;
-  d["prefetch_unplaced_rows"] = s.read_ahead_unplaced;
+  d["read_ahead_rows"] = s.read_ahead_rows;
+  d["read_ahead_hits"] = s.read_ahead_hits;
+  d["read_ahead_dropped_rows"] = s.read_ahead_dropped;
+  d["read_ahead_latency_ms"] = s.read_ahead_latency_us / 1e3;
+  d["read_ahead_wait_ms"] = static_cast<double>(s.read_ahead_wait_us) / 1e3;
+  d["read_ahead_placed_rows"] = s.read_ahead_placed;
+  d["read_ahead_unplaced_rows"] = s.read_ahead_unplaced;
   d["write_back_rows"] = s.write_back_rows;
   d["write_back_waits"] = s.write_back_waits;
   d["write_back_wait_ms"] = static_cast<double>(s.write_back_wait_us) / 1e3;
@@ -104,7 +104,7 @@ py::list TableStatsList(mlkv::EmbeddingCache& cache) {
     d["store_reads"] = t.store_reads;
     d["fresh_rows"] = t.fresh_rows;
     d["cached_rows"] = t.cached_rows;
-    d["prefetch_hits"] = t.lookahead_hits;
+    d["read_ahead_hits"] = t.read_ahead_hits;
     d["written_back"] = t.written_back;
     out.append(d);
   }

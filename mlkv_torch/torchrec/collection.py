@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -14,45 +15,16 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..disk_table import DiskTable, destroy_table, directory_path, draw_seed
+from ..disk_table import destroy_table, directory_path, draw_seed
 from ..embedding import DiskEmbeddingBag
-from ..table_batch import DiskTableBatch
-from ..memory_budget import MemoryBudgetError, host_memory_for_all_rows, least_host_memory, stores_min_bytes
-from ..cut import PendingCut, check_cut, read_cut, remove_cut, write_cut
+from ..table_batch import BatchSettings, DiskTableBatch
+from ..cut import PendingCut, check_cut, read_cut, remove_cut
 from ..store import KVStore
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .routing import KernelRouting, select_features
-from .tables import DATA_TYPES, POOLING_MODES, initial_distribution_of, table_seed
-from ..row_layout import row_bytes
+from .tables import disk_table_spec, open_disk_tables, table_seed
 
-__all__ = ["DiskEmbeddingBagCollection", "split_budget"]
-
-
-def split_budget(budget: int, needs: List[int], traffic: List[float], least: Optional[List[int]] = None) -> List[int]:
-    """Splits `budget` bytes among tables: each first gets its `least` (what it cannot open
-    without), the rest goes in proportion to their `traffic`, giving no table more than it
-    `needs` (water-filling: the budget a capped table leaves is split among the rest).
-    MemoryBudgetError when the budget does not hold every `least`."""
-    least = least if least is not None else [0] * len(needs)
-    if sum(least) > budget:
-        raise MemoryBudgetError(f"memory_budget_bytes={budget} cannot hold the least each row layout of the tables "
-                                f"needs ({least}: the stores' logs, the staging area and write-back buffer); use at "
-                                f"least {sum(least)}")
-    shares = list(least)
-    room = [max(0, need - low) for need, low in zip(needs, least)]
-    active, left = list(range(len(needs))), float(budget - sum(least))
-    while active:
-        weight = sum(traffic[i] for i in active)
-        capped = [i for i in active if left * traffic[i] / weight >= room[i]]
-        if not capped:
-            for i in active:
-                shares[i] += int(left * traffic[i] / weight)
-            break
-        for i in capped:
-            shares[i] += room[i]
-            left -= room[i]
-        active = [i for i in active if i not in capped]
-    return shares
+__all__ = ["DiskEmbeddingBagCollection"]
 
 
 def _optimizer_state_of(bag: DiskEmbeddingBag) -> TableOptimizerState:
@@ -118,7 +90,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         memory_budget_bytes: host memory for rows, for the whole collection. Within a
             row layout the tables share one cache, whose frequency-aware policy
             gives the hot rows of every table their place (`split_host_memory`);
-            several layouts split it by traffic and size (`split_budget`).
+            several layouts share it by traffic and size (`memory_budget.plan_host_memory`).
         cache_rows: rows of hot cache for the whole collection, split the same
             way (default: what the budget holds).
         lookups_per_sample: expected ids per sample of each table (its traffic),
@@ -160,10 +132,6 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be distinct, got {names}")
         for t in tables:
-            if t.pooling not in POOLING_MODES:
-                raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
-            if t.data_type not in DATA_TYPES:
-                raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported (FP32, FP16, BF16)")
             if not t.feature_names:
                 t.feature_names = [t.name]
         self._is_weighted = is_weighted
@@ -182,82 +150,45 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                           "tables; pass optimizer= (e.g. mlkv_torch.optim.Adam(lr=...)) and drive schedules through "
                           ".fused_optimizer", stacklevel=2)
         rule = optimizer if optimizer is not None else optim_lib.SGD()
-        # Tables that share a row layout share a kernel; each layout's budget covers all its rows at most.
-        layouts: Dict[Tuple[int, torch.dtype, str], List[int]] = {}
-        for i, t in enumerate(tables):
-            layouts.setdefault((t.embedding_dim, DATA_TYPES[t.data_type], POOLING_MODES[t.pooling]), []).append(i)
-        groups = list(layouts.items())
-        self._kernel_members = [members for _, members in groups]
-        self._kernel_layouts = [layout for layout, _ in groups]
+        self._path = directory_path(path)
         base_seed = draw_seed() if seed is None else seed
+        # Each table as a disk table under `rule` (its state sizes the rows): checked now, opened now or
+        # when a model built on meta is materialised.
+        self._table_specs = [disk_table_spec(t, os.path.join(self._path, t.name), table_seed(base_seed, t.name),
+                                             rule, seed_drawn=seed is None, lookups_per_sample=traffic.get(t.name))
+                             for t in tables]
+        self._memory_budget_bytes, self._cache_rows = memory_budget_bytes, cache_rows
+        self._settings = BatchSettings(staleness, cache_policy, backend)
         if cut is not None:
             check_cut(cut, "cut")
         elif reopen:
-            cut = read_cut(directory_path(path))
-        self._opening = dict(
-            path=directory_path(path), memory_budget_bytes=memory_budget_bytes, cache_rows=cache_rows,
-            traffic=[sum(traffic.get(tables[i].name, len(tables[i].feature_names)) for i in members)
-                     for _, members in groups],
-            seeds=[table_seed(base_seed, t.name) for t in tables], seed_drawn=seed is None, staleness=staleness,
-            cache_policy=cache_policy, backend=backend, reopen=reopen or cut is not None, cut=cut)
-        # What opening the kernels takes: now, or on the meta device when the model is materialised.
-        self._kernel_specs = self._plan_kernels(rule)
+            cut = read_cut(self._path)
+        self._cut, self._reopen = cut, reopen or cut is not None
         self._lr = rule.lr
         self._batches: List[DiskTableBatch] = []
+        self._routing: Optional[KernelRouting] = None
         self._pending_cut: Optional[PendingCut] = None
         if self._device.type == "meta":  # nothing opened, nothing allocated: to_empty(device=...) does it
             self.embedding_bags = nn.ModuleDict({t.name: _TableOnMeta(t) for t in tables})
             self._fused_optimizer: Optional[DiskFusedOptimizer] = None
         else:
-            self._open_kernels()
+            self._open_tables()
         self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._known_features = {f for names in self._feature_names for f in names}
-        # The features in the tables' order (a feature of two tables twice) and the kernel of each.
+        # The features in the tables' order (a feature of two tables twice).
         self._feature_order = [f for names in self._feature_names for f in names]
-        kernel_of = {i: (k, members.index(i)) for k, (_, members) in enumerate(groups) for i in members}
-        self._routing = KernelRouting([kernel_of[i] for i, names in enumerate(self._feature_names) for _ in names])
 
-    def _plan_kernels(self, rule: optim_lib.SparseOptimizer) -> List[Dict[str, Any]]:
-        """The DiskTableBatch arguments of each row layout under `rule` (its state sizes the rows):
-        each layout's budget covers all its rows at most, the rest split by traffic."""
-        tables, opening = self._embedding_bag_configs, self._opening
-        budget = opening["memory_budget_bytes"]
-        path_of = [os.path.join(opening["path"], t.name) for t in tables]
-        least, needs = [], []
-        for (dim, dtype, _), members in zip(self._kernel_layouts, self._kernel_members):
-            layout = (len(members), sum(tables[i].num_embeddings for i in members), row_bytes(dim, dtype, rule),
-                      stores_min_bytes([path_of[i] for i in members], opening["backend"]))
-            least.append(least_host_memory(*layout))
-            needs.append(host_memory_for_all_rows(*layout))
-        budgets = split_budget(budget, needs, opening["traffic"], least)
-        cache_rows = opening["cache_rows"]
-        return [dict(
-            tables=[DiskTable(tables[i].name, tables[i].num_embeddings, path_of[i],
-                              opening["seeds"][i], init=initial_distribution_of(tables[i]),
-                              seed_drawn=opening["seed_drawn"]) for i in members],
-            embedding_dim=dim, mode=mode, optimizer=rule,
-            cache_rows=None if cache_rows is None else min(sum(tables[i].num_embeddings for i in members),
-                                                           int(cache_rows * share / budget)),
-            memory_budget_bytes=share, staleness=opening["staleness"],
-            dtype=dtype, cache_policy=opening["cache_policy"], backend=opening["backend"], reopen=opening["reopen"],
-            cut=opening["cut"])
-            for ((dim, dtype, mode), members), share in zip(zip(self._kernel_layouts, self._kernel_members), budgets)]
-
-    def _open_kernels(self) -> None:
-        """Opens the tables' stores and kernels on `self._device`, and views each table."""
+    def _open_tables(self) -> None:
+        """Opens the tables' stores and batches on `self._device`, and views each table."""
         tables = self._embedding_bag_configs
-        bags: Dict[str, DiskEmbeddingBag] = {}
-        for spec, members in zip(self._kernel_specs, self._kernel_members):
-            batch = DiskTableBatch(device=self._device, **spec)
-            self._batches.append(batch)
-            for k, i in enumerate(members):
-                bags[tables[i].name] = DiskEmbeddingBag.of_batch(batch, k)
-        cut = self._opening["cut"]
-        if cut is not None and cut != read_cut(self._opening["path"]):
-            write_cut(self._opening["path"], cut)  # the newer cut the stores went back from is gone
-        self.embedding_bags = nn.ModuleDict({t.name: bags[t.name] for t in tables})
+        opened = open_disk_tables(tables, self._table_specs, memory_budget_bytes=self._memory_budget_bytes,
+                                  cache_rows=self._cache_rows, settings=self._settings, device=self._device,
+                                  cut_dir=self._path, reopen=self._reopen, cut=self._cut)
+        self._batches, self._routing = opened.batches, opened.routing
+        bags = {t.name: bag for t, bag in zip(tables, opened.bags)}
+        self.embedding_bags = nn.ModuleDict(bags)
         # Tables with optimizer state keep it in the optimizer's state_dict, as the sharded kernel does.
         state = {bags[t.name]._anchor: {f"{t.name}.optimizer_state": _optimizer_state_of(bags[t.name])}
                  for t in tables if bags[t.name].state_dim}
@@ -271,7 +202,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             target = fn(torch.empty(0, device="meta")).device
             if target.type != "meta":
                 self._device = target
-                self._open_kernels()
+                self._open_tables()
         elif fn(torch.empty(0, device=self._device)).device.type != self._device.type:
             # The tables' caches were opened on this device and stay there: moving only the
             # anchors would leave the outputs behind.
@@ -313,12 +244,12 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for batch in self._batches:
             for table in batch.tables:
                 destroy_table(table.path)
-        remove_cut(self._opening["path"])
-        self._opening["cut"] = None
+        remove_cut(self._path)
+        self._cut = None
         self._batches = []
-        self._kernel_specs = self._plan_kernels(rule)
+        self._table_specs = [replace(spec, layout=replace(spec.layout, optimizer=rule)) for spec in self._table_specs]
         self._lr = rule.lr
-        self._open_kernels()
+        self._open_tables()
 
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         # Loading writes rows: an in-backward optimizer declared before must choose the rule first.
@@ -437,7 +368,7 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         stays; the next cut first writes what it could not, and raises while that still fails."""
         self._check_materialised()
         self.wait_checkpoint()
-        self._pending_cut = PendingCut(self._opening["path"], label,
+        self._pending_cut = PendingCut(self._path, label,
                                        [batch.begin_checkpoint() for batch in self._batches])
         return self._pending_cut
 

@@ -21,15 +21,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
 from ..checks import is_int
-from ..cut import CutPart, read_cut, write_cut
-from ..disk_table import DiskTable
+from ..cut import CutPart
 from ..embedding import DiskEmbeddingBag
-from ..row_layout import row_bytes
-from ..table_batch import BACKENDS, DiskTableBatch
+from ..memory_budget import shard_memory_budget
+from ..table_batch import BACKENDS, BatchSettings
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
-from .routing import KernelRouting
 from .state_dicts import disk_tables_in_state_dict
-from .tables import DATA_TYPES, MIN_TABLE_BUDGET, POOLING_MODES, initial_distribution_of, table_seed
+from .tables import disk_table_spec, open_disk_tables, table_seed
 
 DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 """The compute kernel of disk tables in a sharding plan."""
@@ -72,13 +70,6 @@ class DiskTableOptions:
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
 
 
-def shard_memory_budget(rows: int, cols: int, dtype: torch.dtype, optimizer: optim_lib.SparseOptimizer,
-                        memory_fraction: float) -> int:
-    """Host memory (cache and store log) a disk shard of rows x cols is given: `memory_fraction`
-    of its stored bytes, at least MIN_TABLE_BUDGET. The planner's storage estimate uses this too."""
-    return max(MIN_TABLE_BUDGET, int(memory_fraction * rows * row_bytes(cols, dtype, optimizer)))
-
-
 def resolve_optimizer(fused_params: Optional[Dict[str, Any]], table: str, options: DiskTableOptions
                       ) -> optim_lib.SparseOptimizer:
     """A disk table's optimizer: from TorchRec's fused parameters (where apply_optimizer_in_backward
@@ -103,57 +94,31 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._rank_dir = os.path.join(options.storage_dir, f"rank{rank}")
         self._pg = pg
         self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
-        # Shards of one row layout (columns, data type, pooling, optimizer) share one table-batched kernel.
-        Layout = Tuple[int, torch.dtype, str, optim_lib.SparseOptimizer]
-        layouts: Dict[Layout, List[int]] = {}
-        budgets: Dict[Layout, int] = defaultdict(int)
-        for i, table in enumerate(self._shards):
-            if table.pooling not in POOLING_MODES:
-                raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported on disk "
-                                 "(SUM or MEAN)")
-            if table.data_type not in DATA_TYPES:
-                raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported on disk")
-            row_offset, _ = self._offsets(table)
-            if row_offset != 0 or table.local_rows != table.num_embeddings:
-                raise ValueError(f"table {table.name!r}: disk tables are sharded table-wise or column-wise, "
+        specs = []
+        for shard in self._shards:
+            row_offset, col_offset = self._offsets(shard)
+            if row_offset != 0 or shard.local_rows != shard.num_embeddings:
+                raise ValueError(f"table {shard.name!r}: disk tables are sharded table-wise or column-wise, "
                                  f"not by rows")
-            optimizer = resolve_optimizer(table.fused_params or config.fused_params, table.name, options)
-            dtype = DATA_TYPES[table.data_type]
-            layout = (table.local_cols, dtype, POOLING_MODES[table.pooling], optimizer)
-            layouts.setdefault(layout, []).append(i)
-            budgets[layout] += shard_memory_budget(table.local_rows, table.local_cols, dtype, optimizer,
-                                                   options.memory_fraction)
-        lrs = {layout[3].lr for layout in layouts}
+            specs.append(disk_table_spec(
+                shard, os.path.join(self._rank_dir, self._shard_name(shard)), table_seed(options.seed, shard.name),
+                resolve_optimizer(shard.fused_params or config.fused_params, shard.name, options),
+                seed_drawn=options.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset))
+        lrs = {spec.layout.optimizer.lr for spec in specs}
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
-        self._batches: List[DiskTableBatch] = []
-        # Reopened at a cut: the one a training checkpoint names for this rank, else the one recorded here.
-        cut = (options.cuts or {}).get(rank)
-        if cut is None and options.reopen:
-            cut = read_cut(self._rank_dir)
-        bag_of: Dict[int, DiskEmbeddingBag] = {}
-        owners: Dict[int, Tuple[int, int]] = {}
-        for (cols, dtype, mode, optimizer), members in layouts.items():
-            batch = DiskTableBatch(
-                [DiskTable(self._shards[i].name, self._shards[i].num_embeddings,
-                           os.path.join(self._rank_dir, self._shard_name(self._shards[i])),
-                           table_seed(options.seed, self._shards[i].name), self._offsets(self._shards[i])[1],
-                           init=initial_distribution_of(self._shards[i]), seed_drawn=options.seed_drawn)
-                 for i in members],
-                cols, mode=mode, optimizer=optimizer, memory_budget_bytes=budgets[(cols, dtype, mode, optimizer)],
-                staleness=options.staleness, dtype=dtype, device=self._device, cache_policy=options.cache_policy,
-                backend=options.backend, reopen=options.reopen or cut is not None, cut=cut)
-            for k, i in enumerate(members):
-                bag_of[i] = DiskEmbeddingBag.of_batch(batch, k)
-                owners[i] = (len(self._batches), k)
+        # The rank's budget: each shard's, as the planner counted it; its row layouts share it by one rule.
+        budget = sum(shard_memory_budget(shard.local_rows, spec.layout.row_bytes, options.memory_fraction)
+                     for shard, spec in zip(self._shards, specs))
+        opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=BatchSettings(
+            options.staleness, options.cache_policy, options.backend), device=self._device, cut_dir=self._rank_dir,
+            reopen=options.reopen, cut=(options.cuts or {}).get(rank))
+        self._batches, self._routing = opened.batches, opened.routing
+        for batch in self._batches:
             # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
             for anchor in batch.anchors:
                 anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-            self._batches.append(batch)
-        if cut is not None and cut != read_cut(self._rank_dir):
-            write_cut(self._rank_dir, cut)  # the newer cut the stores went back from is gone
-        self.bags = nn.ModuleList([bag_of[i] for i in range(len(self._shards))])
-        self._routing = KernelRouting([owners[i] for i, table in enumerate(self._shards) for _ in table.feature_names])
+        self.bags = nn.ModuleList(opened.bags)
         self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
         for table, bag in zip(self._shards, self.bags):
             self._bags_by_table[table.name].append((table, bag))

@@ -32,7 +32,8 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from .. import optim as optim_lib
-from .kernel import DISK_KERNEL, DiskTableOptions, resolve_optimizer, shard_memory_budget
+from ..memory_budget import shard_memory_budget
+from .kernel import DISK_KERNEL, DiskTableOptions, resolve_optimizer
 from .sharded_collection import DiskEmbeddingBagCollectionSharder, planning_with_disk
 from ..row_layout import row_bytes
 
@@ -86,7 +87,7 @@ class DiskAwareStorageEstimator(_DiskEstimatorBase):
             dtype = option.tensor.dtype
             for shard in option.shards:
                 rows, cols = shard.size
-                budget = shard_memory_budget(rows, cols, dtype, optimizer, self.options.memory_fraction)
+                budget = shard_memory_budget(rows, row_bytes(cols, dtype, optimizer), self.options.memory_fraction)
                 on_disk = int(rows * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
                               * DISK_SPACE_AMPLIFICATION)
                 if self._topology.compute_device == "cuda":  # the cache in device memory, the log on the host

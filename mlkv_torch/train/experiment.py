@@ -414,7 +414,7 @@ class Experiment:
 
 def torch_threads(config: ExperimentConfig) -> int:
     """torch's intra-op threads for a run: `train.torch_threads`, or with "auto" torch's default less
-    one when disk tables look ahead, so the prefetch thread has a core
+    one when disk tables look ahead, so the read-ahead thread has a core
     (docs/benchmarks.md has the measurement)."""
     if config.train.torch_threads != "auto":
         return config.train.torch_threads
