@@ -139,11 +139,14 @@ struct RowInit {
   // row, so a column shard starts as its slice of the unsharded table.
   int64_t first_column = 0;
   bool normal = false;  // normal(low, span) instead of uniform [low, low + span)
+  // Row `id` draws the values of row first_row + id of the full table, so a row shard (ids local
+  // to its block) starts as its block of the unsharded table.
+  int64_t first_row = 0;
 };
 
 inline void InitialRow(const RowInit& init, int64_t id, int64_t dim, float* out) {
-  const uint64_t row_part =
-      (init.seed * 0x9E3779B97F4A7C15ull) ^ SplitMix64(static_cast<uint64_t>(id) + 0xD1B54A32D192ED03ull);
+  const uint64_t row_part = (init.seed * 0x9E3779B97F4A7C15ull) ^
+                            SplitMix64(static_cast<uint64_t>(id + init.first_row) + 0xD1B54A32D192ED03ull);
   for (int64_t j = 0; j < dim; ++j) {
     const uint64_t z = SplitMix64(row_part + static_cast<uint64_t>(j + init.first_column) * 0x8CB92BA72F3D8DD7ull);
     const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // 24 random bits, in [0, 1)

@@ -66,6 +66,9 @@ class DiskTable:
             default TorchRec's ("uniform", -sqrt(1/num_embeddings), sqrt(1/num_embeddings)).
         seed_drawn: `seed` was drawn (``seed=None``), not chosen: a reopened table keeps the
             seed it was created with (a chosen seed must equal it).
+        first_row: the table holds rows [first_row, first_row + num_embeddings) of a longer
+            table (a row shard, its ids local to its block); its initial rows are that block of the
+            longer table's.
     """
 
     name: str
@@ -76,12 +79,14 @@ class DiskTable:
     expected_rows: Optional[int] = None
     init: Optional[Tuple[str, float, float]] = None
     seed_drawn: bool = False
+    first_row: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.num_embeddings) or self.num_embeddings <= 0:
             raise ValueError(f"num_embeddings must be a positive int, got {self.num_embeddings!r}")
-        if not is_int(self.first_column) or self.first_column < 0:
-            raise ValueError(f"first_column must be a non-negative int, got {self.first_column!r}")
+        for name in ("first_column", "first_row"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {getattr(self, name)!r}")
         if self.init is not None and (len(self.init) != 3 or self.init[0] not in ("uniform", "normal")):
             raise ValueError(f"table {self.name!r}: init must be ('uniform', low, high) or ('normal', mean, std), "
                              f"got {self.init!r}")
@@ -97,7 +102,8 @@ class DiskTable:
         """The rows `ids` hold until written (what the cache generates for them)."""
         kind, a, b = self.initial_distribution()
         params = dict(mean=a, std=b) if kind == "normal" else dict(low=a, high=b)
-        return initial_rows(ids, dim, seed=self.seed, dtype=dtype, first_column=self.first_column, **params)
+        return initial_rows(ids + self.first_row, dim, seed=self.seed, dtype=dtype, first_column=self.first_column,
+                            **params)
 
 
 def settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore, RocksDBStore]], reopen: bool

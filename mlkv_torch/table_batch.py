@@ -299,7 +299,7 @@ class DiskTableBatch:
                 self.step = max(entry["step"] for entry in at_cut)
             eps, beta1, beta2 = optimizer.rule_constants()
             self.cache = _C.EmbeddingCache(
-                [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column)
+                [(t.name, store._store, t.num_embeddings, int(t.seed), *_cache_init(t), t.first_column, t.first_row)
                  for t, store in zip(self.tables, self.stores)],
                 capacity=self.cache_rows, dim=self.embedding_dim, weight_type=_WEIGHT_TYPES[self.dtype],
                 kind=optimizer.kind, eps=eps, beta1=beta1, beta2=beta2,

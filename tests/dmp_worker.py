@@ -82,11 +82,12 @@ def build(mixed: bool, optimizer: str, storage_dir: str, train_model: bool = Fal
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan
 
 
-def set_initial_rows(dmp, collection: str = "sparse_arch.embedding_bag_collection") -> None:
-    """Every table, in memory or on disk, starts from mlkv_torch.initial_rows: each rank fills its
-    local shards through the state dict (`collection`: the collection's name in it)."""
+def set_initial_rows(dmp, collection: str = "sparse_arch.embedding_bag_collection", sizes=None) -> None:
+    """Every table (`sizes`: rows by name, default this worker's), in memory or on disk, starts from
+    mlkv_torch.initial_rows: each rank fills its local shards through the state dict (`collection`:
+    the collection's name in it)."""
     state = dmp.state_dict()
-    for name, n in SIZES.items():
+    for name, n in (sizes or SIZES).items():
         full = initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n)
         for shard in state[f"{collection}.embedding_bags.{name}.weight"].local_shards():
             (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
@@ -108,7 +109,11 @@ def train_step(dmp, opt, step: int) -> float:
     if step == STEPS // 2:  # a schedule: the learning rate reaches every table through the optimizers
         for group in opt.param_groups:
             group["lr"] = LR / 4
-    dense, sparse, labels = batch(step)
+    return step_on(dmp, opt, *batch(step))
+
+
+def step_on(dmp, opt, dense, sparse, labels) -> float:
+    """One training step of DLRM on a batch; its loss."""
     opt.zero_grad()
     loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(dense, sparse).squeeze(1), labels)
     loss.backward()

@@ -171,3 +171,18 @@ def test_one_rule_plans_every_batch_and_the_opened_batches_spend_what_it_planned
         assert (batch.memory_budget_bytes, batch.cache_rows, batch.staging_rows, batch.write_back_rows) == (
             share, split.cache_rows, split.staging_rows, split.write_back_rows)
         batch.close()
+
+
+def test_a_row_shard_starts_as_its_block_of_the_full_table(tmp_path):
+    # A row shard's ids are local to its block (TorchRec's bucketization); its rows never written
+    # are the full table's rows first_row + id, in the cache as in DiskTable.initial_rows.
+    full = DiskTable("t", 1000, str(tmp_path / "full"), seed=3, init=("uniform", -0.5, 0.5))
+    block = DiskTable("t", 300, str(tmp_path / "block"), seed=3, init=("uniform", -0.5, 0.5), first_row=600)
+    ids = torch.tensor([0, 7, 299])
+    expected = full.initial_rows(ids + 600, DIM)
+    torch.testing.assert_close(block.initial_rows(ids, DIM), expected, rtol=0, atol=0)
+    batch = open_table_batch([block], DIM)
+    torch.testing.assert_close(batch.weights_of(batch.read_rows(0, ids)), expected, rtol=0, atol=0)
+    batch.close()
+    with pytest.raises(ValueError, match="first_row must be a non-negative int, got -1"):
+        DiskTable("t", 300, str(tmp_path / "bad"), first_row=-1)

@@ -128,3 +128,16 @@ def test_fused_params_from_apply_optimizer_in_backward_and_bad_ones():
         optimizer_from_fused_params({"optimizer": EmbOptimType.EXACT_SGD, "weight_decay": 0.1}, "t")
     with pytest.raises(ValueError, match="memory_fraction"):
         DiskEmbeddingBagCollectionSharder("/x", memory_fraction=0.0)
+
+
+def test_a_disk_table_whose_reads_would_bind_one_rank_is_sharded_by_rows(ebc):
+    # t3 (512 MB) is on disk at 100 MiB a rank. Table-wise, one rank would read all of its misses;
+    # row-wise each rank reads its block's share, and the planner charges each shard that share.
+    plan = _plan(ebc, 100 * MiB)
+    assert plan["t3"].compute_kernel == DISK_KERNEL
+    assert plan["t3"].sharding_type == "row_wise", {name: ps.sharding_type for name, ps in plan.items()}
+    blocks = [(list(s.shard_offsets), list(s.shard_sizes)) for s in plan["t3"].sharding_spec.shards]
+    assert blocks == [([0, 0], [4_000_000, 16]), ([4_000_000, 0], [4_000_000, 16])]
+    # Forced table-wise, it stays on disk whole on one rank.
+    forced = _plan(ebc, 100 * MiB, {"t3": ParameterConstraints(sharding_types=["table_wise"])})
+    assert forced["t3"].compute_kernel == DISK_KERNEL and forced["t3"].sharding_type == "table_wise"

@@ -14,9 +14,11 @@ namespace mlkv::bindings {
 
 namespace {
 
-// One table of a cache, as Python describes it: (name, store, num_embeddings, seed, normal, a, b, first_column):
-// rows never written start uniform in [a, b), or normal with mean a and deviation b.
-using TableArgs = std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, bool, double, double, int64_t>;
+// One table of a cache, as Python describes it: (name, store, num_embeddings, seed, normal, a, b, first_column,
+// first_row): rows never written start uniform in [a, b), or normal with mean a and deviation b, as the block of
+// the full table that starts at (first_row, first_column).
+using TableArgs =
+    std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, bool, double, double, int64_t, int64_t>;
 
 std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& tables, int64_t capacity, int64_t dim,
                                                 int64_t weight_type, int64_t kind, double eps, double beta1,
@@ -25,13 +27,14 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
                                                 int64_t staging_rows, int64_t write_back_rows,
                                                 bool read_ahead_into_slots, int64_t transfer_delay_us) {
   std::vector<mlkv::CacheTable> cache_tables;
-  for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column] : tables) {
+  for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column, first_row] : tables) {
     TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
     TORCH_CHECK_VALUE(first_column >= 0, "table '", name, "': first_column must be non-negative, got ", first_column);
+    TORCH_CHECK_VALUE(first_row >= 0, "table '", name, "': first_row must be non-negative, got ", first_row);
     cache_tables.push_back({name,
                             store->rows(),
                             {static_cast<uint64_t>(seed), static_cast<float>(a), static_cast<float>(normal ? b : b - a),
-                             first_column, normal},
+                             first_column, normal, first_row},
                             num_embeddings});
   }
   mlkv::CacheOptions o;

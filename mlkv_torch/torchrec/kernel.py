@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -16,6 +16,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig, ShardedEmbeddingTable
+from torchrec.distributed.types import ShardingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -30,6 +31,9 @@ from .state_dicts import disk_tables_in_state_dict
 from .tables import disk_table_spec, open_disk_tables, table_seed
 
 DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+# Shardings whose ranks pool partial sums of a bag, which TorchRec reduces and, for mean pooling,
+# divides by the bag's length afterwards: their kernels pool by sum.
+_PARTIAL_SUM_SHARDINGS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 """The compute kernel of disk tables in a sharding plan."""
 
 
@@ -86,7 +90,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     """
 
     def __init__(self, config: GroupedEmbeddingConfig, options: DiskTableOptions,
-                 pg: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
+                 pg: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
+                 sharding_type: Optional[ShardingType] = None) -> None:
         super().__init__()
         self._config = config
         self._device = torch.device(device if device is not None else "cpu")
@@ -96,14 +101,15 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
         specs = []
         for shard in self._shards:
+            # A row shard sees the ids of its block local to it, as TorchRec's bucketization leaves them.
             row_offset, col_offset = self._offsets(shard)
-            if row_offset != 0 or shard.local_rows != shard.num_embeddings:
-                raise ValueError(f"table {shard.name!r}: disk tables are sharded table-wise or column-wise, "
-                                 f"not by rows")
             specs.append(disk_table_spec(
                 shard, os.path.join(self._rank_dir, self._shard_name(shard)), table_seed(options.seed, shard.name),
                 resolve_optimizer(shard.fused_params or config.fused_params, shard.name, options),
-                seed_drawn=options.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset))
+                seed_drawn=options.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset,
+                num_embeddings=shard.local_rows, first_row=row_offset))
+            if sharding_type in _PARTIAL_SUM_SHARDINGS:  # mean pooling divides the reduced sums (TorchRec's callback)
+                specs[-1] = replace(specs[-1], mode="sum")
         lrs = {spec.layout.optimizer.lr for spec in specs}
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")

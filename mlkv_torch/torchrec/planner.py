@@ -129,9 +129,12 @@ class DiskAwarePerfEstimator(_DiskEstimatorBase):
             lookups = sum(length * option.batch_size for length in option.input_lengths) * self._topology.world_size
             read_ms = lookups * self._miss_rate(option) * _DISK_PAGE_BYTES / ssd_bytes_per_ms
             for shard in option.shards:
+                # A shard reads the misses of the ids in its rows: a row shard its block's share (ids
+                # spread over the table), a table or column shard every id's.
+                shard_read_ms = read_ms * shard.size[0] / option.tensor.shape[0]
                 perf = shard.perf
-                shard.perf = Perf(fwd_compute=perf.fwd_compute + read_ms, fwd_comms=perf.fwd_comms,
-                                  bwd_compute=perf.bwd_compute + read_ms, bwd_comms=perf.bwd_comms,
+                shard.perf = Perf(fwd_compute=perf.fwd_compute + shard_read_ms, fwd_comms=perf.fwd_comms,
+                                  bwd_compute=perf.bwd_compute + shard_read_ms, bwd_comms=perf.bwd_comms,
                                   input_dist_comms=perf.input_dist_comms, prefetch_compute=perf.prefetch_compute)
 
 

@@ -52,6 +52,9 @@ __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_m
 
 _NEVER = -(1 << 62)  # the step a never-read replica row's value is from
 _CANDIDATES = 2  # each rank offers this many times the replicas' rows of its most frequent rows
+# The shardings whose tables replicas serve: a bag's rows have one owner per column block.
+REPLICATED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
+                             ShardingType.TABLE_COLUMN_WISE.value)
 _TABLE_SHIFT = _C.EmbeddingCache.table_shift  # a hot row's key in its group: table index << shift | row, as the cache's
 _ROW_MASK = (1 << _TABLE_SHIFT) - 1
 _COUNT_EVERY = 16  # training steps whose lookups are counted together (sorting them once)
@@ -372,6 +375,10 @@ class HotRowReplicas:
             sharding = plan[config.name]
             if sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
                 continue
+            if sharding.sharding_type not in REPLICATED_SHARDING_TYPES:
+                raise ValueError(f"table {config.name!r} is sharded {sharding.sharding_type}; replicas of hot rows "
+                                 f"take tables sharded {list(REPLICATED_SHARDING_TYPES)} (or data-parallel): "
+                                 f"constrain it (ParameterConstraints(sharding_types=[...])) or turn replicas off")
             dim, index = config.embedding_dim, sum(len(names) for names in sharded_by_dim.values())
             sharded_by_dim.setdefault(dim, []).append(config.name)
             rows_by_dim[dim] = rows_by_dim.get(dim, 0) + config.num_embeddings

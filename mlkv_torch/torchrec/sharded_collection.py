@@ -46,6 +46,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import Awaitable, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -61,7 +62,8 @@ from .state_dicts import disk_tables_in_state_dict
 from .tables import DATA_TYPES
 
 _DISK_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
-                        ShardingType.TABLE_COLUMN_WISE.value)
+                        ShardingType.TABLE_COLUMN_WISE.value, ShardingType.ROW_WISE.value,
+                        ShardingType.TABLE_ROW_WISE.value)
 
 
 # Set while DiskAwarePlanner plans: only then does the sharder offer its disk kernel.
@@ -87,11 +89,29 @@ def unwrapped_lookups(sharded: ShardedEmbeddingBagCollection) -> Iterator[nn.Mod
         yield lookup
 
 
+def _check_mean_pooling(module: EmbeddingBagCollection, plan: Dict[str, ParameterSharding]) -> None:
+    """Refuses a collection that mixes row-wise tables pooled by mean with tables sharded another
+    way: TorchRec's callback that divides the row-wise sums (ShardedEmbeddingBagCollection's mean
+    pooling divisor, torchrec 1.8) divides every table's output by its bag lengths, so the others'
+    would be divided too, silently."""
+    row_wise = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
+    configs = module.embedding_bag_configs()
+    mean = [c.name for c in configs if c.pooling == PoolingType.MEAN and plan[c.name].sharding_type in row_wise]
+    others = [c.name for c in configs if plan[c.name].sharding_type not in row_wise]
+    if mean and others:
+        raise ValueError(f"tables {mean} pool by mean and are sharded by rows, beside tables {others} sharded "
+                         f"otherwise: TorchRec divides the row-wise sums after their reduce-scatter by a callback "
+                         f"that divides every table of the collection, so {others} would be divided too. Shard "
+                         f"{mean} table-wise or column-wise, pool them by sum, or put them in a collection of "
+                         f"their own")
+
+
 class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """TorchRec's ShardedEmbeddingBagCollection whose ``customized_kernel`` tables live on disk."""
 
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, options: DiskTableOptions, **kwargs: Any) -> None:
+        _check_mean_pooling(module, table_name_to_parameter_sharding)
         self._disk_options = options  # read by create_embedding_bag_sharding, which the base __init__ calls
         self._disk_table_names = [name for name, ps in table_name_to_parameter_sharding.items()
                                   if ps.compute_kernel == DISK_KERNEL]
@@ -113,8 +133,15 @@ class ShardedDiskEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             tables = [i.embedding_config.name for i, d in zip(sharding_infos, on_disk) if d]
             raise ValueError(f"disk tables {tables} are sharded {sharding_type}; disk tables support "
                              f"{list(DISK_SHARDINGS)}")
+        for info, disk in zip(sharding_infos, on_disk):  # every rank knows the plan: all of them refuse
+            shards = info.param_sharding.sharding_spec.shards if info.param_sharding.sharding_spec else []
+            if disk and any(int(m.shard_sizes[0]) == 0 for m in shards):
+                raise ValueError(f"table {info.embedding_config.name!r} has {info.embedding_config.num_embeddings} "
+                                 f"rows, fewer than the {len(shards)} ranks it is sharded {sharding_type} over, so a "
+                                 f"rank would hold none of them: shard it table-wise "
+                                 f"(ParameterConstraints(sharding_types=['table_wise'])) or over fewer ranks")
         kwargs: Dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
-        if sharding_type != ShardingType.TABLE_WISE.value:
+        if sharding_type in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
             kwargs["permute_embeddings"] = permute_embeddings
         sharding = DISK_SHARDINGS[sharding_type](sharding_infos, env, device, **kwargs)
         sharding.disk_options = self._disk_options
@@ -299,8 +326,17 @@ class DiskEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **kwargs)
 
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        # TorchRec offers row-wise only on CUDA; disk tables take it on every device.
+        types = super().sharding_types(compute_device_type)
+        if _planning_with_disk.get():
+            types += [t for t in _DISK_SHARDING_TYPES if t not in types]
+        return types
+
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels = super().compute_kernels(sharding_type, compute_device_type)
+        if sharding_type not in super().sharding_types(compute_device_type):
+            kernels = []  # TorchRec's own kernels do not take this sharding here: disk tables only
         if sharding_type not in _DISK_SHARDING_TYPES:
             return kernels
         if _planning_with_disk.get():

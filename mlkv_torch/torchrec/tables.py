@@ -60,17 +60,19 @@ def table_seed(seed: int, table_name: str) -> int:
 
 def disk_table_spec(config: BaseEmbeddingConfig, path: str, seed: int, optimizer: optim_lib.SparseOptimizer, *,
                     seed_drawn: bool = False, embedding_dim: Optional[int] = None, first_column: int = 0,
+                    num_embeddings: Optional[int] = None, first_row: int = 0,
                     lookups_per_sample: Optional[float] = None) -> TableSpec:
-    """A TorchRec table, or a rank's column shard of one (`embedding_dim` columns from
-    `first_column`), as a disk table at `path`; ValueError names a pooling or data type the disk
-    kernel does not have. Its traffic is `lookups_per_sample`, by default one per feature."""
+    """A TorchRec table, or a rank's shard of one (`num_embeddings` rows from `first_row`,
+    `embedding_dim` columns from `first_column`), as a disk table at `path`; ValueError names a
+    pooling or data type the disk kernel does not have. Its traffic is `lookups_per_sample`, by
+    default one per feature."""
     if config.pooling not in POOLING_MODES:
         raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported on disk (SUM or MEAN)")
     if config.data_type not in DATA_TYPES:
         raise ValueError(f"table {config.name!r}: data_type {config.data_type} is not supported on disk "
                          f"(FP32, FP16, BF16)")
-    table = DiskTable(config.name, config.num_embeddings, path, seed, first_column,
-                      init=initial_distribution_of(config), seed_drawn=seed_drawn)
+    table = DiskTable(config.name, config.num_embeddings if num_embeddings is None else num_embeddings, path, seed,
+                      first_column, init=initial_distribution_of(config), seed_drawn=seed_drawn, first_row=first_row)
     layout = RowLayout(config.embedding_dim if embedding_dim is None else embedding_dim, DATA_TYPES[config.data_type],
                        optimizer)
     return TableSpec(table, layout, POOLING_MODES[config.pooling],

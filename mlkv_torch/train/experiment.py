@@ -102,7 +102,7 @@ class Experiment:
         """Under torchrun: DistributedModelParallel; DiskAwarePlanner puts on disk the tables that do not
         fit `memory_budget_bytes` per rank (storage kind memory: none)."""
         from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner.types import PlannerError, Topology
+        from torchrec.distributed.planner.types import ParameterConstraints, PlannerError, Topology
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -131,7 +131,9 @@ class Experiment:
             if storage.kind != "memory" else 1 << 40
         topology = Topology(world_size=dist.get_world_size(), compute_device="cpu", ddr_cap=int(ddr_cap),
                             ssd_cap=1 << 42)
-        planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, debug=False)
+        constraints = {t.name: ParameterConstraints(sharding_types=list(storage.sharding_types)) for t in tables}
+        planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, constraints=constraints,
+                                   debug=False)
         try:
             plan = planner.collective_plan(model, [sharder])
         except PlannerError as e:

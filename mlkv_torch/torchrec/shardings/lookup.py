@@ -2,7 +2,7 @@
 for the groups planned on the disk kernel."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ class DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
                                  pg: Optional[dist.ProcessGroup], sharding_type: Optional[ShardingType],
                                  env: Optional[ShardingEnv]) -> BaseEmbedding:
         if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
-            return DiskEmbeddingKernel(config, self._disk_options, pg=pg, device=device)
+            return DiskEmbeddingKernel(config, self._disk_options, pg=pg, device=device, sharding_type=sharding_type)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
@@ -51,10 +51,16 @@ class DiskLookupMixin:
     """Makes a TorchRec pooled sharding build DiskPooledEmbeddingsLookup."""
 
     disk_options: DiskTableOptions
+    lookup_sharding_type: ShardingType  # what TorchRec's own lookup of this sharding is told
+
+    def lookup_configs(self) -> List[GroupedEmbeddingConfig]:
+        """The grouped tables this rank looks up (TorchRec's sharding keeps them in
+        `_grouped_embedding_configs`, table-row-wise per rank)."""
+        return self._grouped_embedding_configs  # type: ignore[attr-defined]
 
     def create_lookup(self, device: Optional[torch.device] = None, fused_params: Optional[Dict[str, Any]] = None,
                       feature_processor: Any = None) -> GroupedPooledEmbeddingsLookup:
         return DiskPooledEmbeddingsLookup(
-            self.disk_options, grouped_configs=self._grouped_embedding_configs, pg=self._pg,  # type: ignore
+            self.disk_options, grouped_configs=self.lookup_configs(), pg=self._pg,  # type: ignore
             device=device if device is not None else self._device, feature_processor=feature_processor,  # type: ignore
-            env=self._env)  # type: ignore
+            sharding_type=self.lookup_sharding_type, env=self._env)  # type: ignore

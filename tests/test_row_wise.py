@@ -1,0 +1,85 @@
+"""Row-wise and table-row-wise disk tables under DistributedModelParallel: 2 and 4 real processes
+under torchrun (gloo, CPU), against every table in TorchRec's memory (tests/row_wise_worker.py).
+
+Each rank holds a block of the table's rows (TorchRec's bucketization sends it its block's ids,
+local to the block), pools its part of every bag, and the partial sums meet in TorchRec's
+reduce-scatter. The sums change order against the table-wise reference, so losses and rows agree
+to float32 rounding of a few terms (rtol 1e-5), not to the bit.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+WORKER = Path(__file__).with_name("row_wise_worker.py")
+
+
+def _run(tmp_path_factory, ranks: int, optimizers: str) -> dict:
+    out = tmp_path_factory.mktemp(f"rw{ranks}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           str(WORKER), optimizers, str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return {(ranks, name): json.loads((out / f"{name}.json").read_text())
+            for name in optimizers.split(",") + ["refusals"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean"), **_run(tmp_path_factory, 4, "sgd")}
+
+
+@pytest.mark.parametrize("ranks, optimizer", [(2, "sgd"), (2, "rowwise_adagrad"), (4, "sgd")])
+def test_row_wise_disk_tables_train_as_the_tables_in_memory(runs, ranks, optimizer):
+    memory, disk = runs[(ranks, optimizer)]["memory"], runs[(ranks, optimizer)]["disk"]
+    kernel, sharding, offsets = disk["kernels"]["t_rw"]
+    assert (kernel, sharding) == ("customized_kernel", "row_wise")
+    block = -(-3001 // ranks)  # TorchRec's blocks: ceil(rows / ranks), the last one shorter
+    assert offsets == [[block * r, 0] for r in range(ranks)]
+    assert disk["kernels"]["t_twrw"][:2] == ["customized_kernel", "table_row_wise"]
+    assert len(disk["kernels"]["t_twrw"][2]) == ranks  # one node: the table's rows over all its ranks
+    assert disk["kernels"]["t_mem"][:2] == ["fused", "table_wise"]
+    for rank in range(ranks):
+        torch.testing.assert_close(torch.tensor(disk["losses"][rank]), torch.tensor(memory["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+    for table in ("t_mem", "t_rw", "t_twrw"):
+        trained, reference = torch.tensor(disk["rows"][table]), torch.tensor(memory["rows"][table])
+        assert not trained.isnan().any(), f"{table}: some rows are in no rank's shard"
+        torch.testing.assert_close(trained, reference, rtol=1e-5, atol=1e-6, msg=lambda m: f"{table}: {m}")
+    # Training moved rows of every rank's block (the batches read the whole table).
+    from mlkv_torch import initial_rows
+    from mlkv_torch.torchrec.tables import table_seed
+    initial = initial_rows(torch.arange(3001), 16, seed=table_seed(0, "t_rw"), num_embeddings=3001)
+    moved = (torch.tensor(disk["rows"]["t_rw"]) != initial).any(1)
+    assert all(bool(moved[r0:r0 + block].any()) for r0, _ in offsets)
+
+
+def test_a_table_with_fewer_rows_than_ranks_is_refused_by_name(runs):
+    message = runs[(2, "refusals")]["too_few_rows"]
+    assert message.startswith("ValueError"), message
+    assert "table 'tiny' has 1 rows, fewer than the 2 ranks it is sharded row_wise" in message, message
+    assert "table-wise" in message
+
+
+def test_a_mean_pooled_row_wise_table_trains_as_in_memory(runs):
+    # Every table by rows, t_rw pooled by mean: its ranks pool sums, TorchRec divides them after the
+    # reduce-scatter by the bag's length plus 1e-6 (its guard against empty bags): rtol 1e-5 covers it.
+    memory, disk = runs[(2, "mean")]["memory"], runs[(2, "mean")]["disk"]
+    assert {t: k[1] for t, k in disk["kernels"].items()} == {"t_mem": "row_wise", "t_rw": "row_wise",
+                                                              "t_twrw": "table_row_wise"}
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(disk["losses"][rank]), torch.tensor(memory["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(disk["rows"]["t_rw"]), torch.tensor(memory["rows"]["t_rw"]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_mean_pooled_row_wise_table_beside_a_table_wise_one_is_refused(runs):
+    message = runs[(2, "refusals")]["mixed_mean"]
+    assert message.startswith("ValueError"), message
+    assert "tables ['t_rw'] pool by mean and are sharded by rows, beside tables ['t_mem']" in message, message
