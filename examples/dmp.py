@@ -1,5 +1,6 @@
 """TorchRec's DLRM under DistributedModelParallel with the tables that do not fit in memory on
 disk: the usual EmbeddingBagCollection on the meta device, with mlkv-torch's sharder and planner.
+The largest table is sharded by rows, so every rank's disk serves a block of it.
 
     torchrun --nproc_per_node 2 examples/dmp.py [STORAGE_DIR]
 """
@@ -9,7 +10,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner.types import Topology
+from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -46,8 +47,10 @@ def main(storage: str) -> None:
     # The changes: the disk sharder (where its shards live, how much of their bytes they may keep in
     # memory) and the planner that knows it; 40 MiB of host memory per rank for the tables.
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir=storage, memory_fraction=0.1)
+    # TorchRec's constraints as usual: here, t0's rows spread over the ranks (each reads its block).
     planner = DiskAwarePlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu",
-                                                 ddr_cap=40 << 20), batch_size=BATCH)
+                                                 ddr_cap=40 << 20), batch_size=BATCH,
+                               constraints={"t0": ParameterConstraints(sharding_types=["row_wise"])})
     plan = planner.collective_plan(model, [sharder])
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -64,10 +67,11 @@ def main(storage: str) -> None:
         opt.step()
         losses.append(loss.item())
     if dist.get_rank() == 0:
-        on_disk = sorted(t for t, p in plan.plan["sparse_arch.embedding_bag_collection"].items()
-                         if p.compute_kernel == DISK_KERNEL)
+        tables = plan.plan["sparse_arch.embedding_bag_collection"]
+        on_disk = sorted(t for t, p in tables.items() if p.compute_kernel == DISK_KERNEL)
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        print(f"tables on disk: {on_disk}; loss {first:.4f} -> {last:.4f} (mean of the first and last 10 steps)")
+        print(f"tables on disk: {on_disk} ({', '.join(f'{t} {tables[t].sharding_type}' for t in on_disk)}); "
+              f"loss {first:.4f} -> {last:.4f} (mean of the first and last 10 steps)")
     dist.destroy_process_group()
 
 

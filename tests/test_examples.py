@@ -26,12 +26,12 @@ def test_one_process_example_trains(tmp_path):
     assert last < first / 2, done.stdout
 
 
-def test_dmp_example_puts_the_large_tables_on_disk_and_trains(tmp_path):
+def test_dmp_example_puts_the_large_tables_on_disk_the_largest_by_rows_and_trains(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(EXAMPLES / "dmp.py"), str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "tables on disk: ['t0', 't1']" in done.stdout, done.stdout[-3000:]
+    assert "tables on disk: ['t0', 't1'] (t0 row_wise, t1 " in done.stdout, done.stdout[-3000:]
     first, last = _losses(done.stdout)
     assert last < first / 2, done.stdout
     assert (tmp_path / "run" / "rank0").is_dir() and (tmp_path / "run" / "rank1").is_dir()
