@@ -3,8 +3,10 @@
 TorchRec moves a sharded collection's data with `torch.distributed.all_to_all_single`: the ids of
 the input distribution (lengths, values and their split sizes, integers), the pooled embeddings
 of the output distribution (floating point, in the forward) and their gradients (floating point,
-in the backward). `EmbeddingTraffic` wraps that function while it is counting and adds, per call,
-the bytes this rank sends to the other ranks (its own split stays in memory), by kind:
+in the backward); row-wise shardings reduce-scatter the pooled partial sums instead and
+all-gather their gradients. `EmbeddingTraffic` wraps those functions while it is counting and
+adds, per call, the bytes this rank sends to the other ranks (its own part stays in memory), by
+kind:
 
 - ``ids``: integer tensors;
 - ``outputs``: floating-point tensors sent outside autograd's backward (the forward);
@@ -34,7 +36,7 @@ KINDS = ("ids", "outputs", "gradients", "replica_pushes", "replica_refreshes", "
 
 _lock = threading.Lock()
 _active: List["EmbeddingTraffic"] = []  # counters counting now
-_original: Optional[Any] = None  # torch.distributed.all_to_all_single while wrapped
+_originals: Dict[str, Any] = {}  # the torch.distributed functions wrapped while counting, by name
 
 
 def _in_backward() -> bool:
@@ -61,14 +63,48 @@ def _sent_bytes(input: torch.Tensor, input_split_sizes: Optional[List[int]], gro
     return (sum(input_split_sizes) - input_split_sizes[rank]) * row_bytes
 
 
-def _counting_all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
-                                input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
-    sent = _sent_bytes(input, list(input_split_sizes) if input_split_sizes is not None else None, group)
-    kind = _kind_of(input)
-    with _lock:
-        for counter in _active:
-            counter.bytes[kind] += sent
-    return _original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# For each collective TorchRec's shardings send embeddings with: the tensor sent, and the bytes of
+# it this rank sends to the others (its own part stays). Row-wise shardings reduce-scatter the
+# pooled partial sums in the forward and all-gather their gradients in the backward.
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+    return input, _sent_bytes(input, list(input_split_sizes) if input_split_sizes is not None else None, group)
+
+
+def _reduce_scatter_tensor(output, input, op=None, group=None, **_):
+    return input, _nbytes(input) - _nbytes(output)
+
+
+def _reduce_scatter(output, input_list, op=None, group=None, **_):
+    return output, sum(_nbytes(t) for t in input_list) - _nbytes(input_list[dist.get_rank(group)])
+
+
+def _all_gather_into_tensor(output_tensor, input_tensor, group=None, **_):
+    return input_tensor, _nbytes(input_tensor) * (dist.get_world_size(group) - 1)
+
+
+def _all_gather(tensor_list, tensor, group=None, **_):
+    return tensor, _nbytes(tensor) * (dist.get_world_size(group) - 1)
+
+
+_SENT = {"all_to_all_single": _all_to_all_single, "reduce_scatter_tensor": _reduce_scatter_tensor,
+         "reduce_scatter": _reduce_scatter, "all_gather_into_tensor": _all_gather_into_tensor,
+         "all_gather": _all_gather}
+
+
+def _counting(name: str) -> Any:
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        sent, nbytes = _SENT[name](*args, **kwargs)
+        kind = _kind_of(sent)
+        with _lock:
+            for counter in _active:
+                counter.bytes[kind] += nbytes
+            original = _originals[name]
+        return original(*args, **kwargs)
+    return collective
 
 
 def reattribute(sent_as: str, kind: str, nbytes: int) -> None:
@@ -80,38 +116,38 @@ def reattribute(sent_as: str, kind: str, nbytes: int) -> None:
 
 
 def count(kind: str, nbytes: int) -> None:
-    """Adds `nbytes` this rank sends outside all_to_all_single to `kind`, in every counter counting now."""
+    """Adds `nbytes` this rank sends outside the counted collectives to `kind`, in every counter counting now."""
     with _lock:
         for counter in _active:
             counter.bytes[kind] += nbytes
 
 
 class EmbeddingTraffic:
-    """Counts what this rank sends through all_to_all_single while counting (`with`, or `start` and
-    `stop`); several may count at once. `bytes` holds this rank's totals by kind."""
+    """Counts what this rank sends through the collectives above while counting (`with`, or `start`
+    and `stop`); several may count at once. `bytes` holds this rank's totals by kind."""
 
     def __init__(self) -> None:
         self.bytes: Dict[str, int] = dict.fromkeys(KINDS, 0)
 
     def start(self) -> None:
-        global _original
         with _lock:
             if self in _active:
                 return
             if not _active:
-                _original = dist.all_to_all_single
-                dist.all_to_all_single = _counting_all_to_all_single
+                for name in _SENT:
+                    _originals[name] = getattr(dist, name)
+                    setattr(dist, name, _counting(name))
             _active.append(self)
 
     def stop(self) -> None:
-        global _original
         with _lock:
             if self not in _active:
                 return
             _active.remove(self)
             if not _active:
-                dist.all_to_all_single = _original
-                _original = None
+                for name, original in _originals.items():
+                    setattr(dist, name, original)
+                _originals.clear()
 
     def __enter__(self) -> "EmbeddingTraffic":
         self.start()

@@ -32,6 +32,7 @@ from dmp_worker import set_initial_rows, step_on
 from mlkv_torch import optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+from mlkv_torch.wire import EmbeddingTraffic
 
 DIM, BATCH, STEPS, LR = 16, 8, 8, 0.1
 # t_rw's rows do not divide evenly by the ranks: its last block is shorter.
@@ -145,9 +146,10 @@ def main() -> None:
         for on_disk in (False, True):
             dmp, opt, plan = build(on_disk, optimizer, os.path.join(out_dir, f"store-{optimizer}-{on_disk}"))
             set_initial_rows(dmp, COLLECTION, SIZES)
-            losses = [train_step(dmp, opt, step) for step in range(STEPS)]
+            with EmbeddingTraffic() as traffic:  # what the training steps send between ranks
+                losses = [train_step(dmp, opt, step) for step in range(STEPS)]
             result["disk" if on_disk else "memory"] = {
-                "losses": all_gather_objects(losses),
+                "losses": all_gather_objects(losses), "sent": all_gather_objects(traffic.bytes),
                 "kernels": {t: [p.compute_kernel, p.sharding_type,
                                 [list(s.shard_offsets) for s in p.sharding_spec.shards]]
                             for t, p in plan.plan[COLLECTION].items()},

@@ -83,3 +83,16 @@ def test_a_mean_pooled_row_wise_table_beside_a_table_wise_one_is_refused(runs):
     message = runs[(2, "refusals")]["mixed_mean"]
     assert message.startswith("ValueError"), message
     assert "tables ['t_rw'] pool by mean and are sharded by rows, beside tables ['t_mem']" in message, message
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_bytes_row_wise_tables_send_are_counted(runs, ranks):
+    # Per step and table, a table-wise owner sends the other ranks their bags' pooled rows and gets
+    # their gradients back: (ranks - 1) x BATCH rows. A row-wise table's every rank reduce-scatters
+    # its partial sums of all ranks' bags, and all-gathers their gradients: ranks x that.
+    from row_wise_worker import BATCH, DIM, STEPS
+    run = runs[(ranks, "sgd")]["disk"]
+    sent = {kind: sum(rank[kind] for rank in run["sent"]) for kind in ("ids", "outputs", "gradients")}
+    rows = (ranks - 1) * BATCH * DIM * 4  # bytes
+    assert sent["outputs"] == sent["gradients"] == STEPS * rows * (1 + ranks + ranks), sent
+    assert sent["ids"] > 0
