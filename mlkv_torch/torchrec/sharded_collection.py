@@ -61,9 +61,7 @@ from .shardings.lookup import DiskPooledEmbeddingsLookup
 from .state_dicts import disk_tables_in_state_dict
 from .tables import DATA_TYPES
 
-_DISK_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
-                        ShardingType.TABLE_COLUMN_WISE.value, ShardingType.ROW_WISE.value,
-                        ShardingType.TABLE_ROW_WISE.value)
+_DISK_SHARDING_TYPES = tuple(DISK_SHARDINGS)  # the shardings a disk table takes
 
 
 # Set while DiskAwarePlanner plans: only then does the sharder offer its disk kernel.
