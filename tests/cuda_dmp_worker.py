@@ -1,8 +1,10 @@
 """A torchrun worker for tests/test_cuda_training.py: DLRM under DistributedModelParallel on one GPU
-(NCCL, world size 1) with every table on the disk kernel, table-wise, beside the same model under DMP
-on the CPU (a gloo group of the same process), trained on the same batches.
+(NCCL, world size 1) with every table on the disk kernel, sharded as asked (table_wise, row_wise,
+table_row_wise), beside the same model under DMP on the CPU (a gloo group of the same process),
+trained on the same batches. fbgemm ops that the installed fbgemm has no CUDA kernel for run through
+the host (tests/fbgemm_host_route.py); the JSON names them.
 
-    torchrun --nproc_per_node 1 tests/cuda_dmp_worker.py OUT_DIR
+    torchrun --nproc_per_node 1 tests/cuda_dmp_worker.py OUT_DIR SHARDING_TYPE
 
 Writes OUT_DIR/cuda_dmp.json: each device's losses, the device of the CUDA model's output and of its
 tables' caches.
@@ -23,6 +25,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from fbgemm_host_route import ROUTED, route_fbgemm_ops_without_cuda_kernels
 from mlkv_torch import optim
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
 
@@ -32,13 +35,13 @@ TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, fea
           for name, n in SIZES.items()]
 
 
-def build(device: torch.device, group: dist.ProcessGroup, storage_dir: str):
+def build(device: torch.device, group: dist.ProcessGroup, storage_dir: str, sharding_type: str):
     torch.manual_seed(0)  # the same dense layers on both devices: made on the CPU, then moved
     model = DLRM(embedding_bag_collection=EmbeddingBagCollection(TABLES, device=torch.device("meta")),
                  dense_in_features=4, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
                  dense_device=torch.device("cpu"))
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
-    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[DISK_KERNEL])
+    constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=[DISK_KERNEL])
                    for t in TABLES}
     planner = DiskAwarePlanner(topology=Topology(world_size=1, compute_device=device.type), batch_size=BATCH,
                                constraints=constraints)
@@ -61,13 +64,14 @@ def batch(step: int, device: torch.device):
 
 
 def main() -> None:
-    out_dir = sys.argv[1]
+    out_dir, sharding_type = sys.argv[1], sys.argv[2]
+    route_fbgemm_ops_without_cuda_kernels()
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
     result = {}
     for name, device, group in (("cuda", torch.device("cuda:0"), dist.group.WORLD),
                                 ("cpu", torch.device("cpu"), dist.new_group(backend="gloo"))):
-        dmp, optimizer = build(device, group, os.path.join(out_dir, f"tables-{name}"))
+        dmp, optimizer = build(device, group, os.path.join(out_dir, f"tables-{name}"), sharding_type)
         losses = []
         for step in range(STEPS):
             dense, sparse, labels = batch(step, device)
@@ -77,7 +81,10 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        result[name] = {"losses": losses, "output_device": logits.device.type}
+        plan = dmp.plan.get_plan_for_module("sparse_arch.embedding_bag_collection")
+        result[name] = {"losses": losses, "output_device": logits.device.type,
+                        "sharding_types": sorted({p.sharding_type for p in plan.values()})}
+    result["routed_through_host"] = sorted(ROUTED)
     with open(os.path.join(out_dir, "cuda_dmp.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
