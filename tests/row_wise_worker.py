@@ -8,7 +8,9 @@ For each optimizer ("sgd"; "rowwise_adagrad" through apply_optimizer_in_backward
 a mean-pooled row-wise table, every table by rows), both plans train STEPS steps from the same
 initial rows and batches; rank 0 writes OUT_DIR/<optimizer>.json: each plan's losses per rank, its
 kernels and sharding types, and every table's trained rows (assembled from the ranks' shards of
-the state dict). Then OUT_DIR/refusals.json: what sharding a table of fewer rows than ranks by
+the state dict). "resume" instead: the disk plan with row-wise Adagrad trains SAVE_AT steps and saves
+a checkpoint (torch.distributed.checkpoint); a new model with empty storage loads it and trains the
+rest; OUT_DIR/resume.json holds the losses of both parts and the trained rows. Then OUT_DIR/refusals.json: what sharding a table of fewer rows than ranks by
 rows, and a mean-pooled row-wise table beside a table-wise one, say.
 """
 import json
@@ -17,6 +19,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM
@@ -34,7 +37,7 @@ from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
 from mlkv_torch.wire import EmbeddingTraffic
 
-DIM, BATCH, STEPS, LR = 16, 8, 8, 0.1
+DIM, BATCH, STEPS, SAVE_AT, LR = 16, 8, 8, 4, 0.1
 # t_rw's rows do not divide evenly by the ranks: its last block is shorter.
 SIZES = {"t_mem": 60, "t_rw": 3001, "t_twrw": 2000}
 TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
@@ -111,6 +114,24 @@ def train_step(dmp, opt, step: int) -> float:
     return step_on(dmp, opt, *batch(step))
 
 
+def resumed_from_checkpoint(out_dir: str) -> dict:
+    """Row-wise Adagrad on the disk plan: SAVE_AT steps, a checkpoint, and the rest in a new model that
+    loads it into empty storage (the row shards and their accumulators at their offsets)."""
+    dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-save"))
+    set_initial_rows(dmp, COLLECTION, SIZES)
+    losses = [train_step(dmp, opt, step) for step in range(SAVE_AT)]
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=checkpoint)
+    dist.barrier()
+    dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-resume"))
+    state = {"model": dmp.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint)
+    dmp.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    losses += [train_step(dmp, opt, step) for step in range(SAVE_AT, STEPS)]
+    return {"losses": all_gather_objects(losses), "rows": trained_rows(dmp)}
+
+
 def refusal(model, constraints_of_plan, storage_dir: str) -> str:
     """What planning and sharding `model` under these constraints raises ("built" if nothing)."""
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
@@ -143,7 +164,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     for optimizer in optimizers:
         result = {}
-        for on_disk in (False, True):
+        if optimizer == "resume":
+            result = resumed_from_checkpoint(out_dir)
+        for on_disk in (() if optimizer == "resume" else (False, True)):
             dmp, opt, plan = build(on_disk, optimizer, os.path.join(out_dir, f"store-{optimizer}-{on_disk}"))
             set_initial_rows(dmp, COLLECTION, SIZES)
             with EmbeddingTraffic() as traffic:  # what the training steps send between ranks

@@ -31,7 +31,7 @@ def _run(tmp_path_factory, ranks: int, optimizers: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean"), **_run(tmp_path_factory, 4, "sgd")}
+    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume"), **_run(tmp_path_factory, 4, "sgd")}
 
 
 @pytest.mark.parametrize("ranks, optimizer", [(2, "sgd"), (2, "rowwise_adagrad"), (4, "sgd")])
@@ -57,6 +57,16 @@ def test_row_wise_disk_tables_train_as_the_tables_in_memory(runs, ranks, optimiz
     initial = initial_rows(torch.arange(3001), 16, seed=table_seed(0, "t_rw"), num_embeddings=3001)
     moved = (torch.tensor(disk["rows"]["t_rw"]) != initial).any(1)
     assert all(bool(moved[r0:r0 + block].any()) for r0, _ in offsets)
+
+
+def test_row_wise_tables_resumed_from_a_checkpoint_continue_as_the_uninterrupted_run(runs):
+    # The checkpoint (torch.distributed.checkpoint) holds each rank's row shards and their row-wise
+    # Adagrad accumulators at their offsets; loaded into empty storage, training goes on to the bit.
+    uninterrupted, resumed = runs[(2, "rowwise_adagrad")]["disk"], runs[(2, "resume")]
+    for rank in range(2):
+        assert resumed["losses"][rank] == uninterrupted["losses"][rank]
+    for table in ("t_mem", "t_rw", "t_twrw"):
+        assert resumed["rows"][table] == uninterrupted["rows"][table], table
 
 
 def test_a_table_with_fewer_rows_than_ranks_is_refused_by_name(runs):
