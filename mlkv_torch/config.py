@@ -111,18 +111,10 @@ class StorageConfig(_Section):
     populate: bool = False
     replicas: ReplicasConfig = ReplicasConfig()
     # Under torchrun: the shardings the planner may choose for a table. Row-wise ones spread a disk
-    # table's reads over every rank's disk (replicas do not take them).
+    # table's reads over every rank's disk.
     sharding_types: List[Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise",
                                  "data_parallel"]] = Field(
         default_factory=lambda: ["table_wise", "column_wise", "table_column_wise", "data_parallel"], min_length=1)
-
-    @model_validator(mode="after")
-    def _replicas_take_no_row_wise_tables(self) -> "StorageConfig":
-        by_rows = [t for t in self.sharding_types if t in ("row_wise", "table_row_wise")]
-        if self.replicas.fraction > 0 and by_rows:
-            raise ValueError(f"replicas (storage.replicas.fraction {self.replicas.fraction}) do not take tables "
-                             f"sharded {by_rows}: leave those out of storage.sharding_types or turn replicas off")
-        return self
 
 
 class PipelineConfig(_Section):

@@ -10,8 +10,10 @@ initial rows and batches; rank 0 writes OUT_DIR/<optimizer>.json: each plan's lo
 kernels and sharding types, and every table's trained rows (assembled from the ranks' shards of
 the state dict). "resume" instead: the disk plan with row-wise Adagrad trains SAVE_AT steps and saves
 a checkpoint (torch.distributed.checkpoint); a new model with empty storage loads it and trains the
-rest; OUT_DIR/resume.json holds the losses of both parts and the trained rows. Then OUT_DIR/refusals.json: what sharding a table of fewer rows than ranks by
-rows, and a mean-pooled row-wise table beside a table-wise one, say.
+rest; OUT_DIR/resume.json holds the losses of both parts and the trained rows. "replicas": the disk
+plan with SGD, REPLICA_STEPS steps without and with replicas of hot rows at bounds 0; their losses,
+rows, the replicas' statistics and the bytes sent. Then OUT_DIR/refusals.json: what sharding a table
+of fewer rows than ranks by rows, and a mean-pooled row-wise table beside a table-wise one, say.
 """
 import json
 import os
@@ -35,9 +37,11 @@ from dmp_worker import set_initial_rows, step_on
 from mlkv_torch import optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+from mlkv_torch.torchrec.replicas import ReplicaSettings, replicate_hot_rows
 from mlkv_torch.wire import EmbeddingTraffic
 
 DIM, BATCH, STEPS, SAVE_AT, LR = 16, 8, 8, 4, 0.1
+REPLICA_STEPS = 12  # hot rows chosen at steps 2, 5, 8 and 11
 # t_rw's rows do not divide evenly by the ranks: its last block is shorter.
 SIZES = {"t_mem": 60, "t_rw": 3001, "t_twrw": 2000}
 TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
@@ -132,6 +136,23 @@ def resumed_from_checkpoint(out_dir: str) -> dict:
     return {"losses": all_gather_objects(losses), "rows": trained_rows(dmp)}
 
 
+def with_and_without_replicas(out_dir: str) -> dict:
+    """SGD on the disk plan without replicas and with replicas of hot rows at bounds 0."""
+    result = {}
+    for replicated in (False, True):
+        dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, f"store-replicas-{replicated}"))
+        set_initial_rows(dmp, COLLECTION, SIZES)
+        replicas = replicate_hot_rows(dmp.module.sparse_arch.embedding_bag_collection,
+                                      ReplicaSettings(fraction=0.02, warmup_steps=2, refresh_every=3)
+                                      ) if replicated else None
+        with EmbeddingTraffic() as traffic:
+            losses = [train_step(dmp, opt, step) for step in range(REPLICA_STEPS)]
+        result["replicas" if replicated else "plain"] = {
+            "losses": all_gather_objects(losses), "rows": trained_rows(dmp), "sent": all_gather_objects(traffic.bytes),
+            "stats": all_gather_objects(replicas.stats if replicas else None)}
+    return result
+
+
 def refusal(model, constraints_of_plan, storage_dir: str) -> str:
     """What planning and sharding `model` under these constraints raises ("built" if nothing)."""
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
@@ -166,7 +187,9 @@ def main() -> None:
         result = {}
         if optimizer == "resume":
             result = resumed_from_checkpoint(out_dir)
-        for on_disk in (() if optimizer == "resume" else (False, True)):
+        elif optimizer == "replicas":
+            result = with_and_without_replicas(out_dir)
+        for on_disk in (() if optimizer in ("resume", "replicas") else (False, True)):
             dmp, opt, plan = build(on_disk, optimizer, os.path.join(out_dir, f"store-{optimizer}-{on_disk}"))
             set_initial_rows(dmp, COLLECTION, SIZES)
             with EmbeddingTraffic() as traffic:  # what the training steps send between ranks

@@ -113,7 +113,8 @@ def test_dmp_with_nccl_on_one_gpu_trains_disk_tables_as_on_the_cpu(tmp_path, sha
     repo = str(worker.parents[1])  # an in-place build (the GPU machine's) is imported from the checkout
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                           str(worker), str(tmp_path), sharding_type], capture_output=True, text=True, timeout=300, env=env)
+                           str(worker), str(tmp_path), sharding_type],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "cuda_dmp.json").read_text())
     assert result["cuda"]["output_device"] == "cuda"

@@ -31,7 +31,7 @@ def _run(tmp_path_factory, ranks: int, optimizers: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume"), **_run(tmp_path_factory, 4, "sgd")}
+    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume,replicas"), **_run(tmp_path_factory, 4, "sgd")}
 
 
 @pytest.mark.parametrize("ranks, optimizer", [(2, "sgd"), (2, "rowwise_adagrad"), (4, "sgd")])
@@ -67,6 +67,24 @@ def test_row_wise_tables_resumed_from_a_checkpoint_continue_as_the_uninterrupted
         assert resumed["losses"][rank] == uninterrupted["losses"][rank]
     for table in ("t_mem", "t_rw", "t_twrw"):
         assert resumed["rows"][table] == uninterrupted["rows"][table], table
+
+
+def test_replicas_of_hot_rows_of_row_wise_tables_at_bounds_zero_train_as_without_them(runs):
+    # Hits are pooled from the replicas; misses and push bags reach the row blocks' ranks as a
+    # variable batch, whose partial sums gloo reduces by an all-to-all (TorchRec's reduce-scatter-v
+    # is NCCL's). Pooling a hit's rows in one sum, not per block, changes float order: rtol 1e-5.
+    plain, replicated = runs[(2, "replicas")]["plain"], runs[(2, "replicas")]["replicas"]
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(replicated["losses"][rank]), torch.tensor(plain["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+    for table in ("t_mem", "t_rw", "t_twrw"):
+        torch.testing.assert_close(torch.tensor(replicated["rows"][table]), torch.tensor(plain["rows"][table]),
+                                   rtol=0, atol=1e-6, msg=lambda m: f"{table}: {m}")
+    for stats in replicated["stats"]:
+        assert stats["replica_hits"] > 0.05 * stats["lookups"] and stats["push_rows"] > 0, stats
+    sent = {kind: sum(rank[kind] for rank in replicated["sent"]) for kind in ("outputs", "gradients")}
+    before = {kind: sum(rank[kind] for rank in plain["sent"]) for kind in ("outputs", "gradients")}
+    assert all(sent[kind] < before[kind] for kind in sent), (sent, before)
 
 
 def test_a_table_with_fewer_rows_than_ranks_is_refused_by_name(runs):

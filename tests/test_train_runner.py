@@ -165,8 +165,6 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
                             r"be greater than or equal to 0$"),
     (["train.steps"], r"not of the form dotted\.key=value"),
     (["storage.sharding_types=[by_hand]"], r"storage\.sharding_types\.0: Input should be 'table_wise', "),
-    (["storage.replicas.fraction=0.01", "storage.sharding_types=[row_wise,table_wise]"],
-     r"storage: .*replicas \(storage\.replicas\.fraction 0\.01\) do not take tables sharded \['row_wise'\]"),
 ])
 def test_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -52,9 +52,11 @@ __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_m
 
 _NEVER = -(1 << 62)  # the step a never-read replica row's value is from
 _CANDIDATES = 2  # each rank offers this many times the replicas' rows of its most frequent rows
-# The shardings whose tables replicas serve: a bag's rows have one owner per column block.
+# The shardings whose tables replicas serve: a push bag reaches each owner of its row through
+# TorchRec's own input distribution (by column block, and by row block for row-wise tables).
 REPLICATED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
-                             ShardingType.TABLE_COLUMN_WISE.value)
+                             ShardingType.TABLE_COLUMN_WISE.value, ShardingType.ROW_WISE.value,
+                             ShardingType.TABLE_ROW_WISE.value)
 _TABLE_SHIFT = _C.EmbeddingCache.table_shift  # a hot row's key in its group: table index << shift | row, as the cache's
 _ROW_MASK = (1 << _TABLE_SHIFT) - 1
 _COUNT_EVERY = 16  # training steps whose lookups are counted together (sorting them once)
@@ -188,7 +190,9 @@ class _ReplicatedTable:
     def __init__(self, name: str, rows: int, dim: int, features: List[str], mean: bool, remote_columns: int,
                  index: int, weight: float) -> None:
         self.name, self.rows, self.dim, self.features, self.mean = name, rows, dim, features, mean
-        self.remote_columns = remote_columns  # of each row, the columns other ranks own
+        # Columns one bag's output gets from other ranks: those of the column shards they own (a
+        # row-wise table: each other rank's partial sum, a whole row).
+        self.remote_columns = remote_columns
         self.index = index  # among the collection's sharded tables, the same on every rank
         self.weight = weight  # ranks over the ranks that count its lookups (those that replicate it)
 

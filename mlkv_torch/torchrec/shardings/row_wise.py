@@ -7,9 +7,11 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 
 from .lookup import DiskLookupMixin
+from .variable_batch_output import EitherBatchOutputDistMixin, RwPooledDistOfEitherBatch
 
 
-class DiskRwSharding(DiskLookupMixin, RwPooledEmbeddingSharding):
+class DiskRwSharding(DiskLookupMixin, EitherBatchOutputDistMixin, RwPooledEmbeddingSharding):
     """TorchRec's row-wise sharding whose disk groups look up through DiskEmbeddingKernel."""
 
     lookup_sharding_type = ShardingType.ROW_WISE
+    output_dist_class = RwPooledDistOfEitherBatch

@@ -9,12 +9,14 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.distributed.types import ShardingType
 
 from .lookup import DiskLookupMixin
+from .variable_batch_output import EitherBatchOutputDistMixin, TwRwPooledDistOfEitherBatch
 
 
-class DiskTwRwSharding(DiskLookupMixin, TwRwPooledEmbeddingSharding):
+class DiskTwRwSharding(DiskLookupMixin, EitherBatchOutputDistMixin, TwRwPooledEmbeddingSharding):
     """TorchRec's table-row-wise sharding whose disk groups look up through DiskEmbeddingKernel."""
 
     lookup_sharding_type = ShardingType.TABLE_ROW_WISE
+    output_dist_class = TwRwPooledDistOfEitherBatch
 
     def lookup_configs(self) -> List[GroupedEmbeddingConfig]:
         return self._grouped_embedding_configs_per_rank[self._rank]
