@@ -90,6 +90,15 @@ class ReplicasConfig(_Section):
     warmup_steps: int = Field(10, gt=0)
 
 
+class CommsConfig(_Section):
+    """Under torchrun: the precision of the embeddings' all-to-alls and reduce-scatters (TorchRec's
+    quantized comms), `forward` for the pooled embeddings, `backward` for their gradients; ids stay
+    integers."""
+
+    forward: Literal["fp32", "fp16", "bf16"] = "fp32"
+    backward: Literal["fp32", "fp16", "bf16"] = "fp32"
+
+
 class StorageConfig(_Section):
     """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection), `disk`
     (mlkv's log-structured store) or `rocksdb` (the same cache and op over RocksDB: the
@@ -115,6 +124,7 @@ class StorageConfig(_Section):
     sharding_types: List[Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise",
                                  "data_parallel"]] = Field(
         default_factory=lambda: ["table_wise", "column_wise", "table_column_wise", "data_parallel"], min_length=1)
+    comms: CommsConfig = CommsConfig()
 
 
 class PipelineConfig(_Section):

@@ -5,7 +5,8 @@ TorchRec's memory, table-wise.
     torchrun --nproc_per_node N tests/row_wise_worker.py OPTIMIZER[,OPTIMIZER...] OUT_DIR
 
 For each optimizer ("sgd"; "rowwise_adagrad" through apply_optimizer_in_backward; "mean": SGD with
-a mean-pooled row-wise table, every table by rows), both plans train STEPS steps from the same
+a mean-pooled row-wise table, every table by rows; "qcomm": SGD with TorchRec's quantized comms,
+fp16 forward and bf16 backward), both plans train STEPS steps from the same
 initial rows and batches; rank 0 writes OUT_DIR/<optimizer>.json: each plan's losses per rank, its
 kernels and sharding types, and every table's trained rows (assembled from the ranks' shards of
 the state dict). "resume" instead: the disk plan with row-wise Adagrad trains SAVE_AT steps and saves
@@ -22,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM
@@ -42,6 +44,12 @@ from mlkv_torch.wire import EmbeddingTraffic
 
 DIM, BATCH, STEPS, SAVE_AT, LR = 16, 8, 8, 4, 0.1
 REPLICA_STEPS = 12  # hot rows chosen at steps 2, 5, 8 and 11
+
+
+def quantized_comms() -> dict:
+    """The sharder's arguments for TorchRec's quantized comms: fp16 forward, bf16 backward."""
+    return {"qcomm_codecs_registry": get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))}
 # t_rw's rows do not divide evenly by the ranks: its last block is shorter.
 SIZES = {"t_mem": 60, "t_rw": 3001, "t_twrw": 2000}
 TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
@@ -65,16 +73,16 @@ def constraints(on_disk: bool, all_row_wise: bool = False):
             "t_twrw": ParameterConstraints(sharding_types=["table_row_wise"], compute_kernels=disk)}
 
 
-def build(on_disk: bool, optimizer: str, storage_dir: str):
+def build(on_disk: bool, optimizer: str, storage_dir: str, **sharder_args):
     torch.manual_seed(0)  # the same dense layers in every build
     ebc = EmbeddingBagCollection(MEAN_TABLES if optimizer == "mean" else TABLES, device=torch.device("meta"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
                  over_arch_layer_sizes=[16, 1], dense_device=torch.device("cpu"))
     if optimizer == "rowwise_adagrad":
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags.parameters(), {"lr": LR, "eps": 1e-8})
-        sharder = DiskEmbeddingBagCollectionSharder(storage_dir)
+        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, **sharder_args)
     else:
-        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
+        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR), **sharder_args)
     planner = DiskAwarePlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
                                batch_size=BATCH, constraints=constraints(on_disk, optimizer == "mean"))
     plan = planner.collective_plan(model, [sharder])
@@ -190,7 +198,9 @@ def main() -> None:
         elif optimizer == "replicas":
             result = with_and_without_replicas(out_dir)
         for on_disk in (() if optimizer in ("resume", "replicas") else (False, True)):
-            dmp, opt, plan = build(on_disk, optimizer, os.path.join(out_dir, f"store-{optimizer}-{on_disk}"))
+            dmp, opt, plan = build(on_disk, "sgd" if optimizer == "qcomm" else optimizer,
+                                   os.path.join(out_dir, f"store-{optimizer}-{on_disk}"),
+                                   **(quantized_comms() if optimizer == "qcomm" else {}))
             set_initial_rows(dmp, COLLECTION, SIZES)
             with EmbeddingTraffic() as traffic:  # what the training steps send between ranks
                 losses = [train_step(dmp, opt, step) for step in range(STEPS)]

@@ -31,7 +31,8 @@ def _run(tmp_path_factory, ranks: int, optimizers: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume,replicas"), **_run(tmp_path_factory, 4, "sgd")}
+    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume,replicas,qcomm"),
+            **_run(tmp_path_factory, 4, "sgd")}
 
 
 @pytest.mark.parametrize("ranks, optimizer", [(2, "sgd"), (2, "rowwise_adagrad"), (4, "sgd")])
@@ -85,6 +86,20 @@ def test_replicas_of_hot_rows_of_row_wise_tables_at_bounds_zero_train_as_without
     sent = {kind: sum(rank[kind] for rank in replicated["sent"]) for kind in ("outputs", "gradients")}
     before = {kind: sum(rank[kind] for rank in plain["sent"]) for kind in ("outputs", "gradients")}
     assert all(sent[kind] < before[kind] for kind in sent), (sent, before)
+
+
+def test_quantized_comms_with_disk_tables_train_as_in_memory_and_halve_the_bytes(runs):
+    # TorchRec's codecs (fp16 forward, bf16 backward) on the all-to-alls and reduce-scatters: the
+    # disk plan rounds its outputs and gradients as the plan in memory does.
+    memory, disk = runs[(2, "qcomm")]["memory"], runs[(2, "qcomm")]["disk"]
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(disk["losses"][rank]), torch.tensor(memory["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+    full = runs[(2, "sgd")]["disk"]  # the same plan, steps and batches in float32
+    for kind in ("outputs", "gradients"):
+        assert sum(r[kind] for r in disk["sent"]) * 2 == sum(r[kind] for r in full["sent"]) > 0, kind
+    assert [r["ids"] for r in disk["sent"]] == [r["ids"] for r in full["sent"]]
+    assert disk["losses"] != full["losses"]  # the rounding is there
 
 
 def test_a_table_with_fewer_rows_than_ranks_is_refused_by_name(runs):

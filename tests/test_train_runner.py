@@ -165,6 +165,7 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
                             r"be greater than or equal to 0$"),
     (["train.steps"], r"not of the form dotted\.key=value"),
     (["storage.sharding_types=[by_hand]"], r"storage\.sharding_types\.0: Input should be 'table_wise', "),
+    (["storage.comms.forward=fp8"], r"storage\.comms\.forward: Input should be 'fp32', 'fp16' or 'bf16'"),
 ])
 def test_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -222,7 +223,9 @@ def _torchrun(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess
 
 
 def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
-    _torchrun(tmp_path / "whole", 12, "storage.populate=true")  # populating changes no result
+    # Both runs with TorchRec's quantized comms (tests/test_row_wise.py has them against float32).
+    comms = ["storage.comms.forward=fp16", "storage.comms.backward=bf16"]
+    _torchrun(tmp_path / "whole", 12, "storage.populate=true", *comms)  # populating changes no result
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["populate_s"] > 0
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["samples"] == 12 * 2 * 256
@@ -236,11 +239,11 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     assert len(per_step) == 12 and sum(per_step) == pytest.approx(12 * summary["embedding_bytes_per_step"])
     # The first run ends at step 10, two steps past its last checkpoint (8), and its close takes a cut
     # of every rank's tables at 10: the resumed run reopens them at the checkpoint's cuts, not those.
-    _torchrun(tmp_path / "split", 10)
+    _torchrun(tmp_path / "split", 10, *comms)
     pointer = json.loads((tmp_path / "split" / "checkpoint.latest").read_text())
     assert pointer["directory"] == "checkpoint-8" and {c["label"] for c in pointer["cuts"].values() if c} == {8}
     # other loader settings: the same batches
-    _torchrun(tmp_path / "split", 12, "--resume", "data.workers=2", "data.prefetch=5")
+    _torchrun(tmp_path / "split", 12, "--resume", "data.workers=2", "data.prefetch=5", *comms)
     expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import optim as optim_lib
-from ..config import ConfigError, ExperimentConfig
+from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
 from ..data.sources import batch_source, loader_tuner
 from ..memory_budget import MemoryBudgetError
@@ -125,7 +125,8 @@ class Experiment:
             self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
             staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
             backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume,  # memory: nothing on disk
-            cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None)
+            cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None,
+            qcomm_codecs_registry=_comms_codecs(storage.comms))
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
@@ -422,3 +423,13 @@ def torch_threads(config: ExperimentConfig) -> int:
         return config.train.torch_threads
     threads = torch.get_num_threads()
     return max(1, threads - 1) if config.looks_ahead else threads
+
+
+def _comms_codecs(comms: CommsConfig) -> Optional[Dict[str, Any]]:
+    """TorchRec's quantized-comms codecs for `storage.comms` (None: full precision both ways)."""
+    if comms.forward == comms.backward == "fp32":
+        return None
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    return get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType[comms.forward.upper()],
+                                                  backward_precision=CommType[comms.backward.upper()]))
