@@ -164,6 +164,11 @@ class ExperimentConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
 
     @property
+    def tables_path(self) -> str:
+        """Where the run's disk tables are: storage.path, else output_dir/tables."""
+        return self.storage.path or os.path.join(self.output_dir, "tables")
+
+    @property
     def looks_ahead(self) -> bool:
         """Whether the run's disk tables read ahead (each kernel on a thread of its own)."""
         return self.storage.kind != "memory" and self.pipeline.depth != 0

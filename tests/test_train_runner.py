@@ -1,8 +1,10 @@
 """python -m mlkv_torch.train: the quickstart for a few steps, resume, and config errors."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 import pytest
 import torch
@@ -211,22 +213,34 @@ def test_missing_files_are_named(tmp_path):
     assert done.returncode == 2 and "config error" in done.stderr and "nope.yaml" in done.stderr
 
 
-def _torchrun(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}", "--no-progress",
+def _torchrun(out: Path, steps: int, *extra: str, worker: Sequence[str] = ("-m", "mlkv_torch.train"),
+              launcher: Sequence[str] = (), env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launcher,
+           *worker, str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}", "--no-progress",
            "data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
            "storage.memory_budget_bytes=1048576", "train.log_every=1", "train.checkpoint_every=4",
            "pipeline.depth=2", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-6000:]
     return done
 
 
-def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
-    # Both runs with TorchRec's quantized comms (tests/test_row_wise.py has them against float32).
-    comms = ["storage.comms.forward=fp16", "storage.comms.backward=bf16"]
-    _torchrun(tmp_path / "whole", 12, "storage.populate=true", *comms)  # populating changes no result
-    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+# The runs under torchrun use TorchRec's quantized comms (tests/test_row_wise.py has them against float32).
+COMMS = ["storage.comms.forward=fp16", "storage.comms.backward=bf16"]
+
+
+@pytest.fixture(scope="module")
+def whole_on_two_ranks(tmp_path_factory) -> Path:
+    """12 steps under torchrun, uninterrupted."""
+    out = tmp_path_factory.mktemp("torchrun") / "whole"
+    _torchrun(out, 12, "storage.populate=true", *COMMS)  # populating changes no result
+    return out
+
+
+def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path, whole_on_two_ranks):
+    comms = COMMS
+    summary = json.loads((whole_on_two_ranks / "summary.json").read_text())
     assert summary["populate_s"] > 0
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["samples"] == 12 * 2 * 256
     assert summary["hit_rate"] is not None and summary["disk_bytes"] > 100 << 10, "the planner must put tables on disk"
@@ -234,7 +248,7 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     by_kind = summary["embedding_bytes_per_step_by_kind"]
     assert by_kind["outputs"] == by_kind["gradients"] > 0 and by_kind["ids"] > 0
     assert summary["embedding_bytes_per_step"] == pytest.approx(sum(by_kind.values()))
-    logged = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (whole_on_two_ranks / "metrics.jsonl").read_text().splitlines()]
     per_step = [r["embedding_bytes_per_step"] for r in logged if "embedding_bytes_per_step" in r]
     assert len(per_step) == 12 and sum(per_step) == pytest.approx(12 * summary["embedding_bytes_per_step"])
     # The first run ends at step 10, two steps past its last checkpoint (8), and its close takes a cut
@@ -244,8 +258,23 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path):
     assert pointer["directory"] == "checkpoint-8" and {c["label"] for c in pointer["cuts"].values() if c} == {8}
     # other loader settings: the same batches
     _torchrun(tmp_path / "split", 12, "--resume", "data.workers=2", "data.prefetch=5", *comms)
-    expected, got = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    expected, got = _losses(whole_on_two_ranks), _losses(tmp_path / "split")
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
+
+
+def test_a_rank_killed_under_torchrun_max_restarts_makes_the_job_go_on_from_its_last_checkpoint(
+        tmp_path, whole_on_two_ranks):
+    # Attempt 0: rank 1 dies at step 3, before the first checkpoint (4): the restarted job starts over.
+    # Attempt 1: rank 0 dies at step 10: the job resumes from the checkpoint at step 8. No --resume.
+    out = tmp_path / "elastic"
+    done = _torchrun(out, 12, *COMMS, worker=[str(REPO / "tests" / "elastic_worker.py")],
+                     launcher=["--max-restarts", "2"], env={"MLKV_TEST_KILLS": "0:1:3,1:0:10"})
+    assert "restart 1): no checkpoint yet, starting over" in done.stderr, done.stderr[-4000:]
+    assert "restart 2): resuming from the last checkpoint" in done.stderr, done.stderr[-4000:]
+    expected, got = _losses(whole_on_two_ranks), _losses(out)
+    assert sorted(got) == list(range(1, 13)) and got == expected
+    summary, whole = (json.loads((d / "summary.json").read_text()) for d in (out, whole_on_two_ranks))
+    assert (summary["steps"], summary["auc"], summary["logloss"]) == (whole["steps"], whole["auc"], whole["logloss"])
 
 
 def test_torchrun_converts_each_criteo_file_once(tmp_path):

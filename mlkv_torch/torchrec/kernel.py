@@ -46,6 +46,11 @@ def on_host(shard: ShardMetadata) -> ShardMetadata:
                          placement=f"rank:{rank}/cpu")
 
 
+def rank_storage_dir(storage_dir: str, rank: int) -> str:
+    """Where rank `rank` keeps its shards of the disk tables under a sharder's storage_dir."""
+    return os.path.join(storage_dir, f"rank{rank}")
+
+
 @dataclass(frozen=True)
 class DiskTableOptions:
     """How the sharder builds disk tables (see DiskEmbeddingBagCollectionSharder)."""
@@ -96,7 +101,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._config = config
         self._device = torch.device(device if device is not None else "cpu")
         rank = dist.get_rank(pg) if pg is not None and dist.is_initialized() else 0
-        self._rank_dir = os.path.join(options.storage_dir, f"rank{rank}")
+        self._rank_dir = rank_storage_dir(options.storage_dir, rank)
         self._pg = pg
         self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
         specs = []

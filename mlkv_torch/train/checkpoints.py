@@ -17,6 +17,8 @@ import torch
 from ..config import ConfigError
 from ..cut import sync_directory
 
+ONE_PROCESS_CHECKPOINT = "checkpoint.pt"  # in output_dir
+SHARDED_CHECKPOINT_POINTER = "checkpoint.latest"  # in output_dir under torchrun: names the latest directory
 CHECKPOINT_DIRECTORY = re.compile(r"checkpoint-[0-9]+")  # under torchrun, what checkpoint.latest may name
 
 

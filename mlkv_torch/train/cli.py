@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..config import ConfigError, load_config
+from . import checkpoints, elastic
 from .loop import run
 
 RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
@@ -34,6 +35,25 @@ def _leave_process_group(quiesce: bool) -> None:
         dist.destroy_process_group()
 
 
+def _join_process_group() -> None:
+    """init_process_group for a worker that torchrun started, in a store of its attempt's own.
+
+    TorchElastic keeps one store for the whole job, and an attempt's ranks would read the gloo
+    addresses the ranks of the attempt it restarts left there (and fail to connect): each attempt
+    (TORCHELASTIC_RESTART_COUNT) keys its process group under a prefix of its own.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # another launcher: its own rendezvous
+        dist.init_process_group(RUNNER_BACKEND)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0)
+    dist.init_process_group(RUNNER_BACKEND, store=dist.PrefixStore(f"mlkv/attempt{attempt}/", store), rank=rank,
+                            world_size=world)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     description = sys.modules[__package__].__doc__.split("\n\n")[0]  # the package docstring's first paragraph
     parser = argparse.ArgumentParser(prog="python -m mlkv_torch.train", description=description)
@@ -51,10 +71,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if distributed:
         # gloo even on a CUDA host: the runner keeps the model, the plan and the collectives on the
         # CPU (NCCL would refuse their CPU tensors).
-        dist.init_process_group(RUNNER_BACKEND)
+        _join_process_group()
+    resume = args.resume
+    if distributed and not resume and elastic.restart_of_this_job(config):
+        resume = os.path.exists(os.path.join(config.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER))
+        if not resume:
+            elastic.drop_failed_attempt(config, dist.get_rank())
+        if dist.get_rank() == 0:
+            print(f"[train] restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}): "
+                  f"{'resuming from the last checkpoint' if resume else 'no checkpoint yet, starting over'}",
+                  file=sys.stderr, flush=True)
     finished = False
     try:
-        summary = run(config, resume=args.resume, progress=not args.no_progress)
+        summary = run(config, resume=resume, progress=not args.no_progress)
         finished = True
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

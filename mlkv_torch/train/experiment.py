@@ -26,6 +26,7 @@ _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adag
 _BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbeddingBag backend
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
+_NOT_COMMITTED = "not-committed.json"  # in a torchrun checkpoint's directory: rank 0 gave it up
 
 
 class Experiment:
@@ -41,7 +42,7 @@ class Experiment:
                   for name, n in zip(self.source.feature_names, self.source.cardinalities)]
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
-        self.tables_path = config.storage.path or os.path.join(config.output_dir, "tables")
+        self.tables_path = config.tables_path
         self.distributed = dist.is_available() and dist.is_initialized()
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
@@ -218,7 +219,8 @@ class Experiment:
 
     def checkpoint_path(self) -> str:
         """A file in one process; under torchrun, the pointer to the latest checkpoint directory."""
-        return os.path.join(self.config.output_dir, "checkpoint.pt" if not self.distributed else "checkpoint.latest")
+        return os.path.join(self.config.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER if self.distributed
+                            else checkpoints.ONE_PROCESS_CHECKPOINT)
 
     def save(self, step: int) -> None:
         """Checkpoints at this step boundary: one cut of the tables (their stores keep the previous
@@ -335,9 +337,11 @@ class Experiment:
                 write_json_record(record, {"error": f"{type(e).__name__}: {e}"})
                 raise
             write_json_record(record, {"cut": cut})
-            if pending is not None:
-                pending.commit()  # after the rank's own record (see _save_local)
             if not main:
+                # The stores let the previous cut go only once the pointer names this one: a job
+                # killed before (rank 0 or another rank) resumes from the previous cut.
+                if self._wait_for_pointer(directory) and pending is not None:
+                    pending.commit()
                 return
             records = [os.path.join(directory, f"cut-rank{r}.json") for r in range(world)]
             while not all(os.path.exists(r) for r in records):
@@ -345,13 +349,29 @@ class Experiment:
             written = [read_json_record(path, f"rank {r}'s cut") for r, path in enumerate(records)]
             failed = [f"rank {r}: {w['error']}" for r, w in enumerate(written) if "error" in w]
             if failed:
+                write_json_record(os.path.join(directory, _NOT_COMMITTED), {"failed": failed})
                 raise OSError(f"checkpoint {directory} is not committed: {'; '.join(failed)}")
             cuts = {str(r): w["cut"] for r, w in enumerate(written)}
             previous = self._latest_sharded()[0] if os.path.exists(self.checkpoint_path()) else None
             write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory), "cuts": cuts})
+            if pending is not None:
+                pending.commit()
             if previous and previous != directory:
                 shutil.rmtree(previous, ignore_errors=True)
         return commit
+
+    def _wait_for_pointer(self, directory: str) -> bool:
+        """Waits until rank 0 has named `directory` in the pointer (True) or given it up (False)."""
+        while True:
+            if os.path.exists(os.path.join(directory, _NOT_COMMITTED)):
+                return False
+            try:
+                with open(self.checkpoint_path()) as f:
+                    if json.load(f).get("directory") == os.path.basename(directory):
+                        return True
+            except (OSError, ValueError, AttributeError):
+                pass  # no pointer yet
+            time.sleep(0.01)
 
     def _optimizer_state_without_disk_tables(self) -> Dict[str, Any]:
         """The optimizers' state_dict without the disk tables' entries (their state is in the cuts;

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, ExperimentConfig
 from ..wire import EmbeddingTraffic
-from . import checkpoints
+from . import checkpoints, elastic
 from .experiment import Experiment, torch_threads
 
 
@@ -73,6 +73,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     except FileExistsError as e:  # an earlier run's tables: say first how the runner continues from them
         raise ConfigError(f"output_dir {config.output_dir!r} already holds an earlier run's tables: continue it with "
                           f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
+    if experiment.distributed and experiment.is_main:
+        elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
     populate_s = 0.0
     # A resumed run's tables hold their rows already; populating again would also take a cut past
     # the one its checkpoint names.
