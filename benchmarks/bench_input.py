@@ -36,6 +36,7 @@ from common import REPO, write_json_report
 
 SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte")
 STALL_RUNS = ("quickstart", "criteo_kaggle")  # trained with the tuning off and on, besides in memory
+SMOKE_STALL_RUNS = ("criteo_kaggle",)  # the smoke run's: the same code path, once
 RESUMED_AT = 10 ** 9  # the batch number where a run resumed late starts
 SMOKE_CONFIGS = ("quickstart", "criteo_kaggle", "criteo_terabyte")  # synthetic, TSV and npy
 _SMALL_MODEL = ["model.embedding_dim=16", "model.dense_arch=[64,16]", "model.over_arch=[64,1]"]
@@ -226,11 +227,12 @@ def main(argv: List[str]) -> int:
         loaders: Dict[str, Any] = {}
         variants = (("tuning off (1 thread, 1 buffered)", ["data.workers=1", "data.prefetch=1"], False),
                     ("auto", [], False), ("in memory", [], True))
+        stall_runs = SMOKE_STALL_RUNS if args.smoke else STALL_RUNS
         for name in (SMOKE_CONFIGS if args.smoke else SHIPPED):
-            steps = args.steps if name in STALL_RUNS else args.short_steps
+            steps = args.steps if name in stall_runs else args.short_steps
             overrides = [f"train.steps={steps}", f"eval.every={steps}", "eval.batches=2",
                          *_config_overrides(name, tsv, cache), *(SMOKE[name] if args.smoke else [])]
-            for label, extra, in_memory in (variants if name in STALL_RUNS else variants[2:]):
+            for label, extra, in_memory in (variants if name in stall_runs else variants[2:]):
                 out = os.path.join(work, f"{name}-{len(runs)}")
                 summary = _child("train", name, [f"output_dir={out}", *overrides, *extra], in_memory)
                 summary["train_samples_per_s"] = summary["samples"] / summary["train_seconds"]

@@ -38,7 +38,8 @@ def test_benchmark_smoke_runs(smoke_runs, script):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ERROR" not in done.stdout, done.stdout[-4000:]
     if script == "bench_input.py":  # every stage ran: conversion, stalls with the tuning off and on, loaders alone
-        for line in ("conversion of 20,000 rows", "quickstart, auto:", "criteo_kaggle, tuning off",
+        for line in ("conversion of 20,000 rows", "quickstart, in memory:", "criteo_kaggle, tuning off",
+                     "criteo_kaggle, auto:",
                      "loader alone, criteo_terabyte"):
             assert line in done.stdout, done.stdout[-4000:]
     if script == "bench_replicas.py":  # two namespaces as two nodes, and a multi-node run resumed from its checkpoint
