@@ -20,14 +20,12 @@ end), the disk tables' hit rate and the held-out AUC. Ratios are against depth 0
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any, Dict, List
 
-from common import REPO, markdown_table, write_json_report
+from common import REPO, markdown_table, runner_summary, write_json_report
 
 BYTES_PER_ROW = 16 * 4 + 4  # 16 float32 weights and a row-wise Adagrad accumulator
 
@@ -70,12 +68,9 @@ def main(argv: List[str]) -> int:
                    f"train.batch_size={args.batch}", f"storage.memory_budget_bytes={budget}",
                    f"eval.every={args.steps}", "eval.batches=4", "train.checkpoint_every=null", "--no-progress",
                    *extra]
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-            if done.returncode != 0:
-                print(done.stderr[-3000:], file=sys.stderr)
+            summary = runner_summary(cmd, out)
+            if summary is None:
                 return 1
-            with open(os.path.join(out, "summary.json")) as f:
-                summary = json.load(f)
             results.append({"config": name, **summary})
             print(f"{name}: {summary['samples_per_s']:,.0f} samples/s (populated in {summary['populate_s']:.0f} s)",
                   flush=True)

@@ -342,6 +342,19 @@ class ReportLog:
         self.lines.append(s)
 
 
+def runner_summary(cmd: Sequence[str], output_dir: str) -> Optional[Dict[str, Any]]:
+    """Runs the runner's command line `cmd` (writing to `output_dir`) from the repository; its
+    summary.json, or None (its stderr's end printed) if it failed."""
+    import sys
+
+    done = subprocess.run(list(cmd), capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return None
+    with open(os.path.join(output_dir, "summary.json")) as f:
+        return json.load(f)
+
+
 def write_json_report(path: str, report: Any) -> None:
     """Writes a benchmark's report as JSON to `path`, making its directory."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

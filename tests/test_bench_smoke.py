@@ -9,9 +9,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_embedding.py",
-           "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py", "bench_checkpoint.py --runner",
-           "bench_reopen.py"]  # the longest first, so the two at a time end together
+SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_row_wise.py",
+           "bench_embedding.py", "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py",
+           "bench_checkpoint.py --runner", "bench_reopen.py"]  # the longest first, so the two at a time end together
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,9 @@ def test_benchmark_smoke_runs(smoke_runs, script):
     if script == "bench_replicas.py":  # two namespaces as two nodes, and a multi-node run resumed from its checkpoint
         assert "| 2 ranks, 1gbit, no replicas |" in done.stdout and ": ok" in done.stdout, done.stdout[-4000:]
         assert "| 2 ranks, 1gbit, replicas 0.05, bounds 1/1 |" in done.stdout, done.stdout[-4000:]
+    if script == "bench_row_wise.py":  # both shardings ran; row-wise spread the reads over both ranks
+        assert "| table_wise |" in done.stdout and "| row_wise |" in done.stdout, done.stdout[-4000:]
+        assert "row-wise: the busiest rank reads" in done.stdout, done.stdout[-4000:]
     if extra == ["--runner"]:  # a row for each checkpoint whose steps it compares
         assert "\n| 12 | " in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does

@@ -181,6 +181,10 @@ class Experiment:
         return BatchLoader(self.source.make_batch, first=first_step * world + self.rank, count=steps, stride=world,
                            tuner=loader_tuner(self.config, torch_threads(self.config)))
 
+    def store_reads(self) -> int:
+        """Rows this rank's disk tables have read from their stores since they were opened."""
+        return sum(s["store_reads"] for s in self.collection.stats().values())
+
     def hit_rate(self) -> Optional[float]:
         stats = self.collection.stats().values()
         hits = sum(s["cache_hits"] for s in stats)

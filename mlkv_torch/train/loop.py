@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, ExperimentConfig
+from ..ranks import all_gather_objects
 from ..wire import EmbeddingTraffic
 from . import checkpoints, elastic
 from .experiment import Experiment, torch_threads
@@ -103,6 +104,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     if resume and main and os.path.exists(metrics_path):
         # A killed run's steps past its checkpoint are trained again.
         checkpoints.drop_records_after(metrics_path, start_step)
+    reads_at_start = experiment.store_reads()
     bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     board = _tensorboard(config) if main else None
     train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
@@ -180,6 +182,11 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     served = replica_lookups.all_ranks()
     if hasattr(experiment.collection, "flush"):
         experiment.collection.flush()
+    # Each rank's rows read from its stores a step (evaluations' reads included): where row-wise
+    # tables spread what one rank would read.
+    reads = experiment.store_reads() - reads_at_start
+    reads_per_step = [r / max(1, step - start_step)
+                      for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
     summary_path = os.path.join(config.output_dir, "summary.json")
     if step == start_step and start_step > 0:
         # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
@@ -201,6 +208,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "embedding_bytes_per_step_by_kind": {k: v / max(1, step - start_step) for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
+               "store_reads_per_step_by_rank": reads_per_step,
                "storage": config.storage.kind, "populate_s": populate_s,
                "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
     if main:
