@@ -209,7 +209,7 @@ def main(argv: List[str]) -> int:
         print(json.dumps(result))
         return 0
     if args.smoke:
-        args.rows, args.reference_rows, args.steps, args.short_steps, args.batches = 20_000, 2_000, 10, 4, 6
+        args.rows, args.reference_rows, args.steps, args.short_steps, args.batches = 10_000, 500, 10, 4, 6
     report: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-input-") as work:
         conversion = report["conversion"] = bench_conversion(work, args.rows, args.reference_rows)
@@ -241,6 +241,8 @@ def main(argv: List[str]) -> int:
                       f"input_wait_share {summary['input_wait_share']:.2%} ({summary['input_wait_ms']:.2f} ms a "
                       f"step), loader {summary['input']['workers']} thread(s), {summary['input']['prefetch']} "
                       f"buffered", flush=True)
+            if args.smoke and name != SMOKE_CONFIGS[-1]:  # the loader alone once: the same code path
+                continue
             alone = loaders[name] = _child("loader", name, overrides, args.batches)
             trainer = runs[f"{name}, in memory"]["train_samples_per_s"]
             alone["trainer_samples_per_s"] = trainer
