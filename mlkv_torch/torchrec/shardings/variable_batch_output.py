@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.comm_ops import get_gradient_division
-from torchrec.distributed.dist_data import PooledEmbeddingsAwaitable, VariableBatchPooledEmbeddingsReduceScatter
+from torchrec.distributed.dist_data import PooledEmbeddingsAwaitable
 from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, EmbeddingShardingContext
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
@@ -52,16 +52,16 @@ class RwPooledDistOfEitherBatch(RwPooledEmbeddingDist):
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Optional[EmbeddingShardingContext] = None
                 ) -> Awaitable[torch.Tensor]:
+        # Made here only: the class is swapped in before TorchRec's first call made one.
         variable = _is_variable(sharding_ctx)
         made: Dict[bool, nn.Module] = self.__dict__.setdefault("_dist_by_batch_kind", {})
-        if self._dist is not None and variable not in made:
-            made[isinstance(self._dist, VariableBatchPooledEmbeddingsReduceScatter)] = self._dist
-        if variable not in made and variable and not _has_reduce_scatter_v(self._pg):
-            made[variable] = VariableBatchReduceScatterByAllToAll(self._pg)
-        elif variable not in made:
-            self._dist = None
-            self._create_output_dist_module(sharding_ctx)
-            made[variable] = self._dist
+        if variable not in made:
+            if variable and not _has_reduce_scatter_v(self._pg):
+                made[variable] = VariableBatchReduceScatterByAllToAll(self._pg)
+            else:
+                self._dist = None
+                self._create_output_dist_module(sharding_ctx)
+                made[variable] = self._dist
         self._dist = made[variable]
         return super().forward(local_embs, sharding_ctx)
 
