@@ -1,6 +1,7 @@
 """TorchRec integration.
 
 - `DiskEmbeddingBagCollection`: a drop-in for EmbeddingBagCollection with every table on disk.
+- `DiskEmbeddingCollection`: a drop-in for EmbeddingCollection (one embedding per id) with every table on disk.
 - `DiskEmbeddingBagCollectionSharder` and `DiskAwarePlanner`: under DistributedModelParallel,
   the planner puts the tables that do not fit memory on disk, the rest keep TorchRec's kernels.
 - `replicate_hot_rows`: replicas of sharded tables' hot rows on every rank, within staleness bounds (HET).
@@ -8,6 +9,7 @@
 Importing this module needs torchrec; the core package (`mlkv_torch`) does not.
 """
 from .collection import DiskEmbeddingBagCollection
+from .sequence_collection import DiskEmbeddingCollection
 from .planner import DiskAwarePerfEstimator, DiskAwarePlanner, DiskAwareStorageEstimator
 from .kernel import DISK_KERNEL
 from .sharded_collection import DiskEmbeddingBagCollectionSharder, ShardedDiskEmbeddingBagCollection
@@ -15,6 +17,7 @@ from .replicas import HotRowReplicas, ReplicaSettings, replica_memory_bytes, rep
 from .state_dicts import disk_tables_left_out
 
 __all__ = ["HotRowReplicas", "ReplicaSettings", "replica_memory_bytes", "replicate_hot_rows",
-           "DiskEmbeddingBagCollection", "DiskEmbeddingBagCollectionSharder", "ShardedDiskEmbeddingBagCollection",
+           "DiskEmbeddingBagCollection", "DiskEmbeddingCollection",
+           "DiskEmbeddingBagCollectionSharder", "ShardedDiskEmbeddingBagCollection",
            "DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator", "DISK_KERNEL",
            "disk_tables_left_out"]

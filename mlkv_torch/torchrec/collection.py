@@ -2,67 +2,19 @@
 from __future__ import annotations
 
 import os
-import warnings
-from dataclasses import replace
 from typing import Any, Dict, List, Optional, Union
 
 import torch
-from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
-from torchrec.modules.embedding_modules import get_embedding_names_by_table
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
-from ..disk_table import destroy_table, directory_path, draw_seed
-from ..embedding import DiskEmbeddingBag
-from ..table_batch import BatchSettings, DiskTableBatch
-from ..cut import PendingCut, check_cut, read_cut, remove_cut
-from ..store import KVStore
-from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
-from .routing import KernelRouting, select_features
-from .tables import disk_table_spec, open_disk_tables, table_seed
+from .table_collection import DiskTableCollection
 
 __all__ = ["DiskEmbeddingBagCollection"]
 
 
-def _optimizer_state_of(bag: DiskEmbeddingBag) -> TableOptimizerState:
-    """A table's optimizer state for the fused optimizer's state_dict (TableOptimizerState)."""
-    def write(rows: torch.Tensor, step: int) -> None:
-        bag.restore(state=rows)
-        bag.steps = step
-    return TableOptimizerState(bag.state_snapshot, lambda: bag.steps, write)
-
-
-class _TableOnMeta(nn.Module):
-    """A table of a collection built on the meta device: its shape, and a meta tensor under the
-    `weight` key of a state dict, as EmbeddingBagCollection's on meta."""
-
-    def __init__(self, config: EmbeddingBagConfig) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = config.num_embeddings, config.embedding_dim
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """A meta tensor of the table's shape, as EmbeddingBagCollection's table has on meta (not a
-        parameter: materialising the model must not allocate the table)."""
-        return torch.empty(self.num_embeddings, self.embedding_dim, device="meta")
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
-        destination[prefix + "weight"] = self.weight
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
-                              unexpected_keys, error_msgs):
-        # No table is open to take the rows (EmbeddingBagCollection on meta would take them with assign=True).
-        if prefix + "weight" in state_dict:
-            error_msgs.append(f"{prefix}weight: the collection is on the meta device, with no table open to take "
-                              f"rows: call to_empty(device=...) first, then load_state_dict")
-        elif strict:
-            missing_keys.append(prefix + "weight")
-
-
-class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+class DiskEmbeddingBagCollection(DiskTableCollection):
     """An EmbeddingBagCollection whose tables live on disk, behind one table-batched kernel.
 
     ``forward(KeyedJaggedTensor) -> KeyedTensor`` as EmbeddingBagCollection:
@@ -115,289 +67,43 @@ class DiskEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                  cache_rows: Optional[int] = None, staleness: int = 0, seed: Optional[int] = None,
                  cache_policy: str = "lfu", lookups_per_sample: Optional[Dict[str, float]] = None,
                  backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None) -> None:
-        super().__init__()
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool (EmbeddingBagCollection's second argument), got "
                             f"{type(is_weighted).__name__}")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            # Each rank would train its own copy of every table: they would drift apart.
-            raise RuntimeError(
-                f"DiskEmbeddingBagCollection holds one process's tables, and this process is one of "
-                f"{torch.distributed.get_world_size()} ranks. Under DistributedModelParallel build the model with "
-                f"EmbeddingBagCollection(tables, device=torch.device('meta')) and pass "
-                f"DiskEmbeddingBagCollectionSharder(storage_dir) (and DiskAwarePlanner) to DistributedModelParallel: "
-                f"it shards the tables and puts on disk those that do not fit (docs/torchrec.md, 'Many processes').")
-        names = [t.name for t in tables]
-        if len(set(names)) != len(names):
-            raise ValueError(f"table names must be distinct, got {names}")
-        for t in tables:
-            if not t.feature_names:
-                t.feature_names = [t.name]
         self._is_weighted = is_weighted
-        # No device given: torch's default, as a module's parameters take it (meta inside `with torch.device("meta")`).
-        self._device = torch.device(device) if device is not None else torch.empty(0).device
-        self._embedding_bag_configs = tables
-        traffic = dict(lookups_per_sample or {})
-        unknown = sorted(set(traffic) - set(names))
-        if unknown:
-            raise ValueError(f"lookups_per_sample names tables the collection does not have: {unknown}")
-        if any(not v > 0 for v in traffic.values()):
-            raise ValueError(f"lookups_per_sample must be positive, got {traffic}")
-        if optimizer is None and tables:
-            warnings.warn("DiskEmbeddingBagCollection trains its tables with its own fused optimizer, and none was "
-                          "given: mlkv_torch.optim.SGD(lr=0.01). The model's torch optimizer does not reach the "
-                          "tables; pass optimizer= (e.g. mlkv_torch.optim.Adam(lr=...)) and drive schedules through "
-                          ".fused_optimizer", stacklevel=2)
-        rule = optimizer if optimizer is not None else optim_lib.SGD()
-        self._path = directory_path(path)
-        base_seed = draw_seed() if seed is None else seed
-        # Each table as a disk table under `rule` (its state sizes the rows): checked now, opened now or
-        # when a model built on meta is materialised.
-        self._table_specs = [disk_table_spec(t, os.path.join(self._path, t.name), table_seed(base_seed, t.name),
-                                             rule, seed_drawn=seed is None, lookups_per_sample=traffic.get(t.name))
-                             for t in tables]
-        self._memory_budget_bytes, self._cache_rows = memory_budget_bytes, cache_rows
-        self._settings = BatchSettings(staleness, cache_policy, backend)
-        if cut is not None:
-            check_cut(cut, "cut")
-        elif reopen:
-            cut = read_cut(self._path)
-        self._cut, self._reopen = cut, reopen or cut is not None
-        self._lr = rule.lr
-        self._batches: List[DiskTableBatch] = []
-        self._routing: Optional[KernelRouting] = None
-        self._pending_cut: Optional[PendingCut] = None
-        if self._device.type == "meta":  # nothing opened, nothing allocated: to_empty(device=...) does it
-            self.embedding_bags = nn.ModuleDict({t.name: _TableOnMeta(t) for t in tables})
-            self._fused_optimizer: Optional[DiskFusedOptimizer] = None
-        else:
-            self._open_tables()
-        self._feature_names: List[List[str]] = [list(t.feature_names) for t in tables]
-        self._embedding_names: List[str] = [n for names in get_embedding_names_by_table(tables) for n in names]
-        self._lengths_per_embedding: List[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._known_features = {f for names in self._feature_names for f in names}
-        # The features in the tables' order (a feature of two tables twice).
-        self._feature_order = [f for names in self._feature_names for f in names]
+        super().__init__(tables, device, path=path, optimizer=optimizer, memory_budget_bytes=memory_budget_bytes,
+                         cache_rows=cache_rows, staleness=staleness, seed=seed, cache_policy=cache_policy,
+                         lookups_per_sample=lookups_per_sample, backend=backend, reopen=reopen, cut=cut)
+        self._lengths_per_embedding: List[int] = [t.embedding_dim for t in self._configs for _ in t.feature_names]
 
-    def _open_tables(self) -> None:
-        """Opens the tables' stores and batches on `self._device`, and views each table."""
-        tables = self._embedding_bag_configs
-        opened = open_disk_tables(tables, self._table_specs, memory_budget_bytes=self._memory_budget_bytes,
-                                  cache_rows=self._cache_rows, settings=self._settings, device=self._device,
-                                  cut_dir=self._path, reopen=self._reopen, cut=self._cut)
-        self._batches, self._routing = opened.batches, opened.routing
-        bags = {t.name: bag for t, bag in zip(tables, opened.bags)}
-        self.embedding_bags = nn.ModuleDict(bags)
-        # Tables with optimizer state keep it in the optimizer's state_dict, as the sharded kernel does.
-        state = {bags[t.name]._anchor: {f"{t.name}.optimizer_state": _optimizer_state_of(bags[t.name])}
-                 for t in tables if bags[t.name].state_dim}
-        self._fused_optimizer = DiskFusedOptimizer({f"{t.name}.weight": bags[t.name]._anchor for t in tables}, state,
-                                                   self._lr)
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # Built on the meta device: `model.to_empty(device=d)` (here or on an enclosing model) opens
-        # the tables on d. (`.to()` of a meta model fails in torch itself, pointing at to_empty.)
-        if self._device.type == "meta":
-            target = fn(torch.empty(0, device="meta")).device
-            if target.type != "meta":
-                self._device = target
-                self._open_tables()
-        elif fn(torch.empty(0, device=self._device)).device.type != self._device.type:
-            # The tables' caches were opened on this device and stay there: moving only the
-            # anchors would leave the outputs behind.
-            raise ValueError(f"the collection's tables are open on {self._device} and cannot move: build it with "
-                             f"device=... or on the meta device, then to_empty(device=...)")
-        return super()._apply(fn, recurse)
-
-    def _adopt_optimizer_in_backward(self) -> None:
-        """``apply_optimizer_in_backward(cls, tables' parameters, kwargs)``, TorchRec's way of choosing
-        fused tables' optimizer, chooses the disk tables' rule here as under DMP. The rule's state
-        is part of each row, so a change reopens tables that hold no rows yet; tables with rows keep
-        the rule they were written with."""
-        declared: Dict[str, optim_lib.SparseOptimizer] = {}
-        for name, bag in self.embedding_bags.items():
-            classes = getattr(bag._anchor, "_optimizer_classes", None)
-            if classes:
-                params = {"optimizer": optimizer_type_to_emb_opt_type(classes[-1]), **bag._anchor._optimizer_kwargs[-1]}
-                declared[name] = optimizer_from_fused_params(params, name)
-                bag._anchor._optimizer_classes, bag._anchor._optimizer_kwargs = [], []  # taken
-        if not declared:
-            return
-        rules = set(declared.values())
-        if len(rules) > 1 or len(declared) != len(self.embedding_bags):
-            raise ValueError(f"apply_optimizer_in_backward must give every table of a DiskEmbeddingBagCollection one "
-                             f"optimizer, got {declared} for tables {list(self.embedding_bags)}")
-        rule = rules.pop()
-        if all(batch.optimizer == rule for batch in self._batches):
-            return
-        for batch in self._batches:  # rows trained so far reach the stores, where they are counted
-            batch.flush()
-        written = [f"{name!r} ({len(bag._store):,} rows)" for name, bag in self.embedding_bags.items()
-                   if not isinstance(bag._store, KVStore) or len(bag._store) > 0]
-        if written:
-            raise RuntimeError(
-                f"apply_optimizer_in_backward asks for {rule} on tables whose rows were written with "
-                f"{self._batches[0].optimizer}: {', '.join(written)}. A row holds its optimizer's state, so the rule "
-                f"is chosen before any row is written (or pass the same optimizer= when reopening)")
-        self.close()
-        for batch in self._batches:
-            for table in batch.tables:
-                destroy_table(table.path)
-        remove_cut(self._path)
-        self._cut = None
-        self._batches = []
-        self._table_specs = [replace(spec, layout=replace(spec.layout, optimizer=rule)) for spec in self._table_specs]
-        self._lr = rule.lr
-        self._open_tables()
-
-    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        # Loading writes rows: an in-backward optimizer declared before must choose the rule first.
-        if self._device.type != "meta":
-            self._adopt_optimizer_in_backward()
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def _check_materialised(self) -> None:
-        if self._device.type == "meta":
-            raise RuntimeError("this DiskEmbeddingBagCollection is on the meta device: materialise it with "
-                               "to_empty(device=...) (or the model that holds it) first")
+    tables_attribute = "embedding_bags"
+    pooled = True
+    counterpart = "EmbeddingBagCollection"
+    sharder = "DiskEmbeddingBagCollectionSharder"
 
     # ---- EmbeddingBagCollection's interface -------------------------------------------------------
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
-        return self._embedding_bag_configs
+        return self._configs
 
     def is_weighted(self) -> bool:
         return self._is_weighted
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The tables' optimizer in TorchRec's protocol: ``param_groups[0]["lr"]`` is their learning
-        rate (an LR scheduler over it, or a CombinedOptimizer holding it, reaches the tables);
-        step() does nothing, as the tables update in backward."""
-        self._check_materialised()
-        return self._fused_optimizer
-
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools every feature's ids with its table; returns a KeyedTensor keyed by embedding name."""
         if isinstance(features, torch.fx.Proxy):
-            # Traced (torch.fx, TorchRec's tracer): the collection is one call in the graph, run as is
-            # (a leaf), as the lookup depends on the ids' values. Traced as the root itself, it has no
-            # path: the graph calls its lookup, which it keeps.
-            tracer = features.tracer
-            path = tracer.path_of_module(self)
-            if path:
-                return tracer.create_proxy("call_module", path, (features,), {})
-            return tracer.create_proxy("call_function", self._pool, (features,), {})
+            return self._traced_call(features, self._pool)
         return self._pool(features)
 
     def _pool(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        if self._device.type == "meta":  # shapes alone, as EmbeddingBagCollection gives there: nothing is read
+        if self._device.type == "meta" and isinstance(features, KeyedJaggedTensor):
+            # shapes alone, as EmbeddingBagCollection gives there: nothing is read
             return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
                                values=torch.empty(features.stride(), sum(self._lengths_per_embedding), device="meta"))
-        self._check_materialised()
-        self._adopt_optimizer_in_backward()
-        missing = sorted(self._known_features - set(features.keys()))
-        if missing:
-            raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
+        in_order = self._features_of_tables(features)
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError("the collection is weighted, but the KeyedJaggedTensor has no weights")
-        batch_size = features.stride()
-        for name, count in zip(features.keys(), features.stride_per_key()):
-            if name in self._known_features and count != batch_size:
-                raise ValueError(f"feature {name!r} has {count} bags, the batch has {batch_size}: features of "
-                                 "different batch sizes (TorchRec's variable batch per feature) are not supported")
         if not self._batches:  # no tables: no embeddings
-            return KeyedTensor(keys=[], values=torch.empty(batch_size, 0, device=self._device), length_per_key=[])
-        self._fused_optimizer.apply_lr(self._batches)
-        values = self._routing.pool(self._batches, self._in_table_order(features), self._is_weighted)
+            return KeyedTensor(keys=[], values=torch.empty(features.stride(), 0, device=self._device),
+                               length_per_key=[])
+        values = self._routing.pool(self._batches, in_order, self._is_weighted)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
-
-    def _in_table_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The tables' features in the tables' order, others left out (a permute only when the
-        batch's differs)."""
-        keys = features.keys()
-        if keys == self._feature_order:
-            return features
-        index = {key: i for i, key in enumerate(keys)}
-        missing = sorted(set(self._feature_order) - set(index))
-        if missing:
-            raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
-        return select_features(features, [index[f] for f in self._feature_order])
-
-    def lookahead(self, features: KeyedJaggedTensor) -> None:
-        """Starts reading the rows of a future batch's features into memory; returns at once."""
-        self._routing.lookahead(self._batches, self._in_table_order(features))
-
-    # ---- tables -----------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Applies queued updates of every table and writes changed rows to the stores."""
-        for batch in self._batches:
-            batch.flush()
-
-    def reset_parameters(self) -> None:
-        """Every table's rows back to their initial values and optimizer state
-        (`DiskEmbeddingBag.reset_parameters`), as EmbeddingBagCollection.reset_parameters."""
-        self._check_materialised()
-        for bag in self.embedding_bags.values():
-            bag.reset_parameters()
-
-    def populate(self) -> int:
-        """Writes every row of every table to its store (`DiskEmbeddingBag.populate`), then takes a
-        cut (`checkpoint`), so the rows are durable and the first cut of training writes only what
-        training changed; returns the rows."""
-        self._check_materialised()
-        rows = sum(bag.populate() for bag in self.embedding_bags.values())
-        self.checkpoint()
-        return rows
-
-    def begin_checkpoint(self, label: Optional[int] = None) -> PendingCut:
-        """Begins a cut of every table (`mlkv_torch.cut`) at this step boundary and returns at once,
-        while each kernel's writer thread writes it in the background: queued updates applied, the
-        cut's rows set aside (copied on write when training changes them meanwhile), written,
-        every store checkpointed. ``wait()`` on the result waits for that, commits the record in
-        ``path/CUT.json`` and returns it; until then the committed cut is the one before. One cut
-        at a time: a cut begun while another is pending waits for and commits that one first.
-        `label` (say, the training step) is kept in the record and named in errors. A cut whose
-        writing failed (``wait()`` raised: a full disk) is not committed, and the one before it
-        stays; the next cut first writes what it could not, and raises while that still fails."""
-        self._check_materialised()
-        self.wait_checkpoint()
-        self._pending_cut = PendingCut(self._path, label,
-                                       [batch.begin_checkpoint() for batch in self._batches])
-        return self._pending_cut
-
-    def wait_checkpoint(self) -> Optional[Dict[str, Any]]:
-        """Waits for the cut begun last (`begin_checkpoint`) and commits it; returns its record
-        (None when none is pending)."""
-        pending, self._pending_cut = self._pending_cut, None
-        return None if pending is None else pending.wait()
-
-    def checkpoint(self, label: Optional[int] = None) -> Dict[str, Any]:
-        """Takes a cut of every table (`begin_checkpoint`) and commits it before returning. After a
-        crash at any moment, ``reopen=True`` brings every table back to the last committed cut,
-        never to a mix. Returns the record; a training checkpoint that stores it resumes from it
-        with ``cut=``."""
-        return self.begin_checkpoint(label).wait()
-
-    def close(self) -> None:
-        """Commits a pending cut, takes a last one (`checkpoint`), then closes every table."""
-        open_batches = [batch for batch in self._batches if not batch.closed]
-        if not open_batches:
-            return
-        try:
-            if len(open_batches) == len(self._batches):
-                self.checkpoint()
-        finally:
-            for batch in open_batches:
-                batch.close()
-
-    def stats(self) -> Dict[str, Dict[str, object]]:
-        """Each table's DiskEmbeddingBag.stats(), by table name."""
-        self._check_materialised()
-        return {name: bag.stats() for name, bag in self.embedding_bags.items()}

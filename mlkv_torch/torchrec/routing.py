@@ -113,6 +113,20 @@ class KernelRouting:
                        for chunk in out.split(out.shape[1] // len(positions), dim=1)]
         return torch.cat([per_feature[i] for i in self.output_permutation], dim=1)
 
+    def look_up(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> List[torch.Tensor]:
+        """Each feature's embeddings, one per id: [ids of the feature, dim] float32, features in
+        order (EmbeddingCollection's lookup). Each id is a bag of one, so a kernel's one call looks
+        up every id of its features, and backward sums each row's gradients as a pooled lookup."""
+        per_feature: List[torch.Tensor] = [torch.empty(0)] * sum(len(p) for p in self.positions)
+        for k, batch in enumerate(batches):
+            kjt = self._kernel_input(features, k)
+            ids = kjt.values()
+            one_per_bag = torch.arange(ids.numel() + 1, device=ids.device)
+            out = batch.pool(ids, kjt.length_per_key(), self.tables[k], one_per_bag).float()
+            for i, chunk in zip(self.positions[k], out.split(kjt.length_per_key())):
+                per_feature[i] = chunk
+        return per_feature
+
     def lookahead(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> None:
         """Starts each kernel's reads of the rows `features` (as `pool` takes them) will look up."""
         for k, batch in enumerate(batches):

@@ -61,12 +61,13 @@ def table_seed(seed: int, table_name: str) -> int:
 def disk_table_spec(config: BaseEmbeddingConfig, path: str, seed: int, optimizer: optim_lib.SparseOptimizer, *,
                     seed_drawn: bool = False, embedding_dim: Optional[int] = None, first_column: int = 0,
                     num_embeddings: Optional[int] = None, first_row: int = 0,
-                    lookups_per_sample: Optional[float] = None) -> TableSpec:
+                    lookups_per_sample: Optional[float] = None, pooled: bool = True) -> TableSpec:
     """A TorchRec table, or a rank's shard of one (`num_embeddings` rows from `first_row`,
     `embedding_dim` columns from `first_column`), as a disk table at `path`; ValueError names a
     pooling or data type the disk kernel does not have. Its traffic is `lookups_per_sample`, by
-    default one per feature."""
-    if config.pooling not in POOLING_MODES:
+    default one per feature. A table that does not pool (`pooled` False: an EmbeddingCollection's,
+    one embedding per id) is looked up as bags of one id, summed."""
+    if pooled and config.pooling not in POOLING_MODES:
         raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported on disk (SUM or MEAN)")
     if config.data_type not in DATA_TYPES:
         raise ValueError(f"table {config.name!r}: data_type {config.data_type} is not supported on disk "
@@ -75,7 +76,7 @@ def disk_table_spec(config: BaseEmbeddingConfig, path: str, seed: int, optimizer
                       first_column, init=initial_distribution_of(config), seed_drawn=seed_drawn, first_row=first_row)
     layout = RowLayout(config.embedding_dim if embedding_dim is None else embedding_dim, DATA_TYPES[config.data_type],
                        optimizer)
-    return TableSpec(table, layout, POOLING_MODES[config.pooling],
+    return TableSpec(table, layout, POOLING_MODES[config.pooling] if pooled else "sum",
                      len(config.feature_names) if lookups_per_sample is None else lookups_per_sample)
 
 
