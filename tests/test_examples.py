@@ -1,5 +1,5 @@
 """The examples a new user starts from (examples/, shown in the README) run and learn: one process,
-and DistributedModelParallel under torchrun with 2 processes."""
+a sequence model, and DistributedModelParallel under torchrun with 2 processes."""
 import re
 import subprocess
 import sys
@@ -24,6 +24,15 @@ def test_one_process_example_trains(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     first, last = _losses(done.stdout)
     assert last < first / 2, done.stdout
+
+
+def test_sequence_example_trains_with_its_item_table_on_disk(tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "sequence.py"), str(tmp_path / "tables")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, last = _losses(done.stdout)
+    assert last < first / 2, done.stdout
+    assert (tmp_path / "tables" / "item").is_dir()
 
 
 def test_dmp_example_puts_the_large_tables_on_disk_the_largest_by_rows_and_trains(tmp_path):

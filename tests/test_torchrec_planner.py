@@ -17,7 +17,7 @@ from mlkv_torch import optim  # noqa: E402
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder  # noqa: E402
 from mlkv_torch.torchrec.planner import DISK_SPACE_AMPLIFICATION  # noqa: E402
 from mlkv_torch.memory_budget import shard_memory_budget  # noqa: E402
-from mlkv_torch.torchrec.sharded_collection import planning_with_disk  # noqa: E402
+from mlkv_torch.torchrec.sharded_tables import planning_with_disk  # noqa: E402
 from mlkv_torch.row_layout import row_bytes  # noqa: E402
 from mlkv_torch.torchrec.fused_optimizer import fused_params_of, optimizer_from_fused_params  # noqa: E402
 

@@ -2,8 +2,9 @@
 
 - `DiskEmbeddingBagCollection`: a drop-in for EmbeddingBagCollection with every table on disk.
 - `DiskEmbeddingCollection`: a drop-in for EmbeddingCollection (one embedding per id) with every table on disk.
-- `DiskEmbeddingBagCollectionSharder` and `DiskAwarePlanner`: under DistributedModelParallel,
-  the planner puts the tables that do not fit memory on disk, the rest keep TorchRec's kernels.
+- `DiskEmbeddingBagCollectionSharder`, `DiskEmbeddingCollectionSharder` and `DiskAwarePlanner`: under
+  DistributedModelParallel, the planner puts the tables that do not fit memory on disk, the rest keep
+  TorchRec's kernels.
 - `replicate_hot_rows`: replicas of sharded tables' hot rows on every rank, within staleness bounds (HET).
 
 Importing this module needs torchrec; the core package (`mlkv_torch`) does not.
@@ -13,11 +14,13 @@ from .sequence_collection import DiskEmbeddingCollection
 from .planner import DiskAwarePerfEstimator, DiskAwarePlanner, DiskAwareStorageEstimator
 from .kernel import DISK_KERNEL
 from .sharded_collection import DiskEmbeddingBagCollectionSharder, ShardedDiskEmbeddingBagCollection
+from .sharded_sequence_collection import DiskEmbeddingCollectionSharder, ShardedDiskEmbeddingCollection
 from .replicas import HotRowReplicas, ReplicaSettings, replica_memory_bytes, replicate_hot_rows
 from .state_dicts import disk_tables_left_out
 
 __all__ = ["HotRowReplicas", "ReplicaSettings", "replica_memory_bytes", "replicate_hot_rows",
            "DiskEmbeddingBagCollection", "DiskEmbeddingCollection",
            "DiskEmbeddingBagCollectionSharder", "ShardedDiskEmbeddingBagCollection",
+           "DiskEmbeddingCollectionSharder", "ShardedDiskEmbeddingCollection",
            "DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator", "DISK_KERNEL",
            "disk_tables_left_out"]

@@ -1,6 +1,7 @@
 """The disk kernel of a sharding plan: `DiskEmbeddingKernel` pools a rank's shards of the tables
 planned on ``customized_kernel`` (`DISK_KERNEL`), each a DiskEmbeddingBag, after TorchRec's input
-distribution, and serves their rows to state dicts as ShardedTensor shards."""
+distribution (or, for an EmbeddingCollection's, looks up one embedding per id), and serves their
+rows to state dicts as ShardedTensor shards."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ from torch.distributed._shard.sharding_spec import ShardMetadata
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig, ShardedEmbeddingTable
 from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -91,7 +93,9 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     per row layout (a DiskTableBatch; in DLRM one for all); each shard viewed as a DiskEmbeddingBag.
 
     ``forward(KJT) -> Tensor [batch, sum of feature dims]``, the features in the group's order,
-    as TorchRec's fused kernel.
+    as TorchRec's fused kernel; for a group that does not pool (an EmbeddingCollection's,
+    ``pooling`` NONE) ``[ids, dim]``, the features' ids one after the other, as TorchRec's
+    sequence kernel.
     """
 
     def __init__(self, config: GroupedEmbeddingConfig, options: DiskTableOptions,
@@ -104,6 +108,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._rank_dir = rank_storage_dir(options.storage_dir, rank)
         self._pg = pg
         self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
+        self._pooled = config.pooling != PoolingType.NONE
         specs = []
         for shard in self._shards:
             # A row shard sees the ids of its block local to it, as TorchRec's bucketization leaves them.
@@ -112,7 +117,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 shard, os.path.join(self._rank_dir, self._shard_name(shard)), table_seed(options.seed, shard.name),
                 resolve_optimizer(shard.fused_params or config.fused_params, shard.name, options),
                 seed_drawn=options.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset,
-                num_embeddings=shard.local_rows, first_row=row_offset))
+                num_embeddings=shard.local_rows, first_row=row_offset, pooled=self._pooled))
             if sharding_type in _PARTIAL_SUM_SHARDINGS:  # mean pooling divides the reduced sums (TorchRec's callback)
                 specs[-1] = replace(specs[-1], mode="sum")
         lrs = {spec.layout.optimizer.lr for spec in specs}
@@ -166,6 +171,9 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         passes the merged output and where this kernel's bags go in it (`vbe_output_offsets[r][f]`:
         where feature f's bags from rank r begin), and gets the merged output back."""
         self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
+        if not self._pooled:
+            per_feature = self._routing.look_up(self._batches, features)
+            return torch.cat(per_feature) if per_feature else torch.empty(0, device=self._device)
         pooled = self._routing.pool(self._batches, features, self._config.is_weighted)
         if vbe_output is None:
             return pooled

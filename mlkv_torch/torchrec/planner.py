@@ -34,7 +34,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from .. import optim as optim_lib
 from ..memory_budget import shard_memory_budget
 from .kernel import DISK_KERNEL, DiskTableOptions, resolve_optimizer
-from .sharded_collection import DiskEmbeddingBagCollectionSharder, planning_with_disk
+from .sharded_tables import DiskSharder, planning_with_disk
 from ..row_layout import row_bytes
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
@@ -157,7 +157,7 @@ class DiskAwarePlanner(EmbeddingShardingPlanner):
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, **kwargs)
 
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
-        disk_sharders = [s for s in sharders if isinstance(s, DiskEmbeddingBagCollectionSharder)]
+        disk_sharders = [s for s in sharders if isinstance(s, DiskSharder)]
         for estimator in self._disk_estimators:
             estimator.options = disk_sharders[0].options if disk_sharders else DiskTableOptions(storage_dir="")
         with planning_with_disk():

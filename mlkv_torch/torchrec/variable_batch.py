@@ -15,7 +15,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .routing import variable_batch_layout
-from .sharded_collection import unwrapped_lookups
+from .sharded_tables import unwrapped_lookups
 
 __all__ = ["accept_variable_batches", "variable_batch_input", "VariableOutputLayout"]
 

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
@@ -15,7 +16,22 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..kernel import DiskEmbeddingKernel, DiskTableOptions
 
 
-class DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+class DiskGroupLookahead:
+    """A TorchRec lookup's look-ahead over its groups on the disk kernel (`_emb_modules`, one per
+    group, fed `_feature_splits` features each)."""
+
+    _emb_modules: nn.ModuleList
+    _feature_splits: List[int]
+
+    def lookahead(self, features: KeyedJaggedTensor) -> None:
+        """Starts reading the rows of the disk groups that `features` (as `forward` receives them) will
+        look up; the in-memory groups have nothing to read."""
+        for kernel, group in zip(self._emb_modules, features.split(self._feature_splits)):
+            if isinstance(kernel, DiskEmbeddingKernel):
+                kernel.lookahead(group)
+
+
+class DiskPooledEmbeddingsLookup(DiskGroupLookahead, GroupedPooledEmbeddingsLookup):
     """TorchRec's pooled lookup, with DiskEmbeddingKernel for groups planned on disk."""
 
     def __init__(self, options: DiskTableOptions, **kwargs: Any) -> None:
@@ -38,14 +54,6 @@ class DiskPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             groups = sparse_features.split(self._feature_splits)
             return self._merge_variable_batch_embeddings(self._forward(groups), self._vbe_splits(groups))
         return super().forward(sparse_features)
-
-    def lookahead(self, features: KeyedJaggedTensor) -> None:
-        """Starts reading the rows of the disk groups that `features` (as `forward` receives them) will
-        look up; the in-memory groups have nothing to read."""
-        for kernel, group in zip(self._emb_modules, features.split(self._feature_splits)):
-            if isinstance(kernel, DiskEmbeddingKernel):
-                kernel.lookahead(group)
-
 
 class DiskLookupMixin:
     """Makes a TorchRec pooled sharding build DiskPooledEmbeddingsLookup."""
