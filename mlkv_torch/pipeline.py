@@ -13,7 +13,8 @@ follows them when they change.
 The model takes a batch and returns ``(loss, output)``, as torchrec's DLRMTrain does; the
 batch has ``sparse_features`` (a KeyedJaggedTensor), as torchrec's Batch. Disk tables are
 found in the model: every module with ``lookahead(KeyedJaggedTensor)`` and either
-``embedding_bag_configs()`` (DiskEmbeddingBagCollection, one process) or
+``embedding_bag_configs()`` or ``embedding_configs()`` (DiskEmbeddingBagCollection,
+DiskEmbeddingCollection: one process) or
 ``lookahead_process_group`` (ShardedDiskEmbeddingBagCollection, under DistributedModelParallel).
 
 Under DistributedModelParallel the ids of a batch reach the rank that holds their rows only
@@ -48,7 +49,7 @@ def _disk_collections(model: nn.Module) -> List[nn.Module]:
     """The modules of `model` that look ahead on a batch's KeyedJaggedTensor: one-process disk
     collections and sharded ones (not the DiskEmbeddingBags inside them, which take ids)."""
     return [m for m in model.modules() if callable(getattr(m, "lookahead", None))
-            and (hasattr(m, "embedding_bag_configs") or hasattr(m, "lookahead_process_group"))]
+            and any(hasattr(m, a) for a in ("embedding_bag_configs", "embedding_configs", "lookahead_process_group"))]
 
 
 class LookaheadPipeline:

@@ -12,8 +12,9 @@ Phases (rank 0 writes OUT_DIR/<phase>.json):
   (torch.distributed.checkpoint) and is killed (SIGKILL, no cleanup).
 - resume: a new job, with empty storage, loads that checkpoint and trains the remaining steps;
   the equivalence phase's run of the same plan is the uninterrupted job to compare with.
-- pipeline: the mixed plan (SGD) through TorchRec's TrainPipelineSparseDist and through the
-  plain loop, on the same batches.
+- pipeline: the mixed plan (SGD) through the plain loop, TorchRec's TrainPipelineSparseDist and
+  PrefetchPipeline (TorchRec's PrefetchTrainPipelineSparseDist), on the same batches: losses and the
+  disk tables' statistics; and what TorchRec's own prefetch pipeline does on the CPU.
 - unsharded: the one-process DiskEmbeddingBagCollection built in a 2-rank job (refused, naming the sharder).
 """
 import json
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -41,6 +42,7 @@ from mlkv_torch import initial_rows, optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import (DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollection,
                                  DiskEmbeddingBagCollectionSharder)
+from mlkv_torch.torchrec.prefetch_pipeline import PrefetchPipeline
 from mlkv_torch.torchrec.tables import table_seed
 from mlkv_torch.wire import EmbeddingTraffic
 
@@ -82,17 +84,36 @@ def build(mixed: bool, optimizer: str, storage_dir: str, train_model: bool = Fal
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan
 
 
-def set_initial_rows(dmp, collection: str = "sparse_arch.embedding_bag_collection", sizes=None) -> None:
+def set_initial_rows(dmp, collection: str = "sparse_arch.embedding_bag_collection", sizes=None,
+                     tables_attribute: str = "embedding_bags") -> None:
     """Every table (`sizes`: rows by name, default this worker's), in memory or on disk, starts from
     mlkv_torch.initial_rows: each rank fills its local shards through the state dict (`collection`:
-    the collection's name in it)."""
+    the collection's name in it; `tables_attribute`: where it keeps its tables, as TorchRec's)."""
     state = dmp.state_dict()
     for name, n in (sizes or SIZES).items():
         full = initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n)
-        for shard in state[f"{collection}.embedding_bags.{name}.weight"].local_shards():
+        for shard in state[f"{collection}.{tables_attribute}.{name}.weight"].local_shards():
             (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             shard.tensor.detach().copy_(full[r0:r0 + rows, c0:c0 + cols])
     dmp.load_state_dict(state)
+
+
+def trained_rows(dmp, collection: str, sizes, tables_attribute: str = "embedding_bags") -> dict:
+    """Every table's rows, assembled on every rank from every rank's shards of the state dict (the
+    arguments as `set_initial_rows`'); rows in no rank's shard are NaN."""
+    state = dmp.state_dict()
+    local = {name: [(list(s.metadata.shard_offsets), s.tensor.detach().clone().tolist())
+                    for s in state[f"{collection}.{tables_attribute}.{name}.weight"].local_shards()]
+             for name in sizes}
+    tables = {}
+    for name, n in sizes.items():
+        full = torch.full((n, DIM), float("nan"))
+        for rank_shards in all_gather_objects(local[name]):
+            for (r0, c0), rows in rank_shards:
+                block = torch.tensor(rows)
+                full[r0:r0 + block.shape[0], c0:c0 + block.shape[1]] = block
+        tables[name] = full.tolist()
+    return tables
 
 
 def batch(step: int, hot_ids: int = HOT_IDS):
@@ -143,24 +164,34 @@ def main() -> None:
                                                                           "sent": gathered(traffic.bytes)}
     elif phase == "pipeline":
         # TorchRec's TrainPipelineSparseDist (input distribution of batch t+1 overlapped with step t)
-        # over the mixed plan, against the plain loop on the same batches.
-        for pipelined in (False, True):
-            dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, f"store-pipeline-{pipelined}"), train_model=True)
+        # and PrefetchPipeline (TorchRec's PrefetchTrainPipelineSparseDist, which also reads batch
+        # t+1's disk rows ahead) over the mixed plan, against the plain loop on the same batches.
+        for kind in ("plain", "pipelined", "prefetch"):
+            dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, f"store-pipeline-{kind}"), train_model=True)
             set_initial_rows(dmp, "model.sparse_arch.embedding_bag_collection")
             batches = [Batch(*batch(step)) for step in range(STEPS)]
             losses = []
-            if pipelined:
-                pipeline, it = TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), iter(batches)
-                for _ in range(STEPS):
-                    losses.append(float(pipeline.progress(it)[0]))
-            else:
+            if kind == "plain":
                 for b in batches:
                     opt.zero_grad()
                     loss, _ = dmp(b)
                     loss.backward()
                     opt.step()
                     losses.append(float(loss))
-            result["pipelined" if pipelined else "plain"] = gathered(losses)
+            else:
+                kinds = {"pipelined": TrainPipelineSparseDist, "prefetch": PrefetchPipeline}
+                pipeline, it = kinds[kind](dmp, opt, torch.device("cpu")), iter(batches)
+                for _ in range(STEPS):
+                    losses.append(float(pipeline.progress(it)[0]))
+            stats = dmp.module.model.sparse_arch.embedding_bag_collection.stats()
+            result[kind] = {"losses": gathered(losses), "stats": gathered(stats)}
+        try:  # TorchRec's own, on the CPU: why PrefetchPipeline exists
+            dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, "store-pipeline-torchrec"), train_model=True)
+            pipeline = PrefetchTrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
+            pipeline.progress(iter([Batch(*batch(step)) for step in range(3)]))
+            result["torchrec_prefetch_on_cpu"] = "trained"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            result["torchrec_prefetch_on_cpu"] = f"{type(e).__name__}: {e}"
     elif phase == "unsharded":  # the one-process collection swapped in under torchrun: told what to do
         try:
             DiskEmbeddingBagCollection(TABLES, path=os.path.join(out_dir, f"unsharded-{dist.get_rank()}"),

@@ -36,6 +36,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dmp_worker import set_initial_rows, step_on
+from dmp_worker import trained_rows as rows_of_every_rank
 from mlkv_torch import optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
@@ -93,20 +94,8 @@ def build(on_disk: bool, optimizer: str, storage_dir: str, **sharder_args):
 
 
 def trained_rows(dmp):
-    """Every table's rows, assembled from every rank's shards of the state dict (on rank 0)."""
-    state = dmp.state_dict()
-    local = {name: [(list(s.metadata.shard_offsets), s.tensor.detach().clone().tolist())
-                    for s in state[f"{COLLECTION}.embedding_bags.{name}.weight"].local_shards()]
-             for name in SIZES}
-    tables = {}
-    for name, n in SIZES.items():
-        full = torch.full((n, DIM), float("nan"))
-        for rank_shards in all_gather_objects(local[name]):
-            for (r0, c0), rows in rank_shards:
-                block = torch.tensor(rows)
-                full[r0:r0 + block.shape[0], c0:c0 + block.shape[1]] = block
-        tables[name] = full.tolist()
-    return tables
+    """Every table's rows, assembled from every rank's shards of the state dict."""
+    return rows_of_every_rank(dmp, COLLECTION, SIZES)
 
 
 def batch(step: int):

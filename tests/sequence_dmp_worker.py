@@ -27,12 +27,12 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from mlkv_torch import initial_rows, optim
+from dmp_worker import DIM, set_initial_rows, trained_rows
+from mlkv_torch import optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingCollectionSharder
-from mlkv_torch.torchrec.tables import table_seed
 
-DIM, BATCH, STEPS, LR = 16, 6, 6, 0.1
+BATCH, STEPS, LR = 6, 6, 0.1
 SHARDING = {"t_tw": "table_wise", "t_rw": "row_wise", "t_cw": "column_wise"}
 SIZES = {"t_tw": 500, "t_rw": 3001, "t_cw": 800}  # t_rw's last row block is shorter
 TABLES = [EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{name}"])
@@ -79,35 +79,6 @@ def build(on_disk: bool, optimizer: str, storage_dir: str, tables=TABLES, shardi
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan
 
 
-def set_initial_rows(dmp) -> None:
-    """Every table, in memory or on disk, starts from mlkv_torch.initial_rows: each rank fills its
-    local shards through the state dict."""
-    state = dmp.state_dict()
-    for name, n in SIZES.items():
-        full = initial_rows(torch.arange(n), DIM, seed=table_seed(0, name), num_embeddings=n)
-        for shard in state[f"{COLLECTION}.embeddings.{name}.weight"].local_shards():
-            (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            shard.tensor.detach().copy_(full[r0:r0 + rows, c0:c0 + cols])
-    dmp.load_state_dict(state)
-
-
-def trained_rows(dmp) -> dict:
-    """Every table's rows, assembled from every rank's shards of the state dict (on every rank)."""
-    state = dmp.state_dict()
-    local = {name: [(list(s.metadata.shard_offsets), s.tensor.detach().clone().tolist())
-                    for s in state[f"{COLLECTION}.embeddings.{name}.weight"].local_shards()]
-             for name in SIZES}
-    tables = {}
-    for name, n in SIZES.items():
-        full = torch.full((n, DIM), float("nan"))
-        for rank_shards in all_gather_objects(local[name]):
-            for (r0, c0), rows in rank_shards:
-                block = torch.tensor(rows)
-                full[r0:r0 + block.shape[0], c0:c0 + block.shape[1]] = block
-        tables[name] = full.tolist()
-    return tables
-
-
 def batch(step: int):
     """This rank's part of a batch: sequences of up to 5 ids over the whole table (every rank's
     block is read), half from a hot head so rows recur."""
@@ -150,7 +121,7 @@ def main() -> None:
         result = {}
         for on_disk in (False, True):
             dmp, opt, plan = build(on_disk, optimizer, os.path.join(out_dir, f"store-{optimizer}-{on_disk}"))
-            set_initial_rows(dmp)
+            set_initial_rows(dmp, COLLECTION, SIZES, tables_attribute="embeddings")
             losses = [train_step(dmp, opt, step) for step in range(STEPS)]
             sharded = dmp.module.collection
             result["disk" if on_disk else "memory"] = {
@@ -158,7 +129,7 @@ def main() -> None:
                 "kernels": {t: [p.compute_kernel, p.sharding_type,
                                 [list(s.shard_offsets) for s in p.sharding_spec.shards]]
                             for t, p in plan.plan[COLLECTION].items()},
-                "rows": trained_rows(dmp),
+                "rows": trained_rows(dmp, COLLECTION, SIZES, tables_attribute="embeddings"),
                 "stats": all_gather_objects(sharded.stats() if on_disk else {})}
         if dist.get_rank() == 0:
             with open(os.path.join(out_dir, f"{optimizer}.json"), "w") as f:

@@ -5,6 +5,8 @@
 - `DiskEmbeddingBagCollectionSharder`, `DiskEmbeddingCollectionSharder` and `DiskAwarePlanner`: under
   DistributedModelParallel, the planner puts the tables that do not fit memory on disk, the rest keep
   TorchRec's kernels.
+- `PrefetchPipeline`: TorchRec's PrefetchTrainPipelineSparseDist, which reads the next batch's disk rows
+  ahead through the sharded modules' ``prefetch``, also on the CPU.
 - `replicate_hot_rows`: replicas of sharded tables' hot rows on every rank, within staleness bounds (HET).
 
 Importing this module needs torchrec; the core package (`mlkv_torch`) does not.
@@ -15,6 +17,7 @@ from .planner import DiskAwarePerfEstimator, DiskAwarePlanner, DiskAwareStorageE
 from .kernel import DISK_KERNEL
 from .sharded_collection import DiskEmbeddingBagCollectionSharder, ShardedDiskEmbeddingBagCollection
 from .sharded_sequence_collection import DiskEmbeddingCollectionSharder, ShardedDiskEmbeddingCollection
+from .prefetch_pipeline import PrefetchPipeline
 from .replicas import HotRowReplicas, ReplicaSettings, replica_memory_bytes, replicate_hot_rows
 from .state_dicts import disk_tables_left_out
 
@@ -23,4 +26,4 @@ __all__ = ["HotRowReplicas", "ReplicaSettings", "replica_memory_bytes", "replica
            "DiskEmbeddingBagCollectionSharder", "ShardedDiskEmbeddingBagCollection",
            "DiskEmbeddingCollectionSharder", "ShardedDiskEmbeddingCollection",
            "DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator", "DISK_KERNEL",
-           "disk_tables_left_out"]
+           "disk_tables_left_out", "PrefetchPipeline"]

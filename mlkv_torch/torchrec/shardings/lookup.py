@@ -30,6 +30,14 @@ class DiskGroupLookahead:
             if isinstance(kernel, DiskEmbeddingKernel):
                 kernel.lookahead(group)
 
+    def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream: Optional[torch.Stream] = None) -> None:
+        """TorchRec's prefetch contract (its sharded module's ``prefetch``, which
+        PrefetchTrainPipelineSparseDist calls one batch ahead): the disk groups start reading the
+        batch's rows (`lookahead`; they stay staged until the batch's forward takes them), TorchRec's
+        own caching groups prefetch as theirs do."""
+        self.lookahead(sparse_features)
+        super().prefetch(sparse_features, forward_stream)  # type: ignore[misc]
+
 
 class DiskPooledEmbeddingsLookup(DiskGroupLookahead, GroupedPooledEmbeddingsLookup):
     """TorchRec's pooled lookup, with DiskEmbeddingKernel for groups planned on disk."""
