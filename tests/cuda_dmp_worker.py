@@ -7,7 +7,8 @@ the host (tests/fbgemm_host_route.py); the JSON names them.
     torchrun --nproc_per_node 1 tests/cuda_dmp_worker.py OUT_DIR SHARDING_TYPE
 
 Writes OUT_DIR/cuda_dmp.json: each device's losses, the device of the CUDA model's output and of its
-tables' caches.
+tables' caches; and ("cuda_prefetch") the CUDA model trained through TorchRec's own
+PrefetchTrainPipelineSparseDist on the same batches: its losses and the disk tables' statistics.
 """
 import json
 import os
@@ -15,10 +16,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -35,11 +38,14 @@ TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, fea
           for name, n in SIZES.items()]
 
 
-def build(device: torch.device, group: dist.ProcessGroup, storage_dir: str, sharding_type: str):
+def build(device: torch.device, group: dist.ProcessGroup, storage_dir: str, sharding_type: str,
+          train_model: bool = False):
     torch.manual_seed(0)  # the same dense layers on both devices: made on the CPU, then moved
     model = DLRM(embedding_bag_collection=EmbeddingBagCollection(TABLES, device=torch.device("meta")),
                  dense_in_features=4, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
                  dense_device=torch.device("cpu"))
+    if train_model:  # model(batch) -> (loss, output), as training pipelines call it
+        model = DLRMTrain(model)
     sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
     constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=[DISK_KERNEL])
                    for t in TABLES}
@@ -84,6 +90,15 @@ def main() -> None:
         plan = dmp.plan.get_plan_for_module("sparse_arch.embedding_bag_collection")
         result[name] = {"losses": losses, "output_device": logits.device.type,
                         "sharding_types": sorted({p.sharding_type for p in plan.values()})}
+    # TorchRec's prefetch pipeline on CUDA (its own streams): batch t+1's rows read ahead by the
+    # sharded module's prefetch() during step t.
+    dmp, optimizer = build(torch.device("cuda:0"), dist.group.WORLD, os.path.join(out_dir, "tables-prefetch"),
+                           sharding_type, train_model=True)
+    pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, torch.device("cuda:0"))
+    batches = iter([Batch(*batch(step, torch.device("cpu"))) for step in range(STEPS)])
+    losses = [pipeline.progress(batches)[0].item() for _ in range(STEPS)]
+    result["cuda_prefetch"] = {"losses": losses,
+                               "stats": dmp.module.model.sparse_arch.embedding_bag_collection.stats()}
     result["routed_through_host"] = sorted(ROUTED)
     with open(os.path.join(out_dir, "cuda_dmp.json"), "w") as f:
         json.dump(result, f)

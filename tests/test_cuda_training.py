@@ -120,3 +120,8 @@ def test_dmp_with_nccl_on_one_gpu_trains_disk_tables_as_on_the_cpu(tmp_path, sha
     assert result["cuda"]["output_device"] == "cuda"
     assert result["cuda"]["sharding_types"] == result["cpu"]["sharding_types"] == [sharding_type]
     assert_losses_follow(result["cuda"]["losses"], result["cpu"]["losses"])
+    # TorchRec's own PrefetchTrainPipelineSparseDist on CUDA: the disk tables read the next batch's
+    # rows ahead (its prefetch() one batch ahead), and training follows the plain loop.
+    prefetch = result["cuda_prefetch"]
+    assert_losses_follow(prefetch["losses"], result["cuda"]["losses"])
+    assert all(stats["read_ahead_rows"] > 0 for stats in prefetch["stats"].values()), prefetch["stats"]
