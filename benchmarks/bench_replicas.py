@@ -29,16 +29,12 @@ import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Dict, List, Sequence
 
 from common import REPO, ReportLog, markdown_table, write_json_report
-from shaped_network import ShapedNetwork, available
-
-MASTER_PORT = 29611
+from shaped_network import ShapedNetwork, available, run_job
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -62,45 +58,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                           "data.synthetic.scale=2000", "eval.batches=1", "eval.every=6",
                           "pipeline.depth=1"]
     return args
-
-
-def run_job(net: ShapedNetwork, config: str, output_dir: str, tables_root: str, overrides: List[str],
-            resume: bool = False, timeout_s: float = 1800) -> Dict[str, Any]:
-    """One run of the runner, one rank per node of `net`; returns rank 0's summary and the bytes
-    the nodes sent."""
-    before = sum(net.tx_bytes())
-    procs = []
-    for node in range(net.nodes):
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={net.nodes}", f"--node_rank={node}",
-                "--nproc_per_node=1", f"--master_addr={net.address(0)}", f"--master_port={MASTER_PORT}",
-                "-m", "mlkv_torch.train", config, f"output_dir={output_dir}",
-                f"storage.path={os.path.join(tables_root, f'node{node}')}", "--no-progress", *overrides]
-        if resume:
-            argv.append("--resume")
-        log = open(os.path.join(output_dir, f"node{node}.log"), "w")
-        procs.append((net.popen(node, argv, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout_s
-    failed = []
-    for node, (proc, log) in enumerate(procs):
-        try:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "timeout"
-        log.close()
-        if code != 0:
-            failed.append(node)
-    if failed:
-        for _, (proc, _) in enumerate(procs):
-            if proc.poll() is None:
-                proc.kill()
-        tails = {node: open(os.path.join(output_dir, f"node{node}.log")).read()[-3000:] for node in failed}
-        raise RuntimeError(f"nodes {failed} failed: {tails}")
-    with open(os.path.join(output_dir, "summary.json")) as f:
-        summary = json.load(f)
-    summary["link_bytes"] = sum(net.tx_bytes()) - before
-    return summary
 
 
 def load_config(config: str, overrides: List[str]) -> Any:

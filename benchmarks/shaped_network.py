@@ -6,18 +6,28 @@ Needs root (`ip netns`, `tc`). Traffic goes only among the namespaces this makes
 ends, also on failure, and namespaces left by an earlier run of the same prefix are removed first.
 
     with ShapedNetwork(nodes=2, rate="100mbit") as net:
-        net.run(0, ["python", "-c", "..."])       # in node 0's namespace
+        net.popen(0, ["python", "-c", "..."])       # in node 0's namespace
         net.tx_bytes()                              # bytes each node has sent so far
+
+`run_job(net, config, ...)` runs the runner on such a network as a multi-node torchrun job, one rank
+per node, each node's tables in its own `storage.path` and only `output_dir` shared (the
+benchmarks across nodes: bench_replicas.py, bench_row_wise.py --nodes).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-from typing import Dict, List, Optional, Sequence
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from common import REPO
 
 SUBNET = "10.77.0"
 PREFIX = "mlkv-net"
+MASTER_PORT = 29611
 
 
 def _ip(*args: str) -> None:
@@ -107,3 +117,42 @@ class ShapedNetwork:
                                   capture_output=True, text=True)
             out.append(int(read.stdout))
         return out
+
+
+def run_job(net: ShapedNetwork, config: str, output_dir: str, tables_root: str, overrides: List[str],
+            resume: bool = False, timeout_s: float = 1800) -> Dict[str, Any]:
+    """One run of the runner, one rank per node of `net`; returns rank 0's summary and the bytes
+    the nodes sent."""
+    before = sum(net.tx_bytes())
+    procs = []
+    for node in range(net.nodes):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={net.nodes}", f"--node_rank={node}",
+                "--nproc_per_node=1", f"--master_addr={net.address(0)}", f"--master_port={MASTER_PORT}",
+                "-m", "mlkv_torch.train", config, f"output_dir={output_dir}",
+                f"storage.path={os.path.join(tables_root, f'node{node}')}", "--no-progress", *overrides]
+        if resume:
+            argv.append("--resume")
+        log = open(os.path.join(output_dir, f"node{node}.log"), "w")
+        procs.append((net.popen(node, argv, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    for node, (proc, log) in enumerate(procs):
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+        log.close()
+        if code != 0:
+            failed.append(node)
+    if failed:
+        for _, (proc, _) in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+        tails = {node: open(os.path.join(output_dir, f"node{node}.log")).read()[-3000:] for node in failed}
+        raise RuntimeError(f"nodes {failed} failed: {tails}")
+    with open(os.path.join(output_dir, "summary.json")) as f:
+        summary = json.load(f)
+    summary["link_bytes"] = sum(net.tx_bytes()) - before
+    return summary

@@ -4,12 +4,13 @@ row-wise and column-wise, against the same plan with every table in TorchRec's m
 
     torchrun --nproc_per_node N tests/sequence_dmp_worker.py OPTIMIZER[,OPTIMIZER...] OUT_DIR
 
-For each optimizer ("sgd" through the sharder; "rowwise_adagrad" through apply_optimizer_in_backward)
-both plans train STEPS steps from the same initial rows and batches; rank 0 writes
-OUT_DIR/<optimizer>.json: each plan's losses per rank, kernels and sharding types, and every table's
-trained rows (assembled from the ranks' shards of the state dict), and the disk plan's rows read
-from its stores. Then OUT_DIR/refusals.json: what sharding a table of fewer rows than ranks by rows
-on disk says.
+For each optimizer ("sgd" through the sharder; "rowwise_adagrad" through apply_optimizer_in_backward;
+"qcomm": SGD with TorchRec's quantized comms on the sequence all-to-alls, fp16 forward and bf16
+backward) both plans train STEPS steps from the same initial rows and batches; rank 0 writes
+OUT_DIR/<optimizer>.json: each plan's losses per rank, the bytes its embeddings' all-to-alls sent,
+kernels and sharding types, every table's trained rows (assembled from the ranks' shards of the
+state dict) and the disk shards' statistics. Then OUT_DIR/refusals.json: what sharding a table of
+fewer rows than ranks by rows on disk says.
 """
 import json
 import os
@@ -28,9 +29,11 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dmp_worker import DIM, set_initial_rows, trained_rows
+from row_wise_worker import quantized_comms
 from mlkv_torch import optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingCollectionSharder
+from mlkv_torch.wire import EmbeddingTraffic
 
 BATCH, STEPS, LR = 6, 6, 0.1
 SHARDING = {"t_tw": "table_wise", "t_rw": "row_wise", "t_cw": "column_wise"}
@@ -58,14 +61,15 @@ class SequenceModel(torch.nn.Module):
 
 
 def build(on_disk: bool, optimizer: str, storage_dir: str, tables=TABLES, sharding=SHARDING):
+    comms = quantized_comms() if optimizer == "qcomm" else {}
     torch.manual_seed(0)  # the same head in every build
     collection = EmbeddingCollection(tables, device=torch.device("meta"))
     model = SequenceModel(collection)
     if optimizer == "rowwise_adagrad":
         apply_optimizer_in_backward(RowWiseAdagrad, collection.embeddings.parameters(), {"lr": LR, "eps": 1e-8})
-        sharder = DiskEmbeddingCollectionSharder(storage_dir)
+        sharder = DiskEmbeddingCollectionSharder(storage_dir, **comms)
     else:
-        sharder = DiskEmbeddingCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
+        sharder = DiskEmbeddingCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR), **comms)
     kernel = [DISK_KERNEL] if on_disk else ["fused"]
     # Column-wise: two shards of 8 columns, one per rank.
     constraints = {name: ParameterConstraints(sharding_types=[kind], compute_kernels=kernel, min_partition=DIM // 2)
@@ -122,10 +126,11 @@ def main() -> None:
         for on_disk in (False, True):
             dmp, opt, plan = build(on_disk, optimizer, os.path.join(out_dir, f"store-{optimizer}-{on_disk}"))
             set_initial_rows(dmp, COLLECTION, SIZES, tables_attribute="embeddings")
-            losses = [train_step(dmp, opt, step) for step in range(STEPS)]
+            with EmbeddingTraffic() as traffic:  # what the training steps send between ranks
+                losses = [train_step(dmp, opt, step) for step in range(STEPS)]
             sharded = dmp.module.collection
             result["disk" if on_disk else "memory"] = {
-                "losses": all_gather_objects(losses),
+                "losses": all_gather_objects(losses), "sent": all_gather_objects(traffic.bytes),
                 "kernels": {t: [p.compute_kernel, p.sharding_type,
                                 [list(s.shard_offsets) for s in p.sharding_spec.shards]]
                             for t, p in plan.plan[COLLECTION].items()},

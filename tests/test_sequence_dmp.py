@@ -19,16 +19,17 @@ pytest.importorskip("torchrec")
 
 WORKER = Path(__file__).with_name("sequence_dmp_worker.py")
 OPTIMIZERS = ["sgd", "rowwise_adagrad"]
+MODES = OPTIMIZERS + ["qcomm"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sequence")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           ",".join(OPTIMIZERS), str(out)]
+           ",".join(MODES), str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in OPTIMIZERS + ["refusals"]}
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in MODES + ["refusals"]}
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -52,6 +53,20 @@ def test_sequence_disk_tables_train_as_torchrecs_own_shardings_in_memory(runs, o
     assert sorted(shards) == ["t_cw_rows0_cols0", "t_cw_rows0_cols8", "t_rw_rows0_cols0", "t_rw_rows1501_cols0",
                               "t_tw_rows0_cols0"]
     assert all(stats["disk_rows"] > 0 for stats in shards.values()), shards
+
+
+def test_quantized_comms_halve_the_sequence_all_to_alls_and_train_as_torchrecs_own(runs):
+    # TorchRec's codecs (fp16 forward, bf16 backward) on the sequence embeddings' all-to-alls: the
+    # disk plan against the same plan in TorchRec's memory with the same codecs.
+    memory, disk = runs["qcomm"]["memory"], runs["qcomm"]["disk"]
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(disk["losses"][rank]), torch.tensor(memory["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+    full = runs["sgd"]["disk"]  # the same plan, steps and batches in float32
+    for kind in ("outputs", "gradients"):
+        assert sum(r[kind] for r in disk["sent"]) * 2 == sum(r[kind] for r in full["sent"]) > 0, kind
+    assert [r["ids"] for r in disk["sent"]] == [r["ids"] for r in full["sent"]]
+    assert disk["losses"] != full["losses"]  # the rounding is there
 
 
 def test_a_table_with_fewer_rows_than_ranks_is_refused_row_wise(runs):
