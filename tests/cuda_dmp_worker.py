@@ -7,16 +7,19 @@ the host (tests/fbgemm_host_route.py); the JSON names them.
     torchrun --nproc_per_node 1 tests/cuda_dmp_worker.py OUT_DIR SHARDING_TYPE
 
 Writes OUT_DIR/cuda_dmp.json: each device's losses, the device of the CUDA model's output and of its
-tables' caches; and ("cuda_prefetch") the CUDA model trained through TorchRec's own
+tables' caches; ("cuda_bf16_comms") the CUDA model with TorchRec's bf16 comms codecs on NCCL; and
+("cuda_prefetch") the CUDA model trained through TorchRec's own
 PrefetchTrainPipelineSparseDist on the same batches: its losses and the disk tables' statistics.
 """
 import json
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
@@ -39,14 +42,16 @@ TABLES = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, fea
 
 
 def build(device: torch.device, group: dist.ProcessGroup, storage_dir: str, sharding_type: str,
-          train_model: bool = False):
+          train_model: bool = False, comms: Optional[CommType] = None):
     torch.manual_seed(0)  # the same dense layers on both devices: made on the CPU, then moved
     model = DLRM(embedding_bag_collection=EmbeddingBagCollection(TABLES, device=torch.device("meta")),
                  dense_in_features=4, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
                  dense_device=torch.device("cpu"))
     if train_model:  # model(batch) -> (loss, output), as training pipelines call it
         model = DLRMTrain(model)
-    sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
+    codecs = {} if comms is None else {"qcomm_codecs_registry": get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=comms, backward_precision=comms))}
+    sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR), **codecs)
     constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=[DISK_KERNEL])
                    for t in TABLES}
     planner = DiskAwarePlanner(topology=Topology(world_size=1, compute_device=device.type), batch_size=BATCH,
@@ -75,9 +80,11 @@ def main() -> None:
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
     result = {}
-    for name, device, group in (("cuda", torch.device("cuda:0"), dist.group.WORLD),
-                                ("cpu", torch.device("cpu"), dist.new_group(backend="gloo"))):
-        dmp, optimizer = build(device, group, os.path.join(out_dir, f"tables-{name}"), sharding_type)
+    # "cuda_bf16_comms": TorchRec's quantized comms, bf16 both ways, on NCCL.
+    for name, device, group, comms in (("cuda", torch.device("cuda:0"), dist.group.WORLD, None),
+                                       ("cpu", torch.device("cpu"), dist.new_group(backend="gloo"), None),
+                                       ("cuda_bf16_comms", torch.device("cuda:0"), dist.group.WORLD, CommType.BF16)):
+        dmp, optimizer = build(device, group, os.path.join(out_dir, f"tables-{name}"), sharding_type, comms=comms)
         losses = []
         for step in range(STEPS):
             dense, sparse, labels = batch(step, device)
