@@ -39,6 +39,11 @@ class SyntheticDataConfig(_Section):
     zipf: float = Field(1.05, gt=1.0)
     effect_scale: float = Field(1.0, ge=0)  # range of the hidden per-id effects: how much the ids decide
     seed: int = 0
+    # Raw ids spread over [0, id_space) (a power of two, e.g. 2**40, written 1099511627776), each
+    # table that many rows; the cardinalities are then the live vocabularies, into which
+    # new_ids_per_batch new ids enter a batch (mlkv_torch.data.synthetic).
+    id_space: Optional[int] = Field(None, gt=1)
+    new_ids_per_batch: float = Field(0.0, ge=0)
 
 
 class CriteoDataConfig(_Section):
@@ -185,6 +190,13 @@ class ExperimentConfig(_Section):
         if self.device == "cuda" and self.storage.kind == "memory":
             raise ValueError("device cuda trains disk or rocksdb tables (storage.kind); storage kind memory runs "
                              "TorchRec's fused kernels, which need fbgemm-gpu's CUDA build")
+        if self.data.kind == "synthetic":
+            from .data.synthetic import raw_ids_problem
+            synthetic = self.data.synthetic
+            problem = raw_ids_problem(synthetic.id_space, synthetic.new_ids_per_batch,
+                                      cardinalities_of(synthetic.cardinalities, synthetic.scale))
+            if problem:
+                raise ValueError(f"data.synthetic: {problem}")
         if self.data.criteo.days is not None and self.data.criteo.format != "tsv":
             raise ValueError("data.criteo.days splits TSV files: it needs data.criteo.format tsv")
         return self

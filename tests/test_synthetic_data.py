@@ -75,3 +75,35 @@ def test_dataset_yields_torchrec_batches():
     dense, ids, labels, _ = g.batch(0, 8)
     torch.testing.assert_close(batch.sparse_features["cat_1"].values(), ids[:, 1])
     torch.testing.assert_close(batch.labels, labels)
+
+
+def test_raw_ids_spread_over_the_id_space_one_per_item_and_new_ones_keep_coming():
+    gen = SyntheticCTR(cardinalities=(1000, 50), id_space=2**40, new_ids_per_batch=20, seed=3)
+    # Item numbers to ids is a bijection of the space (checked whole on a small one).
+    small = SyntheticCTR(cardinalities=(64,), id_space=2**12)
+    assert sorted(small._raw_id(0, torch.arange(2**12)).tolist()) == list(range(2**12))
+    assert torch.equal(gen.batch(7, 64)[1], gen.batch(7, 64)[1])  # still a function of (seed, number)
+    seen, hot = [], []
+    for b in range(0, 200, 50):
+        ids = gen.batch(b, 4096)[1]
+        assert int(ids.min()) >= 0 and int(ids.max()) < 2**40
+        seen.append(set(ids[:, 0].tolist()))
+        hot.append(int(ids[:, 0].mode().values))
+    assert max(max(s) for s in seen) > 2**32  # spread over the space, not numbered from 0
+    # The vocabulary moves: 50 batches later, 1000 new items, and the hottest id is another one.
+    assert len(seen[0] & seen[-1]) < len(seen[0]) / 2 and len(set(hot)) == len(hot)
+    fixed = SyntheticCTR(cardinalities=(1000, 50), id_space=2**40, seed=3)
+    assert len(set(fixed.batch(0, 4096)[1][:, 0].tolist()) | set(fixed.batch(150, 4096)[1][:, 0].tolist())) <= 1000
+    assert gen.table_sizes == (2**40, 2**40) and fixed.oracle_auc() > 0.6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"id_space": 1000}, "id_space must be a power of two"),
+    ({"id_space": 2**63}, "id_space must be a power of two"),
+    ({"id_space": 2**8}, "a vocabulary of 1000 ids does not fit id_space 256"),
+    ({"new_ids_per_batch": 5}, "is for raw ids"),
+    ({"id_space": 2**20, "new_ids_per_batch": -1}, "new_ids_per_batch must be >= 0"),
+])
+def test_bad_raw_id_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SyntheticCTR(cardinalities=(1000,), **kwargs)

@@ -1,6 +1,6 @@
 """The runner killed (SIGKILL) at chosen points of its steps and checkpoints and at random moments, and
 resumed each time, ends exactly where the uninterrupted run ends: the same losses, the same tables
-and the same evaluation. Real processes, real stores. MLKV_CRASH_KILLS sets how many kills (6)."""
+and the same evaluation. Real processes, real stores. MLKV_CRASH_KILLS sets how many kills (3)."""
 from __future__ import annotations
 
 import json
@@ -104,7 +104,7 @@ def test_killed_at_random_moments_and_resumed_ends_as_the_uninterrupted_run(tmp_
 
     crashed = tmp_path / "crashed"
     rng = random.Random(int(os.environ.get("MLKV_CRASH_SEED", "0")))
-    kills = int(os.environ.get("MLKV_CRASH_KILLS", "6"))
+    kills = int(os.environ.get("MLKV_CRASH_KILLS", "3"))
     killed_at = []
     for _ in range(kills):
         child = subprocess.Popen(_next_command(crashed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)

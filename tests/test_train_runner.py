@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("torchrec")
 
-from mlkv_torch.config import ConfigError, load_config  # noqa: E402
+from mlkv_torch.config import ConfigError, cardinalities_of, load_config  # noqa: E402
+from mlkv_torch.data.synthetic import SyntheticCTR  # noqa: E402
 from mlkv_torch.train import run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,6 +169,8 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
     (["train.steps"], r"not of the form dotted\.key=value"),
     (["storage.sharding_types=[by_hand]"], r"storage\.sharding_types\.0: Input should be 'table_wise', "),
     (["storage.comms.forward=fp8"], r"storage\.comms\.forward: Input should be 'fp32', 'fp16' or 'bf16'"),
+    (["data.synthetic.id_space=1000"], r"data\.synthetic: id_space must be a power of two"),
+    (["data.synthetic.new_ids_per_batch=5"], r"data\.synthetic: new_ids_per_batch .* is for raw ids"),
 ])
 def test_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -358,6 +361,23 @@ def test_criteo_kaggle_train_txt_split_into_days_shuffled_and_resumed(tmp_path):
     unshuffled = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'plain'}", "train.steps=5", *common,
                                               "data.criteo.shuffle_window=0"]), progress=False)
     assert unshuffled["steps"] == 5 and _losses(tmp_path / "plain") != {s: expected[s] for s in range(1, 6)}
+
+
+def test_raw_ids_train_each_in_its_own_row_of_a_2_40_row_table(tmp_path):
+    # configs/raw_ids.yaml, shortened: every feature's ids spread over 2**40, new ones entering each
+    # batch; the stores end holding exactly the ids trained on, each its own row.
+    config = load_config(REPO / "configs" / "raw_ids.yaml",
+                         [f"output_dir={tmp_path / 'run'}", "train.steps=6", "train.log_every=3", "eval.every=6",
+                          "eval.batches=1", "train.batch_size=256", "data.synthetic.scale=1000"])
+    summary = run(config, progress=False)
+    generator = SyntheticCTR(cardinalities=cardinalities_of("criteo_kaggle", 1000), id_space=2**40,
+                             new_ids_per_batch=50)
+    trained = {(f, i) for b in range(6) for f, column in enumerate(generator.batch(b, 256)[1].T.tolist())
+               for i in column}
+    assert summary["live_ids"] == len(trained)
+    assert max(i for _, i in trained) > 2**32  # raw: far beyond any table one would allocate
+    assert summary["steps"] == 6 and summary["auc"] is not None
+    assert summary["disk_bytes"] < 64 << 20  # 26 tables of 2**40 rows: only the live rows take space
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in (REPO / "configs").glob("*.yaml")))

@@ -39,8 +39,9 @@ class SyntheticSource:
         data = config.data.synthetic
         self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
                                       num_dense=data.num_dense, zipf=data.zipf, effect_scale=data.effect_scale,
-                                      seed=data.seed)
-        self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.cardinalities
+                                      seed=data.seed, id_space=data.id_space, new_ids_per_batch=data.new_ids_per_batch)
+        # A table per feature, of as many rows as its ids may take (the id space, with raw ids).
+        self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.table_sizes
         self.num_dense, self.batch_size = data.num_dense, config.train.batch_size
 
     def make_batch(self, number: int) -> Any:

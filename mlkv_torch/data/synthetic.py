@@ -12,6 +12,13 @@ derived from (seed, feature, id) alone (no table is stored, so 100M-row features
 nothing). A model that learns the effects reaches `oracle_auc()`, the AUC of the true
 probabilities, well above 0.5.
 
+Raw ids (`id_space`, a power of two such as 2**40): each feature's ids are spread over the whole
+space, as real users' and items' ids are, rather than numbered 0..cardinality-1; the cardinality is
+then the live vocabulary, the items drawable at any one time. With `new_ids_per_batch`, that many
+new items enter each feature's vocabulary a batch as its hottest, the others each slide one rank
+colder and the coldest leaves it, so the distinct ids of a run grow with its length (about
+cardinality + batches x new_ids_per_batch) while its hot set stays the same size.
+
 Batches are numbered; batch b is a function of (seed, b) alone. `SyntheticCTRDataset` hands
 batch numbers to workers and ranks round-robin, so none is produced twice.
 """
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,7 +43,20 @@ CRITEO_KAGGLE_CARDINALITIES: Tuple[int, ...] = (
 """Rows of the 26 categorical features of Criteo Kaggle (torchrec's preprocessing)."""
 
 _SCATTER = 2654435761  # a prime above every cardinality: rank -> (rank * _SCATTER + c) % n is a bijection
+_MAX_ID_SPACE_BITS = 62
 _EFFECT_SEED_STRIDE = 7919
+
+
+def raw_ids_problem(id_space: Optional[int], new_ids_per_batch: float, cardinalities: Sequence[int]) -> Optional[str]:
+    """What is wrong with these raw-id settings (SyntheticCTR's `id_space`, `new_ids_per_batch`), or None."""
+    if id_space is not None and (id_space < 2 or id_space & (id_space - 1) or id_space > 1 << _MAX_ID_SPACE_BITS):
+        return f"id_space must be a power of two from 2 to 2**{_MAX_ID_SPACE_BITS}, got {id_space}"
+    if id_space is not None and max(cardinalities) > id_space:
+        return f"a vocabulary of {max(cardinalities)} ids does not fit id_space {id_space}"
+    if not new_ids_per_batch >= 0 or (new_ids_per_batch and id_space is None):
+        return (f"new_ids_per_batch must be >= 0, and is for raw ids (id_space), got {new_ids_per_batch} with "
+                f"id_space {id_space}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,9 @@ class SyntheticCTR:
         dense_scale: the range of the hidden dense weights.
         bias: the logit's constant (negative: clicks are rarer than non-clicks).
         seed: everything follows from it.
+        id_space: raw ids: every feature's ids spread over [0, id_space), a power of two up to 2**62
+            (None: ids in [0, cardinality)).
+        new_ids_per_batch: with `id_space`, the new items entering each feature's vocabulary a batch.
     """
 
     cardinalities: Tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
@@ -60,6 +83,8 @@ class SyntheticCTR:
     dense_scale: float = 0.3
     bias: float = -1.0
     seed: int = 0
+    id_space: Optional[int] = None
+    new_ids_per_batch: float = 0.0
     dense_weights: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +97,9 @@ class SyntheticCTR:
             raise ValueError(f"seed must be non-negative, got {self.seed}")
         if self.num_dense < 0:
             raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
+        problem = raw_ids_problem(self.id_space, self.new_ids_per_batch, self.cardinalities)
+        if problem:
+            raise ValueError(problem)
         weights = np.random.default_rng([self.seed, -1 & 0xFFFFFFFF]).random(self.num_dense)
         object.__setattr__(self, "dense_weights", torch.from_numpy((weights * 2 - 1) * self.dense_scale).float())
 
@@ -79,15 +107,37 @@ class SyntheticCTR:
     def feature_names(self) -> List[str]:
         return [f"cat_{i}" for i in range(len(self.cardinalities))]
 
-    def ids(self, feature: int, uniforms: torch.Tensor) -> torch.Tensor:
-        """Ids of `feature` for uniforms in [0, 1): bounded Zipf ranks by the inverse of the
-        continuous power law's CDF, scattered over the id space."""
+    @property
+    def table_sizes(self) -> Tuple[int, ...]:
+        """Rows each feature's table needs to give every id its own: its cardinality, or the id space."""
+        return self.cardinalities if self.id_space is None else (self.id_space,) * len(self.cardinalities)
+
+    def ids(self, feature: int, uniforms: torch.Tensor, batch: int = 0) -> torch.Tensor:
+        """Ids of `feature` for uniforms in [0, 1) in batch `batch`: bounded Zipf ranks by the inverse
+        of the continuous power law's CDF, scattered over the id space."""
         n = self.cardinalities[feature]
         a = 1.0 - self.zipf
         top = math.pow(n + 1.0, a)
-        ranks = ((top - 1.0) * uniforms.double() + 1.0).pow(1.0 / a).floor().long() - 1
+        ranks = ((top - 1.0) * uniforms.double() + 1.0).pow(1.0 / a).floor().long().sub_(1).clamp_(0, n - 1)
+        if self.id_space is not None:
+            # The vocabulary at batch b: items from the ones that entered last (hottest) back n items.
+            newest = int(batch * self.new_ids_per_batch) + n - 1
+            return self._raw_id(feature, newest - ranks)
         offset = ((self.seed + 1) * 0x9E3779B1 + feature * 0x85EBCA6B) % n  # the hottest id is not 0
-        return (ranks.clamp_(0, n - 1) * _SCATTER + offset) % n
+        return (ranks * _SCATTER + offset) % n
+
+    def _raw_id(self, feature: int, items: torch.Tensor) -> torch.Tensor:
+        """Item numbers to ids in [0, id_space): a bijection of the space (odd multiplications and
+        xor-shifts mod 2**bits are invertible), so distinct items keep distinct ids, spread over it."""
+        bits = self.id_space.bit_length() - 1
+        mask = np.uint64(self.id_space - 1)
+        key = np.uint64(((self.seed + 1) * 0x9E3779B97F4A7C15 + (feature + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1))
+        x = (items.numpy().astype(np.uint64) + key) & mask
+        with np.errstate(over="ignore"):  # uint64 products wrap mod 2**64, then the mask takes them mod 2**bits
+            for multiplier in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB):
+                x ^= x >> np.uint64(max(1, bits // 2))
+                x = (x * np.uint64(multiplier)) & mask
+        return torch.from_numpy(x.astype(np.int64))
 
     def effects(self, feature: int, ids: torch.Tensor) -> torch.Tensor:
         """The hidden per-id effects of `feature`."""
@@ -101,7 +151,7 @@ class SyntheticCTR:
         rng = np.random.default_rng([self.seed, index])
         dense = torch.from_numpy(rng.standard_normal((batch_size, self.num_dense), dtype=np.float32))
         uniforms = torch.from_numpy(rng.random((batch_size, len(self.cardinalities))))
-        ids = torch.stack([self.ids(f, uniforms[:, f]) for f in range(len(self.cardinalities))], dim=1)
+        ids = torch.stack([self.ids(f, uniforms[:, f], index) for f in range(len(self.cardinalities))], dim=1)
         logit = self.bias + dense @ self.dense_weights
         for f in range(len(self.cardinalities)):
             logit = logit + self.effects(f, ids[:, f])

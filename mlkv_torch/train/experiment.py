@@ -185,6 +185,11 @@ class Experiment:
         """Rows this rank's disk tables have read from their stores since they were opened."""
         return sum(s["store_reads"] for s in self.collection.stats().values())
 
+    def live_ids(self) -> int:
+        """Rows this rank's disk tables hold in their stores: after a flush, every id they were
+        trained on (a table of raw ids holds those alone, however large its id space)."""
+        return sum(s["rows"] for s in self.collection.stats().values())
+
     def hit_rate(self) -> Optional[float]:
         stats = self.collection.stats().values()
         hits = sum(s["cache_hits"] for s in stats)

@@ -187,6 +187,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     reads = experiment.store_reads() - reads_at_start
     reads_per_step = [r / max(1, step - start_step)
                       for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
+    live = experiment.live_ids()
+    live_ids = sum(all_gather_objects(live)) if experiment.distributed else live
     summary_path = os.path.join(config.output_dir, "summary.json")
     if step == start_step and start_step > 0:
         # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
@@ -208,7 +210,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "embedding_bytes_per_step_by_kind": {k: v / max(1, step - start_step) for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
-               "store_reads_per_step_by_rank": reads_per_step,
+               "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids,
                "storage": config.storage.kind, "populate_s": populate_s,
                "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
     if main:
