@@ -60,7 +60,8 @@ class CriteoDataConfig(_Section):
     train: List[str] = []
     eval: List[str] = []
     days: Optional[int] = Field(None, ge=2)
-    cardinalities: Union[Literal["criteo_kaggle"], List[int]] = "criteo_kaggle"
+    # "raw": no hashing, each categorical value its own id (a table of 2**32 rows per feature)
+    cardinalities: Union[Literal["criteo_kaggle", "raw"], List[int]] = "criteo_kaggle"
     scale: int = Field(1, gt=0)
     cache_dir: Optional[str] = None  # default: $MLKV_CACHE_DIR/criteo, or ~/.cache/mlkv_torch/criteo
     shuffle_window: int = Field(0, ge=0)

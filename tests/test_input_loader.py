@@ -211,6 +211,22 @@ def test_criteo_batches_equal_torchrecs_datapipe(tmp_path):
     assert torch.equal(ours(ours.batches_per_epoch + 2).dense_features, theirs[2].dense_features)
 
 
+def test_raw_criteo_ids_are_the_categorical_values_unsigned(tmp_path):
+    from mlkv_torch.data.criteo_batches import RAW_ID_SPACE, CriteoBatches
+
+    prefix = str(tmp_path / "day_0")
+    _write_day(prefix, 130, 0)
+    sparse = np.load(f"{prefix}_sparse.npy")
+    sparse[0, :3] = [-1, -(1 << 31), (1 << 31) - 1]  # torchrec's own npy files hold them as int32
+    np.save(f"{prefix}_sparse.npy", sparse)
+    raw = CriteoBatches([prefix], 64, None)
+    ids = raw(0).sparse_features.values().view(26, 64).T  # one id per feature and sample
+    assert ids[0, :3].tolist() == [RAW_ID_SPACE - 1, 1 << 31, (1 << 31) - 1]
+    assert torch.equal(ids[1:], torch.from_numpy(sparse[1:64]))  # no modulo: the values themselves
+    hashed = CriteoBatches([prefix], 64, CARDINALITIES)(1).sparse_features.values().view(26, 64).T
+    assert torch.equal(hashed, raw(1).sparse_features.values().view(26, 64).T % torch.tensor(CARDINALITIES))
+
+
 def test_criteo_shuffle_is_a_reproducible_permutation_within_windows(tmp_path):
     from mlkv_torch.data.criteo_batches import CriteoBatches
 

@@ -336,6 +336,24 @@ def test_criteo_tsv_and_npy_days(tmp_path):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", "data.kind=criteo"])
 
 
+def test_raw_criteo_ids_each_train_their_own_row(tmp_path):
+    import numpy as np
+
+    from mlkv_torch.data.criteo import convert
+
+    _write_criteo_tsv(tmp_path / "day_0.tsv", 600, 0)
+    overrides = [f"output_dir={tmp_path / 'raw'}", "data.kind=criteo", "data.criteo.cardinalities=raw",
+                 f"data.criteo.train=[{tmp_path / 'day_0.tsv'}]", f"data.criteo.cache_dir={tmp_path / 'cache'}",
+                 "train.steps=9", "train.batch_size=64", "eval.every=9", "eval.batches=1",
+                 "storage.memory_budget_bytes=1048576", "train.log_every=3"]
+    summary = run(load_config(QUICKSTART, overrides), progress=False)
+    [[day]] = convert([str(tmp_path / "day_0.tsv")], str(tmp_path / "cache"))  # converted already: found
+    rows = np.load(f"{day}_sparse.npy")[:9 * 64]  # the 9 batches trained, in the file's order
+    trained = {(f, int(v)) for row in rows for f, v in enumerate(row)}
+    assert summary["live_ids"] == len(trained)  # each value its own row: no two share one
+    assert summary["steps"] == 9
+
+
 def test_criteo_kaggle_train_txt_split_into_days_shuffled_and_resumed(tmp_path):
     """Kaggle's one train.txt: split into 7 days (the 7th evaluates), shuffled within windows, and a
     resumed run trains the steps after its checkpoint as the uninterrupted run does."""
@@ -385,7 +403,7 @@ def test_every_shipped_config_loads(tmp_path, name):
     overrides = [f"output_dir={tmp_path}"]
     if name.startswith("criteo"):
         day = tmp_path / "day_0"
-        if name == "criteo_kaggle":
+        if name.startswith("criteo_kaggle"):
             _write_criteo_tsv(day.with_suffix(".tsv"), 4, 0)
             overrides.append(f"data.criteo.train=[{day.with_suffix('.tsv')}]")
         else:

@@ -13,7 +13,7 @@ InMemoryBinaryCriteoIterDataPipe does.
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -21,7 +21,10 @@ import torch
 from .batch import one_id_per_feature_batch
 from .criteo_tsv import CAT_FEATURES, INT_FEATURES
 
-__all__ = ["CriteoBatches"]
+__all__ = ["CriteoBatches", "RAW_ID_SPACE"]
+
+RAW_ID_SPACE = 1 << 32  # Criteo's categorical values are 32-bit: raw ids take them whole
+RAW_ID_MASK = np.int64(RAW_ID_SPACE - 1)
 
 
 def _day_arrays(prefix: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -50,18 +53,19 @@ class CriteoBatches:
     Args:
         prefixes: the days, as torchrec's npy prefixes (``<prefix>_dense.npy`` etc.).
         batch_size: samples per batch.
-        cardinalities: rows of each of the 26 tables (ids are taken modulo them).
+        cardinalities: rows of each of the 26 tables (ids are taken modulo them); None: raw ids, the
+            categorical values themselves as unsigned 32-bit ids (tables of RAW_ID_SPACE rows).
         feature_names: the 26 sparse features' names (default torchrec's ``cat_0`` .. ``cat_25``).
         shuffle_window: batches per shuffled window; 0 keeps the files' order.
         seed: the shuffle's seed.
     """
 
-    def __init__(self, prefixes: Sequence[str], batch_size: int, cardinalities: Sequence[int],
+    def __init__(self, prefixes: Sequence[str], batch_size: int, cardinalities: Optional[Sequence[int]],
                  feature_names: Sequence[str] = tuple(f"cat_{i}" for i in range(CAT_FEATURES)),
                  shuffle_window: int = 0, seed: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if len(cardinalities) != CAT_FEATURES or min(cardinalities) < 1:
+        if cardinalities is not None and (len(cardinalities) != CAT_FEATURES or min(cardinalities) < 1):
             raise ValueError(f"cardinalities must be {CAT_FEATURES} positive counts, got {list(cardinalities)}")
         if shuffle_window < 0:
             raise ValueError(f"shuffle_window must be non-negative, got {shuffle_window}")
@@ -73,7 +77,8 @@ class CriteoBatches:
         if self.batches_per_epoch == 0:
             raise ValueError(f"the Criteo days {list(prefixes)} hold {self.rows} rows, fewer than one batch "
                              f"({batch_size})")
-        self._hashes = np.asarray(cardinalities, dtype=np.int64).reshape(1, CAT_FEATURES)
+        self._hashes = None if cardinalities is None else np.asarray(cardinalities, dtype=np.int64).reshape(
+            1, CAT_FEATURES)
         self.feature_names = list(feature_names)
         self.shuffle_window, self.seed = shuffle_window, seed
         self._permutations: dict = {}  # (epoch, window) -> that window's row permutation, the last few
@@ -83,7 +88,8 @@ class CriteoBatches:
         """Batch `number` (any non-negative int: epochs repeat with their own shuffle)."""
         rows = self.row_indices(number)
         dense, sparse, labels = self._gather(rows)
-        ids = torch.from_numpy(sparse % self._hashes)
+        # Raw: the 32-bit values unsigned, as torchrec's own npy files may hold them as negative int32.
+        ids = torch.from_numpy(sparse & RAW_ID_MASK if self._hashes is None else sparse % self._hashes)
         return one_id_per_feature_batch(self.feature_names, torch.from_numpy(dense), ids,
                                         torch.from_numpy(labels.reshape(-1)))
 

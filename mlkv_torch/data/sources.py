@@ -70,8 +70,8 @@ class CriteoSource:
 
     def __init__(self, config: ExperimentConfig) -> None:
         from .criteo import CriteoFormatError, convert_file
-        from .criteo_batches import CriteoBatches
-        from .criteo_tsv import INT_FEATURES
+        from .criteo_batches import RAW_ID_SPACE, CriteoBatches
+        from .criteo_tsv import CAT_FEATURES, INT_FEATURES
 
         criteo = config.data.criteo
         train_days, eval_days = list(criteo.train), list(criteo.eval)
@@ -89,12 +89,15 @@ class CriteoSource:
                 raise ConfigError(f"data.criteo: {e}") from e
             if criteo.days and not criteo.eval:
                 eval_days = [train_days.pop()]  # the last part is held out, as DLRM's split does
-        self.cardinalities = cardinalities_of(criteo.cardinalities, criteo.scale)
+        raw = criteo.cardinalities == "raw"
+        self.cardinalities = (RAW_ID_SPACE,) * CAT_FEATURES if raw else cardinalities_of(criteo.cardinalities,
+                                                                                           criteo.scale)
+        hashes = None if raw else self.cardinalities
         self.num_dense, self.batch_size = INT_FEATURES, config.train.batch_size
         try:
-            self.train_batches = CriteoBatches(train_days, self.batch_size, self.cardinalities,
+            self.train_batches = CriteoBatches(train_days, self.batch_size, hashes,
                                                shuffle_window=criteo.shuffle_window, seed=criteo.seed)
-            self.eval_batches = CriteoBatches(eval_days, self.batch_size, self.cardinalities) if eval_days else None
+            self.eval_batches = CriteoBatches(eval_days, self.batch_size, hashes) if eval_days else None
         except (ValueError, OSError) as e:
             raise ConfigError(f"data.criteo: {e}") from e
         self.feature_names = self.train_batches.feature_names
