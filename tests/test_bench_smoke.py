@@ -9,9 +9,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The longest first, so the two at a time end together.
 SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_row_wise.py",
            "bench_embedding.py", "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py",
-           "bench_checkpoint.py --runner", "bench_reopen.py"]  # the longest first, so the two at a time end together
+           "bench_checkpoint.py --runner", "bench_sequence.py", "bench_reopen.py"]
 
 
 @pytest.fixture(scope="module")
@@ -51,5 +52,7 @@ def test_benchmark_smoke_runs(smoke_runs, script):
         assert "row-wise: the busiest rank reads" in done.stdout, done.stdout[-4000:]
     if extra == ["--runner"]:  # a row for each checkpoint whose steps it compares
         assert "\n| 12 | " in done.stdout, done.stdout[-4000:]
+    if script == "bench_sequence.py":  # memory and both disk budgets ran
+        assert "| memory |" in done.stdout and "| disk-10% |" in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does
         assert "| False |" not in done.stdout and "| True |" in done.stdout, done.stdout[-4000:]

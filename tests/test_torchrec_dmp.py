@@ -136,3 +136,38 @@ def test_disk_table_shards_are_placed_in_host_memory_whatever_the_plan(tmp_path)
         assert sharded(host).local_shards()[0].tensor.device.type == "cpu"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_raw_id_table_refuses_a_dense_state_dict_and_saves_through_cuts(tmp_path):
+    # A table of 2**40 rows (raw ids, the sharder's live_ids) under a one-rank DMP: a state dict
+    # would hold it dense; outside disk_tables_left_out it says so, inside it holds the rest.
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner.types import Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from mlkv_torch import optim
+    from mlkv_torch.torchrec import DiskAwarePlanner, DiskEmbeddingBagCollectionSharder, disk_tables_left_out
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "rendezvous"), 1), rank=0, world_size=1)
+    try:
+        ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="item", embedding_dim=8, num_embeddings=2**40,
+                                                         feature_names=["f"])], device=torch.device("meta"))
+        sharder = DiskEmbeddingBagCollectionSharder(tmp_path / "tables", optimizer=optim.SGD(lr=0.1),
+                                                    live_ids={"item": 10_000})
+        plan = DiskAwarePlanner(topology=Topology(world_size=1, compute_device="cpu", ddr_cap=1 << 30),
+                                batch_size=4).collective_plan(ebc, [sharder])
+        dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        ids = torch.tensor([5, 2**40 - 1, 2**39 + 7])
+        out = dmp(KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids, lengths=torch.tensor([2, 1])))
+        out.values().sum().backward()
+        with pytest.raises(RuntimeError, match=r"tables \['item'\] hold raw ids .* cannot hold them dense"):
+            dmp.state_dict()
+        with disk_tables_left_out():
+            assert "embedding_bags.item.weight" not in dmp.state_dict()
+        assert dmp.module.checkpoint() is not None  # the rows, in a cut
+        assert dmp.module.stats()["item_rows0_cols0"]["rows"] == 3
+    finally:
+        dist.destroy_process_group()

@@ -141,3 +141,24 @@ def test_a_disk_table_whose_reads_would_bind_one_rank_is_sharded_by_rows(ebc):
     # Forced table-wise, it stays on disk whole on one rank.
     forced = _plan(ebc, 100 * MiB, {"t3": ParameterConstraints(sharding_types=["table_wise"])})
     assert forced["t3"].compute_kernel == DISK_KERNEL and forced["t3"].sharding_type == "table_wise"
+
+
+def test_a_table_of_raw_ids_is_sized_by_its_live_ids_not_its_id_space():
+    # 2**40 rows: as rows, a 16 TiB shard that fits no rank; as the 3M ids it will hold, it fits
+    # on disk, and each row shard counts its share of them.
+    raw = EmbeddingBagCollection([EmbeddingBagConfig(name="item", embedding_dim=16, num_embeddings=2**40,
+                                                     feature_names=["f_item"])], device=torch.device("meta"))
+    with pytest.raises(PlannerError, match=r"table 'item' fits no rank \(disk: its largest shard needs ddr"):
+        _plan(raw, ddr_cap=1 << 30)
+    sharder = DiskEmbeddingBagCollectionSharder("/x", optimizer=optim.SGD(lr=0.1), live_ids={"item": 3_000_000})
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=1 << 30, ssd_cap=8 << 30)
+    for kind in ("table_wise", "row_wise"):
+        plan = DiskAwarePlanner(topology=topology, batch_size=128, constraints={
+            "item": ParameterConstraints(sharding_types=[kind])}).plan(raw, [sharder]).plan[""]["item"]
+        assert (plan.compute_kernel, plan.sharding_type) == (DISK_KERNEL, kind)
+    options = sharder.options
+    assert options.live_rows("item", 2**39, 2**40) == 1_500_000  # a row shard: half the ids
+    assert options.live_rows("item", 2**40, 2**40) == 3_000_000
+    assert options.live_rows("other", 1000, 1000) == 1000  # no estimate: its rows
+    with pytest.raises(ValueError, match="live_ids must map table names to positive ints"):
+        DiskEmbeddingBagCollectionSharder("/x", live_ids={"item": 0})

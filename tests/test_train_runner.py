@@ -265,6 +265,22 @@ def test_torchrun_two_processes_with_disk_tables_and_resume(tmp_path, whole_on_t
     assert [got[s] for s in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)], rel=0, abs=0)
 
 
+def test_raw_ids_under_torchrun_each_rank_holding_a_block_of_the_2_40_rows(tmp_path):
+    # The planner sizes each table by the ids it will hold (not its 2**40 rows) and shards it by
+    # rows: rank r owns ids [r * 2**39, (r + 1) * 2**39).
+    out = tmp_path / "raw"
+    _torchrun(out, 6, "data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776",
+              "data.synthetic.new_ids_per_batch=50", "storage.sharding_types=[row_wise]")
+    summary = json.loads((out / "summary.json").read_text())
+    generator = SyntheticCTR(cardinalities=cardinalities_of("criteo_kaggle", 1000), id_space=2**40,
+                             new_ids_per_batch=50)
+    trained = {(f, i) for b in range(6 * 2) for f, column in enumerate(generator.batch(b, 256)[1].T.tolist())
+               for i in column}
+    assert summary["live_ids"] == len(trained) and summary["steps"] == 6
+    for rank, first_row in enumerate((0, 2**39)):
+        assert (out / "tables" / f"rank{rank}" / f"t_cat_0_rows{first_row}_cols0").is_dir()
+
+
 def test_a_rank_killed_under_torchrun_max_restarts_makes_the_job_go_on_from_its_last_checkpoint(
         tmp_path, whole_on_two_ranks):
     # Attempt 0: rank 1 dies at step 3, before the first checkpoint (4): the restarted job starts over.

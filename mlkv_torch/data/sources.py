@@ -6,6 +6,7 @@ click probabilities where the data has them.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Iterator, Optional, Tuple, Union
 
@@ -42,7 +43,16 @@ class SyntheticSource:
                                       seed=data.seed, id_space=data.id_space, new_ids_per_batch=data.new_ids_per_batch)
         # A table per feature, of as many rows as its ids may take (the id space, with raw ids).
         self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.table_sizes
+        self._new_ids_per_batch = data.new_ids_per_batch if data.id_space is not None else None
         self.num_dense, self.batch_size = data.num_dense, config.train.batch_size
+
+    def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
+        """With raw ids, the ids each feature's table holds after `batches` batches at most (its
+        vocabulary and the ids that entered it meanwhile); None: the tables' rows."""
+        if self._new_ids_per_batch is None:
+            return None
+        return tuple(min(rows, n + math.ceil(self._new_ids_per_batch * batches))
+                     for rows, n in zip(self.cardinalities, self.generator.cardinalities))
 
     def make_batch(self, number: int) -> Any:
         """Training batch `number`."""
@@ -93,6 +103,7 @@ class CriteoSource:
         self.cardinalities = (RAW_ID_SPACE,) * CAT_FEATURES if raw else cardinalities_of(criteo.cardinalities,
                                                                                            criteo.scale)
         hashes = None if raw else self.cardinalities
+        self._raw = raw
         self.num_dense, self.batch_size = INT_FEATURES, config.train.batch_size
         try:
             self.train_batches = CriteoBatches(train_days, self.batch_size, hashes,
@@ -101,6 +112,13 @@ class CriteoSource:
         except (ValueError, OSError) as e:
             raise ConfigError(f"data.criteo: {e}") from e
         self.feature_names = self.train_batches.feature_names
+
+    def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
+        """With raw ids, the ids each table is expected to hold: the distinct values of Criteo
+        Kaggle's features (torchrec's counts), an estimate for other days; None: the tables' rows."""
+        from .synthetic import CRITEO_KAGGLE_CARDINALITIES
+
+        return CRITEO_KAGGLE_CARDINALITIES if self._raw else None
 
     def make_batch(self, number: int) -> Any:
         """Training batch `number` (epochs repeat, each with its own shuffle)."""

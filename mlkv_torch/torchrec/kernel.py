@@ -69,6 +69,16 @@ class DiskTableOptions:
     # The cut each rank's tables reopen at ({rank: record}, a training checkpoint's); without it a
     # reopen goes to the cut the rank's directory records.
     cuts: Optional[Dict[int, Any]] = field(default=None, hash=False, compare=False)
+    # The ids a table is expected to hold, by name, where far fewer than its rows (raw ids in a
+    # table as large as their id space, TorchRec's use_virtual_table): its memory and disk are
+    # sized by them (`live_rows`).
+    live_ids: Optional[Dict[str, int]] = field(default=None, hash=False, compare=False)
+
+    def live_rows(self, table: str, rows: int, table_rows: int) -> int:
+        """The rows a shard of `rows` of `table`'s `table_rows` is sized by: its share of the
+        table's expected live ids (ids spread over the rows), at most its rows."""
+        live = (self.live_ids or {}).get(table)
+        return rows if live is None else min(rows, -(-live * rows // max(1, table_rows)))
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -77,6 +87,8 @@ class DiskTableOptions:
             raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if any(not is_int(n) or n < 1 for n in (self.live_ids or {}).values()):
+            raise ValueError(f"live_ids must map table names to positive ints, got {self.live_ids!r}")
         if self.optimizer is not None and not isinstance(self.optimizer, optim_lib.SparseOptimizer):
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
 
@@ -124,7 +136,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
         # The rank's budget: each shard's, as the planner counted it; its row layouts share it by one rule.
-        budget = sum(shard_memory_budget(shard.local_rows, spec.layout.row_bytes, options.memory_fraction)
+        budget = sum(shard_memory_budget(options.live_rows(shard.name, shard.local_rows, shard.num_embeddings),
+                                         spec.layout.row_bytes, options.memory_fraction)
                      for shard, spec in zip(self._shards, specs))
         opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=BatchSettings(
             options.staleness, options.cache_policy, options.backend), device=self._device, cut_dir=self._rank_dir,

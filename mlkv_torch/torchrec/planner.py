@@ -87,6 +87,7 @@ class DiskAwareStorageEstimator(_DiskEstimatorBase):
             dtype = option.tensor.dtype
             for shard in option.shards:
                 rows, cols = shard.size
+                rows = self.options.live_rows(option.name, rows, option.tensor.shape[0])
                 budget = shard_memory_budget(rows, row_bytes(cols, dtype, optimizer), self.options.memory_fraction)
                 on_disk = int(rows * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
                               * DISK_SPACE_AMPLIFICATION)

@@ -114,6 +114,9 @@ class DiskEmbeddingBagCollectionSharder(DiskSharder, EmbeddingBagCollectionShard
             disk tables holding rows are refused (FileExistsError).
         cuts: reopen each rank's tables at the cut given for it ({rank: record}, the records a
             training checkpoint holds) instead.
+        live_ids: the ids a table is expected to hold, by table name, where far fewer than its rows:
+            a table of raw ids as large as their id space (2**40 rows) holds only the ids trained on,
+            and the planner and each shard's memory budget count those (a row shard its share).
         fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
     """
 

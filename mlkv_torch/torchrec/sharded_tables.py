@@ -169,6 +169,12 @@ class DiskShardedTables:
             for table in module._disk_table_names:
                 destination.pop(f"{prefix}{module.tables_attribute}.{table}.weight", None)
             return
+        raw = sorted(set(module._disk_table_names) & set(module._disk_options.live_ids or {}))
+        if raw:  # a dense tensor of their id space (2**40 rows) would never be written, nor read back
+            raise RuntimeError(
+                f"tables {raw} hold raw ids (the sharder's live_ids), as many rows as their id space: a state dict "
+                f"cannot hold them dense. Save the model within mlkv_torch.torchrec.disk_tables_left_out() and "
+                f"keep the tables' rows in cuts (the sharded collection's checkpoint()), as the runner does")
         local: Dict[str, List[Shard]] = defaultdict(list)
         for kernel in module.disk_kernels():
             for table in kernel.table_names:
@@ -193,6 +199,12 @@ class DiskShardedTables:
             if table in kernels:
                 kernels[table].load_weights(table, weight)
             module._skip_missing_weight_key.append(key)
+
+    def flush(self) -> None:
+        """Applies the queued updates of this rank's disk tables and writes their changed rows to
+        the stores (as DiskEmbeddingBagCollection.flush)."""
+        for kernel in self.disk_kernels():
+            kernel.flush()
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """DiskEmbeddingBag.stats() of each disk shard on this rank, by ``<table>_rows<r0>_cols<c0>``."""
@@ -245,11 +257,12 @@ class DiskSharder:
     def __init__(self, storage_dir: Union[str, os.PathLike], *, optimizer: Optional[optim_lib.SparseOptimizer] = None,
                  memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu",
                  seed: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv",
-                 reopen: bool = False, cuts: Optional[Dict[int, Any]] = None, **kwargs: Any) -> None:
+                 reopen: bool = False, cuts: Optional[Dict[int, Any]] = None,
+                 live_ids: Optional[Dict[str, int]] = None, **kwargs: Any) -> None:
         self._told_planner = False
         self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness, cache_policy,
                                         draw_seed() if seed is None else seed, backend, seed_drawn=seed is None,
-                                        reopen=reopen, cuts=cuts)
+                                        reopen=reopen, cuts=cuts, live_ids=live_ids)
         if optimizer is not None:
             fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]

@@ -8,7 +8,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,7 @@ class Experiment:
             staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
             backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume,  # memory: nothing on disk
             cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None,
-            qcomm_codecs_registry=_comms_codecs(storage.comms))
+            qcomm_codecs_registry=_comms_codecs(storage.comms), live_ids=self._live_ids(tables))
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
@@ -185,10 +185,19 @@ class Experiment:
         """Rows this rank's disk tables have read from their stores since they were opened."""
         return sum(s["store_reads"] for s in self.collection.stats().values())
 
-    def live_ids(self) -> int:
+    def _live_ids(self, tables: List[Any]) -> Optional[Dict[str, int]]:
+        """With raw ids, the ids each table is expected to hold by the end of the run, by name (the
+        planner and the shards' budgets count them, not the id space)."""
+        batches = (self.config.train.steps + self.config.eval.batches) * self.world_size
+        live = self.source.live_ids(batches)
+        return None if live is None else {t.name: n for t, n in zip(tables, live)}
+
+    def live_ids(self) -> Optional[int]:
         """Rows this rank's disk tables hold in their stores: after a flush, every id they were
-        trained on (a table of raw ids holds those alone, however large its id space)."""
-        return sum(s["rows"] for s in self.collection.stats().values())
+        trained on (a table of raw ids holds those alone, however large its id space). None where
+        a store does not count its rows (RocksDB)."""
+        stats = self.collection.stats().values()
+        return sum(s["rows"] for s in stats) if all("rows" in s for s in stats) else None
 
     def hit_rate(self) -> Optional[float]:
         stats = self.collection.stats().values()

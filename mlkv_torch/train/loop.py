@@ -187,8 +187,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     reads = experiment.store_reads() - reads_at_start
     reads_per_step = [r / max(1, step - start_step)
                       for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
-    live = experiment.live_ids()
-    live_ids = sum(all_gather_objects(live)) if experiment.distributed else live
+    live = all_gather_objects(experiment.live_ids()) if experiment.distributed else [experiment.live_ids()]
+    live_ids = None if None in live else sum(live)
     summary_path = os.path.join(config.output_dir, "summary.json")
     if step == start_step and start_step > 0:
         # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
