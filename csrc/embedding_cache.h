@@ -197,6 +197,11 @@ class EmbeddingCache {
   torch::Tensor ReadRows(const torch::Tensor& keys) EXCLUDES(mu_);
   // Replaces full rows (CPU float32 [n, row_words]) in the cache or the store.
   void WriteRows(const torch::Tensor& keys, const torch::Tensor& rows) EXCLUDES(fetch_mu_, mu_);
+  // Deletes the rows of `keys` from the cache and their stores (dirty values, staged and read-ahead
+  // copies dropped), after queued updates and a cut being written: a later lookup starts each
+  // afresh from its initial row. A row read ahead into a slot for a batch still to come stays.
+  // Returns which keys went (bool [n]).
+  torch::Tensor DeleteRows(const torch::Tensor& keys) EXCLUDES(fetch_mu_, mu_);
   // Queues a read-ahead of the rows of `keys` neither cached nor staged; returns at once. The
   // read-ahead thread puts them in the staging area, where the next fetch takes them instead of
   // reading the store, or (read_ahead_into_slots) into slots. `fingerprint`: of the batch's keys

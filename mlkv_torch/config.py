@@ -105,6 +105,27 @@ class CommsConfig(_Section):
     backward: Literal["fp32", "fp16", "bf16"] = "fp32"
 
 
+class VirtualTablesConfig(_Section):
+    """Every table as TorchRec's virtual table (``use_virtual_table``; mlkv_torch.virtual_tables): an
+    id gets its own row once trained (after `admit_after` batches that look it up: the frequency
+    filter), and ids go by `eviction` once a table holds more than `trigger_ids` on a rank (then at
+    most `keep_fraction` of that stay): "count" (looked up in fewer than `count_threshold` batches,
+    counts decayed by `decay_rate` at each round), "timestamp" (not looked up for `ttl_minutes`;
+    `minute_steps` training steps make a minute, else wall minutes), "count_and_timestamp" (both),
+    "none". Under torchrun, row-wise tables shard by `total_num_buckets` (a multiple of the ranks)."""
+
+    enabled: bool = False
+    eviction: Literal["none", "count", "timestamp", "count_and_timestamp"] = "none"
+    trigger_ids: int = Field(0, ge=0)
+    count_threshold: int = Field(15, ge=0)
+    decay_rate: float = Field(0.99, gt=0, le=1)
+    ttl_minutes: int = Field(1440, ge=0)
+    minute_steps: Optional[int] = Field(None, ge=1)
+    admit_after: int = Field(1, ge=1)
+    keep_fraction: float = Field(0.9, gt=0, le=1)
+    total_num_buckets: Optional[int] = Field(None, ge=1)
+
+
 class StorageConfig(_Section):
     """Where the embedding tables live: `memory` (torchrec's EmbeddingBagCollection), `disk`
     (mlkv's log-structured store) or `rocksdb` (the same cache and op over RocksDB: the
@@ -131,6 +152,7 @@ class StorageConfig(_Section):
                                  "data_parallel"]] = Field(
         default_factory=lambda: ["table_wise", "column_wise", "table_column_wise", "data_parallel"], min_length=1)
     comms: CommsConfig = CommsConfig()
+    virtual_tables: VirtualTablesConfig = VirtualTablesConfig()
 
 
 class PipelineConfig(_Section):
@@ -198,6 +220,13 @@ class ExperimentConfig(_Section):
                                       cardinalities_of(synthetic.cardinalities, synthetic.scale))
             if problem:
                 raise ValueError(f"data.synthetic: {problem}")
+        virtual = self.storage.virtual_tables
+        if virtual.enabled and (virtual.eviction == "none") != (virtual.trigger_ids == 0):
+            raise ValueError("storage.virtual_tables: an eviction policy needs trigger_ids (rounds run once a table "
+                             "holds more ids on a rank), and trigger_ids needs an eviction policy")
+        if self.storage.virtual_tables.enabled and self.storage.kind == "memory":
+            raise ValueError("storage.virtual_tables: virtual tables live on disk (storage.kind disk or rocksdb); "
+                             "TorchRec's own need fbgemm-gpu's CUDA SSD kernels")
         if self.data.criteo.days is not None and self.data.criteo.format != "tsv":
             raise ValueError("data.criteo.days splits TSV files: it needs data.criteo.format tsv")
         return self

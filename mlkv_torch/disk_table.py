@@ -12,6 +12,7 @@ import torch
 from .checks import is_int
 from .cut import read_json_record, write_json_record
 from .store import KVStore, RocksDBStore, initial_rows
+from .virtual_tables import IdPolicy
 
 
 TABLE_RECORD = "TABLE.json"
@@ -69,6 +70,8 @@ class DiskTable:
         first_row: the table holds rows [first_row, first_row + num_embeddings) of a longer
             table (a row shard, its ids local to its block); its initial rows are that block of the
             longer table's.
+        id_policy: a virtual table's rules for its ids (`mlkv_torch.virtual_tables.IdPolicy`):
+            the frequency filter and eviction; None: every id looked up keeps its row.
     """
 
     name: str
@@ -80,6 +83,7 @@ class DiskTable:
     init: Optional[Tuple[str, float, float]] = None
     seed_drawn: bool = False
     first_row: int = 0
+    id_policy: Optional[IdPolicy] = None
 
     def __post_init__(self) -> None:
         if not is_int(self.num_embeddings) or self.num_embeddings <= 0:

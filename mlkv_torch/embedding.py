@@ -321,11 +321,13 @@ class DiskEmbeddingBag(nn.Module):
     def _row_chunks(self) -> Iterator[Tuple[torch.Tensor, slice]]:
         """The ids of every row, a chunk at a time, with the chunk's rows as a slice: a pass over
         the whole table never holds more than a chunk."""
+        self._refuse_if_virtual("a pass over every row")
         for start in range(0, self.num_embeddings, self._STATE_CHUNK_ROWS):
             stop = min(start + self._STATE_CHUNK_ROWS, self.num_embeddings)
             yield torch.arange(start, stop), slice(start, stop)
 
     def _read_all(self, weights: bool, state: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        self._refuse_if_virtual("a snapshot of every row")
         n = self.num_embeddings
         nbytes = n * ((self.embedding_dim * self.dtype.itemsize if weights else 0)
                       + (4 * self.state_dim if state else 0))
@@ -382,7 +384,10 @@ class DiskEmbeddingBag(nn.Module):
     def reset_parameters(self) -> None:
         """Every row back to its initial values and initial optimizer state (what a fresh table reads),
         as EmbeddingBagCollection's reset_parameters re-initialises its weights. Writes every row,
-        chunk by chunk."""
+        chunk by chunk; a virtual table deletes its live rows instead."""
+        if self.virtual:
+            self._batch.delete_rows(self._table, self.live_ids())
+            return
         spec = self._batch.tables[self._table]
         generated = torch.float32 if self.dtype == torch.float64 else self.dtype  # float64 rows start as float32's
         for ids, _ in self._row_chunks():
@@ -401,21 +406,92 @@ class DiskEmbeddingBag(nn.Module):
         return self.num_embeddings
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        if self.virtual:  # its live ids and their rows, as TorchRec's virtual tables save theirs
+            ids = self.live_ids()
+            destination[prefix + "weight_id"] = ids
+            destination[prefix + "weight"] = self._rows_of(ids)
+            return
         destination[prefix + "weight"] = self.snapshot()
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                               strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         key = prefix + "weight"
+        keys = (key, prefix + "weight_id") if self.virtual else (key,)
         if strict:  # as nn.Module reports keys under its prefix that name nothing of it
-            unexpected_keys.extend(name for name in state_dict if name.startswith(prefix) and name != key
+            unexpected_keys.extend(name for name in state_dict if name.startswith(prefix) and name not in keys
                                    and name[len(prefix):].split(".", 1)[0] not in self._modules)
-        if key not in state_dict:
-            missing_keys.append(key)
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
             return
         try:
-            self.restore(weight=state_dict[key])
+            if self.virtual:
+                self.replace_live_rows(state_dict[prefix + "weight_id"], state_dict[key])
+            else:
+                self.restore(weight=state_dict[key])
         except ValueError as e:
             error_msgs.append(f"{key}: {e}")
+
+    # ---- a virtual table's live rows -------------------------------------------------------------
+    @property
+    def virtual(self) -> bool:
+        """A virtual table (TorchRec's ``use_virtual_table``): rows only for the ids looked up and
+        kept, its state its live ids' rows."""
+        return self._batch.tables[self._table].id_policy is not None
+
+    def _refuse_if_virtual(self, what: str) -> None:
+        if self.virtual:
+            raise ValueError(f"table {self._batch.tables[self._table].name!r} is virtual, an id space of "
+                             f"{self.num_embeddings:,} rows: {what} is not possible; its rows are its live ids' "
+                             f"(live_ids(), export_live(), or state_dict())")
+
+    def live_ids(self) -> torch.Tensor:
+        """The ids that hold rows, sorted, every queued update applied first (for a virtual table,
+        its live set: the ids trained and not evicted)."""
+        if not isinstance(self._store, KVStore):
+            raise ValueError(f"live_ids needs the 'mlkv' backend (a scan of the store), not {self.backend!r}")
+        self._batch.flush()
+        chunks = [keys for keys, _ in self._store.scan(self._STATE_CHUNK_ROWS)]
+        return torch.unique(torch.cat(chunks)) if chunks else torch.empty(0, dtype=torch.int64)
+
+    def export_live(self, chunk_rows: int = 1 << 16, include_state: bool = False) -> Iterator[Tuple[torch.Tensor, ...]]:
+        """The live ids and their rows in id order, chunk by chunk: (ids [n], weights [n, dim]), with
+        `include_state` also (optimizer state [n, state_dim]); what a serving system loads. Only the
+        ids (8 bytes each) and one chunk of rows are in memory at once."""
+        if not is_int(chunk_rows) or chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        ids = self.live_ids()
+        for start in range(0, ids.numel(), chunk_rows):
+            chunk = ids[start:start + chunk_rows]
+            rows = self.export_rows(chunk, include_state)
+            yield (chunk, *rows) if include_state else (chunk, rows)
+
+    def _rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weights of `ids` [n, dim], in a file-backed tensor when larger than the budget."""
+        where = self._store.path if ids.numel() * self.embedding_dim * self.dtype.itemsize > \
+            self.memory_budget_bytes else None
+        out = _empty_rows((ids.numel(), self.embedding_dim), self.dtype, where)
+        for start in range(0, ids.numel(), self._STATE_CHUNK_ROWS):
+            out[start:start + self._STATE_CHUNK_ROWS] = self.export_rows(ids[start:start + self._STATE_CHUNK_ROWS])
+        return out
+
+    def replace_live_rows(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """A virtual table holds exactly `ids` from now on, with rows `weights` (a state dict's
+        ``weight_id`` and ``weight``): its other live rows are deleted."""
+        ids = as_int64_cpu(ids, "weight_id").reshape(-1).contiguous()
+        if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
+            raise ValueError(f"weight must be a tensor of shape [{ids.numel()}, {self.embedding_dim}] (one row per "
+                             f"weight_id), got {list(weights.shape) if isinstance(weights, torch.Tensor) else weights}")
+        if ids.numel() != torch.unique(ids).numel():
+            raise ValueError("weight_id holds an id twice")
+        self._batch.delete_rows(self._table, self.live_ids())
+        for start in range(0, ids.numel(), self._STATE_CHUNK_ROWS):
+            self.import_rows(ids[start:start + self._STATE_CHUNK_ROWS], weights[start:start + self._STATE_CHUNK_ROWS])
+
+    def evict(self) -> int:
+        """Runs one eviction round of a virtual table's policy now (rounds also run by themselves
+        when its trigger is passed); returns the rows evicted."""
+        return self._batch.evict(self._table)
 
     def synchronize(self) -> None:
         """Returns once every queued update is applied (export_rows and flush wait for them too)."""

@@ -19,6 +19,7 @@ from .disk_table import DiskTable, settle_reopened
 from .memory_budget import HostMemorySplit
 from .row_layout import RowLayout
 from .store import KVStore, RocksDBStore
+from .virtual_tables import KernelIds
 
 MODES = ("sum", "mean")  # how a bag pools its rows
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # the cache's codes
@@ -40,7 +41,8 @@ class _PooledLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, batch: "DiskTableBatch", unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
                 weights: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
-                device_lookup: Optional[Tuple[torch.Tensor, int, int]], *anchors: torch.Tensor) -> torch.Tensor:
+                device_lookup: Optional[Tuple[torch.Tensor, int, int]], holds_row: Optional[torch.Tensor],
+                *anchors: torch.Tensor) -> torch.Tensor:
         ctx.sorted_backward = None  # (offset2bag, bag_size, max_indices) of the forward, for the sorted backward
         if batch.bag_backward == "sorted" and per_sample_weights is None and weights.dtype == torch.float32:
             out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
@@ -51,6 +53,7 @@ class _PooledLookup(torch.autograd.Function):
                                   include_last_offset=True)
         ctx.batch = batch
         ctx.device_lookup = device_lookup  # (slots, index version, rows not cached) of a device lookup
+        ctx.holds_row = holds_row  # keys that hold rows (a virtual table's filter): the others' gradients are dropped
         psw_needs_grad = per_sample_weights is not None and ctx.needs_input_grad[5]
         ctx.save_for_backward(unique, inverse, offsets, weights if psw_needs_grad else None, per_sample_weights)
         ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
@@ -75,7 +78,7 @@ class _PooledLookup(torch.autograd.Function):
                                                   per_sample_weights, weights)
         if grad_psw is not None:
             grad_psw = grad_psw.to(per_sample_weights.dtype)
-        trains = ctx.needs_input_grad[7:]
+        trains = ctx.needs_input_grad[8:]
         if ctx.device_lookup is not None:
             slots, version, outside = ctx.device_lookup
             if all(trains):
@@ -84,17 +87,19 @@ class _PooledLookup(torch.autograd.Function):
                 keep = torch.tensor(trains, device=unique.device).index_select(
                     0, unique >> _C.EmbeddingCache.table_shift)
                 batch.update_on_device(unique[keep], slots[keep], version, -1, grads[keep])
-        elif all(trains):
+        elif all(trains) and ctx.holds_row is None:
             batch.queue_update(unique, grads)
-        elif any(trains):  # some tables frozen (requires_grad_(False)): their rows keep their values
+        elif any(trains):  # some tables frozen (requires_grad_(False)), or keys filtered: their rows stay
             keep = torch.tensor(trains).index_select(0, unique >> _C.EmbeddingCache.table_shift)
+            if ctx.holds_row is not None:
+                keep &= ctx.holds_row
             if bool(keep.any()):
                 batch.queue_update(unique[keep].contiguous(), grads[keep.to(grads.device)])
         # A training table's anchor gets its (empty) gradient: data-parallel wrappers (DDP) expect
         # every parameter that takes part in the forward to receive one.
         anchor_grads = tuple(torch.zeros(shape, dtype=dtype, device=device) if train else None
                              for train, (shape, dtype, device) in zip(trains, ctx.anchors))
-        return (None, None, None, None, None, grad_psw, None) + anchor_grads
+        return (None, None, None, None, None, grad_psw, None, None) + anchor_grads
 
 
 _OPEN_BATCHES: "weakref.WeakSet[DiskTableBatch]" = weakref.WeakSet()
@@ -307,11 +312,29 @@ class DiskTableBatch:
                 policy=settings.cache_policy, staleness=self.staleness, device=str(device),
                 staging_rows=self.staging_rows, write_back_rows=self.write_back_rows,
                 read_ahead_into_slots=self.read_ahead_into_slots, transfer_delay_us=transfer_delay_us)
+            self.ids = self._open_ids(at_cut[0]["step"] if at_cut else None, reopen or cut is not None)
         except BaseException:
             for store in self.stores:
                 store.close()
             raise
         _OPEN_BATCHES.add(self)
+
+    def _open_ids(self, cut_step: Optional[int], reopened: bool) -> Optional[KernelIds]:
+        """The ids of the tables with an IdPolicy (virtual tables), as the cut left them: restored
+        from the file saved with it; a table reopened without one counts each id it holds as
+        looked up once, now."""
+        policies = [t.id_policy for t in self.tables]
+        if not any(p is not None and p.tracked for p in policies):
+            return None
+        ids = KernelIds(policies)
+        if cut_step is not None and ids.saved(self.tables[0].path, cut_step):
+            ids.load(self.tables[0].path, cut_step)
+        elif reopened:
+            for t, (table, store) in enumerate(zip(self.tables, self.stores)):
+                if policies[t] is not None and policies[t].tracked and isinstance(store, KVStore):
+                    for keys, _ in store.scan():
+                        ids.adopt(self.keys(t, keys), policies[t].admit_after, self.step)
+        return ids
 
     def _entries_at(self, cut: Dict[str, Any]) -> List[Dict[str, Any]]:
         """Each table's entry in a cut record, in table order; ValueError names the tables it lacks."""
@@ -334,6 +357,8 @@ class DiskTableBatch:
             self.cache.finish_cut(superseded=True)  # never committed: the stores keep the committed cut beside the next
         self.cache.begin_cut()
         step = self.step
+        if self.ids is not None:  # the ids' activity at the same boundary, beside the first table
+            self.ids.save(self.tables[0].path, step)
         written: List[int] = []
 
         def finish() -> Dict[str, Dict[str, Optional[int]]]:
@@ -344,6 +369,8 @@ class DiskTableBatch:
             for store, sequence in zip(self.stores, written):
                 if sequence and isinstance(store, KVStore):
                     store.commit_checkpoint(sequence)
+            if self.ids is not None:
+                self.ids.prune(self.tables[0].path, step)
         return CutPart(finish, commit)
 
     def checkpoint(self) -> Dict[str, Dict[str, Optional[int]]]:
@@ -377,8 +404,18 @@ class DiskTableBatch:
         over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
         anchor (`anchors[t]`) requires a gradient."""
         self._check_open()
-        device_lookup = None
-        if self.device.type == "cuda":  # keyed, deduplicated and looked up on the device
+        device_lookup = holds_row = None
+        if self.ids is not None:  # virtual tables: rounds due first, then the batch's ids counted and filtered
+            unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
+            self.ids.evict_due(self.cache, self.step)
+            holds_row = self.ids.observe(unique, self.step)
+            if holds_row is None:
+                words = self.cache.fetch(unique)
+            else:  # ids not yet admitted read zeros and create no row
+                words = torch.zeros(unique.numel(), self.weight_words, dtype=torch.float32, device=self.device)
+                if bool(holds_row.any()):
+                    words[holds_row.to(self.device)] = self.cache.fetch(unique[holds_row].contiguous())
+        elif self.device.type == "cuda":  # keyed, deduplicated and looked up on the device
             values = _as_int64(values, "ids", self.device).reshape(-1).contiguous()
             unique, inverse, words, slots, version, outside = self.cache.lookup_on_device(values, feature_counts,
                                                                                          feature_tables)
@@ -389,7 +426,7 @@ class DiskTableBatch:
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(device=self.device, dtype=self.dtype)
         return _PooledLookup.apply(self, unique, inverse.to(self.device), offsets.to(self.device, non_blocking=True),
-                                   self.weights_of(words), per_sample_weights, device_lookup, *self.anchors)
+                                   self.weights_of(words), per_sample_weights, device_lookup, holds_row, *self.anchors)
 
     def queue_update(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
         """Queues one optimizer step (at the current `lr`) for distinct keys `unique`."""
@@ -425,7 +462,31 @@ class DiskTableBatch:
 
     def write_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._check_open()
-        self.cache.write_rows(self.keys(table, ids), rows)
+        keys = self.keys(table, ids)
+        self.cache.write_rows(keys, rows)
+        policy = self.tables[table].id_policy
+        if self.ids is not None and policy is not None and policy.tracked:  # written rows are live from now on
+            self.ids.adopt(keys, policy.admit_after, self.step)
+
+    def delete_rows(self, table: int, ids: torch.Tensor) -> None:
+        """Deletes rows `ids` of table `table` from the cache and the store: they read their initial
+        rows again, and a virtual table's ids are forgotten."""
+        self._check_open()
+        keys = self.keys(table, as_int64_cpu(ids, "ids").reshape(-1).contiguous())
+        if not keys.numel():
+            return
+        deleted = self.cache.delete_rows(keys)
+        if self.ids is not None:
+            self.ids.activity.forget(keys[deleted].contiguous())
+
+    def evict(self, table: int) -> int:
+        """One eviction round of table `table`'s IdPolicy now; returns the rows evicted."""
+        self._check_open()
+        policy = self.tables[table].id_policy
+        if self.ids is None or policy is None or not policy.tracked:
+            raise ValueError(f"table {self.tables[table].name!r} has no eviction policy (a virtual table's "
+                             f"virtual_table_eviction_policy)")
+        return self.ids.evict(self.cache, table, self.step)
 
     def synchronize(self) -> None:
         self.cache.drain()
@@ -441,6 +502,8 @@ class DiskTableBatch:
         cached rows), beside the counters the tables share (pending updates, staleness, read-ahead
         timing)."""
         cache = dict(self.cache.stats(), **self.cache.table_stats()[table])
+        if self.ids is not None and self.tables[table].id_policy is not None:
+            cache.update(self.ids.stats(table))
         looked_up = cache["cache_hits"] + cache["cache_misses"]
         return dict(self.stores[table].stats(), **cache, cache_rows=self.cache_rows, step=self.step,
                     hit_rate=cache["cache_hits"] / looked_up if looked_up else 0.0)

@@ -1,5 +1,6 @@
 """The examples a new user starts from (examples/, shown in the README) run and learn: one process,
-a sequence model, and DistributedModelParallel under torchrun with 2 processes."""
+a sequence model, virtual tables of raw ids, and DistributedModelParallel under torchrun with 2
+processes."""
 import re
 import subprocess
 import sys
@@ -33,6 +34,17 @@ def test_sequence_example_trains_with_its_item_table_on_disk(tmp_path):
     first, last = _losses(done.stdout)
     assert last < first / 2, done.stdout
     assert (tmp_path / "tables" / "item").is_dir()
+
+
+def test_virtual_tables_example_trains_evicts_and_exports(tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "virtual_tables.py"), str(tmp_path / "tables")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, last = _losses(done.stdout)
+    assert last < 0.7 * first, done.stdout  # new items keep arriving: less to learn than one_process's
+    found = re.search(r"(\d+) live ids, (\d+) evicted, (\d+) rows exported", done.stdout)
+    live, evicted, exported = map(int, found.groups())
+    assert evicted > 0 and live == exported and live <= 3000 + 256  # the trigger, and one batch's new ids
 
 
 def test_dmp_example_puts_the_large_tables_on_disk_the_largest_by_rows_and_trains(tmp_path):

@@ -162,3 +162,28 @@ def test_a_table_of_raw_ids_is_sized_by_its_live_ids_not_its_id_space():
     assert options.live_rows("other", 1000, 1000) == 1000  # no estimate: its rows
     with pytest.raises(ValueError, match="live_ids must map table names to positive ints"):
         DiskEmbeddingBagCollectionSharder("/x", live_ids={"item": 0})
+
+
+def test_a_virtual_table_is_sized_by_its_eviction_trigger_and_sharded_by_whole_buckets():
+    from torchrec.modules.embedding_configs import CountBasedEvictionPolicy
+
+    def virtual(buckets, trigger, rows=2**40):
+        policy = CountBasedEvictionPolicy(training_id_eviction_trigger_count=trigger) if trigger else None
+        return EmbeddingBagCollection([EmbeddingBagConfig(
+            name="item", embedding_dim=16, num_embeddings=rows, feature_names=["f_item"], use_virtual_table=True,
+            total_num_buckets=buckets, virtual_table_eviction_policy=policy)], device=torch.device("meta"))
+
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=1 << 30, ssd_cap=8 << 30)
+    sharder = DiskEmbeddingBagCollectionSharder("/x", optimizer=optim.SGD(lr=0.1))
+    row_wise = {"item": ParameterConstraints(sharding_types=["row_wise"])}
+    plan = DiskAwarePlanner(topology=topology, batch_size=128, constraints=row_wise).plan(
+        virtual(4, 2_000_000), [sharder]).plan[""]["item"]
+    assert (plan.compute_kernel, plan.sharding_type) == (DISK_KERNEL, "row_wise")
+    assert [s.shard_offsets[0] for s in plan.sharding_spec.shards] == [0, 2**39]  # two whole buckets a rank
+    assert sharder.options.live_rows("item", 2**39, 2**40, sharder.options.virtual_cap(virtual(4, 2_000_000)
+                                     .embedding_bag_configs()[0])) == 2_000_000  # a rank keeps at most its trigger
+    with pytest.raises(ValueError, match=r"table 'item': total_num_buckets 3 is not a multiple of the 2 ranks"):
+        DiskAwarePlanner(topology=topology, batch_size=128, constraints=row_wise).plan(
+            virtual(3, 2_000_000, rows=3 * 2**38), [sharder])  # (TorchRec asks the buckets to divide the rows)
+    with pytest.raises(ValueError, match=r"table 'item' is virtual .* training_id_eviction_trigger_count"):
+        DiskAwarePlanner(topology=topology, batch_size=128, constraints=row_wise).plan(virtual(4, 0), [sharder])

@@ -481,3 +481,44 @@ def test_torch_threads_leave_a_core_to_the_lookahead(tmp_path):
                                            *SMALL]), progress=False)
     assert summary["torch_threads"] == max(1, default - 1)
     assert torch.get_num_threads() == default  # the run gives the setting back
+
+
+def _shard_rows(out: Path, row_words: int) -> dict:
+    """Every row each rank's disk shards hold, by (shard directory, id)."""
+    from mlkv_torch.store import KVStore
+
+    rows = {}
+    for shard in sorted((out / "tables").glob("rank*/t_*")):
+        with KVStore(shard, row_words, torch.float32, 1 << 20, cut_checkpoints=True) as store:
+            for keys, values in store.scan():
+                rows.update({(shard.relative_to(out).as_posix(), k): v for k, v in zip(keys.tolist(), values)})
+    return rows
+
+
+VIRTUAL = ["data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776", "data.synthetic.new_ids_per_batch=20",
+           "storage.sharding_types=[row_wise]", "storage.virtual_tables.enabled=true",
+           "storage.virtual_tables.eviction=count_and_timestamp", "storage.virtual_tables.trigger_ids=60",
+           "storage.virtual_tables.count_threshold=2", "storage.virtual_tables.ttl_minutes=3",
+           "storage.virtual_tables.minute_steps=1", "storage.virtual_tables.total_num_buckets=4"]
+
+
+def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupted_run(tmp_path):
+    # TorchRec's virtual tables of 2**40 ids, placed row-wise by 4 buckets over 2 ranks by the planner
+    # (sized by the eviction trigger, not the id space); rank 1 killed after step 10 (its last
+    # checkpoint: step 8) and the job restarted: the same losses, and the same live ids, rows and
+    # optimizer state on each rank as the run never killed.
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    _torchrun(whole, 12, *VIRTUAL)
+    done = _torchrun(killed, 12, *VIRTUAL, worker=[str(REPO / "tests" / "elastic_worker.py")],
+                     launcher=["--max-restarts", "1"], env={"MLKV_TEST_KILLS": "0:1:10"})
+    assert "resuming from the last checkpoint" in done.stderr, done.stderr[-4000:]
+    assert _losses(killed) == _losses(whole)
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (whole, killed)]
+    assert summaries[0]["evicted_ids"] == summaries[1]["evicted_ids"] > 0
+    assert summaries[0]["live_ids"] == summaries[1]["live_ids"] > 0
+    rows = _shard_rows(whole, 16 + 1)  # quickstart: dim 16, row-wise Adagrad's one state word
+    assert rows.keys() == _shard_rows(killed, 17).keys() and len(rows) == summaries[0]["live_ids"]
+    got = _shard_rows(killed, 17)
+    assert all(torch.equal(got[k], v) for k, v in rows.items())
+    for rank, first_row in enumerate((0, 2**39)):  # two buckets a rank, each 2**38 ids
+        assert (whole / "tables" / f"rank{rank}" / f"t_cat_0_rows{first_row}_cols0").is_dir()

@@ -18,6 +18,7 @@ void BindRocksStore(py::module_& m);      // RocksStore, when built with RocksDB
 void BindOps(py::module_& m);             // initial_rows, bag_backward, apply_optimizer (ops.cpp)
 void BindEmbeddingCache(py::module_& m);  // EmbeddingCache and its memory rules (embedding_cache.cpp)
 void BindHotRows(py::module_& m);         // HotRowIndex, for replicas of hot rows (hot_rows.cpp)
+void BindIdActivity(py::module_& m);      // IdActivity, for virtual tables (id_activity.cpp)
 
 // An optimizer's spec from its Python description (kind: 0..3, as mlkv_torch.optim numbers them).
 OptimizerSpec MakeSpec(int64_t kind, double lr, double eps, double beta1, double beta2);

@@ -139,6 +139,7 @@ void BindEmbeddingCache(py::module_& m) {
       .def("pause_writer", &EmbeddingCache::PauseWriter, nogil)
       .def("read_rows", &EmbeddingCache::ReadRows, nogil)
       .def("write_rows", &EmbeddingCache::WriteRows, nogil)
+      .def("delete_rows", &EmbeddingCache::DeleteRows, nogil)
       .def("lookahead", &EmbeddingCache::ReadAheadBatch, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)

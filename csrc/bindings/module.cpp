@@ -22,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   mlkv::bindings::BindRocksStore(m);
   mlkv::bindings::BindEmbeddingCache(m);
   mlkv::bindings::BindHotRows(m);
+  mlkv::bindings::BindIdActivity(m);
 }

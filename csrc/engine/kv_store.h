@@ -130,7 +130,7 @@ class KVStore : public RowStore {
   // Like Get, but absent keys are no error: found[i] says which rows were filled.
   Status Lookup(const int64_t* keys, size_t n, void* values, bool* found) override;
   Status Contains(const int64_t* keys, size_t n, bool* found);
-  Status Delete(const int64_t* keys, size_t n, uint64_t* deleted);
+  Status Delete(const int64_t* keys, size_t n, uint64_t* deleted) override;
   // Queues the rows for a background copy from disk to memory; returns at once.
   Status Lookahead(const int64_t* keys, size_t n);
   // Waits for queued lookaheads; reports an error one of them met.

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -161,6 +162,28 @@ Status RocksRowStore::Lookup(const int64_t* keys, size_t n, void* values, bool* 
   rows_read_ += n;
   rows_found_ += hits;
   return Status::OK();
+}
+
+Status RocksRowStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
+  *deleted = 0;
+  if (n == 0) return Status::OK();
+  // RocksDB deletes blindly; the count comes from a read of the same keys first.
+  std::vector<char> rows(n * value_bytes_);
+  std::unique_ptr<bool[]> found(new bool[n]);
+  MLKV_RETURN_IF_ERROR(Lookup(keys, n, rows.data(), found.get()));
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  if (!db_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  rocksdb::WriteBatch batch;
+  char key[8];
+  for (size_t i = 0; i < n; ++i) {
+    if (!found[i]) continue;
+    EncodeKey(keys[i], key);
+    MLKV_RETURN_IF_ERROR(FromRocks(batch.Delete(rocksdb::Slice(key, 8)), path_));
+    ++*deleted;
+  }
+  rocksdb::WriteOptions write;
+  write.disableWAL = true;
+  return FromRocks(db_->Write(write, &batch), path_);
 }
 
 Status RocksRowStore::Checkpoint() {

@@ -49,6 +49,7 @@ class RocksRowStore : public RowStore {
 
   Status Put(const int64_t* keys, size_t n, const void* values) override;
   Status Lookup(const int64_t* keys, size_t n, void* values, bool* found) override;
+  Status Delete(const int64_t* keys, size_t n, uint64_t* deleted) override;
   uint32_t value_bytes() const override { return value_bytes_; }
   const std::string& path() const override { return path_; }
   // Writes the memtables to SST files: the rows written so far survive a reopen.

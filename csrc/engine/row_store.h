@@ -19,6 +19,8 @@ class RowStore {
   virtual Status Put(const int64_t* keys, size_t n, const void* values) = 0;
   // Fills the rows of keys present; found[i] says which (absent keys are no error).
   virtual Status Lookup(const int64_t* keys, size_t n, void* values, bool* found) = 0;
+  // Removes the rows of `keys` (absent keys are no error); *deleted counts the rows removed.
+  virtual Status Delete(const int64_t* keys, size_t n, uint64_t* deleted) = 0;
   // Makes every row put so far durable; *sequence (when given) names the checkpoint, 0 when the
   // store keeps no numbered checkpoints (RocksDB keeps only its latest state).
   virtual Status Checkpoint(uint64_t* sequence) = 0;

@@ -9,6 +9,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import optim as optim_lib
+from ..virtual_tables import VirtualTableOptions
 from .table_collection import DiskTableCollection
 
 __all__ = ["DiskEmbeddingBagCollection"]
@@ -59,6 +60,11 @@ class DiskEmbeddingBagCollection(DiskTableCollection):
             recorded in `path`: what a training checkpoint that holds the record resumes from.
         cache_policy: "lfu" or "lru".
         backend: the store under every table: "mlkv" (KVStore) or "rocksdb" (the baseline).
+        virtual_tables: for tables with ``use_virtual_table``: the frequency filter, the clock of
+            their eviction policy and the cap after a round (`VirtualTableOptions`). A virtual
+            table holds a row for any id in [0, num_embeddings) (up to 2**40) once looked up,
+            each its own, and evicts ids by its ``virtual_table_eviction_policy``; its state dict
+            holds its live ids (``weight_id``) and their rows (``weight``) (docs/torchrec.md).
     """
 
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
@@ -66,14 +72,16 @@ class DiskEmbeddingBagCollection(DiskTableCollection):
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 256 << 20,
                  cache_rows: Optional[int] = None, staleness: int = 0, seed: Optional[int] = None,
                  cache_policy: str = "lfu", lookups_per_sample: Optional[Dict[str, float]] = None,
-                 backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None) -> None:
+                 backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None,
+                 virtual_tables: Optional[VirtualTableOptions] = None) -> None:
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool (EmbeddingBagCollection's second argument), got "
                             f"{type(is_weighted).__name__}")
         self._is_weighted = is_weighted
         super().__init__(tables, device, path=path, optimizer=optimizer, memory_budget_bytes=memory_budget_bytes,
                          cache_rows=cache_rows, staleness=staleness, seed=seed, cache_policy=cache_policy,
-                         lookups_per_sample=lookups_per_sample, backend=backend, reopen=reopen, cut=cut)
+                         lookups_per_sample=lookups_per_sample, backend=backend, reopen=reopen, cut=cut,
+                         virtual_tables=virtual_tables)
         self._lengths_per_embedding: List[int] = [t.embedding_dim for t in self._configs for _ in t.feature_names]
 
     tables_attribute = "embedding_bags"

@@ -28,6 +28,7 @@ from ..cut import CutPart
 from ..embedding import DiskEmbeddingBag
 from ..memory_budget import shard_memory_budget
 from ..table_batch import BACKENDS, BatchSettings
+from ..virtual_tables import VirtualTableOptions, id_policy_of
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .state_dicts import disk_tables_in_state_dict
 from .tables import disk_table_spec, open_disk_tables, table_seed
@@ -73,12 +74,30 @@ class DiskTableOptions:
     # table as large as their id space, TorchRec's use_virtual_table): its memory and disk are
     # sized by them (`live_rows`).
     live_ids: Optional[Dict[str, int]] = field(default=None, hash=False, compare=False)
+    # What virtual tables (use_virtual_table) need beyond TorchRec's config: filter, clock, cap.
+    virtual: Optional[VirtualTableOptions] = None
 
-    def live_rows(self, table: str, rows: int, table_rows: int) -> int:
+    def live_rows(self, table: str, rows: int, table_rows: int, cap: Optional[int] = None) -> int:
         """The rows a shard of `rows` of `table`'s `table_rows` is sized by: its share of the
-        table's expected live ids (ids spread over the rows), at most its rows."""
+        table's expected live ids (ids spread over the rows), else the most ids a virtual table
+        keeps on a rank (`cap`, its eviction trigger), at most its rows."""
         live = (self.live_ids or {}).get(table)
-        return rows if live is None else min(rows, -(-live * rows // max(1, table_rows)))
+        if live is not None:
+            return min(rows, -(-live * rows // max(1, table_rows)))
+        return rows if cap is None else min(rows, cap)
+
+    def virtual_cap(self, config: Any) -> Optional[int]:
+        """The rows a rank's shard of a virtual table is sized by (its policy's cap), None for a
+        table that is not virtual; ValueError names a virtual table with neither a cap nor live_ids
+        (it would be sized by its whole id space)."""
+        policy = id_policy_of(config, self.virtual)
+        if policy is None:
+            return None
+        if policy.cap is None and config.name not in (self.live_ids or {}):
+            raise ValueError(f"table {config.name!r} is virtual ({config.num_embeddings:,} ids) with nothing to size "
+                             f"it by: give its virtual_table_eviction_policy a training_id_eviction_trigger_count (the "
+                             f"most ids a rank keeps), or the sharder live_ids={{{config.name!r}: <ids>}}")
+        return policy.cap
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -91,6 +110,15 @@ class DiskTableOptions:
             raise ValueError(f"live_ids must map table names to positive ints, got {self.live_ids!r}")
         if self.optimizer is not None and not isinstance(self.optimizer, optim_lib.SparseOptimizer):
             raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
+
+
+def bucket_problem(config: Any, world_size: int) -> Optional[str]:
+    """Why a virtual table cannot be sharded row-wise by its buckets over `world_size` ranks, or None."""
+    buckets = getattr(config, "total_num_buckets", None)
+    if not getattr(config, "use_virtual_table", False) or not buckets or buckets % world_size == 0:
+        return None
+    return (f"table {config.name!r}: total_num_buckets {buckets} is not a multiple of the {world_size} ranks: a "
+            f"disk table shards row-wise by whole buckets, as many on each rank")
 
 
 def resolve_optimizer(fused_params: Optional[Dict[str, Any]], table: str, options: DiskTableOptions
@@ -122,21 +150,25 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._shards: List[ShardedEmbeddingTable] = list(config.embedding_tables)
         self._pooled = config.pooling != PoolingType.NONE
         specs = []
+        world = dist.get_world_size(pg) if pg is not None and dist.is_initialized() else 1
         for shard in self._shards:
+            if sharding_type == ShardingType.ROW_WISE and bucket_problem(shard, world):
+                raise ValueError(bucket_problem(shard, world))
             # A row shard sees the ids of its block local to it, as TorchRec's bucketization leaves them.
             row_offset, col_offset = self._offsets(shard)
             specs.append(disk_table_spec(
                 shard, os.path.join(self._rank_dir, self._shard_name(shard)), table_seed(options.seed, shard.name),
                 resolve_optimizer(shard.fused_params or config.fused_params, shard.name, options),
                 seed_drawn=options.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset,
-                num_embeddings=shard.local_rows, first_row=row_offset, pooled=self._pooled))
+                num_embeddings=shard.local_rows, first_row=row_offset, pooled=self._pooled, virtual=options.virtual))
             if sharding_type in _PARTIAL_SUM_SHARDINGS:  # mean pooling divides the reduced sums (TorchRec's callback)
                 specs[-1] = replace(specs[-1], mode="sum")
         lrs = {spec.layout.optimizer.lr for spec in specs}
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
         # The rank's budget: each shard's, as the planner counted it; its row layouts share it by one rule.
-        budget = sum(shard_memory_budget(options.live_rows(shard.name, shard.local_rows, shard.num_embeddings),
+        budget = sum(shard_memory_budget(options.live_rows(shard.name, shard.local_rows, shard.num_embeddings,
+                                                           options.virtual_cap(shard)),
                                          spec.layout.row_bytes, options.memory_fraction)
                      for shard, spec in zip(self._shards, specs))
         opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=BatchSettings(

@@ -33,7 +33,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from .. import optim as optim_lib
 from ..memory_budget import shard_memory_budget
-from .kernel import DISK_KERNEL, DiskTableOptions, resolve_optimizer
+from .kernel import DISK_KERNEL, DiskTableOptions, bucket_problem, resolve_optimizer
 from .sharded_tables import DiskSharder, planning_with_disk
 from ..row_layout import row_bytes
 
@@ -54,6 +54,15 @@ def _planned_optimizer(option: ShardingOption, fused_params: Dict[str, Any], opt
         params.update(getattr(option.tensor, "_optimizer_kwargs", [{}])[0])
         params.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
     return resolve_optimizer(params, option.name, options)
+
+
+def _table_config(option: ShardingOption) -> Optional[Any]:
+    """The TorchRec config of the table a sharding option places (None when its module has none)."""
+    module = option.module[1]
+    for configs in ("embedding_bag_configs", "embedding_configs"):
+        if hasattr(module, configs):
+            return next((c for c in getattr(module, configs)() if c.name == option.name), None)
+    return None
 
 
 class _DiskEstimatorBase(ShardEstimator):
@@ -85,9 +94,14 @@ class DiskAwareStorageEstimator(_DiskEstimatorBase):
             fused = sharder_data_map[option.module_type_key].fused_params if sharder_data_map else {}
             optimizer = _planned_optimizer(option, fused, self.options)
             dtype = option.tensor.dtype
+            config = _table_config(option)
+            cap = self.options.virtual_cap(config) if config is not None else None
+            if config is not None and option.sharding_type == "row_wise" \
+                    and bucket_problem(config, self._topology.world_size):
+                raise ValueError(bucket_problem(config, self._topology.world_size))
             for shard in option.shards:
                 rows, cols = shard.size
-                rows = self.options.live_rows(option.name, rows, option.tensor.shape[0])
+                rows = self.options.live_rows(option.name, rows, option.tensor.shape[0], cap)
                 budget = shard_memory_budget(rows, row_bytes(cols, dtype, optimizer), self.options.memory_fraction)
                 on_disk = int(rows * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
                               * DISK_SPACE_AMPLIFICATION)

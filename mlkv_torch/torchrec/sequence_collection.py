@@ -10,6 +10,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from .. import optim as optim_lib
+from ..virtual_tables import VirtualTableOptions
 from .table_collection import DiskTableCollection
 
 __all__ = ["DiskEmbeddingCollection"]
@@ -31,7 +32,7 @@ class DiskEmbeddingCollection(DiskTableCollection):
     are keyword-only and as DiskEmbeddingBagCollection's (``path``, ``optimizer``,
     ``memory_budget_bytes``, ``cache_rows``, ``staleness``, ``seed``, ``cache_policy``,
     ``lookups_per_sample`` (the ids per sample of a table, its traffic: a sequence feature has
-    many), ``backend``, ``reopen``, ``cut``).
+    many), ``backend``, ``reopen``, ``cut``, ``virtual_tables``).
     """
 
     tables_attribute = "embeddings"
@@ -44,7 +45,8 @@ class DiskEmbeddingCollection(DiskTableCollection):
                  optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 256 << 20,
                  cache_rows: Optional[int] = None, staleness: int = 0, seed: Optional[int] = None,
                  cache_policy: str = "lfu", lookups_per_sample: Optional[Dict[str, float]] = None,
-                 backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None) -> None:
+                 backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None,
+                 virtual_tables: Optional[VirtualTableOptions] = None) -> None:
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:  # as EmbeddingCollection: its sharded outputs are [ids, dim]
             raise ValueError(f"the tables of an EmbeddingCollection share one embedding_dim, got "
@@ -53,7 +55,8 @@ class DiskEmbeddingCollection(DiskTableCollection):
         self._embedding_dim = dims.pop() if dims else -1
         super().__init__(tables, device, path=path, optimizer=optimizer, memory_budget_bytes=memory_budget_bytes,
                          cache_rows=cache_rows, staleness=staleness, seed=seed, cache_policy=cache_policy,
-                         lookups_per_sample=lookups_per_sample, backend=backend, reopen=reopen, cut=cut)
+                         lookups_per_sample=lookups_per_sample, backend=backend, reopen=reopen, cut=cut,
+                         virtual_tables=virtual_tables)
 
     # ---- EmbeddingCollection's interface ----------------------------------------------------------
     def embedding_configs(self) -> List[EmbeddingConfig]:

@@ -117,6 +117,11 @@ class DiskEmbeddingBagCollectionSharder(DiskSharder, EmbeddingBagCollectionShard
         live_ids: the ids a table is expected to hold, by table name, where far fewer than its rows:
             a table of raw ids as large as their id space (2**40 rows) holds only the ids trained on,
             and the planner and each shard's memory budget count those (a row shard its share).
+        virtual_tables: for tables with ``use_virtual_table``: the frequency filter, the clock of
+            their eviction policy and the cap after a round (`VirtualTableOptions`); each rank's
+            shard keeps at most its policy's training_id_eviction_trigger_count ids, and the
+            planner sizes it by that. Row-wise, a virtual table's total_num_buckets must be a
+            multiple of the ranks.
         fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
     """
 

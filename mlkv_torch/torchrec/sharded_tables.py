@@ -25,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .. import optim as optim_lib
 from ..cut import PendingCut
 from ..disk_table import draw_seed
+from ..virtual_tables import VirtualTableOptions
 from .fused_optimizer import fused_params_of
 from .kernel import DISK_KERNEL, DiskEmbeddingKernel, DiskTableOptions, on_host
 from .shardings.lookup import DiskGroupLookahead
@@ -258,11 +259,12 @@ class DiskSharder:
                  memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu",
                  seed: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv",
                  reopen: bool = False, cuts: Optional[Dict[int, Any]] = None,
-                 live_ids: Optional[Dict[str, int]] = None, **kwargs: Any) -> None:
+                 live_ids: Optional[Dict[str, int]] = None, virtual_tables: Optional[VirtualTableOptions] = None,
+                 **kwargs: Any) -> None:
         self._told_planner = False
         self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness, cache_policy,
                                         draw_seed() if seed is None else seed, backend, seed_drawn=seed is None,
-                                        reopen=reopen, cuts=cuts, live_ids=live_ids)
+                                        reopen=reopen, cuts=cuts, live_ids=live_ids, virtual=virtual_tables)
         if optimizer is not None:
             fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]

@@ -23,6 +23,7 @@ from ..disk_table import destroy_table, directory_path, draw_seed
 from ..embedding import DiskEmbeddingBag
 from ..store import KVStore
 from ..table_batch import BatchSettings, DiskTableBatch
+from ..virtual_tables import VirtualTableOptions
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .routing import KernelRouting, select_features
 from .tables import disk_table_spec, open_disk_tables, table_seed
@@ -80,7 +81,7 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule):
                  path: Union[str, os.PathLike], optimizer: Optional[optim_lib.SparseOptimizer],
                  memory_budget_bytes: int, cache_rows: Optional[int], staleness: int, seed: Optional[int],
                  cache_policy: str, lookups_per_sample: Optional[Dict[str, float]], backend: str, reopen: bool,
-                 cut: Optional[Dict[str, Any]]) -> None:
+                 cut: Optional[Dict[str, Any]], virtual_tables: Optional[VirtualTableOptions] = None) -> None:
         super().__init__()
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -119,7 +120,7 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule):
         # when a model built on meta is materialised.
         self._table_specs = [disk_table_spec(t, os.path.join(self._path, t.name), table_seed(base_seed, t.name),
                                              rule, seed_drawn=seed is None, lookups_per_sample=traffic.get(t.name),
-                                             pooled=self.pooled)
+                                             pooled=self.pooled, virtual=virtual_tables)
                              for t in tables]
         self._memory_budget_bytes, self._cache_rows = memory_budget_bytes, cache_rows
         self._settings = BatchSettings(staleness, cache_policy, backend)

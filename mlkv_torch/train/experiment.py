@@ -29,6 +29,33 @@ _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and
 _NOT_COMMITTED = "not-committed.json"  # in a torchrun checkpoint's directory: rank 0 gave it up
 
 
+def _virtual_table_fields(config: ExperimentConfig) -> Dict[str, Any]:
+    """TorchRec's virtual-table fields of every table's config (storage.virtual_tables)."""
+    from torchrec.modules.embedding_configs import (CountBasedEvictionPolicy, CountTimestampMixedEvictionPolicy,
+                                                    NoEvictionPolicy, TimestampBasedEvictionPolicy)
+
+    virtual = config.storage.virtual_tables
+    if not virtual.enabled:
+        return {}
+    trigger = dict(training_id_eviction_trigger_count=virtual.trigger_ids)
+    count = dict(eviction_threshold=virtual.count_threshold, decay_rate=virtual.decay_rate)
+    policy = {"none": lambda: NoEvictionPolicy(),
+              "count": lambda: CountBasedEvictionPolicy(**trigger, **count),
+              "timestamp": lambda: TimestampBasedEvictionPolicy(**trigger, eviction_ttl_mins=virtual.ttl_minutes),
+              "count_and_timestamp": lambda: CountTimestampMixedEvictionPolicy(
+                  **trigger, **count, eviction_ttl_mins=virtual.ttl_minutes)}[virtual.eviction]()
+    return dict(use_virtual_table=True, total_num_buckets=virtual.total_num_buckets,
+                virtual_table_eviction_policy=policy)
+
+
+def _virtual_table_options(config: ExperimentConfig) -> Optional[Any]:
+    from ..virtual_tables import VirtualTableOptions
+
+    virtual = config.storage.virtual_tables
+    return VirtualTableOptions(virtual.admit_after, virtual.minute_steps, virtual.keep_fraction) \
+        if virtual.enabled else None
+
+
 class Experiment:
     """The model, data and optimizers of one run; `resume` reopens the tables an earlier run left."""
 
@@ -38,8 +65,9 @@ class Experiment:
         self.config = config
         self.source = batch_source(config)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
-                                     feature_names=[name])
+                                     feature_names=[name], **_virtual_table_fields(config))
                   for name, n in zip(self.source.feature_names, self.source.cardinalities)]
+        self.virtual_tables = _virtual_table_options(config)
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.tables_path = config.tables_path
@@ -94,7 +122,7 @@ class Experiment:
             tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
             cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
             cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume, device=self.device,
-            cut=self._resumed["cut"] if self._resumed else None)
+            cut=self._resumed["cut"] if self._resumed else None, virtual_tables=self.virtual_tables)
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
@@ -127,7 +155,8 @@ class Experiment:
             staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
             backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume,  # memory: nothing on disk
             cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None,
-            qcomm_codecs_registry=_comms_codecs(storage.comms), live_ids=self._live_ids(tables))
+            qcomm_codecs_registry=_comms_codecs(storage.comms), live_ids=self._live_ids(tables),
+            virtual_tables=self.virtual_tables)
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
@@ -198,6 +227,11 @@ class Experiment:
         a store does not count its rows (RocksDB)."""
         stats = self.collection.stats().values()
         return sum(s["rows"] for s in stats) if all("rows" in s for s in stats) else None
+
+    def evicted_ids(self) -> Optional[int]:
+        """Ids this rank's virtual tables evicted (storage.virtual_tables); None without eviction."""
+        stats = [s for s in self.collection.stats().values() if "evicted_ids" in s]
+        return sum(s["evicted_ids"] for s in stats) if stats else None
 
     def hit_rate(self) -> Optional[float]:
         stats = self.collection.stats().values()

@@ -189,6 +189,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                       for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
     live = all_gather_objects(experiment.live_ids()) if experiment.distributed else [experiment.live_ids()]
     live_ids = None if None in live else sum(live)
+    evicted = all_gather_objects(experiment.evicted_ids()) if experiment.distributed else [experiment.evicted_ids()]
+    evicted_ids = None if None in evicted else sum(evicted)
     summary_path = os.path.join(config.output_dir, "summary.json")
     if step == start_step and start_step > 0:
         # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
@@ -210,7 +212,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "embedding_bytes_per_step_by_kind": {k: v / max(1, step - start_step) for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
-               "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids,
+               "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids, "evicted_ids": evicted_ids,
                "storage": config.storage.kind, "populate_s": populate_s,
                "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
     if main:
