@@ -44,6 +44,8 @@ class SyntheticDataConfig(_Section):
     # new_ids_per_batch new ids enter a batch (mlkv_torch.data.synthetic).
     id_space: Optional[int] = Field(None, gt=1)
     new_ids_per_batch: float = Field(0.0, ge=0)
+    # Raw ids hashed into this many rows a table (collisions and all), as fixed-size tables do.
+    hash_rows: Optional[int] = Field(None, gt=0)
 
 
 class CriteoDataConfig(_Section):
@@ -220,6 +222,9 @@ class ExperimentConfig(_Section):
                                       cardinalities_of(synthetic.cardinalities, synthetic.scale))
             if problem:
                 raise ValueError(f"data.synthetic: {problem}")
+            hash_rows, id_space = synthetic.hash_rows, synthetic.id_space
+            if hash_rows is not None and (id_space is None or hash_rows > id_space):
+                raise ValueError("data.synthetic.hash_rows hashes raw ids: it needs id_space, and at most that many")
         virtual = self.storage.virtual_tables
         if virtual.enabled and (virtual.eviction == "none") != (virtual.trigger_ids == 0):
             raise ValueError("storage.virtual_tables: an eviction policy needs trigger_ids (rounds run once a table "

@@ -188,6 +188,7 @@ class KernelIds:
         self.activity = _C.IdActivity(args)
         self.evicted = [0] * len(self.policies)  # ids evicted so far, per table
         self.rounds = [0] * len(self.policies)
+        self.peak_live = [0] * len(self.policies)  # the most ids holding rows after a batch, per table
 
     @property
     def filters(self) -> bool:
@@ -217,6 +218,9 @@ class KernelIds:
     def observe(self, unique: torch.Tensor, step: int) -> Optional[torch.Tensor]:
         """Records a batch's distinct keys; returns which hold rows (None: every one)."""
         holds = self.activity.observe(unique, self._now(step))
+        for table, policy in enumerate(self.policies):
+            if policy is not None and policy.tracked:
+                self.peak_live[table] = max(self.peak_live[table], self.activity.live(table))
         return holds if self.filters and not bool(holds.all()) else None
 
     def live(self, table: int) -> int:
@@ -224,8 +228,8 @@ class KernelIds:
         return self.activity.live(table)
 
     def stats(self, table: int) -> Dict[str, Any]:
-        return {"live_ids": self.activity.live(table), "evicted_ids": self.evicted[table],
-                "eviction_rounds": self.rounds[table]}
+        return {"live_ids": self.activity.live(table), "peak_live_ids": self.peak_live[table],
+                "evicted_ids": self.evicted[table], "eviction_rounds": self.rounds[table]}
 
     def adopt(self, keys: torch.Tensor, looked_up: int, step: int) -> None:
         """Counts `keys` (of ids that hold rows) as looked up `looked_up` times, now: a table

@@ -97,8 +97,25 @@ def test_raw_ids_spread_over_the_id_space_one_per_item_and_new_ones_keep_coming(
     assert gen.table_sizes == (2**40, 2**40) and fixed.oracle_auc() > 0.6
 
 
+def test_raw_ids_hashed_into_fixed_tables_collide_and_keep_the_raw_ids_labels():
+    raw = SyntheticCTR(cardinalities=(5000, 50), id_space=2**40, new_ids_per_batch=20, seed=3)
+    hashed = SyntheticCTR(cardinalities=(5000, 50), id_space=2**40, new_ids_per_batch=20, seed=3, hash_rows=1000)
+    dense, ids, labels, probability = raw.batch(9, 4096)
+    got = hashed.batch(9, 4096)
+    assert torch.equal(got[1], ids % 1000) and hashed.table_sizes == (1000, 1000)
+    assert torch.equal(got[0], dense) and torch.equal(got[2], labels) and torch.equal(got[3], probability)
+    # Collisions: distinct raw ids share a row.
+    column = ids[:, 0]
+    assert torch.unique(column).numel() > torch.unique(column % 1000).numel()
+    # Evaluation draws from where training is: a batch of another number, with batch 9's vocabulary.
+    later = raw.batch(2**40, 4096, vocabulary=9)[1][:, 0]
+    assert len(set(later.tolist()) & set(column.tolist())) > 0.3 * torch.unique(later).numel()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"id_space": 1000}, "id_space must be a power of two"),
+    ({"hash_rows": 10}, "hash_rows hashes raw ids"),
+    ({"id_space": 2**10, "hash_rows": 2**11}, "hash_rows hashes raw ids"),
     ({"id_space": 2**63}, "id_space must be a power of two"),
     ({"id_space": 2**8}, "a vocabulary of 1000 ids does not fit id_space 256"),
     ({"new_ids_per_batch": 5}, "is for raw ids"),

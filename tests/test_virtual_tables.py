@@ -17,6 +17,7 @@ from mlkv_torch.virtual_tables import IdPolicy, VirtualTableOptions  # noqa: E40
 
 DIM = 8
 SPACE = 2**40
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 STEPS_PER_MINUTE = VirtualTableOptions(minute_steps=1)  # a ttl of n minutes is n steps: reproducible
 
 
@@ -26,9 +27,9 @@ def config(num_embeddings=SPACE, virtual=True, policy=None, name="t"):
                               weight_init_min=-0.1, weight_init_max=0.1)
 
 
-def collection(tmp_path, cfg, sub="v", optimizer=None, **kwargs):
+def collection(tmp_path, cfg, sub="v", optimizer=None, device="cpu", **kwargs):
     return DiskEmbeddingBagCollection([cfg], path=tmp_path / sub, optimizer=optimizer or optim.SGD(lr=0.1),
-                                      seed=7, memory_budget_bytes=1 << 20, cache_rows=64, **kwargs)
+                                      seed=7, memory_budget_bytes=1 << 20, cache_rows=64, device=device, **kwargs)
 
 
 def raw_batches(steps, batch=24, pool=60, seed=0):
@@ -44,15 +45,13 @@ def kjt(ids):
     return KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones(ids.numel(), dtype=torch.int64))
 
 
-def train(ebc, batches, after_step=None):
+def train(ebc, batches):
     losses = []
-    for step, ids in enumerate(batches):
-        out = ebc(kjt(ids)).values()
-        loss = (out * torch.linspace(-1, 1, DIM)).sum()
+    for ids in batches:
+        out = ebc(kjt(ids.to(ebc.device))).values()
+        loss = (out * torch.linspace(-1, 1, DIM, device=out.device)).sum()
         loss.backward()
         losses.append(loss.item())
-        if after_step is not None:
-            after_step(step)
     return losses
 
 
@@ -131,9 +130,11 @@ class PolicyModel:
     CountTimestampMixedEvictionPolicy(training_id_eviction_trigger_count=30, eviction_threshold=2, decay_rate=0.9,
                                       eviction_ttl_mins=2),
 ], ids=["count", "timestamp", "mixed"])
-def test_eviction_follows_torchrecs_policies_as_a_python_model_of_them(tmp_path, policy):
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_follows_torchrecs_policies_as_a_python_model_of_them(tmp_path, policy, device):
+    # On CUDA the batch's ids take the host's lookup (the policy counts them there), its rows the device.
     ebc = collection(tmp_path, config(policy=policy), optimizer=optim.Adagrad(lr=0.1),
-                     virtual_tables=STEPS_PER_MINUTE)
+                     virtual_tables=STEPS_PER_MINUTE, device=device)
     bag = ebc.embedding_bags["t"]
     model = PolicyModel(bag._batch.tables[0].id_policy)
     assert model.p.trigger_ids == 30 and model.p.keep_ids == 27  # the cap: 0.9 of the trigger

@@ -40,16 +40,18 @@ class SyntheticSource:
         data = config.data.synthetic
         self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
                                       num_dense=data.num_dense, zipf=data.zipf, effect_scale=data.effect_scale,
-                                      seed=data.seed, id_space=data.id_space, new_ids_per_batch=data.new_ids_per_batch)
+                                      seed=data.seed, id_space=data.id_space, new_ids_per_batch=data.new_ids_per_batch,
+                                      hash_rows=data.hash_rows)
         # A table per feature, of as many rows as its ids may take (the id space, with raw ids).
         self.feature_names, self.cardinalities = self.generator.feature_names, self.generator.table_sizes
         self._new_ids_per_batch = data.new_ids_per_batch if data.id_space is not None else None
+        self._hashed = data.hash_rows is not None
         self.num_dense, self.batch_size = data.num_dense, config.train.batch_size
 
     def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
         """With raw ids, the ids each feature's table holds after `batches` batches at most (its
         vocabulary and the ids that entered it meanwhile); None: the tables' rows."""
-        if self._new_ids_per_batch is None:
+        if self._new_ids_per_batch is None or self._hashed:
             return None
         return tuple(min(rows, n + math.ceil(self._new_ids_per_batch * batches))
                      for rows, n in zip(self.cardinalities, self.generator.cardinalities))
@@ -60,11 +62,17 @@ class SyntheticSource:
 
         return synthetic_batch(self.generator, number, self.batch_size)
 
-    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
-        """This rank's share of `batches` held-out batches, each with its true click probabilities."""
+    def eval(self, batches: int, rank: int, world: int, at_batch: int = 0
+             ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        """This rank's share of `batches` held-out batches, each with its true click probabilities;
+        with new ids entering, drawn from the vocabulary of training batch `at_batch` (where training is)."""
+        from .synthetic import synthetic_batch
+
+        vocabulary = at_batch if self._new_ids_per_batch else None
         for k in range(batches):
             number = _EVAL_FIRST_BATCH + rank + world * k
-            yield self.make_batch(number), self.generator.batch(number, self.batch_size)[3]
+            yield (synthetic_batch(self.generator, number, self.batch_size, vocabulary),
+                   self.generator.batch(number, self.batch_size, vocabulary)[3])
 
 
 def criteo_cache_dir() -> str:
@@ -124,7 +132,8 @@ class CriteoSource:
         """Training batch `number` (epochs repeat, each with its own shuffle)."""
         return self.train_batches(number)
 
-    def eval(self, batches: int, rank: int, world: int) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+    def eval(self, batches: int, rank: int, world: int, at_batch: int = 0
+             ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
         """At most `batches` held-out batches for this rank (one pass over the evaluation days, as
         many on every rank: under DMP each batch is a collective), without probabilities."""
         if self.eval_batches is None:

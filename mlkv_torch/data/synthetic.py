@@ -74,6 +74,9 @@ class SyntheticCTR:
         id_space: raw ids: every feature's ids spread over [0, id_space), a power of two up to 2**62
             (None: ids in [0, cardinality)).
         new_ids_per_batch: with `id_space`, the new items entering each feature's vocabulary a batch.
+        hash_rows: with `id_space`, the raw ids hashed into this many rows a table (the raw id modulo
+            it), collisions and all: the fixed-size table a virtual table replaces. The labels
+            still follow the raw ids' effects.
     """
 
     cardinalities: Tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
@@ -85,6 +88,7 @@ class SyntheticCTR:
     seed: int = 0
     id_space: Optional[int] = None
     new_ids_per_batch: float = 0.0
+    hash_rows: Optional[int] = None
     dense_weights: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +104,9 @@ class SyntheticCTR:
         problem = raw_ids_problem(self.id_space, self.new_ids_per_batch, self.cardinalities)
         if problem:
             raise ValueError(problem)
+        if self.hash_rows is not None and (self.id_space is None or not 1 <= self.hash_rows <= self.id_space):
+            raise ValueError(f"hash_rows hashes raw ids (id_space) into 1 to id_space rows, got {self.hash_rows} with "
+                             f"id_space {self.id_space}")
         weights = np.random.default_rng([self.seed, -1 & 0xFFFFFFFF]).random(self.num_dense)
         object.__setattr__(self, "dense_weights", torch.from_numpy((weights * 2 - 1) * self.dense_scale).float())
 
@@ -109,8 +116,11 @@ class SyntheticCTR:
 
     @property
     def table_sizes(self) -> Tuple[int, ...]:
-        """Rows each feature's table needs to give every id its own: its cardinality, or the id space."""
-        return self.cardinalities if self.id_space is None else (self.id_space,) * len(self.cardinalities)
+        """Rows each feature's table needs to give every id its own: its cardinality, or the id space
+        (or the rows raw ids are hashed into)."""
+        if self.id_space is None:
+            return self.cardinalities
+        return (self.hash_rows or self.id_space,) * len(self.cardinalities)
 
     def ids(self, feature: int, uniforms: torch.Tensor, batch: int = 0) -> torch.Tensor:
         """Ids of `feature` for uniforms in [0, 1) in batch `batch`: bounded Zipf ranks by the inverse
@@ -144,19 +154,24 @@ class SyntheticCTR:
         seed = (self.seed * 1_000_003 + feature * _EFFECT_SEED_STRIDE + 1) & 0x7FFFFFFF
         return initial_rows(ids, 1, seed=seed, low=-self.effect_scale, high=self.effect_scale).squeeze(1)
 
-    def batch(self, index: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batch `index`: (dense [B, num_dense], ids [B, features], labels [B], true click probabilities [B])."""
+    def batch(self, index: int, batch_size: int, vocabulary: Optional[int] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch `index`: (dense [B, num_dense], ids [B, features], labels [B], true click probabilities [B]);
+        with new ids entering, its ids come from the vocabulary of batch `vocabulary` (default its own)."""
         # numpy's SeedSequence keeps (seed, index) whole; torch's CPU generator would keep only the low
         # 32 bits of a seed, so batches 2**40 + k and k would be the same batch.
         rng = np.random.default_rng([self.seed, index])
         dense = torch.from_numpy(rng.standard_normal((batch_size, self.num_dense), dtype=np.float32))
         uniforms = torch.from_numpy(rng.random((batch_size, len(self.cardinalities))))
-        ids = torch.stack([self.ids(f, uniforms[:, f], index) for f in range(len(self.cardinalities))], dim=1)
+        at = index if vocabulary is None else vocabulary
+        ids = torch.stack([self.ids(f, uniforms[:, f], at) for f in range(len(self.cardinalities))], dim=1)
         logit = self.bias + dense @ self.dense_weights
         for f in range(len(self.cardinalities)):
             logit = logit + self.effects(f, ids[:, f])
         probability = torch.sigmoid(logit)
         labels = (torch.from_numpy(rng.random(batch_size, dtype=np.float32)) < probability).float()
+        if self.hash_rows is not None:  # the model sees the hashed ids; the labels followed the raw ones
+            ids = ids % self.hash_rows
         return dense, ids, labels, probability
 
     def oracle_auc(self, samples: int = 65536, first_batch: int = 1 << 40) -> float:
@@ -227,7 +242,7 @@ class SyntheticCTRDataset(IterableDataset):
             yield synthetic_batch(self.generator, b, self.batch_size)
 
 
-def synthetic_batch(generator: SyntheticCTR, index: int, batch_size: int):
+def synthetic_batch(generator: SyntheticCTR, index: int, batch_size: int, vocabulary: Optional[int] = None):
     """Batch `index` of `generator` as a torchrec ``Batch`` (one id per feature)."""
-    dense, ids, labels, _ = generator.batch(index, batch_size)
+    dense, ids, labels, _ = generator.batch(index, batch_size, vocabulary)
     return one_id_per_feature_batch(generator.feature_names, dense, ids, labels)

@@ -228,10 +228,11 @@ class Experiment:
         stats = self.collection.stats().values()
         return sum(s["rows"] for s in stats) if all("rows" in s for s in stats) else None
 
-    def evicted_ids(self) -> Optional[int]:
-        """Ids this rank's virtual tables evicted (storage.virtual_tables); None without eviction."""
+    def eviction(self) -> Optional[Tuple[int, int]]:
+        """Ids this rank's virtual tables evicted (storage.virtual_tables), and the most ids one of its
+        tables held after a batch; None without eviction."""
         stats = [s for s in self.collection.stats().values() if "evicted_ids" in s]
-        return sum(s["evicted_ids"] for s in stats) if stats else None
+        return (sum(s["evicted_ids"] for s in stats), max(s["peak_live_ids"] for s in stats)) if stats else None
 
     def hit_rate(self) -> Optional[float]:
         stats = self.collection.stats().values()
@@ -239,9 +240,10 @@ class Experiment:
         looked_up = hits + sum(s["cache_misses"] for s in stats)
         return hits / looked_up if looked_up else None
 
-    def evaluate(self) -> Dict[str, float]:
+    def evaluate(self, step: int = 0) -> Dict[str, float]:
         """AUC and log loss on held-out batches and, for synthetic data, the AUC of the planted
-        model's true probabilities on the same batches (what a perfect model would reach there)."""
+        model's true probabilities on the same batches (what a perfect model would reach there);
+        after `step` training steps (data whose ids change draws them from where training is)."""
         from torchmetrics.classification import BinaryAUROC
 
         auroc, oracle = BinaryAUROC(), BinaryAUROC()
@@ -249,7 +251,8 @@ class Experiment:
         self.model.eval()
         planted = False
         with torch.no_grad():
-            for batch, probabilities in self.source.eval(self.config.eval.batches, self.rank, self.world_size):
+            for batch, probabilities in self.source.eval(self.config.eval.batches, self.rank, self.world_size,
+                                                         step * self.world_size):
                 loss, (_, logits, labels) = self.model(batch.to(self.device))
                 logits, labels = logits.cpu(), labels.cpu()  # the metrics and the planted probabilities' device
                 auroc.update(torch.sigmoid(logits), labels.int())

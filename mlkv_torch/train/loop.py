@@ -160,7 +160,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                     bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
                                     hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
                 if step % config.eval.every == 0 or step == train.steps:
-                    evaluation = experiment.evaluate()
+                    evaluation = experiment.evaluate(step)
                     record.update(step=step, **{f"eval_{k}": v for k, v in evaluation.items()})
                 if record:
                     _append_line(metrics, metrics_path, json.dumps(record))
@@ -189,8 +189,9 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                       for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
     live = all_gather_objects(experiment.live_ids()) if experiment.distributed else [experiment.live_ids()]
     live_ids = None if None in live else sum(live)
-    evicted = all_gather_objects(experiment.evicted_ids()) if experiment.distributed else [experiment.evicted_ids()]
-    evicted_ids = None if None in evicted else sum(evicted)
+    eviction = all_gather_objects(experiment.eviction()) if experiment.distributed else [experiment.eviction()]
+    evicted_ids = None if None in eviction else sum(e[0] for e in eviction)
+    peak_live_ids = None if None in eviction else max(e[1] for e in eviction)
     summary_path = os.path.join(config.output_dir, "summary.json")
     if step == start_step and start_step > 0:
         # Resumed from a checkpoint at the run's last step (killed after it): nothing was left to
@@ -200,7 +201,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             with open(summary_path) as f:
                 return json.load(f)
         if not evaluation:
-            evaluation = experiment.evaluate()
+            evaluation = experiment.evaluate(step)
     summary = {"steps": step, "samples": samples, "world_size": world, "device": config.device, "seconds": elapsed,
                "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
@@ -213,6 +214,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
                "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids, "evicted_ids": evicted_ids,
+               "peak_live_ids": peak_live_ids,
                "storage": config.storage.kind, "populate_s": populate_s,
                "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
     if main:
