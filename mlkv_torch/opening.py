@@ -14,9 +14,11 @@ from . import optim as optim_lib
 from .checks import is_int
 from .cut import check_cut, read_cut, write_cut
 from .disk_table import DiskTable
-from .memory_budget import LayoutDemand, plan_host_memory, stores_min_bytes
+from ._C import IdActivity
+from .memory_budget import LayoutDemand, MemoryBudgetError, plan_host_memory, stores_min_bytes
 from .row_layout import RowLayout
 from .table_batch import MODES, BatchSettings, DiskTableBatch, TableBatchSpec, resolve_device
+from .virtual_tables import activity_bytes
 
 __all__ = ["TableSpec", "OpenTables", "open_tables", "open_table_batch"]
 
@@ -54,7 +56,8 @@ def open_tables(tables: Sequence[TableSpec], *, memory_budget_bytes: int, cache_
 
     Args:
         tables: the tables (`TableSpec`).
-        memory_budget_bytes: host memory for all of them (`memory_budget.plan_host_memory`).
+        memory_budget_bytes: host memory for all of them (`memory_budget.plan_host_memory`), after
+            what virtual tables keep of their ids (`virtual_tables.activity_bytes`).
         cache_rows: rows of hot cache for all of them (default: what the budget holds).
         staging_bytes: bytes of rows for the staging areas (default: an eighth of the budget).
         settings: staleness, cache policy and store, shared by every batch.
@@ -77,6 +80,15 @@ def open_tables(tables: Sequence[TableSpec], *, memory_budget_bytes: int, cache_
         check_cut(cut, "cut")
     elif reopen and cut_dir is not None:
         cut = read_cut(cut_dir)
+    # Virtual tables' counts and ages of their ids grow with the ids they keep: their share comes first.
+    activity = {spec.table.name: activity_bytes(spec.table.id_policy) for spec in tables}
+    if sum(activity.values()) >= memory_budget_bytes:
+        raise MemoryBudgetError(
+            f"memory_budget_bytes {memory_budget_bytes:,} cannot hold the counts and ages of the ids the virtual "
+            f"tables keep ({', '.join(f'{n!r}: {b:,} bytes' for n, b in activity.items() if b)}; "
+            f"{IdActivity.bytes_per_id} bytes an id, up to each one's eviction trigger); give it more than "
+            f"{sum(activity.values()):,} bytes, or lower the triggers")
+    memory_budget_bytes -= sum(activity.values())
     groups: Dict[Tuple[RowLayout, str], List[int]] = {}
     for i, spec in enumerate(tables):
         groups.setdefault((spec.layout, spec.mode), []).append(i)

@@ -160,6 +160,14 @@ def id_policy_of(config: Any, options: Optional[VirtualTableOptions] = None) -> 
         raise ValueError(f"table {name!r}: its virtual table eviction policy: {e}") from None
 
 
+def activity_bytes(policy: Optional[IdPolicy]) -> int:
+    """Host memory a table's tracked ids take at its cap (its trigger; the memory budget reserves
+    it); 0 for a table without a tracked policy. Without a cap they grow with the ids seen."""
+    if policy is None or not policy.tracked:
+        return 0
+    return _C.IdActivity.bytes_per_id * (policy.cap or 0)
+
+
 def check_virtual_size(name: str, num_embeddings: int) -> None:
     """ValueError naming the table when its id space is larger than a disk table holds."""
     if num_embeddings > MAX_VIRTUAL_ROWS:

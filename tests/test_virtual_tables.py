@@ -12,6 +12,7 @@ from torchrec.modules.embedding_configs import (CountBasedEvictionPolicy,  # noq
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from mlkv_torch import optim  # noqa: E402
+from mlkv_torch.memory_budget import MemoryBudgetError  # noqa: E402
 from mlkv_torch.torchrec import DiskEmbeddingBagCollection  # noqa: E402
 from mlkv_torch.virtual_tables import IdPolicy, VirtualTableOptions  # noqa: E402
 
@@ -265,6 +266,9 @@ def test_bad_virtual_tables_are_refused_by_name(tmp_path):
         collection(tmp_path, config(policy=CountBasedEvictionPolicy(eviction_threshold=0)))
     with pytest.raises(ValueError, match="admit_after"):
         VirtualTableOptions(admit_after=0)
+    # The ids' counts and ages come out of the memory budget: 100,000 ids of 37 bytes exceed 1 MiB.
+    with pytest.raises(MemoryBudgetError, match=r"counts and ages of the ids .*'t': 3,700,000 bytes"):
+        collection(tmp_path, config(policy=CountBasedEvictionPolicy(training_id_eviction_trigger_count=100_000)))
     ebc = collection(tmp_path, config(policy=None))
     for bad in (-1, SPACE):
         with pytest.raises(ValueError, match=f"id {bad} is out of range.*'t'"):

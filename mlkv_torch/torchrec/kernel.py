@@ -28,7 +28,7 @@ from ..cut import CutPart
 from ..embedding import DiskEmbeddingBag
 from ..memory_budget import shard_memory_budget
 from ..table_batch import BACKENDS, BatchSettings
-from ..virtual_tables import VirtualTableOptions, id_policy_of
+from ..virtual_tables import VirtualTableOptions, activity_bytes, id_policy_of
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .state_dicts import disk_tables_in_state_dict
 from .tables import disk_table_spec, open_disk_tables, table_seed
@@ -167,9 +167,11 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
         # The rank's budget: each shard's, as the planner counted it; its row layouts share it by one rule.
+        # (and what a virtual table keeps of its ids, which the tables set aside first: `open_tables`).
         budget = sum(shard_memory_budget(options.live_rows(shard.name, shard.local_rows, shard.num_embeddings,
                                                            options.virtual_cap(shard)),
                                          spec.layout.row_bytes, options.memory_fraction)
+                     + activity_bytes(spec.table.id_policy)
                      for shard, spec in zip(self._shards, specs))
         opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=BatchSettings(
             options.staleness, options.cache_policy, options.backend), device=self._device, cut_dir=self._rank_dir,

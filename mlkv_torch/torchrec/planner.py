@@ -36,6 +36,7 @@ from ..memory_budget import shard_memory_budget
 from .kernel import DISK_KERNEL, DiskTableOptions, bucket_problem, resolve_optimizer
 from .sharded_tables import DiskSharder, planning_with_disk
 from ..row_layout import row_bytes
+from ..virtual_tables import activity_bytes, id_policy_of
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
 
@@ -102,7 +103,8 @@ class DiskAwareStorageEstimator(_DiskEstimatorBase):
             for shard in option.shards:
                 rows, cols = shard.size
                 rows = self.options.live_rows(option.name, rows, option.tensor.shape[0], cap)
-                budget = shard_memory_budget(rows, row_bytes(cols, dtype, optimizer), self.options.memory_fraction)
+                budget = shard_memory_budget(rows, row_bytes(cols, dtype, optimizer), self.options.memory_fraction) \
+                    + (activity_bytes(id_policy_of(config, self.options.virtual)) if config is not None else 0)
                 on_disk = int(rows * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
                               * DISK_SPACE_AMPLIFICATION)
                 if self._topology.compute_device == "cuda":  # the cache in device memory, the log on the host
