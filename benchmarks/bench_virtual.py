@@ -24,7 +24,7 @@ table held after a batch (virtual: at most the cap plus one batch's new ids), id
 hit rate.
 The distinct raw ids trained on are counted from the generator.
 
-    python benchmarks/bench_virtual.py [--features 8] [--batch 16384] [--steps 900] [--smoke]
+    python benchmarks/bench_virtual.py [--features 8] [--batch 16384] [--steps 1200] [--smoke]
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def distinct_ids(args: argparse.Namespace) -> int:
     seen = [np.empty(0, dtype=np.int64) for _ in range(args.features)]
     pending: List[Any] = []
     for b in range(args.steps):
-        pending.append(generator.batch(b, args.batch)[1].numpy())
+        pending.append(generator.batch_ids(b, args.batch).numpy())
         if len(pending) == 64 or b == args.steps - 1:  # merged a few batches at a time: memory stays small
             chunk = np.concatenate(pending)
             seen = [np.union1d(seen[f], chunk[:, f]) for f in range(args.features)]
@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--zipf", type=float, default=1.03)
     parser.add_argument("--dense", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--cap", type=int, default=400_000, help="ids a virtual table keeps (its eviction trigger)")
     parser.add_argument("--budget", type=int, default=256 << 20, help="host memory of every configuration")
     parser.add_argument("--eval-batches", type=int, default=8)

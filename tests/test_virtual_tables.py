@@ -275,3 +275,24 @@ def test_bad_virtual_tables_are_refused_by_name(tmp_path):
             ebc(kjt(torch.tensor([3, bad])))
     with pytest.raises(ValueError, match="no eviction policy"):
         ebc.embedding_bags["t"].evict()
+
+
+def test_a_sequence_models_virtual_table_keeps_one_row_per_raw_id(tmp_path):
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+
+    from mlkv_torch.torchrec import DiskEmbeddingCollection
+
+    policy = TimestampBasedEvictionPolicy(training_id_eviction_trigger_count=30, eviction_ttl_mins=2)
+    table = EmbeddingConfig(num_embeddings=SPACE, embedding_dim=DIM, name="t", feature_names=["f"],
+                            use_virtual_table=True, virtual_table_eviction_policy=policy,
+                            weight_init_min=-0.1, weight_init_max=0.1)
+    ec = DiskEmbeddingCollection([table], path=tmp_path / "ec", optimizer=optim.SGD(lr=0.1), seed=7,
+                                 memory_budget_bytes=1 << 20, virtual_tables=STEPS_PER_MINUTE)
+    bags = collection(tmp_path, config(policy=policy), virtual_tables=STEPS_PER_MINUTE)  # one id a bag: the same
+    for ids in raw_batches(12, pool=100):
+        out, pooled = ec(kjt(ids))["f"].values(), bags(kjt(ids)).values()
+        torch.testing.assert_close(out, pooled, rtol=0, atol=0)
+        for embeddings in (out, pooled):
+            (embeddings * torch.linspace(-1, 1, DIM)).sum().backward()
+    assert ec.stats()["t"]["evicted_ids"] == bags.embedding_bags["t"].stats()["evicted_ids"] > 0
+    assert torch.equal(ec.embeddings["t"].live_ids(), bags.embedding_bags["t"].live_ids())

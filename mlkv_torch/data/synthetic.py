@@ -158,13 +158,7 @@ class SyntheticCTR:
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Batch `index`: (dense [B, num_dense], ids [B, features], labels [B], true click probabilities [B]);
         with new ids entering, its ids come from the vocabulary of batch `vocabulary` (default its own)."""
-        # numpy's SeedSequence keeps (seed, index) whole; torch's CPU generator would keep only the low
-        # 32 bits of a seed, so batches 2**40 + k and k would be the same batch.
-        rng = np.random.default_rng([self.seed, index])
-        dense = torch.from_numpy(rng.standard_normal((batch_size, self.num_dense), dtype=np.float32))
-        uniforms = torch.from_numpy(rng.random((batch_size, len(self.cardinalities))))
-        at = index if vocabulary is None else vocabulary
-        ids = torch.stack([self.ids(f, uniforms[:, f], at) for f in range(len(self.cardinalities))], dim=1)
+        rng, dense, ids = self._draw(index, batch_size, vocabulary)
         logit = self.bias + dense @ self.dense_weights
         for f in range(len(self.cardinalities)):
             logit = logit + self.effects(f, ids[:, f])
@@ -173,6 +167,22 @@ class SyntheticCTR:
         if self.hash_rows is not None:  # the model sees the hashed ids; the labels followed the raw ones
             ids = ids % self.hash_rows
         return dense, ids, labels, probability
+
+    def batch_ids(self, index: int, batch_size: int) -> torch.Tensor:
+        """The raw ids [B, features] of batch `index` alone (unhashed), without its labels' work."""
+        return self._draw(index, batch_size, None)[2]
+
+    def _draw(self, index: int, batch_size: int, vocabulary: Optional[int]
+              ) -> Tuple[np.random.Generator, torch.Tensor, torch.Tensor]:
+        """Batch `index`'s generator (left where its labels draw next), dense features and ids."""
+        # numpy's SeedSequence keeps (seed, index) whole; torch's CPU generator would keep only the low
+        # 32 bits of a seed, so batches 2**40 + k and k would be the same batch.
+        rng = np.random.default_rng([self.seed, index])
+        dense = torch.from_numpy(rng.standard_normal((batch_size, self.num_dense), dtype=np.float32))
+        uniforms = torch.from_numpy(rng.random((batch_size, len(self.cardinalities))))
+        at = index if vocabulary is None else vocabulary
+        ids = torch.stack([self.ids(f, uniforms[:, f], at) for f in range(len(self.cardinalities))], dim=1)
+        return rng, dense, ids
 
     def oracle_auc(self, samples: int = 65536, first_batch: int = 1 << 40) -> float:
         """The AUC of the true probabilities on fresh samples: what a perfect model reaches."""
