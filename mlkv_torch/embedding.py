@@ -55,7 +55,8 @@ def _empty_rows(shape: Tuple[int, int], dtype: torch.dtype, directory: Optional[
         mapped = torch.from_file(name, shared=True, size=numel, dtype=dtype)
     except OSError as e:
         raise OSError(e.errno, f"cannot reserve {numel * dtype.itemsize} bytes for a snapshot in {directory}: "
-                               f"{e.strerror}") from e
+                               f"{e.strerror} (a table of raw ids holds far fewer rows than its id space: declare it "
+                               f"virtual, use_virtual_table=True, and its state dict holds its live rows)") from e
     finally:
         os.close(fd)
         os.unlink(name)
