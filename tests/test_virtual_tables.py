@@ -296,3 +296,24 @@ def test_a_sequence_models_virtual_table_keeps_one_row_per_raw_id(tmp_path):
             (embeddings * torch.linspace(-1, 1, DIM)).sum().backward()
     assert ec.stats()["t"]["evicted_ids"] == bags.embedding_bags["t"].stats()["evicted_ids"] > 0
     assert torch.equal(ec.embeddings["t"].live_ids(), bags.embedding_bags["t"].live_ids())
+
+
+@pytest.mark.skipif(not __import__("mlkv_torch")._C.with_rocksdb, reason="built without RocksDB")
+def test_eviction_deletes_rows_from_rocksdb_too(tmp_path):
+    policy = CountBasedEvictionPolicy(training_id_eviction_trigger_count=20, eviction_threshold=3, decay_rate=1.0)
+    ebc = collection(tmp_path, config(policy=policy), backend="rocksdb")
+    fresh = collection(tmp_path, config(policy=policy), sub="fresh")
+    batches = raw_batches(10, pool=200)
+    train(ebc, batches)
+    bag = ebc.embedding_bags["t"]
+    assert bag.stats()["evicted_ids"] > 0
+    ebc.flush()
+    seen = torch.unique(torch.cat(batches))
+    model = PolicyModel(bag._batch.tables[0].id_policy)
+    for step, ids in enumerate(batches):
+        model.before_batch(step)
+        model.observe(ids, step)
+    gone = seen[~torch.isin(seen, torch.tensor(model.live()))]
+    # Evicted ids hold nothing in RocksDB: they read the initial rows of a table that never saw them.
+    assert torch.equal(bag.export_rows(gone), fresh.embedding_bags["t"].export_rows(gone))
+    assert bag._store.stats()["rows_written"] > 0
