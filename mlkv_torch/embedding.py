@@ -467,6 +467,25 @@ class DiskEmbeddingBag(nn.Module):
             rows = self.export_rows(chunk, include_state)
             yield (chunk, *rows) if include_state else (chunk, rows)
 
+    def export_changes(self, chunk_rows: int = 1 << 16, include_state: bool = False
+                       ) -> Tuple[Iterator[Tuple[torch.Tensor, ...]], torch.Tensor]:
+        """What changed since the last cut (`checkpoint`), for a serving copy that holds the table as
+        it was there: (chunks of the ids looked up since and holding rows, with their rows, in id
+        order, as `export_live` gives them; the tombstones: ids evicted since that hold no row now,
+        which the copy deletes where it holds them).
+        A virtual table with an eviction policy or a frequency filter only (it follows its ids)."""
+        if not is_int(chunk_rows) or chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        self._batch.synchronize()
+        ids, tombstones = self._batch.changes(self._table)
+
+        def chunks() -> Iterator[Tuple[torch.Tensor, ...]]:
+            for start in range(0, ids.numel(), chunk_rows):
+                chunk = ids[start:start + chunk_rows]
+                rows = self.export_rows(chunk, include_state)
+                yield (chunk, *rows) if include_state else (chunk, rows)
+        return chunks(), tombstones
+
     def _rows_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The weights of `ids` [n, dim], in a file-backed tensor when larger than the budget."""
         where = self._store.path if ids.numel() * self.embedding_dim * self.dtype.itemsize > \

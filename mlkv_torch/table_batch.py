@@ -359,6 +359,7 @@ class DiskTableBatch:
         step = self.step
         if self.ids is not None:  # the ids' activity at the same boundary, beside the first table
             self.ids.save(self.tables[0].path, step)
+            self.ids.mark()
         written: List[int] = []
 
         def finish() -> Dict[str, Dict[str, Optional[int]]]:
@@ -478,6 +479,20 @@ class DiskTableBatch:
         deleted = self.cache.delete_rows(keys)
         if self.ids is not None:
             self.ids.activity.forget(keys[deleted].contiguous())
+
+    def changes(self, table: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Ids of table `table` that hold rows and were looked up since the last cut, and ids evicted
+        since that hold none now (sorted): an incremental export's rows and tombstones."""
+        policy = self.tables[table].id_policy
+        if self.ids is None or policy is None or not policy.tracked:
+            raise ValueError(f"table {self.tables[table].name!r} follows no ids (a virtual table with an eviction "
+                             f"policy or a frequency filter does): export_live() exports it whole")
+        shift = _C.EmbeddingCache.table_shift
+        touched, gone = self.ids.changes(lambda keys: (keys >> shift) == table)
+        touched, gone = touched & ((1 << shift) - 1), gone & ((1 << shift) - 1)
+        live = self.ids.holding(self.keys(table, touched)) if touched.numel() else touched.bool()
+        touched = touched[live]
+        return touched, gone[~torch.isin(gone, touched)]
 
     def evict(self, table: int) -> int:
         """One eviction round of table `table`'s IdPolicy now; returns the rows evicted."""

@@ -317,3 +317,37 @@ def test_eviction_deletes_rows_from_rocksdb_too(tmp_path):
     # Evicted ids hold nothing in RocksDB: they read the initial rows of a table that never saw them.
     assert torch.equal(bag.export_rows(gone), fresh.embedding_bags["t"].export_rows(gone))
     assert bag._store.stats()["rows_written"] > 0
+
+
+def test_an_incremental_export_since_a_cut_brings_a_copy_of_the_cut_to_the_table_now(tmp_path):
+    policy = TimestampBasedEvictionPolicy(training_id_eviction_trigger_count=40, eviction_ttl_mins=100)
+    ebc = collection(tmp_path, config(policy=policy), optimizer=optim.Adagrad(lr=0.1),
+                     virtual_tables=VirtualTableOptions(minute_steps=1, admit_after=2, keep_fraction=1.0))
+    bag = ebc.embedding_bags["t"]
+    # Other ids after the cut than before: some of the first stay live untouched, others are evicted.
+    batches = raw_batches(8, pool=100) + raw_batches(12, pool=400, seed=1)
+    train(ebc, batches[:8])
+    ebc.checkpoint()
+    ids, rows = live_rows(ebc)
+    copy = {i: (w, s) for i, w, s in zip(ids.tolist(), rows, bag.export_rows(ids, include_state=True)[1])}
+    train(ebc, batches[8:])
+    chunks, tombstones = bag.export_changes(chunk_rows=5, include_state=True)
+    changed = set()
+    for chunk_ids, weights, state in chunks:
+        assert chunk_ids.numel() <= 5
+        for i, w, s in zip(chunk_ids.tolist(), weights, state):
+            copy[i] = (w, s)
+            changed.add(i)
+    now_ids, now_rows = live_rows(ebc)
+    # Exactly the ids trained since the cut that hold rows now.
+    assert changed == set(torch.cat(batches[8:]).tolist()) & set(now_ids.tolist())
+    at_cut = set(copy)
+    for i in tombstones.tolist():  # evicted since the cut (some came after it and went again): deleted if held
+        copy.pop(i, None)
+    assert sorted(copy) == now_ids.tolist()
+    assert torch.equal(torch.stack([copy[i][0] for i in now_ids.tolist()]), now_rows)
+    assert torch.equal(torch.stack([copy[i][1] for i in now_ids.tolist()]),
+                       bag.export_rows(now_ids, include_state=True)[1])
+    assert at_cut - set(now_ids.tolist()) <= set(tombstones.tolist()) and tombstones.numel() > 0
+    with pytest.raises(ValueError, match="follows no ids"):
+        collection(tmp_path, config(policy=None), sub="plain").embedding_bags["t"].export_changes()
