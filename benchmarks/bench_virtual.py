@@ -24,7 +24,7 @@ table held after a batch (virtual: at most the cap plus one batch's new ids), id
 hit rate.
 The distinct raw ids trained on are counted from the generator.
 
-    python benchmarks/bench_virtual.py [--features 8] [--batch 16384] [--steps 1200] [--smoke]
+    python benchmarks/bench_virtual.py [--features 8] [--batch 16384] [--steps 1200] [--checkpoint-every 300] [--smoke]
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def common_overrides(args: argparse.Namespace, out: str) -> List[str]:
             "storage.kind=disk", f"storage.memory_budget_bytes={args.budget}",
             f"train.batch_size={args.batch}", f"train.steps={args.steps}", "train.optimizer=rowwise_adagrad",
             "train.lr=0.05", f"train.log_every={max(1, args.steps // 10)}", f"eval.every={args.steps}",
-            f"eval.batches={args.eval_batches}"]
+            f"eval.batches={args.eval_batches}",
+            *([f"train.checkpoint_every={args.checkpoint_every}"] if args.checkpoint_every else [])]
 
 
 def configurations(args: argparse.Namespace) -> Dict[str, List[str]]:
@@ -97,13 +98,15 @@ def main() -> int:
     parser.add_argument("--cap", type=int, default=400_000, help="ids a virtual table keeps (its eviction trigger)")
     parser.add_argument("--budget", type=int, default=256 << 20, help="host memory of every configuration")
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--checkpoint-every", type=int, default=300,
+                        help="steps between checkpoints (0: none); a store frees compacted space at a cut")
     parser.add_argument("--dir", default=None, help="where the runs write (default: a temporary directory)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script works")
     args = parser.parse_args()
     if args.smoke:
         args.features, args.vocabulary, args.new_ids, args.batch, args.steps = 2, 2000, 50, 256, 20
-        args.cap, args.budget, args.eval_batches = 1500, 4 << 20, 2
+        args.cap, args.budget, args.eval_batches, args.checkpoint_every = 1500, 4 << 20, 2, 10
     base = args.dir or tempfile.mkdtemp(prefix="mlkv-bench-virtual-")
     print(f"# virtual tables against hashing: {args.features} features x vocabulary {args.vocabulary:,} "
           f"(+{args.new_ids:,} new ids a batch), batches of {args.batch:,}, {args.steps} steps, cap "

@@ -168,6 +168,14 @@ def activity_bytes(policy: Optional[IdPolicy]) -> int:
     return _C.IdActivity.bytes_per_id * (policy.cap or 0)
 
 
+def rows_held(config: Any, shard_rows: Sequence[int]) -> int:
+    """The most rows a table holds whose shards span `shard_rows` rows each: all of them, but at
+    most a virtual table's cap on each shard (its trigger: a rank evicts beyond it)."""
+    policy = id_policy_of(config)
+    cap = policy.cap if policy is not None else None
+    return sum(rows if cap is None else min(rows, cap) for rows in shard_rows)
+
+
 def check_virtual_size(name: str, num_embeddings: int) -> None:
     """ValueError naming the table when its id space is larger than a disk table holds."""
     if num_embeddings > MAX_VIRTUAL_ROWS:

@@ -22,7 +22,7 @@ build_and_run() {  # name, sanitizer flags...
   mkdir -p "$objects"
   # shellcheck disable=SC2086
   printf '%s\n' $torch_free_srcs csrc/tests/*.cc | xargs -P "$jobs" -I{} sh -c \
-    'g++ -std=c++17 -g -O1 -fno-omit-frame-pointer -Icsrc "$@" -c "{}" -o "'"$objects"'/$(echo "{}" | tr / _).o"' \
+    'g++ -std=c++17 -g1 -O1 -fno-omit-frame-pointer -Icsrc "$@" -c "{}" -o "'"$objects"'/$(echo "{}" | tr / _).o"' \
     sh "$@"
   for program in "${stress_programs[@]}"; do
     g++ "$@" $(ls "$objects"/*.o | grep -v '_tests_') "$objects/csrc_tests_$program.cc.o" \

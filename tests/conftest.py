@@ -6,6 +6,7 @@ keys are enough to push most rows into segment files and run the disk path.
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 from typing import Dict, Iterable
@@ -144,3 +145,30 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _refused_skip(outcome.get_result())
+
+
+_BENCH_SMOKE = pytest.StashKey()  # tests/test_bench_smoke.py, where its runs started
+
+
+def _bench_smoke(items):
+    return [item for item in items if item.path.name == "test_bench_smoke.py"]
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
+def pytest_collection_modifyitems(session, config, items):
+    """The benchmarks' smoke runs start now, beside the other tests, and their tests run last
+    (tests/test_bench_smoke.py says why)."""
+    smoke = _bench_smoke(items)
+    if not smoke or config.option.collectonly or importlib.util.find_spec("torchrec") is None:
+        return
+    items[:] = [item for item in items if item not in smoke] + smoke
+    selected = {item.callspec.params["script"] for item in smoke}
+    module = smoke[0].module
+    module.start_runs([script for script in module.SCRIPTS if script in selected])
+    config.stash[_BENCH_SMOKE] = module
+
+
+def pytest_sessionfinish(session):
+    module = session.config.stash.get(_BENCH_SMOKE, None)
+    if module is not None:
+        module.stop_runs()

@@ -1,7 +1,17 @@
-"""The benchmark scripts still run (their --smoke modes): an API change must not break them silently."""
+"""The benchmark scripts still run (their --smoke modes): an API change must not break them silently.
+
+Most of a run is one process importing torch, and the suite's other tests leave the second core
+idle most of the time: the runs start when the collection ends (tests/conftest.py), one at a time
+at a low priority beside the other tests (tests/bench_smoke_runner.py), and these tests run last,
+where what has not run yet runs two at a time."""
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,33 +25,73 @@ SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_bi
            "bench_checkpoint.py --runner", "bench_sequence.py", "bench_virtual.py", "bench_reopen.py"]
 
 
+class SmokeRuns:
+    """The runs of `scripts` by tests/bench_smoke_runner.py, in a process group of their own."""
+
+    def __init__(self, scripts):
+        self.scripts = list(scripts)
+        self.dir = Path(tempfile.mkdtemp(prefix="mlkv-bench-smoke-"))
+        with open(self.dir / "runner.log", "w") as log:
+            self.runner = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bench_smoke_runner.py")),
+                                            str(self.dir), *self.scripts], stdout=log, stderr=log, cwd=REPO,
+                                           start_new_session=True)
+
+    def results(self) -> dict:
+        """Each script's run, once every run has ended (what has not started runs two at a time)."""
+        (self.dir / "wide").touch()
+        self.runner.wait()
+        results = {}
+        for i, script in enumerate(self.scripts):
+            ended = self.dir / f"{i}.json"
+            assert ended.exists(), (self.dir / "runner.log").read_text()[-4000:]
+            results[script] = subprocess.CompletedProcess(script, json.loads(ended.read_text())["returncode"],
+                                                          (self.dir / f"{i}.stdout").read_text(),
+                                                          (self.dir / f"{i}.stderr").read_text())
+        return results
+
+    def stop(self) -> None:
+        """Ends the runs (a session that ended first) and removes their files."""
+        if self.runner.poll() is None:
+            os.killpg(self.runner.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while self.runner.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.runner.poll() is None:
+                os.killpg(self.runner.pid, signal.SIGKILL)
+                self.runner.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_runs = []  # the session's SmokeRuns, started by start_runs
+
+
+def start_runs(scripts=SCRIPTS) -> SmokeRuns:
+    """Starts the runs of `scripts` (tests/conftest.py calls it when the collection ends), once."""
+    if not _runs:
+        _runs.append(SmokeRuns(scripts))
+    return _runs[0]
+
+
+def stop_runs() -> None:
+    while _runs:
+        _runs.pop().stop()
+
+
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory):
-    """Every script's --smoke run, two at a time: most of each is one process importing torch, and the
-    suite's other tests leave the second core idle."""
+def smoke_runs():
     pytest.importorskip("torchrec")
-
-    def run(script: str) -> subprocess.CompletedProcess:
-        name, *extra = script.split()
-        output = "--json" if name == "bench_embedding.py" else "--out"
-        out = tmp_path_factory.mktemp(name.replace(".", "_")) / "out.json"
-        return subprocess.run([sys.executable, str(REPO / "benchmarks" / name), "--smoke", *extra, output, str(out)],
-                              capture_output=True, text=True, timeout=600, cwd=REPO)
-
-    tmp_path_factory.getbasetemp()  # made here: two threads making it at once disagree on where it is
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(SCRIPTS, pool.map(run, SCRIPTS)))
+    return start_runs().results()
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_smoke_runs(smoke_runs, script):
+    assert script in smoke_runs, "not run: the runs started without it"
     done = smoke_runs[script]
     script, *extra = script.split()
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ERROR" not in done.stdout, done.stdout[-4000:]
-    if script == "bench_input.py":  # every stage ran: conversion, stalls with the tuning off and on, loaders alone
-        for line in ("conversion of 10,000 rows", "quickstart, in memory:", "criteo_kaggle, tuning off",
-                     "criteo_kaggle, auto:",
+    if script == "bench_input.py":  # every stage ran: conversion, a tuned run, one in memory, the loader alone
+        for line in ("conversion of 10,000 rows", "criteo_kaggle, auto:", "criteo_terabyte, in memory:",
                      "loader alone, criteo_terabyte"):
             assert line in done.stdout, done.stdout[-4000:]
     if script == "bench_replicas.py":  # two namespaces as two nodes, and a multi-node run resumed from its checkpoint

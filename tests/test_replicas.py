@@ -152,13 +152,16 @@ RUNNER = ["data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", 
 BUDGET = 1 << 20
 
 
-def _replicated(fraction: float, bound: int) -> list:
-    """The runner's keys for replicas, with the memory budget raised by their bytes (the same plan)."""
+def _replicated(fraction: float, bound: int, *virtual: str) -> list:
+    """The runner's keys for replicas, with the memory budget raised by their bytes (the same plan);
+    `virtual`: the keys of virtual tables (each rank holding at most their trigger's ids a table)."""
     from mlkv_torch.config import cardinalities_of, load_config
     from mlkv_torch.torchrec.replicas import replica_memory_bytes
 
-    config = load_config(QUICKSTART, RUNNER)
+    config = load_config(QUICKSTART, [*RUNNER, *virtual])
     rows = cardinalities_of(config.data.synthetic.cardinalities, config.data.synthetic.scale)
+    if config.storage.virtual_tables.enabled:
+        rows = [2 * config.storage.virtual_tables.trigger_ids] * len(rows)
     extra = sum(replica_memory_bytes(n, config.model.embedding_dim, fraction) for n in rows)
     return [f"storage.replicas.fraction={fraction}", f"storage.replicas.pull_bound={bound}",
             f"storage.replicas.push_bound={bound}", "storage.replicas.warmup_steps=3",
@@ -178,15 +181,32 @@ def _logged(out: Path) -> list:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_runner_with_replicas_at_bounds_zero_trains_as_without_them(tmp_path):
-    plain = _runner(tmp_path / "plain", 12)
-    replicated = _runner(tmp_path / "replicas", 12, *_replicated(0.02, 0))
+# TorchRec's virtual tables of 2**40 ids, row-wise over 2 ranks, evicting (as tests/test_train_runner.py's).
+VIRTUAL = ["data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776", "storage.sharding_types=[row_wise]",
+           "storage.virtual_tables.enabled=true", "storage.virtual_tables.eviction=count_and_timestamp",
+           "storage.virtual_tables.trigger_ids=60", "storage.virtual_tables.count_threshold=2",
+           "storage.virtual_tables.ttl_minutes=3", "storage.virtual_tables.minute_steps=1",
+           "storage.virtual_tables.total_num_buckets=4"]
+
+
+def test_the_runner_with_replicas_at_bounds_zero_trains_virtual_tables_as_without_them(tmp_path):
+    # Replicas of a virtual table hold at most `fraction` of the ids its ranks keep (their trigger), and
+    # an id a replica serves is looked up at its owner when pushed (each step at bounds 0), so the
+    # owner evicts the same ids as without replicas.
+    plain = _runner(tmp_path / "plain", 12, *VIRTUAL)
+    replicated = _runner(tmp_path / "replicas", 12, *VIRTUAL, *_replicated(0.3, 0, *VIRTUAL))
     import torch
+
+    from test_train_runner import _shard_rows
 
     # Equal up to the order of float additions (see above; one step of 12 differed by 1 ulp).
     torch.testing.assert_close(torch.tensor([r["loss"] for r in _logged(tmp_path / "replicas")]),
                                torch.tensor([r["loss"] for r in _logged(tmp_path / "plain")]), rtol=1e-5, atol=1e-6)
-    assert replicated["auc"] == pytest.approx(plain["auc"], abs=1e-5)
+    assert replicated["evicted_ids"] == plain["evicted_ids"] > 0 and replicated["live_ids"] == plain["live_ids"]
+    rows, theirs = _shard_rows(tmp_path / "replicas", 16 + 1), _shard_rows(tmp_path / "plain", 16 + 1)
+    assert rows.keys() == theirs.keys() and len(rows) == plain["live_ids"]
+    torch.testing.assert_close(torch.stack(list(rows.values())), torch.stack([theirs[k] for k in rows]),
+                               rtol=0, atol=1e-6)
     # Measured: the replicas served lookups, and the all-to-alls carried fewer bytes, some of them theirs.
     assert replicated["replica_hit_rate"] > 0.3 and plain["replica_hit_rate"] is None
     kinds = replicated["embedding_bytes_per_step_by_kind"]

@@ -192,10 +192,10 @@ KILL_POINTS = ["step", "cut begun", "cut synced", "checkpoint written, not renam
 
 
 def test_killed_at_chosen_points_and_resumed_ends_as_the_uninterrupted_run(tmp_path, whole):
-    # Every kill point at least once, then more drawn from the seed; each start is killed at the
-    # nth time it reaches its point (steps: 1-8; a checkpoint's points: its 1st-3rd checkpoint).
+    # Every kill point once, then MLKV_CRASH_EXTRA more drawn from the seed; each start is killed at
+    # the nth time it reaches its point (steps: 1-8; a checkpoint's points: its 1st-3rd checkpoint).
     rng = random.Random(int(os.environ.get("MLKV_CRASH_SEED", "0")))
-    points = KILL_POINTS + [rng.choice(KILL_POINTS) for _ in range(2)]
+    points = KILL_POINTS + [rng.choice(KILL_POINTS) for _ in range(int(os.environ.get("MLKV_CRASH_EXTRA", "0")))]
     plan = [(point, rng.randrange(1, 9) if point == "step" else rng.randrange(1, 4)) for point in points]
     crashed = tmp_path / "crashed"
     for point, nth in plan:

@@ -1,6 +1,10 @@
 """Virtual tables (TorchRec's use_virtual_table): raw ids in a 2**40 id space, each its own row,
 against a fixed-size table fed the same ids renumbered; eviction and the frequency filter against
 a plain Python model of the policy; live rows exported, saved and restored, across a reopen."""
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -351,3 +355,56 @@ def test_an_incremental_export_since_a_cut_brings_a_copy_of_the_cut_to_the_table
     assert at_cut - set(now_ids.tolist()) <= set(tombstones.tolist()) and tombstones.numel() > 0
     with pytest.raises(ValueError, match="follows no ids"):
         collection(tmp_path, config(policy=None), sub="plain").embedding_bags["t"].export_changes()
+
+
+FULL_DISK_CHILD = """
+import resource, signal, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+from test_virtual_tables import collection, config, policy_of_full_disk, raw_batches, train
+from pathlib import Path
+from mlkv_torch import optim
+
+ebc = collection(Path(sys.argv[1]), config(policy=policy_of_full_disk()), optimizer=optim.Adagrad(lr=0.1))
+train(ebc, raw_batches(9, pool=120))
+ebc.checkpoint()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))  # the disk is full
+try:
+    for seed in range(1, 400):  # new ids, far more rows than the budget holds: they go to the full disk
+        train(ebc, raw_batches(1, batch=2000, pool=100_000, seed=seed))
+        ebc.embedding_bags["t"].flush()
+    print("NO ERROR")
+except OSError as e:
+    print("ERROR", type(e).__name__, e)
+try:
+    ebc.close()  # its last cut cannot be written either
+except OSError as e:
+    print("CLOSE", type(e).__name__, e)
+"""
+
+
+def policy_of_full_disk():
+    return CountBasedEvictionPolicy(training_id_eviction_trigger_count=10_000, eviction_threshold=1, decay_rate=0.5)
+
+
+def test_a_disk_that_fills_while_rows_are_created_names_its_file_and_keeps_the_last_cut(tmp_path):
+    # The reference: the same table trained to its cut, never past it.
+    reference = collection(tmp_path, config(policy=policy_of_full_disk()), sub="reference",
+                           optimizer=optim.Adagrad(lr=0.1))
+    train(reference, raw_batches(9, pool=120))
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    error = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
+    # The store's error, naming its file under the table's directory and why.
+    assert error and "File too large" in error[0] and str(tmp_path / "v") in error[0], done.stdout[-3000:]
+    reopened = collection(tmp_path, config(policy=policy_of_full_disk()), optimizer=optim.Adagrad(lr=0.1),
+                          reopen=True)
+    ids, rows = live_rows(reopened)
+    reference_ids, reference_rows = live_rows(reference)
+    assert torch.equal(ids, reference_ids) and torch.equal(rows, reference_rows)
+    bag, theirs = reopened.embedding_bags["t"], reference.embedding_bags["t"]
+    assert torch.equal(bag.export_rows(ids, include_state=True)[1], theirs.export_rows(ids, include_state=True)[1])
+    batches = raw_batches(5, pool=120, seed=9)  # and it trains on as the reference does
+    assert train(reopened, batches) == train(reference, batches)

@@ -23,6 +23,9 @@ written within per-row bounds, so that most lookups skip TorchRec's all-to-alls.
   the ranks. So a small table whose rows are all hot may be replicated whole, and a large one gets
   less than its share (docs/benchmarks.md has what that gains over a share of each table).
 
+A virtual table (TorchRec's ``use_virtual_table``) counts by the ids its ranks keep, not its id
+space: each shard at most its eviction trigger (`mlkv_torch.virtual_tables.rows_held`).
+
 A rank replicates only the tables other ranks own part of: its own table's rows are pooled where
 they are, so a replica of them would save no byte and cost the split. A table is so counted only
 on the ranks that replicate it; its counts are scaled by all ranks over those, so that a table
@@ -46,6 +49,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from .. import _C, wire
 from ..checks import is_int
 from ..ranks import all_gather_objects
+from ..virtual_tables import rows_held
 from .variable_batch import VariableOutputLayout, accept_variable_batches, variable_batch_input
 
 __all__ = ["ReplicaSettings", "HotRowReplicas", "replicate_hot_rows", "replica_memory_bytes"]
@@ -385,8 +389,10 @@ class HotRowReplicas:
                                  f"constrain it (ParameterConstraints(sharding_types=[...])) or turn replicas off")
             dim, index = config.embedding_dim, sum(len(names) for names in sharded_by_dim.values())
             sharded_by_dim.setdefault(dim, []).append(config.name)
-            rows_by_dim[dim] = rows_by_dim.get(dim, 0) + config.num_embeddings
             shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+            row_blocks = {int(s.shard_offsets[0]): int(s.shard_sizes[0]) for s in shards}  # columns share rows
+            rows_by_dim[dim] = rows_by_dim.get(dim, 0) + rows_held(config, list(row_blocks.values())
+                                                                   or [config.num_embeddings])
             owners = {s.placement.rank() for s in shards}
             remote_columns = sum(int(s.shard_sizes[1]) for s in shards if s.placement.rank() != self.rank)
             if remote_columns == 0:  # this rank owns it whole
