@@ -52,7 +52,7 @@ if has bench; then
 fi
 if has train; then
   echo "[gpu_check] training on CUDA at $(( $(date +%s) - start )) s"
-  run_tests tests-train.log tests/test_cuda_training.py tests/test_torchrec_collection.py
+  run_tests tests-train.log tests/test_cuda_training.py tests/test_torchrec_collection.py tests/test_virtual_tables.py
   for device in cuda cpu; do  # the quickstart, 100 steps, on each device: samples/s and AUC side by side
     run=/tmp/quickstart-$device
     rm -rf "$run"
