@@ -144,10 +144,9 @@ class Experiment:
         config, storage = self.config, self.config.storage
         # The replicas' memory comes out of the budget first (every table's share: an upper bound,
         # the plan decides which tables are sharded; a virtual table's rows at most its cap a rank).
-        world = self.world_size
         replica_bytes = sum(replica_memory_bytes(
-            rows_held(t, [t.num_embeddings // world + (r < t.num_embeddings % world) for r in range(world)]),
-            t.embedding_dim, storage.replicas.fraction) for t in tables)
+            min(t.num_embeddings, rows_held(t, [t.num_embeddings] * self.world_size)), t.embedding_dim,
+            storage.replicas.fraction) for t in tables)
         if storage.kind != "memory" and replica_bytes >= storage.memory_budget_bytes:
             raise ConfigError(f"storage.replicas.fraction: {storage.replicas.fraction} of the rows takes "
                               f"{replica_bytes:,} bytes a rank, more than storage.memory_budget_bytes "
