@@ -48,6 +48,8 @@ class AdmissionPolicy {
   void ReleaseThrough(int32_t request) { released_ = std::max(released_, request); }
   bool pinned(int32_t slot) const { return slot_pin_[slot] > released_; }
   int32_t released() const { return released_; }
+  // The last read-ahead request `slot` is pinned for.
+  int32_t pinned_for(int32_t slot) const { return slot_pin_[slot]; }
   // Keeps `slot` whatever is released, until Unreserve pins it for `request` (a row on its way in).
   void Reserve(int32_t slot) { slot_pin_[slot] = std::numeric_limits<int32_t>::max(); }
   void Unreserve(int32_t slot, int32_t request) { slot_pin_[slot] = request; }

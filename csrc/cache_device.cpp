@@ -98,15 +98,22 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, 
   // Misses: the host admits (and reads the rows outside the cache), then the slots are looked up again.
   fetch_lock.Unlock();
   torch::Tensor weights = Fetch(unique.cpu());
+  int64_t outside;
+  std::tie(slots, version, outside) = SlotsAfterFetch(unique);
+  return {unique, inverse, weights, slots, version, outside};
+}
+
+std::tuple<torch::Tensor, int64_t, int64_t> EmbeddingCache::SlotsAfterFetch(const torch::Tensor& unique) {
   torch::Tensor again = device_index_->NewCounters();
+  torch::Tensor slots;
+  int64_t version;
   {
     MutexLock lock(&mu_);
     device_index_->Sync();
     slots = device_index_->FindSlots(unique, again);
     version = device_index_->version();
   }
-  const int64_t outside = again[1].item<int64_t>();
-  return {unique, inverse, weights, slots, version, outside};
+  return {slots, version, again[1].item<int64_t>()};
 }
 
 void EmbeddingCache::FoldDeviceHits() {

@@ -36,16 +36,31 @@ uint64_t BatchFingerprint(const int64_t* values, const std::vector<int64_t>& fea
 
 void EmbeddingCache::ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
                                     const std::vector<int64_t>& feature_tables) {
-  const torch::Tensor unique = std::get<0>(UniqueKeys(values, feature_counts, feature_tables));
-  ReadAhead(unique, BatchFingerprint(values.data_ptr<int64_t>(), feature_counts, feature_tables));
+  auto [unique, inverse] = UniqueKeys(values, feature_counts, feature_tables);
+  std::shared_ptr<BatchReadAhead> batch;
+  if (opt_.read_ahead_into_slots) {  // kept for LookupReadAhead, in pinned memory for the copies up
+    batch = std::make_shared<BatchReadAhead>();
+    batch->feature_counts = feature_counts;
+    batch->feature_tables = feature_tables;
+    batch->unique = on_host_ ? unique : unique.pin_memory();
+    batch->inverse = on_host_ ? inverse : inverse.pin_memory();
+  }
+  QueueReadAhead(unique, BatchFingerprint(values.data_ptr<int64_t>(), feature_counts, feature_tables),
+                 std::move(batch));
 }
 
-void EmbeddingCache::ReadAhead(const torch::Tensor& keys, uint64_t fingerprint) {
+void EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint,
+                                    std::shared_ptr<BatchReadAhead> batch) {
   CheckInt64Vector(keys, "keys");
   const int64_t n = keys.numel();
   const int64_t* key = keys.data_ptr<int64_t>();
   std::vector<int64_t> outside;
-  bool into_slots = false;
+  bool into_slots = false, rows_of_earlier_requests = false;
+  if (batch) {
+    batch->slots.assign(static_cast<size_t>(n), -1);
+    batch->table_keys.assign(tables_.size(), 0);
+    for (int64_t i = 0; i < n; ++i) ++batch->table_keys[static_cast<size_t>(TableOf(key[i]))];
+  }
   {
     MutexLock lock(&mu_);
     ThrowIfFailed();
@@ -54,41 +69,148 @@ void EmbeddingCache::ReadAhead(const torch::Tensor& keys, uint64_t fingerprint) 
       // Into slots only while the slots hold the rows of every batch read ahead and not yet looked
       // up: beyond that the pins would keep out the rows of the batches themselves.
       into_slots = n * static_cast<int64_t>(untaken_read_aheads_.size() + 1) <= opt_.capacity;
-      untaken_read_aheads_.emplace_back(sequence, into_slots ? std::optional<uint64_t>(fingerprint) : std::nullopt);
+      untaken_read_aheads_.push_back(
+          {sequence, into_slots ? std::optional<uint64_t>(fingerprint) : std::nullopt, batch});
       if (untaken_read_aheads_.size() > kUntakenReadAheads) {
-        policy_.ReleaseThrough(untaken_read_aheads_.front().first);
+        policy_.ReleaseThrough(untaken_read_aheads_.front().sequence);
         untaken_read_aheads_.pop_front();
       }
     }
+    if (batch && !into_slots) batch->settled = true;  // its lookup fetches
     for (int64_t i = 0; i < n; ++i) {
       const int32_t slot = slot_index_.Find(key[i]);
       if (slot >= 0) {
-        if (into_slots) policy_.Pin(slot, sequence);  // kept until this batch is done with it
+        if (into_slots) {
+          policy_.Pin(slot, sequence);  // kept until this batch is done with it
+          if (batch) batch->slots[static_cast<size_t>(i)] = slot;
+        }
         continue;
       }
       // A row on its way in already is pinned for the newest read-ahead when it lands. Staged and
       // buffered rows are newer than the store: the staging path leaves them for the fetch, the
       // slot path places them (PlaceReadAhead takes their newest value).
-      if (reading_ahead_.Find(key[i]) >= 0) continue;
+      if (reading_ahead_.Find(key[i]) >= 0) {
+        rows_of_earlier_requests = true;
+        continue;
+      }
       if (!into_slots && (staging_.Contains(key[i]) || BufferedRow(key[i]) != nullptr)) continue;
       reading_ahead_.Insert(key[i], sequence);
       outside.push_back(key[i]);
     }
-    if (outside.empty()) return;
+    // A batch with rows on their way in for earlier requests settles after them, through a request
+    // of its own (requests are done in order), even one that reads nothing.
+    if (outside.empty() && !(batch && into_slots && rows_of_earlier_requests)) {
+      if (batch && into_slots) SettleReadAhead(batch.get(), sequence);
+      return;
+    }
     // Queued under mu_ too, so requests reach the read-ahead thread in sequence order.
     MutexLock queue_lock(&read_ahead_mu_);
-    read_ahead_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now(), into_slots});
+    read_ahead_queue_.push_back({sequence, std::move(outside), std::chrono::steady_clock::now(), into_slots,
+                                 into_slots ? std::move(batch) : nullptr});
   }
   read_ahead_cv_.notify_one();
+}
+
+void EmbeddingCache::SettleReadAhead(BatchReadAhead* batch, int32_t sequence) {
+  const int64_t* key = batch->unique.data_ptr<int64_t>();
+  bool complete = true;
+  for (size_t i = 0; i < batch->slots.size() && complete; ++i) {
+    if (batch->slots[i] >= 0) continue;  // found and pinned when it was read ahead
+    // Placed by this request or one before it (each pinned for every read-ahead issued by then):
+    // pinned for this one, else gone again (written meanwhile) or left in the staging area.
+    const int32_t slot = slot_index_.Find(key[i]);
+    complete = slot >= 0 && policy_.pinned_for(slot) >= sequence;
+    batch->slots[i] = slot;
+  }
+  batch->settled = true;
+  batch->complete = complete;
+  if (!complete) return;
+  const int64_t n = static_cast<int64_t>(batch->slots.size());
+  auto options = torch::TensorOptions().dtype(torch::kInt32);
+  batch->slot_index = torch::empty({n}, on_host_ ? options : options.pinned_memory(true));
+  std::copy(batch->slots.begin(), batch->slots.end(), batch->slot_index.data_ptr<int32_t>());
 }
 
 int32_t EmbeddingCache::TakeReadAhead(std::optional<uint64_t> fingerprint) {
   policy_.ReleaseThrough(read_ahead_in_use_);  // the batch before this one is done with its rows
   if (untaken_read_aheads_.empty()) return 0;
-  const auto [sequence, read_ahead_fingerprint] = untaken_read_aheads_.front();
+  const UntakenReadAhead taken = std::move(untaken_read_aheads_.front());
   untaken_read_aheads_.pop_front();
-  read_ahead_in_use_ = sequence;
-  return fingerprint && read_ahead_fingerprint && *fingerprint == *read_ahead_fingerprint ? sequence : 0;
+  read_ahead_in_use_ = taken.sequence;
+  return fingerprint && taken.fingerprint && *fingerprint == *taken.fingerprint ? taken.sequence : 0;
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>
+EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
+                                const std::vector<int64_t>& feature_tables) {
+  std::shared_ptr<BatchReadAhead> batch;
+  int32_t sequence;
+  bool settled;
+  {
+    MutexLock lock(&mu_);
+    ThrowIfFailed();
+    TORCH_CHECK(!closed_, "the table is closed");
+    TORCH_CHECK_VALUE(!untaken_read_aheads_.empty() && untaken_read_aheads_.front().batch,
+                      "no batch was read ahead (lookahead with read_ahead_into_slots) and not yet looked up");
+    const BatchReadAhead& first = *untaken_read_aheads_.front().batch;
+    TORCH_CHECK_VALUE(first.feature_counts == feature_counts && first.feature_tables == feature_tables,
+                      "this batch's features are not those of the oldest batch read ahead and not yet looked up: "
+                      "look batches up in the order they were read ahead");
+    batch = untaken_read_aheads_.front().batch;
+    sequence = untaken_read_aheads_.front().sequence;
+    TakeReadAhead(std::nullopt);  // this batch's pins stay until the next batch's lookup
+    settled = batch->settled;
+  }
+  if (!settled) {  // its request is in flight: settled before it is done
+    MutexLock lock(&read_ahead_mu_);
+    while (read_ahead_done_ < sequence && !read_ahead_stopping_) read_ahead_done_cv_.wait(lock.native());
+  }
+  WaitQueuedAtMost(opt_.staleness);
+  const int64_t n = batch->unique.numel();
+  {
+    MutexLock lock(&mu_);
+    ThrowIfFailed();
+    TORCH_CHECK(!closed_, "the table is closed");
+    if (batch->complete) {
+      ++stats_.read_ahead_lookups;
+      stats_.hits += n;
+      for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += batch->table_keys[t];
+      if (on_host_) {
+        torch::Tensor out = torch::empty({n, weight_words_}, torch::kFloat32);
+        float* dst = out.data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t s = batch->slots[static_cast<size_t>(i)];
+          policy_.Touch(s);
+          std::memcpy(dst + i * weight_words_, host_slots_ + static_cast<int64_t>(s) * row_words_,
+                      weight_words_ * sizeof(float));
+        }
+        if (opt_.staleness > 0 && pending_.size() > 0) {
+          const int64_t* key = batch->unique.data_ptr<int64_t>();
+          for (int64_t i = 0; i < n; ++i) {
+            stats_.max_staleness = std::max<int64_t>(stats_.max_staleness, pending_.Find(key[i]));
+          }
+        }
+        return {batch->unique, batch->inverse, out, batch->slot_index, -static_cast<int64_t>(sequence), 0};
+      }
+#ifdef MLKV_WITH_CUDA
+      // The slots are pinned until this batch's update (or the next lookup): no lock needed to gather them.
+      if (transfer_) transfer_->UseCurrentStreamForTraining();
+      const torch::Tensor slots = batch->slot_index.to(device_, /*non_blocking=*/true);
+      return {batch->unique.to(device_, /*non_blocking=*/true), batch->inverse.to(device_, /*non_blocking=*/true),
+              slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, -static_cast<int64_t>(sequence), 0};
+#endif
+    }
+  }
+  // Rows left out of the slots: fetched (and admitted) by key.
+  torch::Tensor weights = Fetch(batch->unique);
+  if (on_host_) return {batch->unique, batch->inverse, weights, torch::Tensor(), 0, -1};
+#ifdef MLKV_WITH_CUDA
+  const torch::Tensor unique = batch->unique.to(device_, /*non_blocking=*/true);
+  auto [slots, version, outside] = SlotsAfterFetch(unique);
+  return {unique, batch->inverse.to(device_, /*non_blocking=*/true), weights, slots, version, outside};
+#else
+  TORCH_CHECK(false, "this build of mlkv_torch has no CUDA kernels");
+#endif
 }
 
 void EmbeddingCache::PlaceReadAhead(const ReadAheadRequest& request, const std::vector<float>& rows) {
@@ -239,6 +361,14 @@ void EmbeddingCache::ReadAheadLoop() {
         }
       }
       EndRead();
+    }
+    if (request.batch) {  // before it is done: its lookup waits for that
+      MutexLock lock(&mu_);
+      if (read_ok) {
+        SettleReadAhead(request.batch.get(), request.sequence);
+      } else {
+        request.batch->settled = true;  // its lookup fetches, and meets the error
+      }
     }
     {
       MutexLock lock(&read_ahead_mu_);

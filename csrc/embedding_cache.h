@@ -25,6 +25,9 @@
 //   lookups take read-aheads in order (TakeReadAhead); a batch whose keys are those of the
 //   read-ahead it takes (a fingerprint says so) keeps its slots until its update, so on CUDA it
 //   runs the device path from lookup to update with no host round trip of its own.
+//   A caller that names the batch it looks up as the one read ahead (LookupReadAhead) skips the
+//   deduplication and the index lookup: the read-ahead did both on the host, and its batch's
+//   keys, index and slots travel up from pinned memory without a synchronisation.
 // - On CUDA, a copy of the key -> slot map lives in device memory (DeviceIndex): a batch whose
 //   rows are all cached is keyed, deduplicated, looked up, gathered and updated on the device
 //   (LookupOnDevice, UpdateOnDevice), with one host synchronisation (the deduplication's), which
@@ -135,6 +138,8 @@ struct CacheStats {
   int64_t cut_rows = 0;
   // Rows read ahead into slots, and rows read ahead that found every slot pinned (staged instead).
   int64_t read_ahead_placed = 0, read_ahead_unplaced = 0;
+  // Batches LookupReadAhead gathered from the slots their read-ahead pinned (no fetch).
+  int64_t read_ahead_lookups = 0;
 };
 
 // The counters of CacheStats that belong to one table of the cache.
@@ -175,6 +180,17 @@ class EmbeddingCache {
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> LookupOnDevice(
       const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
       const std::vector<int64_t>& feature_tables);
+#endif
+  // The lookup of the oldest batch read ahead (ReadAheadBatch, read_ahead_into_slots) and not yet
+  // looked up, which the caller names as this batch (its features must match; its ids are not
+  // compared). The read-ahead's host deduplication and slots serve it: once every row of the batch
+  // is pinned in a slot, its rows are gathered from the slots with no host synchronisation (on
+  // CUDA keys, index and slots go up from pinned memory without blocking). Returns what
+  // LookupOnDevice returns, on the device (keys in order of first appearance); a read-ahead that
+  // left rows out of the slots (too little room, a failed read) is fetched as FetchBatch does.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> LookupReadAhead(
+      const std::vector<int64_t>& feature_counts, const std::vector<int64_t>& feature_tables) EXCLUDES(fetch_mu_, mu_);
+#ifdef MLKV_WITH_CUDA
   // One optimizer step for the keys of a LookupOnDevice (CUDA), with gradient rows `grads`
   // [n, dim] float32 on the device: the cached rows by one kernel over their slots, the
   // `outside` others on the host; by key, as QueueUpdate, when the index changed since.
@@ -206,7 +222,9 @@ class EmbeddingCache {
   // read-ahead thread puts them in the staging area, where the next fetch takes them instead of
   // reading the store, or (read_ahead_into_slots) into slots. `fingerprint`: of the batch's keys
   // (BatchFingerprint), which the batch's lookup compares.
-  void ReadAhead(const torch::Tensor& keys, uint64_t fingerprint = 0) EXCLUDES(mu_, read_ahead_mu_);
+  void ReadAhead(const torch::Tensor& keys, uint64_t fingerprint = 0) EXCLUDES(mu_, read_ahead_mu_) {
+    QueueReadAhead(keys, fingerprint, nullptr);
+  }
   // The read-ahead of a batch of features, as UniqueKeys takes them. Lookups (FetchBatch,
   // LookupOnDevice) take read-aheads in the order they were asked for, one each.
   void ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
@@ -378,12 +396,35 @@ class EmbeddingCache {
 
   // ---- read-ahead (cache_read_ahead.cpp)
   void ReadAheadLoop() EXCLUDES(mu_, read_ahead_mu_);
+  // A batch read ahead (ReadAheadBatch) as LookupReadAhead takes it: its features, distinct keys
+  // and each value's index among them (pinned host memory on CUDA), each key's slot once known
+  // (-1 before), its distinct keys per table; `settled` once its request is done, `complete` when
+  // then every key's row is in a slot pinned for it (`slot_index`: the slots as int32, pinned on CUDA).
+  struct BatchReadAhead {
+    std::vector<int64_t> feature_counts, feature_tables;
+    torch::Tensor unique, inverse, slot_index;
+    std::vector<int32_t> slots;
+    std::vector<int64_t> table_keys;
+    bool settled = false, complete = false;
+  };
   struct ReadAheadRequest {
     int32_t sequence;
     std::vector<int64_t> keys;
     std::chrono::steady_clock::time_point queued;
     bool into_slots;  // else into the staging area
+    std::shared_ptr<BatchReadAhead> batch;  // of ReadAheadBatch, settled once the request is done
   };
+  // ReadAhead, with the batch the keys are of (or none).
+  void QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint, std::shared_ptr<BatchReadAhead> batch)
+      EXCLUDES(mu_, read_ahead_mu_);
+  // Finds the slots of `batch`'s keys its request placed (or a request before it), each pinned for
+  // read-ahead `sequence`, and marks it settled.
+  void SettleReadAhead(BatchReadAhead* batch, int32_t sequence) REQUIRES(mu_);
+#ifdef MLKV_WITH_CUDA
+  // After a fetch of the distinct `unique` (on the device) of a device lookup: their slots, the
+  // index version they belong to and how many are not cached (one synchronisation: the count).
+  std::tuple<torch::Tensor, int64_t, int64_t> SlotsAfterFetch(const torch::Tensor& unique) EXCLUDES(mu_);
+#endif
   // The rows a request read (`rows`, in its order) into reserved slots: victims out through the
   // write-back buffer, rows in through transfer_, each slot published once its row landed. Holds
   // fetch_mu_ while it evicts and publishes, so no lookup between finding its slots and gathering
@@ -437,7 +478,12 @@ class EmbeddingCache {
   int32_t read_ahead_issued_ GUARDED_BY(mu_) = 0;  // read-aheads asked for (each has its sequence number)
   // Read-aheads not yet taken by a lookup (sequence, fingerprint: none for one read into the staging
   // area), and the one the batch between its lookup and its update took (read_ahead_into_slots only).
-  std::deque<std::pair<int32_t, std::optional<uint64_t>>> untaken_read_aheads_ GUARDED_BY(mu_);
+  struct UntakenReadAhead {
+    int32_t sequence;
+    std::optional<uint64_t> fingerprint;
+    std::shared_ptr<BatchReadAhead> batch;  // none: a read-ahead of keys (ReadAhead)
+  };
+  std::deque<UntakenReadAhead> untaken_read_aheads_ GUARDED_BY(mu_);
   int32_t read_ahead_in_use_ GUARDED_BY(mu_) = 0;
   // Moves rows into slots for PlaceReadAhead (read_ahead_into_slots only); its own lock.
   std::unique_ptr<SlotTransfer> transfer_;

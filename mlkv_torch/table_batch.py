@@ -400,13 +400,26 @@ class DiskTableBatch:
 
     # ---- the step ---------------------------------------------------------------------------------
     def pool(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int], offsets: torch.Tensor,
-             per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+             per_sample_weights: Optional[torch.Tensor] = None, read_ahead: bool = False) -> torch.Tensor:
         """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
         over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
-        anchor (`anchors[t]`) requires a gradient."""
+        anchor (`anchors[t]`) requires a gradient.
+
+        `read_ahead`: the caller says this batch is the oldest one given to `lookahead` and not yet
+        pooled, with the same ids (its features are checked, its ids are not). With
+        `read_ahead_into_slots` the lookup then takes the read-ahead's deduplication and slots: no
+        host synchronisation on CUDA, no second deduplication on the CPU. Ignored by virtual tables
+        and without read-ahead into slots."""
         self._check_open()
         device_lookup = holds_row = None
-        if self.ids is not None:  # virtual tables: rounds due first, then the batch's ids counted and filtered
+        if read_ahead and self.ids is None and self.read_ahead_into_slots:
+            if values.numel() != sum(feature_counts):
+                raise ValueError(f"the features hold {sum(feature_counts)} ids, values has {values.numel()}")
+            unique, inverse, words, slots, version, outside = self.cache.lookup_read_ahead(list(feature_counts),
+                                                                                          list(feature_tables))
+            if self.device.type == "cuda":
+                device_lookup = (slots, version, outside)
+        elif self.ids is not None:  # virtual tables: rounds due first, then the batch's ids counted and filtered
             unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
             self.ids.evict_due(self.cache, self.step)
             holds_row = self.ids.observe(unique, self.step)

@@ -3,7 +3,10 @@ batches read ahead go straight into cache slots through the transfer backend (on
 thread standing for the side stream, its copies held in flight by `transfer_delay_us`), pinned until
 their batch is done. Checked against one torch.nn.EmbeddingBag per table with torch's optimizers, at
 look-ahead depths 1-4, with caches roomy and too small for the rows pinned, and under a randomized
-schedule of read-aheads that match their batches, do not, or are left out."""
+schedule of read-aheads that match their batches, do not, or are left out. Batches the caller names
+as the ones read ahead (`pool(read_ahead=True)`) take the read-ahead's host deduplication and slots
+(on CUDA, the step with no host synchronisation): checked the same ways, and bit for bit against
+the lookup that finds its rows by key."""
 import random
 
 import pytest
@@ -32,6 +35,11 @@ def feature_batch(step: int):
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), bag_lengths.cumsum(0)])
     target = torch.randn(bag_lengths.numel(), DIM, generator=g)
     return values, counts, offsets, target
+
+
+def distinct_keys(step: int) -> int:
+    values, counts, _, _ = feature_batch(step)
+    return sum(int(ids.unique().numel()) for ids in values.split(counts))
 
 
 class Reference:
@@ -69,9 +77,10 @@ def make_batch(tmp_path, optimizer, cache_rows: int, delay_us: int, device: str 
                             device=device, cache_policy=policy, read_ahead_into_slots=True, transfer_delay_us=delay_us)
 
 
-def check_step(batch: DiskTableBatch, reference: Reference, step: int, device: str, steps: int, bound: float) -> None:
+def check_step(batch: DiskTableBatch, reference: Reference, step: int, device: str, steps: int, bound: float,
+               named: bool = False) -> None:
     values, counts, offsets, target = feature_batch(step)
-    out = batch.pool(values, counts, TABLES, offsets)
+    out = batch.pool(values, counts, TABLES, offsets, read_ahead=named)
     (out * target.to(device)).sum().backward()
     expected = reference.step(values, counts, offsets, target)
     # Each step's forward reads every row as the reference holds it: no update lost or late.
@@ -93,8 +102,9 @@ def check_rows(batch: DiskTableBatch, reference: Reference, steps: int, bound: f
     (1, 260, 2000, "lfu"),
 ])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("named", [False, True], ids=["found", "named"])
 def test_batches_read_ahead_into_slots_train_as_torch_does(tmp_path, device, depth, cache_rows, delay_us, policy,
-                                                           optimizer):
+                                                           optimizer, named):
     ours, theirs, bound = OPTIMIZERS[optimizer]
     batch = make_batch(tmp_path, ours(), cache_rows, delay_us, device, policy)
     reference = Reference(batch, theirs)
@@ -103,10 +113,20 @@ def test_batches_read_ahead_into_slots_train_as_torch_does(tmp_path, device, dep
         batch.lookahead(*feature_batch(ahead)[:2], TABLES)
     for step in range(steps):
         batch.lookahead(*feature_batch(step + depth)[:2], TABLES)
-        check_step(batch, reference, step, device, steps, bound)
+        check_step(batch, reference, step, device, steps, bound, named)
     check_rows(batch, reference, steps, bound)
     stats = batch.cache.stats()
     assert stats["evictions"] > 0
+    # A batch is read ahead into slots when they hold it beside the batches read ahead before it and
+    # not yet looked up; a roomy cache gathers most such named batches from their slots (a row
+    # written back while it was read, or one all slots were pinned against, leaves its batch to a fetch).
+    into_slots = sum(distinct_keys(step) * (min(step, depth) + 1) <= cache_rows for step in range(steps))
+    if named and cache_rows > 300:
+        assert into_slots // 2 < stats["read_ahead_lookups"] <= into_slots
+    elif named:
+        assert stats["read_ahead_lookups"] <= into_slots
+    else:
+        assert stats["read_ahead_lookups"] == 0
     if cache_rows < 300:  # how many fit beside the pinned batch depends on timing: some waited in the staging area
         assert stats["read_ahead_rows"] > 0
     else:
@@ -144,7 +164,7 @@ def test_a_random_schedule_of_read_aheads_loses_no_update(tmp_path, device, seed
 def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_for_bit(tmp_path, optimizer):
     # The staging path is checked against torch elsewhere; the rows each path hands the optimizer
     # are the same values, so every weight and state word must be equal.
-    def run(into_slots: bool, where: str):
+    def run(into_slots: bool, where: str, named: bool = False):
         batch = open_table_batch([DiskTable(f"t{i}", n, str(tmp_path / where / f"t{i}"), seed=i)
                                 for i, n in enumerate(ROWS)], DIM, optimizer=optimizer, cache_rows=400,
                                  memory_budget_bytes=1 << 20, staging_bytes=0, read_ahead_into_slots=into_slots,
@@ -155,7 +175,7 @@ def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_fo
         for step in range(25):
             batch.lookahead(*feature_batch(step + 2)[:2], TABLES)
             values, counts, offsets, target = feature_batch(step)
-            out = batch.pool(values, counts, TABLES, offsets)
+            out = batch.pool(values, counts, TABLES, offsets, read_ahead=named)
             (out * target).sum().backward()
             outs.append(out.detach())
         batch.flush()
@@ -166,11 +186,12 @@ def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_fo
 
     slot_outs, slot_rows, placed = run(True, "slots")
     staged_outs, staged_rows, _ = run(False, "staged")
+    named_outs, named_rows, _ = run(True, "named", named=True)
     assert placed > 0
-    for a, b in zip(slot_outs, staged_outs):
-        assert torch.equal(a, b)
-    for a, b in zip(slot_rows, staged_rows):
-        assert torch.equal(a, b)
+    for a, b, c in zip(slot_outs, staged_outs, named_outs):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b, c in zip(slot_rows, staged_rows, named_rows):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_batches_the_slots_cannot_hold_are_read_ahead_into_the_staging_area(tmp_path):
@@ -186,6 +207,27 @@ def test_batches_the_slots_cannot_hold_are_read_ahead_into_the_staging_area(tmp_
     check_rows(batch, reference, 10, bound)
     stats = batch.cache.stats()
     assert stats["read_ahead_placed_rows"] == 0 and stats["read_ahead_rows"] > 0
+    batch.close()
+
+
+def test_a_batch_named_as_read_ahead_out_of_order_is_refused_and_loses_nothing(tmp_path):
+    ours, theirs, bound = OPTIMIZERS["sgd"]
+    batch = make_batch(tmp_path, ours(), 600, 0)
+    reference = Reference(batch, theirs)
+    values, counts, offsets, _ = feature_batch(0)
+    with pytest.raises(ValueError, match="no batch was read ahead"):
+        batch.pool(values, counts, TABLES, offsets, read_ahead=True)
+    with pytest.raises(ValueError, match="values has"):
+        batch.pool(values[1:], counts, TABLES, offsets, read_ahead=True)
+    batch.lookahead(*feature_batch(0)[:2], TABLES)
+    batch.lookahead(*feature_batch(1)[:2], TABLES)
+    wrong = feature_batch(1)
+    with pytest.raises(ValueError, match="order they were read ahead"):
+        batch.pool(wrong[0], wrong[1], TABLES, wrong[2], read_ahead=True)
+    for step in range(2):  # the refused lookups took nothing: both batches still train in order
+        check_step(batch, reference, step, "cpu", 2, bound, named=True)
+    check_rows(batch, reference, 2, bound)
+    assert batch.cache.stats()["read_ahead_lookups"] == 2
     batch.close()
 
 

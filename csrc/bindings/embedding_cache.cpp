@@ -85,6 +85,7 @@ py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
   d["read_ahead_wait_ms"] = static_cast<double>(s.read_ahead_wait_us) / 1e3;
   d["read_ahead_placed_rows"] = s.read_ahead_placed;
   d["read_ahead_unplaced_rows"] = s.read_ahead_unplaced;
+  d["read_ahead_lookups"] = s.read_ahead_lookups;
   d["write_back_rows"] = s.write_back_rows;
   d["write_back_waits"] = s.write_back_waits;
   d["write_back_wait_ms"] = static_cast<double>(s.write_back_wait_us) / 1e3;
@@ -141,6 +142,7 @@ void BindEmbeddingCache(py::module_& m) {
       .def("write_rows", &EmbeddingCache::WriteRows, nogil)
       .def("delete_rows", &EmbeddingCache::DeleteRows, nogil)
       .def("lookahead", &EmbeddingCache::ReadAheadBatch, nogil)
+      .def("lookup_read_ahead", &EmbeddingCache::LookupReadAhead, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)
       .def("finish_cut", &EmbeddingCache::FinishCut, py::arg("superseded") = false, nogil)
