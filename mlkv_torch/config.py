@@ -70,15 +70,39 @@ class CriteoDataConfig(_Section):
     seed: int = Field(0, ge=0)
 
 
+class ParquetFeatureConfig(_Section):
+    """A sparse feature of a Parquet dataset: its column (int ids, lists of int ids, or strings,
+    hashed), the table it looks up (default: its column's name; features naming one table share
+    it) and that table's rows (ids are taken modulo them)."""
+
+    column: str
+    table: Optional[str] = None
+    rows: int = Field(gt=0)
+
+
+class ParquetDataConfig(_Section):
+    """A user's Parquet dataset (mlkv_torch.data.parquet): `train` and `eval` files, directories of
+    them or glob patterns, and the schema the model reads (only these columns are read)."""
+
+    train: List[str] = []
+    eval: List[str] = []
+    label: str = "label"
+    dense: List[str] = []
+    sparse: List[ParquetFeatureConfig] = []
+    shuffle_window: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+
+
 class DataConfig(_Section):
     """The data and its loader: `workers` threads make batches, `prefetch` batches wait ready;
     "auto" (the default) picks and re-picks them from measured times within a CPU budget (the
     cores torch's threads and the disk tables' read-ahead thread leave) and `memory_budget_bytes`
     for the batches in flight."""
 
-    kind: Literal["synthetic", "criteo"] = "synthetic"
+    kind: Literal["synthetic", "criteo", "parquet"] = "synthetic"
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
     criteo: CriteoDataConfig = CriteoDataConfig()
+    parquet: ParquetDataConfig = ParquetDataConfig()
     workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     prefetch: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     memory_budget_bytes: int = Field(256 << 20, gt=0)
@@ -212,6 +236,13 @@ class ExperimentConfig(_Section):
             raise ValueError(f"model.over_arch must end with 1, got {self.model.over_arch}")
         if self.data.kind == "criteo" and not self.data.criteo.train:
             raise ValueError("data.criteo.train must list the training files")
+        if self.data.kind == "parquet":
+            from .data.parquet import schema_features
+            if not self.data.parquet.train:
+                raise ValueError("data.parquet.train must list the training files")
+            if not self.data.parquet.sparse:
+                raise ValueError("data.parquet.sparse must declare at least one sparse feature")
+            schema_features(self.data.parquet.sparse)  # tables' rows agree
         if self.device == "cuda" and self.storage.kind == "memory":
             raise ValueError("device cuda trains disk or rocksdb tables (storage.kind); storage kind memory runs "
                              "TorchRec's fused kernels, which need fbgemm-gpu's CUDA build")

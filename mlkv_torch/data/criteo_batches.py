@@ -1,18 +1,12 @@
 """CriteoBatches: batch number -> torchrec Batch over Criteo days in torchrec's npy layout.
 
-The days are memory-mapped and read as one sequence of rows; batch j of an epoch holds rows
-[j * batch_size, (j + 1) * batch_size) (the rows past the last whole batch are left out), and
-batch number n is batch n % batches_per_epoch of epoch n // batches_per_epoch. With a shuffle
-window of W batches, each epoch permutes the rows within every window of W consecutive batches
-and the order of the whole windows, seeded by (seed, epoch, window): the shuffle is
-reproducible, reads stay within a window's span of the files, and a batch is still a function
-of its number alone. Ids are hashed into each table's rows (``id % cardinality``) and the dense
-features are used as converted (torchrec's converter takes their log), as torchrec's
-InMemoryBinaryCriteoIterDataPipe does.
+The days are memory-mapped and read as one sequence of rows, batch by number as ShuffledRows
+orders them (row_order.py: windows shuffled per epoch, a batch a function of its number). Ids are
+hashed into each table's rows (``id % cardinality``) and the dense features are used as converted
+(torchrec's converter takes their log), as torchrec's InMemoryBinaryCriteoIterDataPipe does.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,6 +14,7 @@ import torch
 
 from .batch import one_id_per_feature_batch
 from .criteo_tsv import CAT_FEATURES, INT_FEATURES
+from .row_order import ShuffledRows
 
 __all__ = ["CriteoBatches", "RAW_ID_SPACE"]
 
@@ -63,26 +58,19 @@ class CriteoBatches:
     def __init__(self, prefixes: Sequence[str], batch_size: int, cardinalities: Optional[Sequence[int]],
                  feature_names: Sequence[str] = tuple(f"cat_{i}" for i in range(CAT_FEATURES)),
                  shuffle_window: int = 0, seed: int = 0) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
         if cardinalities is not None and (len(cardinalities) != CAT_FEATURES or min(cardinalities) < 1):
             raise ValueError(f"cardinalities must be {CAT_FEATURES} positive counts, got {list(cardinalities)}")
-        if shuffle_window < 0:
-            raise ValueError(f"shuffle_window must be non-negative, got {shuffle_window}")
         self._days = [_day_arrays(p) for p in prefixes]
         self._day_starts = np.cumsum([0] + [len(d[0]) for d in self._days])
         self.rows = int(self._day_starts[-1])
-        self.batch_size = batch_size
-        self.batches_per_epoch = self.rows // batch_size
+        self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
+        self.batch_size, self.batches_per_epoch = batch_size, self.row_indices.batches_per_epoch
         if self.batches_per_epoch == 0:
             raise ValueError(f"the Criteo days {list(prefixes)} hold {self.rows} rows, fewer than one batch "
                              f"({batch_size})")
         self._hashes = None if cardinalities is None else np.asarray(cardinalities, dtype=np.int64).reshape(
             1, CAT_FEATURES)
         self.feature_names = list(feature_names)
-        self.shuffle_window, self.seed = shuffle_window, seed
-        self._permutations: dict = {}  # (epoch, window) -> that window's row permutation, the last few
-        self._lock = threading.Lock()
 
     def __call__(self, number: int) -> Any:
         """Batch `number` (any non-negative int: epochs repeat with their own shuffle)."""
@@ -92,37 +80,6 @@ class CriteoBatches:
         ids = torch.from_numpy(sparse & RAW_ID_MASK if self._hashes is None else sparse % self._hashes)
         return one_id_per_feature_batch(self.feature_names, torch.from_numpy(dense), ids,
                                         torch.from_numpy(labels.reshape(-1)))
-
-    def row_indices(self, number: int) -> np.ndarray:
-        """The rows (indices into the days' concatenation) of batch `number`, ascending when shuffled."""
-        if number < 0:
-            raise ValueError(f"batch numbers are non-negative, got {number}")
-        epoch, j = divmod(number, self.batches_per_epoch)
-        size = self.batch_size
-        if not self.shuffle_window:
-            return np.arange(j * size, (j + 1) * size, dtype=np.int64)
-        window_batches = self.shuffle_window
-        whole_windows = self.batches_per_epoch // window_batches
-        position, offset = divmod(j, window_batches)
-        window = position
-        if position < whole_windows:  # whole windows trade places; a short last one stays last
-            window = int(self._permutation(epoch, -1, whole_windows)[position])
-        in_window = min(window_batches, self.batches_per_epoch - window * window_batches)
-        permutation = self._permutation(epoch, window, in_window * size)
-        chosen = permutation[offset * size:(offset + 1) * size]
-        return np.sort(chosen) + window * window_batches * size
-
-    def _permutation(self, epoch: int, window: int, length: int) -> np.ndarray:
-        key = (epoch, window)
-        with self._lock:
-            permutation = self._permutations.get(key)
-        if permutation is None:
-            permutation = np.random.default_rng([self.seed, epoch, window + 1]).permutation(length)
-            with self._lock:
-                if len(self._permutations) >= 8:  # a worker per window at most, with room for the next
-                    self._permutations.pop(next(iter(self._permutations)))
-                self._permutations[key] = permutation
-        return permutation
 
     def _gather(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The dense, sparse and labels rows at `rows` (ascending), read from the days they fall in."""

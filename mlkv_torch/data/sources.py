@@ -1,21 +1,22 @@
-"""The runner's data: an experiment's batches by number (synthetic or Criteo) and its loader's tuner.
+"""The runner's data: an experiment's batches by number (synthetic, Criteo or Parquet) and its loader's tuner.
 
 A source gives ``make_batch(number)`` for training (step s trains batch s * world_size + rank on
 each rank) and ``eval(batches, rank, world)`` for held-out batches, with the planted model's
-click probabilities where the data has them.
+click probabilities where the data has them, and ``tables``: (name, rows, feature names) of each
+table the model needs (one a feature, but for Parquet features that share one).
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator, Optional, Tuple, Union
+from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from ..config import ConfigError, ExperimentConfig, cardinalities_of
 from .tuning import InputTuner
 
-__all__ = ["CriteoSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "loader_tuner"]
+__all__ = ["CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "loader_tuner"]
 
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 
@@ -31,7 +32,38 @@ def loader_tuner(config: ExperimentConfig, torch_threads: int) -> InputTuner:
                       memory_budget_bytes=config.data.memory_budget_bytes)
 
 
-class SyntheticSource:
+class _TablePerFeature:
+    """Sources whose every sparse feature has a table of its own, of `cardinalities` rows."""
+
+    feature_names: list
+    cardinalities: tuple
+
+    @property
+    def tables(self) -> List[Tuple[str, int, List[str]]]:
+        return [(name, rows, [name]) for name, rows in zip(self.feature_names, self.cardinalities)]
+
+
+class _FileBatches:
+    """Sources of files read batch by number: `train_batches` and `eval_batches` (or None)."""
+
+    train_batches: Any
+    eval_batches: Any
+
+    def make_batch(self, number: int) -> Any:
+        """Training batch `number` (epochs repeat, each with its own shuffle)."""
+        return self.train_batches(number)
+
+    def eval(self, batches: int, rank: int, world: int, at_batch: int = 0
+             ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        """At most `batches` held-out batches for this rank (one pass over the evaluation files, as
+        many on every rank: under DMP each batch is a collective), without probabilities."""
+        if self.eval_batches is None:
+            return
+        for k in range(min(batches, self.eval_batches.batches_per_epoch // world)):
+            yield self.eval_batches(rank + world * k), None
+
+
+class SyntheticSource(_TablePerFeature):
     """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
 
     def __init__(self, config: ExperimentConfig) -> None:
@@ -83,7 +115,7 @@ def criteo_cache_dir() -> str:
     return os.path.join(root, "criteo")
 
 
-class CriteoSource:
+class CriteoSource(_TablePerFeature, _FileBatches):
     """Criteo days (TSV files, converted once, or torchrec's npy layout), batch by number."""
 
     def __init__(self, config: ExperimentConfig) -> None:
@@ -128,20 +160,31 @@ class CriteoSource:
 
         return CRITEO_KAGGLE_CARDINALITIES if self._raw else None
 
-    def make_batch(self, number: int) -> Any:
-        """Training batch `number` (epochs repeat, each with its own shuffle)."""
-        return self.train_batches(number)
 
-    def eval(self, batches: int, rank: int, world: int, at_batch: int = 0
-             ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
-        """At most `batches` held-out batches for this rank (one pass over the evaluation days, as
-        many on every rank: under DMP each batch is a collective), without probabilities."""
-        if self.eval_batches is None:
-            return
-        for k in range(min(batches, self.eval_batches.batches_per_epoch // world)):
-            yield self.eval_batches(rank + world * k), None
+class ParquetSource(_FileBatches):
+    """A user's Parquet files with a declared schema (mlkv_torch.data.parquet), batch by number."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        from .parquet import ParquetBatches, schema_features
+
+        data = config.data.parquet
+        features, self.tables = schema_features(data.sparse)
+        self.feature_names = [f.column for f in features]
+        self.num_dense, self.batch_size = len(data.dense), config.train.batch_size
+        try:
+            self.train_batches = ParquetBatches(data.train, self.batch_size, data.label, data.dense, features,
+                                                shuffle_window=data.shuffle_window, seed=data.seed)
+            self.eval_batches = ParquetBatches(data.eval, self.batch_size, data.label, data.dense,
+                                               features) if data.eval else None
+        except ValueError as e:
+            raise ConfigError(f"data.parquet: {e}") from e
+
+    def live_ids(self, batches: int) -> None:
+        """The tables' rows: ids are hashed into them."""
+        return None
 
 
-def batch_source(config: ExperimentConfig) -> Union[SyntheticSource, CriteoSource]:
+def batch_source(config: ExperimentConfig) -> Union[SyntheticSource, CriteoSource, ParquetSource]:
     """The source of data.kind."""
-    return SyntheticSource(config) if config.data.kind == "synthetic" else CriteoSource(config)
+    kinds = {"synthetic": SyntheticSource, "criteo": CriteoSource, "parquet": ParquetSource}
+    return kinds[config.data.kind](config)

@@ -65,8 +65,8 @@ class Experiment:
         self.config = config
         self.source = batch_source(config)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
-                                     feature_names=[name], **_virtual_table_fields(config))
-                  for name, n in zip(self.source.feature_names, self.source.cardinalities)]
+                                     feature_names=features, **_virtual_table_fields(config))
+                  for name, n, features in self.source.tables]
         self.virtual_tables = _virtual_table_options(config)
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)

@@ -1,0 +1,292 @@
+"""ParquetBatches: batch number -> torchrec Batch over a user's Parquet files, read by column.
+
+A dataset is a list of Parquet files (or directories of them) and a schema: a label column,
+dense float columns, and sparse features, each a column of int ids (one a sample), of lists of
+int ids (any number a sample, a jagged feature) or of strings (hashed to ids, FNV-1a), each id
+taken modulo its table's rows. Only the declared columns are read (Parquet's projection: the
+other columns' bytes never leave the disk), one row group at a time: a row group is the unit of
+reading and decoding, kept decoded while the batches around it are made (a few per process,
+enough for a shuffle window), so a row group is read once per window however many batches it
+feeds. Rows are ordered as ShuffledRows orders them (row_order.py): a batch is a function of its
+number, so resume is exact, as for Criteo.
+
+Bad input is refused when the files are opened (a missing column, a column of another type,
+named with its file) or when a row group is decoded (nulls, negative ids), never trained on.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .row_order import ShuffledRows
+
+__all__ = ["ParquetBatches", "ParquetFormatError", "SparseFeature", "hash_strings", "parquet_files", "schema_features"]
+
+_FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
+
+
+class ParquetFormatError(ValueError):
+    """A Parquet file that does not hold the declared schema; the message names the file and column."""
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A sparse feature: its `column`, the `table` it looks up (features naming one table share
+    it) and that table's `rows` (ids are taken modulo them)."""
+
+    column: str
+    table: str
+    rows: int
+
+
+def parquet_files(entries: Sequence[str]) -> List[str]:
+    """The Parquet files of `entries` (files, directories of ``*.parquet`` files, or glob
+    patterns), in order, each directory's and pattern's sorted; ValueError names an entry that
+    matches none."""
+    files: List[str] = []
+    for entry in entries:
+        if os.path.isdir(entry):
+            found = sorted(glob.glob(os.path.join(entry, "**", "*.parquet"), recursive=True))
+        elif any(c in entry for c in "*?["):
+            found = sorted(glob.glob(entry, recursive=True))
+        else:
+            found = [entry] if os.path.isfile(entry) else []
+        if not found:
+            raise ValueError(f"{entry!r} is no Parquet file, directory of them or pattern matching one")
+        files.extend(found)
+    return files
+
+
+def hash_strings(strings: Any) -> np.ndarray:
+    """FNV-1a (64-bit) of each string's UTF-8 bytes, top bit cleared: a stable id for a string
+    column's values, the same in every file and process. `strings`: a pyarrow string array."""
+    import pyarrow as pa
+
+    array = strings.cast(pa.large_string()) if not pa.types.is_large_string(strings.type) else strings
+    n = len(array)
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64)[array.offset:array.offset + n + 1]
+    data = array.buffers()[2]
+    bytes_ = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    h = np.full(n, _FNV_OFFSET, dtype=np.uint64)
+    # One pass per byte position over the strings that long: categorical values are short.
+    for k in range(int(lengths.max()) if n else 0):
+        live = np.flatnonzero(lengths > k)
+        h[live] = (h[live] ^ bytes_[starts[live] + k].astype(np.uint64)) * _FNV_PRIME
+    return (h >> np.uint64(1)).astype(np.int64)
+
+
+@dataclass
+class _RowGroup:
+    """A decoded row group: labels [n], dense [n, D] float32, and per sparse feature its ids and
+    each row's first id (offsets [n + 1])."""
+
+    labels: np.ndarray
+    dense: np.ndarray
+    ids: List[np.ndarray]
+    offsets: List[np.ndarray]
+
+
+class ParquetBatches:
+    """Numbered torchrec Batches over Parquet files (see the module's docstring).
+
+    Args:
+        files: Parquet files (or directories, or glob patterns: `parquet_files`).
+        batch_size: samples per batch.
+        label: the label column (numeric or bool; a click is > 0).
+        dense: the dense float columns (nulls read as 0, as Criteo's missing values).
+        sparse: the sparse features.
+        shuffle_window: batches per shuffled window; 0 keeps the files' order.
+        seed: the shuffle's seed.
+    """
+
+    def __init__(self, files: Sequence[str], batch_size: int, label: str, dense: Sequence[str],
+                 sparse: Sequence[SparseFeature], shuffle_window: int = 0, seed: int = 0) -> None:
+        import pyarrow.parquet as pq
+
+        if not sparse:
+            raise ValueError("a Parquet dataset needs at least one sparse feature")
+        self.files = parquet_files(files)
+        self.label, self.dense, self.sparse = label, list(dense), list(sparse)
+        self.columns = [label, *self.dense, *dict.fromkeys(f.column for f in self.sparse)]
+        self._readers, self._row_groups = [], []  # (file, row group) in row order
+        starts = [0]
+        self.bytes_read_per_epoch = self.bytes_per_epoch = 0  # the declared columns', every column's
+        for path in self.files:
+            try:
+                reader = pq.ParquetFile(path, pre_buffer=False)
+            except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not Parquet
+                raise ParquetFormatError(f"Parquet file {path!r} cannot be read: {e}") from e
+            self._check_schema(path, reader.schema_arrow)
+            self._readers.append(reader)
+            meta = reader.metadata
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                self._row_groups.append((len(self._readers) - 1, g))
+                starts.append(starts[-1] + group.num_rows)
+                for c in range(group.num_columns):
+                    chunk = group.column(c)
+                    self.bytes_per_epoch += chunk.total_compressed_size
+                    if chunk.path_in_schema.split(".")[0] in self.columns:
+                        self.bytes_read_per_epoch += chunk.total_compressed_size
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self.rows = int(self._starts[-1])
+        self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
+        self.batch_size, self.batches_per_epoch = batch_size, self.row_indices.batches_per_epoch
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"the Parquet files {self.files} hold {self.rows} rows, fewer than one batch "
+                             f"({batch_size})")
+        self.feature_names = [f.column for f in self.sparse]
+        # Decoded row groups, the most recently used last: enough for a shuffle window and the next.
+        rows_per_group = max(1, self.rows // len(self._row_groups))
+        window_rows = max(1, shuffle_window) * batch_size
+        self._keep = 2 + 2 * -(-window_rows // rows_per_group)
+        self._decoded: "OrderedDict[int, _RowGroup]" = OrderedDict()
+        self._decoding: Dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.row_groups_read = 0
+
+    def _check_schema(self, path: str, schema: Any) -> None:
+        import pyarrow as pa
+
+        def column_type(name: str) -> Any:
+            if name not in schema.names:
+                raise ParquetFormatError(f"Parquet file {path!r} has no column {name!r} (it has {schema.names})")
+            return schema.field(name).type
+
+        numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
+        for name, role in [(self.label, "the label"), *((d, "a dense feature") for d in self.dense)]:
+            kind = column_type(name)
+            if not any(test(kind) for test in numeric):
+                raise ParquetFormatError(f"Parquet file {path!r}: column {name!r} ({role}) has type {kind}; "
+                                         f"it must be numeric")
+        for feature in self.sparse:
+            kind = column_type(feature.column)
+            inner = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else kind
+            if not (pa.types.is_integer(inner) or pa.types.is_string(inner) or pa.types.is_large_string(inner)):
+                raise ParquetFormatError(f"Parquet file {path!r}: column {feature.column!r} (a sparse feature) has "
+                                         f"type {kind}; it must be int, string, or a list of either")
+
+    def __call__(self, number: int) -> Any:
+        """Batch `number` (any non-negative int: epochs repeat with their own shuffle)."""
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        rows = self.row_indices(number)
+        bounds = np.searchsorted(rows, self._starts)
+        parts: List[Tuple[_RowGroup, np.ndarray]] = []
+        for g, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if lo < hi:
+                parts.append((self._row_group(g), rows[lo:hi] - self._starts[g]))
+        labels = np.concatenate([group.labels[local] for group, local in parts])
+        dense = np.concatenate([group.dense[local] for group, local in parts])
+        values, lengths = [], []
+        for f in range(len(self.sparse)):
+            for group, local in parts:
+                first, last = group.offsets[f][local], group.offsets[f][local + 1]
+                counts = last - first
+                lengths.append(counts)
+                # Each row's ids, in row order: position k of the output reads first[row] + (k - row's start).
+                starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
+                values.append(group.ids[f][starts + np.arange(int(counts.sum()), dtype=np.int64)])
+        values_t = torch.from_numpy(np.concatenate(values))
+        lengths_t = torch.from_numpy(np.concatenate(lengths))
+        per_key = lengths_t.view(len(self.sparse), -1).sum(1).tolist()
+        features = KeyedJaggedTensor(keys=self.feature_names, values=values_t, lengths=lengths_t,
+                                     stride=len(rows), length_per_key=per_key)
+        return Batch(dense_features=torch.from_numpy(dense), sparse_features=features,
+                     labels=torch.from_numpy(labels))
+
+    def _row_group(self, g: int) -> _RowGroup:
+        """Row group `g` decoded, from the cache or read now (one thread decodes it, others wait)."""
+        with self._lock:
+            group = self._decoded.get(g)
+            if group is not None:
+                self._decoded.move_to_end(g)
+                return group
+            event = self._decoding.get(g)
+            mine = event is None
+            if mine:
+                event = self._decoding[g] = threading.Event()
+        if not mine:
+            event.wait()
+            with self._lock:
+                group = self._decoded.get(g)
+            return group if group is not None else self._row_group(g)  # its decoder failed: try it here
+        try:
+            group = self._decode(g)
+            with self._lock:
+                self._decoded[g] = group
+                self.row_groups_read += 1
+                while len(self._decoded) > self._keep:
+                    self._decoded.popitem(last=False)
+            return group
+        finally:
+            with self._lock:
+                del self._decoding[g]
+            event.set()
+
+    def _decode(self, g: int) -> _RowGroup:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        file, index = self._row_groups[g]
+        path = self.files[file]
+        table = self._readers[file].read_row_group(index, columns=self.columns)
+
+        def column(name: str) -> Any:
+            return table.column(name).combine_chunks()
+
+        label = column(self.label)
+        if label.null_count:
+            raise ParquetFormatError(f"Parquet file {path!r}, row group {index}: column {self.label!r} (the label) "
+                                     f"has {label.null_count} nulls")
+        labels = (label.cast(pa.float32()).to_numpy(zero_copy_only=False) > 0).astype(np.float32)
+        dense = np.empty((table.num_rows, len(self.dense)), dtype=np.float32)
+        for d, name in enumerate(self.dense):
+            dense[:, d] = pc.fill_null(column(name).cast(pa.float32()), 0.0).to_numpy(zero_copy_only=False)
+        ids, offsets = [], []
+        for feature in self.sparse:
+            array = column(feature.column)
+            where = f"Parquet file {path!r}, row group {index}: column {feature.column!r}"
+            if array.null_count:
+                raise ParquetFormatError(f"{where} has {array.null_count} null rows")
+            if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+                row_offsets = np.asarray(array.offsets, dtype=np.int64)
+                inner = array.values.slice(int(row_offsets[0]), int(row_offsets[-1] - row_offsets[0]))
+                row_offsets = row_offsets - row_offsets[0]
+            else:
+                inner, row_offsets = array, np.arange(len(array) + 1, dtype=np.int64)
+            if inner.null_count:
+                raise ParquetFormatError(f"{where} has {inner.null_count} null ids in its lists")
+            if pa.types.is_integer(inner.type):
+                raw = inner.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+                if raw.size and int(raw.min()) < 0:
+                    raise ParquetFormatError(f"{where} has a negative id ({int(raw.min())})")
+            else:
+                raw = hash_strings(inner)
+            ids.append(raw % feature.rows)
+            offsets.append(row_offsets)
+        return _RowGroup(labels, dense, ids, offsets)
+
+
+def schema_features(sparse: Sequence[Any]) -> Tuple[List[SparseFeature], List[Tuple[str, int, List[str]]]]:
+    """The sparse features of a config's schema (entries with column, table, rows) and the tables
+    they make: (name, rows, feature names), each table once, in order of first use; ValueError
+    when two features name one table with different rows."""
+    features = [SparseFeature(s.column, s.table or s.column, s.rows) for s in sparse]
+    tables: Dict[str, Tuple[int, List[str]]] = {}
+    for f in features:
+        rows, names = tables.setdefault(f.table, (f.rows, []))
+        if rows != f.rows:
+            raise ValueError(f"table {f.table!r} is given {rows} rows by one feature and {f.rows} by {f.column!r}")
+        names.append(f.column)
+    return features, [(name, rows, names) for name, (rows, names) in tables.items()]
+

@@ -1,0 +1,157 @@
+"""Parquet datasets with a declared schema (mlkv_torch.data.parquet): batches against a plain
+reading of the files (pyarrow's whole table, a Python FNV-1a, Python modulo), only the declared
+columns read, bad files refused by file and column, and the runner training on one, with two
+features sharing a table."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mlkv_torch.config import ConfigError, load_config
+from mlkv_torch.data.parquet import ParquetBatches, ParquetFormatError, SparseFeature, hash_strings
+from mlkv_torch.data.parquet_generate import DEFAULT_CARDINALITIES, generate, sparse_kind
+from mlkv_torch.train import run
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "configs" / "parquet_example.yaml"
+DENSE = [f"dense_{d}" for d in range(6)]
+
+
+def features(rows_scale: int = 1):
+    return [SparseFeature(f"c_{f}", f"c_{f}", max(2, (n if sparse_kind(f) != "string" else 2 * n) // rows_scale))
+            for f, n in enumerate(DEFAULT_CARDINALITIES)]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parquet")
+    generate(str(out / "train"), 6000, files=2, row_group_rows=1500, unused_columns=6)
+    generate(str(out / "eval"), 2000, row_group_rows=1000, seed=1, unused_columns=6)
+    return out
+
+
+def fnv1a(text: str) -> int:
+    h = 0xCBF29CE484222325
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x100000001B3) % (1 << 64)
+    return h >> 1
+
+
+def test_string_hashes_are_fnv1a_of_their_bytes():
+    strings = ["", "a", "00002941", "session-11b77a2f44f4", "é"]
+    array = pa.array(strings).slice(1)  # an offset into the buffers too
+    assert hash_strings(array).tolist() == [fnv1a(s) for s in strings[1:]]
+    assert hash_strings(pa.array(strings, type=pa.large_string())).tolist() == [fnv1a(s) for s in strings]
+
+
+@pytest.mark.parametrize("shuffle_window", [0, 3])
+def test_batches_hold_the_files_rows_as_declared(dataset, shuffle_window):
+    feats = features(rows_scale=7)
+    batches = ParquetBatches([str(dataset / "train")], 512, "label", DENSE, feats, shuffle_window=shuffle_window,
+                             seed=5)
+    whole = pq.read_table(sorted((dataset / "train").glob("*.parquet"))).to_pydict()  # every column, plainly
+    assert batches.rows == 6000 and batches.batches_per_epoch == 11
+    seen = []
+    for number in [0, 4, 10, 11, 17]:
+        rows = batches.row_indices(number)
+        seen.append(rows)
+        batch = batches(number)
+        assert batch.labels.tolist() == [float(whole["label"][r] > 0) for r in rows]
+        dense = [[0.0 if whole[d][r] is None else whole[d][r] for d in DENSE] for r in rows]
+        np.testing.assert_array_equal(batch.dense_features.numpy(), np.asarray(dense, dtype=np.float32))
+        kjt = batch.sparse_features.to_dict()
+        for f in feats:
+            cells = [whole[f.column][r] for r in rows]
+            lists = [c if isinstance(c, list) else [c] for c in cells]
+            ids = [[(fnv1a(v) if isinstance(v, str) else v) % f.rows for v in cell] for cell in lists]
+            assert kjt[f.column].lengths().tolist() == [len(cell) for cell in ids]
+            assert kjt[f.column].values().tolist() == [v for cell in ids for v in cell]
+    if shuffle_window:
+        assert not np.array_equal(seen[0], np.arange(512))
+    else:
+        assert np.array_equal(seen[1], np.arange(4 * 512, 5 * 512))
+
+
+def test_only_the_declared_columns_are_read(dataset):
+    batches = ParquetBatches([str(dataset / "train")], 512, "label", DENSE[:2], features()[:3])
+    declared = {"label", "dense_0", "dense_1", "c_0", "c_1", "c_2"}
+    read = every = 0
+    for path in sorted((dataset / "train").glob("*.parquet")):
+        meta = pq.ParquetFile(path).metadata
+        for g in range(meta.num_row_groups):
+            for c in range(meta.num_columns):
+                chunk = meta.row_group(g).column(c)
+                every += chunk.total_compressed_size
+                read += chunk.total_compressed_size if chunk.path_in_schema.split(".")[0] in declared else 0
+    assert (batches.bytes_read_per_epoch, batches.bytes_per_epoch) == (read, every)
+    assert read < every / 3
+    import pyarrow.compute  # noqa: F401  (imported now: their files are not counted below)
+    import torchrec.datasets.utils  # noqa: F401
+    import torchrec.sparse.jagged_tensor  # noqa: F401
+
+    before = bytes_read_by_this_process()
+    for number in range(batches.batches_per_epoch):  # each row group decoded once, though several batches read it
+        batches(number)
+    assert batches.row_groups_read == 4
+    # What left the files (page cache or disk): the declared columns' chunks, and little besides.
+    assert read <= bytes_read_by_this_process() - before < read + every / 10
+
+
+def bytes_read_by_this_process() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def write(path: Path, columns: dict) -> str:
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("column,problem", [
+    (pa.array([[1, 2], None, [3], [4]]), "1 null rows"),
+    (pa.array([[1, None], [2], [3], [4]]), "1 null ids"),
+    (pa.array([[1], [-2], [3], [4]]), "a negative id"),
+    (pa.array([5, 6, None, 7]), "1 null rows"),
+])
+def test_bad_ids_are_refused_with_the_file_and_column(tmp_path, column, problem):
+    path = write(tmp_path / "bad.parquet", {"label": [0, 1, 0, 1], "ids": column})
+    batches = ParquetBatches([path], 2, "label", [], [SparseFeature("ids", "t", 10)])
+    with pytest.raises(ParquetFormatError, match=f"bad.parquet.*column 'ids' has {problem}"):
+        batches(0)
+
+
+def test_a_schema_the_files_do_not_hold_is_refused_with_the_file_and_column(tmp_path):
+    path = write(tmp_path / "f.parquet", {"label": [0, 1], "x": ["a", "b"], "ids": pa.array([1.5, 2.5])})
+    with pytest.raises(ParquetFormatError, match="f.parquet' has no column 'clicks'"):
+        ParquetBatches([path], 1, "clicks", [], [SparseFeature("ids", "t", 10)])
+    with pytest.raises(ParquetFormatError, match="column 'x' \\(a dense feature\\) has type string"):
+        ParquetBatches([path], 1, "label", ["x"], [SparseFeature("x", "t", 10)])
+    with pytest.raises(ParquetFormatError, match="column 'ids' \\(a sparse feature\\) has type double"):
+        ParquetBatches([path], 1, "label", [], [SparseFeature("ids", "t", 10)])
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ParquetFormatError, match="junk.parquet' cannot be read"):
+        ParquetBatches([str(tmp_path / "junk.parquet")], 1, "label", [], [SparseFeature("ids", "t", 10)])
+    with pytest.raises(ValueError, match="no Parquet file"):
+        ParquetBatches([str(tmp_path / "missing")], 1, "label", [], [SparseFeature("ids", "t", 10)])
+
+
+def test_the_runner_trains_on_parquet_files_with_two_features_sharing_a_table(dataset, tmp_path):
+    out = tmp_path / "run"
+    sparse = [{"column": f.column, "rows": f.rows} for f in features()]
+    for f in (0, 3):  # int ids both: one table
+        sparse[f].update(table="shared", rows=1460)
+    overrides = [f"output_dir={out}", f"data.parquet.train=[{dataset / 'train'}]",
+                 f"data.parquet.eval=[{dataset / 'eval'}]", "train.batch_size=256", "train.steps=20",
+                 "train.log_every=5", "eval.every=20", "eval.batches=4", "data.parquet.shuffle_window=4",
+                 f"data.parquet.sparse={json.dumps(sparse)}"]
+    with pytest.raises(ConfigError, match="data.parquet: .*has no column 'nope'"):
+        run(load_config(EXAMPLE, [*overrides[:2], "data.parquet.label=nope"]), progress=False)
+    summary = run(load_config(EXAMPLE, overrides), progress=False)
+    assert summary["steps"] == 20 and summary["samples_per_s"] > 0 and 0 < summary["auc"] < 1
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+    tables = sorted(p.name for p in (out / "tables").iterdir() if p.is_dir())
+    assert "t_shared" in tables and "t_c_0" not in tables and "t_c_3" not in tables and len(tables) == 12
