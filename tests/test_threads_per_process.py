@@ -50,7 +50,11 @@ def train_kernel(path, tables: int) -> collections.Counter:
 def test_kernel_threads_do_not_grow_with_tables(tmp_path):
     # In a process of its own: a kernel another test left open, or one it builds in a thread of its
     # own, would change this process's threads meanwhile.
-    done = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    # The package this test imported, wherever it is (installed, or a build tree's).
+    package_root = str(Path(sys.modules["mlkv_torch"].__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     few, many, flush = json.loads(done.stdout.splitlines()[-1])
     for name in ("mlkv-applier", "mlkv-read-ahead", "mlkv-writer"):
