@@ -14,11 +14,15 @@
    tuning off (one thread, one batch buffered) and on ("auto"). input_wait_share is the share of
    the training steps' time spent waiting for a batch; samples/s count the training steps alone
    (not the evaluation). The Criteo configs read the generated file.
+4. Parquet (parquet_example.yaml, `data.kind: parquet`): --rows rows of 40 columns, 20 of them
+   declared (`python -m mlkv_torch.data.parquet_generate`), trained and read by the loader alone
+   like the others; the bytes the loader read from the files (/proc/self/io) against the declared
+   columns' and every column's (projection), and its samples/s beside criteo_terabyte's (the npy path).
 
 Each training run is a fresh process (this script with --child); ratios are against the same run's
 reference.
 
-    python benchmarks/bench_input.py [--rows 10000000] [--steps 200] [--out bench-out/bench_input.json] [--smoke]
+    python benchmarks/bench_input.py [--rows 10000000] [--steps 200] [--configs quickstart,...] [--smoke]
 """
 from __future__ import annotations
 
@@ -34,17 +38,19 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from common import REPO, write_json_report
 
-SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte")
-STALL_RUNS = ("quickstart", "criteo_kaggle")  # trained with the tuning off and on, besides in memory
+SHIPPED = ("quickstart", "synthetic_large", "billion_rows", "criteo_kaggle", "criteo_terabyte", "parquet_example")
+STALL_RUNS = ("quickstart", "criteo_kaggle", "parquet_example")  # trained with the tuning off and on, besides in memory
 SMOKE_STALL_RUNS = ("criteo_kaggle",)  # the smoke run's: the same code path, once
 RESUMED_AT = 10 ** 9  # the batch number where a run resumed late starts
-SMOKE_CONFIGS = ("criteo_kaggle", "criteo_terabyte")  # TSV (tuned), npy (in memory, and the loader alone)
+# TSV (tuned), npy (in memory), Parquet (in memory, and the loader alone)
+SMOKE_CONFIGS = ("criteo_kaggle", "criteo_terabyte", "parquet_example")
 _SMALL_MODEL = ["model.embedding_dim=16", "model.dense_arch=[64,16]", "model.over_arch=[64,1]"]
 SMOKE = {"quickstart": ["data.synthetic.scale=1000", "train.batch_size=256"],
          "synthetic_large": ["data.synthetic.scale=1000", "train.batch_size=256"],
          "billion_rows": ["data.synthetic.scale=1000", "train.batch_size=256"],
          "criteo_kaggle": ["train.batch_size=256", "data.criteo.scale=1000", *_SMALL_MODEL],
-         "criteo_terabyte": ["train.batch_size=256", "data.criteo.scale=1000", *_SMALL_MODEL]}
+         "criteo_terabyte": ["train.batch_size=256", "data.criteo.scale=1000", *_SMALL_MODEL],
+         "parquet_example": ["train.batch_size=256"]}
 
 
 def _timed_child(cmd: List[str], env: Optional[Dict[str, str]] = None) -> Tuple[float, int, str]:
@@ -111,7 +117,18 @@ def _criteo_overrides(tsv: str, cache: str) -> List[str]:
     return [f"data.criteo.train=[{tsv}]", "data.criteo.days=7", f"data.criteo.cache_dir={cache}"]
 
 
-def _config_overrides(name: str, tsv: str, cache: str) -> List[str]:
+def _config_overrides(name: str, tsv: str, cache: str, rows: int = 0) -> List[str]:
+    if name == "parquet_example":  # a dataset of its layout, beside the TSV file
+        sys.path.insert(0, REPO)
+        from mlkv_torch.data.parquet_generate import generate
+
+        root = os.path.join(os.path.dirname(tsv), "parquet")
+        if not os.path.isdir(root):
+            began = time.perf_counter()
+            generate(os.path.join(root, "train"), rows, files=max(1, rows // 1_000_000))
+            generate(os.path.join(root, "eval"), max(20_000, rows // 50), seed=1)
+            print(f"generated {rows:,} Parquet rows in {time.perf_counter() - began:.1f} s", flush=True)
+        return [f"data.parquet.train=[{root}/train]", f"data.parquet.eval=[{root}/eval]"]
     if name == "criteo_kaggle":
         return _criteo_overrides(tsv, cache)
     if name == "criteo_terabyte":  # its format is npy: the generated file's converted days
@@ -143,11 +160,26 @@ def child_loader(name: str, overrides: List[str], batches: int) -> Dict[str, Any
         late.close()
     loader = BatchLoader(source.make_batch, count=batches, tuner=tuner)
     next(loader)  # threads started, first batch made
+    files = getattr(source, "train_batches", None)
+    read_before, groups_before = _bytes_read(), getattr(files, "row_groups_read", 0)
     began = time.perf_counter()
     delivered = sum(1 for _ in loader)
     seconds = time.perf_counter() - began
-    return {"samples_per_s": delivered * config.train.batch_size / seconds, "first_batch_s": first_batch_s,
-            **loader.stats()}
+    result = {"samples_per_s": delivered * config.train.batch_size / seconds, "first_batch_s": first_batch_s,
+              **loader.stats()}
+    if hasattr(files, "bytes_read_per_epoch") and files.row_groups_read > groups_before:
+        # Parquet: bytes read a row of the row groups decoded meanwhile, against its declared and every column
+        rows = (files.row_groups_read - groups_before) * files.rows / files.row_groups
+        result.update(file_bytes_per_row=(_bytes_read() - read_before) / rows,
+                      declared_bytes_per_row=files.bytes_read_per_epoch / files.rows,
+                      every_column_bytes_per_row=files.bytes_per_epoch / files.rows)
+    return result
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through system calls (page cache or disk)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
 class PremadeBatches:
@@ -168,7 +200,7 @@ class PremadeBatches:
 
     def stats(self) -> Dict[str, Any]:
         return {"wait_s": 0.0, "workers": 0, "prefetch": len(self._batches), "buffer_bytes": 0, "batch_bytes": 0,
-                "decisions": 0}
+                "decisions": 0, "workers_needed": 0, "cpu_budget": 0}
 
     def close(self) -> None:
         self._batches = []
@@ -198,6 +230,7 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--short-steps", type=int, default=40,
                     help="training steps of the in-memory runs of the configs without stall runs")
     ap.add_argument("--batches", type=int, default=100, help="batches the loader alone delivers")
+    ap.add_argument("--configs", default=",".join(SHIPPED), help="the shipped configs to run, comma-separated")
     ap.add_argument("--out", default="bench-out/bench_input.json")
     ap.add_argument("--smoke", action="store_true", help="a quick check that the script works")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -228,10 +261,10 @@ def main(argv: List[str]) -> int:
         variants = (("tuning off (1 thread, 1 buffered)", ["data.workers=1", "data.prefetch=1"], False),
                     ("auto", [], False), ("in memory", [], True))
         stall_runs = SMOKE_STALL_RUNS if args.smoke else STALL_RUNS
-        for name in (SMOKE_CONFIGS if args.smoke else SHIPPED):
+        for name in (SMOKE_CONFIGS if args.smoke else [c for c in SHIPPED if c in args.configs.split(",")]):
             steps = args.steps if name in stall_runs else args.short_steps
             overrides = [f"train.steps={steps}", f"eval.every={steps}", "eval.batches=2",
-                         *_config_overrides(name, tsv, cache), *(SMOKE[name] if args.smoke else [])]
+                         *_config_overrides(name, tsv, cache, args.rows), *(SMOKE[name] if args.smoke else [])]
             chosen = variants if name in stall_runs else variants[2:]
             if args.smoke and name in stall_runs:  # the tuner's run; the others are the same code path
                 chosen = variants[1:2]
@@ -254,6 +287,16 @@ def main(argv: List[str]) -> int:
                   f"{alone['first_batch_s']['0'] * 1e3:.1f} ms at batch 0, "
                   f"{alone['first_batch_s'][str(RESUMED_AT)] * 1e3:.1f} "
                   f"ms at batch {RESUMED_AT:,} (a late resume)", flush=True)
+            npy = loaders.get("criteo_terabyte", {}).get("samples_per_s")
+            if name == "parquet_example" and npy:
+                print(f"  Parquet: {alone['samples_per_s'] / npy:.2f}x the npy path's (criteo_terabyte) samples/s",
+                      flush=True)
+            if "file_bytes_per_row" in alone:
+                print(f"  Parquet read {alone['file_bytes_per_row']:.1f} bytes a row from its files: the declared "
+                      f"columns hold {alone['declared_bytes_per_row']:.1f}, every column "
+                      f"{alone['every_column_bytes_per_row']:.1f} "
+                      f"({alone['file_bytes_per_row'] / alone['every_column_bytes_per_row']:.2f}x the full width)",
+                      flush=True)
             if name == "criteo_terabyte":
                 shutil.rmtree(cache, ignore_errors=True)
         report["stalls"], report["loader_alone"] = runs, loaders

@@ -138,6 +138,9 @@ def test_tuner_picks_just_enough_threads_within_the_cpu_budget():
     assert tuner.decide(start, _window(make_ms=3, step_ms=30)).workers == 1  # one thread outpaces training
     assert tuner.decide(start, _window(make_ms=30, step_ms=10)).workers == 5  # ceil(1.5 * 30 / 10)
     assert InputTuner("auto", 2, cpu_budget=2).decide(start, _window(make_ms=30, step_ms=10)).workers == 2
+    # What the rates call for, whatever the budget: this host is 3 threads short.
+    assert InputTuner.workers_needed(_window(make_ms=30, step_ms=10)) == 5
+    assert InputTuner.workers_needed(_window(make_ms=3, step_ms=30)) == 1
     # 64 MiB of 16 MiB batches: one thread (two in flight) and two buffered, not the 5 threads wanted.
     small = InputTuner("auto", "auto", cpu_budget=8, memory_budget_bytes=64 << 20)
     assert small.decide(start, _window(make_ms=30, step_ms=10, batch_bytes=16 << 20)) == InputChoice(1, 2)

@@ -103,6 +103,7 @@ class BatchLoader:
         self._delivered = 0
         self._next_decision = _FIRST_DECISION
         self._decisions = 0
+        self._workers_needed = 0  # the last window's (InputTuner.workers_needed), 0 before any
         self._last_return: Optional[float] = None  # when training last got a batch
         self._wait_s = 0.0  # over the loader's life
         self._window_wait_s = self._window_step_s = 0.0
@@ -170,6 +171,7 @@ class BatchLoader:
         self._window_wait_s = self._window_step_s = 0.0
         self._window_batches = 0
         self._decisions += 1
+        self._workers_needed = InputTuner.workers_needed(window)
         choice = self._tuner.decide(self._choice, window)
         if choice != self._choice:
             self._choice = choice
@@ -181,12 +183,15 @@ class BatchLoader:
         Returns:
             ``batches`` delivered; ``wait_s``, the time training waited in ``next`` in all;
             ``workers`` and ``prefetch``, the settings in use; ``buffer_bytes``, the most bytes
-            its batches hold under them; ``batch_bytes``; ``decisions`` taken by the tuner.
+            its batches hold under them; ``batch_bytes``; ``decisions`` taken by the tuner;
+            ``workers_needed``, the threads the last measured rates call for whatever the budgets (0
+            before the first decision), beside ``cpu_budget``, the threads this host gives the loader.
         """
         return {"batches": self._delivered, "wait_s": self._wait_s, "workers": self._choice.workers,
                 "prefetch": self._choice.prefetch, "batch_bytes": self._made.batch_bytes,
                 "buffer_bytes": InputTuner.bytes_in_flight(self._choice, self._made.batch_bytes),
-                "decisions": self._decisions}
+                "decisions": self._decisions, "workers_needed": self._workers_needed,
+                "cpu_budget": self._tuner.cpu_budget}
 
     def state_dict(self) -> Dict[str, int]:
         """The position: the number of the next batch to deliver."""

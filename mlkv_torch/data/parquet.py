@@ -137,7 +137,7 @@ class ParquetBatches:
                     if chunk.path_in_schema.split(".")[0] in self.columns:
                         self.bytes_read_per_epoch += chunk.total_compressed_size
         self._starts = np.asarray(starts, dtype=np.int64)
-        self.rows = int(self._starts[-1])
+        self.rows, self.row_groups = int(self._starts[-1]), len(self._row_groups)
         self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
         self.batch_size, self.batches_per_epoch = batch_size, self.row_indices.batches_per_epoch
         if self.batches_per_epoch == 0:
@@ -151,7 +151,7 @@ class ParquetBatches:
         self._decoded: "OrderedDict[int, _RowGroup]" = OrderedDict()
         self._decoding: Dict[int, threading.Event] = {}
         self._lock = threading.Lock()
-        self.row_groups_read = 0
+        self.row_groups_read = 0  # decoded so far (a row group read again once dropped counts again)
 
     def _check_schema(self, path: str, schema: Any) -> None:
         import pyarrow as pa

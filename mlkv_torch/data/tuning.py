@@ -92,12 +92,18 @@ class InputTuner:
         return InputChoice(1 if self.workers == "auto" else self.workers,
                            2 if self.prefetch == "auto" else self.prefetch)
 
+    @staticmethod
+    def workers_needed(window: InputWindow) -> int:
+        """The threads whose combined rate outpaces training's by the margin, from `window`'s rates
+        alone (before any budget): more than the CPU budget says this host has too few cores for
+        this input at this step rate (preprocess elsewhere, or once and cache it)."""
+        return max(1, math.ceil(_HEADROOM * window.make_ms / max(window.step_ms, 1e-3)))
+
     def decide(self, current: InputChoice, window: InputWindow) -> InputChoice:
         """The settings for what follows `window`, measured under `current`."""
         workers = current.workers
         if self.workers == "auto":
-            pace_ms = max(window.step_ms, 1e-3)
-            workers = max(1, math.ceil(_HEADROOM * window.make_ms / pace_ms))
+            workers = self.workers_needed(window)
             if window.wait_share > _WAIT_TARGET:  # the model said enough, training says otherwise
                 workers = max(workers, current.workers + 1)
             elif workers < current.workers and window.wait_share > _WAIT_TARGET / 2:

@@ -220,6 +220,12 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     if main:
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=1)
+        short = summary["input"]
+        if short["workers_needed"] > short["cpu_budget"] and summary["input_wait_share"] > 0.01:
+            print(f"[train] the input needs {short['workers_needed']} threads to keep ahead of training; this host "
+                  f"gives the loader {short['cpu_budget']}, and training waited {summary['input_wait_share']:.0%} "
+                  f"of its steps' time: give it more cores, or make batches cheaper (fewer columns, converted "
+                  f"once)", flush=True)
     experiment.collection.close()
     return summary
 
@@ -261,7 +267,8 @@ def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[st
     step, and what the loader chose."""
     return {"train_seconds": train_s, "input_wait_share": stats["wait_s"] / train_s if train_s > 0 else 0.0,
             "input_wait_ms": stats["wait_s"] * 1e3 / steps if steps else 0.0,
-            "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions")}}
+            "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions",
+                                            "workers_needed", "cpu_budget")}}
 
 
 def _tensorboard(config: ExperimentConfig) -> Any:
