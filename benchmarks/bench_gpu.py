@@ -72,6 +72,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                     help="optimizer:cache fraction[:look-ahead depth[:bag backward]] entries; optimizers sgd, adam; "
                          "bag backward index_add or sorted")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--into-slots", action="store_true",
+                    help="read ahead into slots on the CPU too (the default on CUDA): the named lookup's CPU path")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
     ap.add_argument("--out", default="bench-out/gpu.json")
     ap.add_argument("--smoke", action="store_true", help="a tiny run on the CPU: checks that the script works")
@@ -149,7 +151,7 @@ class Disk:
         self.batch = open_table_batch(
             [DiskTable(f"t{t}", rows_per_table, os.path.join(root, f"t{t}"), seed=t) for t in self.tables], args.dim,
             optimizer=rule, cache_rows=int(cache * rows_per_table * args.tables), memory_budget_bytes=512 << 20,
-            device=device)
+            device=device, read_ahead_into_slots=True if args.into_slots else None)
 
     def populate(self) -> float:
         start = time.perf_counter()

@@ -126,7 +126,7 @@ def _config_overrides(name: str, tsv: str, cache: str, rows: int = 0) -> List[st
         if not os.path.isdir(root):
             began = time.perf_counter()
             generate(os.path.join(root, "train"), rows, files=max(1, rows // 1_000_000))
-            generate(os.path.join(root, "eval"), max(20_000, rows // 50), seed=1)
+            generate(os.path.join(root, "eval"), max(20_000, rows // 50), held_out=True)
             print(f"generated {rows:,} Parquet rows in {time.perf_counter() - began:.1f} s", flush=True)
         return [f"data.parquet.train=[{root}/train]", f"data.parquet.eval=[{root}/eval]"]
     if name == "criteo_kaggle":

@@ -138,9 +138,11 @@ def test_tuner_picks_just_enough_threads_within_the_cpu_budget():
     assert tuner.decide(start, _window(make_ms=3, step_ms=30)).workers == 1  # one thread outpaces training
     assert tuner.decide(start, _window(make_ms=30, step_ms=10)).workers == 5  # ceil(1.5 * 30 / 10)
     assert InputTuner("auto", 2, cpu_budget=2).decide(start, _window(make_ms=30, step_ms=10)).workers == 2
-    # What the rates call for, whatever the budget: this host is 3 threads short.
-    assert InputTuner.workers_needed(_window(make_ms=30, step_ms=10)) == 5
-    assert InputTuner.workers_needed(_window(make_ms=3, step_ms=30)) == 1
+    # What the rates call for, whatever the budget: this host is 3 threads short; with 2 threads that
+    # the model finds enough while training waits, 1 short.
+    assert InputTuner.workers_needed(start, _window(make_ms=30, step_ms=10)) == 5
+    assert InputTuner.workers_needed(start, _window(make_ms=3, step_ms=30)) == 1
+    assert InputTuner.workers_needed(InputChoice(2, 2), _window(make_ms=3, step_ms=30, wait_ms=3)) == 3
     # 64 MiB of 16 MiB batches: one thread (two in flight) and two buffered, not the 5 threads wanted.
     small = InputTuner("auto", "auto", cpu_budget=8, memory_budget_bytes=64 << 20)
     assert small.decide(start, _window(make_ms=30, step_ms=10, batch_bytes=16 << 20)) == InputChoice(1, 2)

@@ -29,7 +29,7 @@ def features(rows_scale: int = 1):
 def dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("parquet")
     generate(str(out / "train"), 6000, files=2, row_group_rows=1500, unused_columns=6)
-    generate(str(out / "eval"), 2000, row_group_rows=1000, seed=1, unused_columns=6)
+    generate(str(out / "eval"), 2000, row_group_rows=1000, unused_columns=6, held_out=True)
     return out
 
 
@@ -150,7 +150,8 @@ def test_the_runner_trains_on_parquet_files_with_two_features_sharing_a_table(da
     with pytest.raises(ConfigError, match="data.parquet: .*has no column 'nope'"):
         run(load_config(EXAMPLE, [*overrides[:2], "data.parquet.label=nope"]), progress=False)
     summary = run(load_config(EXAMPLE, overrides), progress=False)
-    assert summary["steps"] == 20 and summary["samples_per_s"] > 0 and 0 < summary["auc"] < 1
+    assert summary["steps"] == 20 and summary["samples_per_s"] > 0
+    assert summary["auc"] > 0.55  # held-out rows of the planted model: it learns from 20 batches
     losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == 4 and all(np.isfinite(losses))
     tables = sorted(p.name for p in (out / "tables").iterdir() if p.is_dir())

@@ -171,7 +171,7 @@ class BatchLoader:
         self._window_wait_s = self._window_step_s = 0.0
         self._window_batches = 0
         self._decisions += 1
-        self._workers_needed = InputTuner.workers_needed(window)
+        self._workers_needed = InputTuner.workers_needed(self._choice, window)
         choice = self._tuner.decide(self._choice, window)
         if choice != self._choice:
             self._choice = choice

@@ -2,6 +2,7 @@
 wide table, more columns than a model reads (as production logs are).
 
     python -m mlkv_torch.data.parquet_generate OUT_DIR --rows 10000000 [--files 10] [--row-group-rows 131072]
+        [--held-out]   # rows of the same planted model that a training set of any size never holds
 
 Columns: `label` (int8 clicks), `dense_0..` (float32, 3% nulls), the sparse features `c_0..`
 cycling through three kinds: int64 ids, lists of int64 ids (the planted id first, then 0-2 ids
@@ -25,6 +26,7 @@ __all__ = ["generate", "sparse_kind"]
 DEFAULT_CARDINALITIES = (1460, 583, 100_000, 50_000, 305, 24, 12_517, 633, 3, 93_145, 5_683, 80_000, 3_194)
 DEFAULT_DENSE, DEFAULT_UNUSED = 6, 20
 _BLOCK_ROWS = 1 << 17
+_HELD_OUT_FIRST_BLOCK = 1 << 40  # the generator's batches from here on: no training set reaches them
 
 
 def sparse_kind(feature: int) -> str:
@@ -83,9 +85,10 @@ def _block(model, index: int, rows: int, unused: int, seed: int):
 
 def generate(out_dir: str, rows: int, files: int = 1, row_group_rows: int = _BLOCK_ROWS, seed: int = 0,
              cardinalities: Sequence[int] = DEFAULT_CARDINALITIES, num_dense: int = DEFAULT_DENSE,
-             unused_columns: int = DEFAULT_UNUSED) -> List[str]:
+             unused_columns: int = DEFAULT_UNUSED, held_out: bool = False) -> List[str]:
     """Writes `rows` rows into `files` Parquet files `part-NNNNN.parquet` of `out_dir`, row groups of
-    `row_group_rows`; returns the files. Each file appears whole or not at all."""
+    `row_group_rows`; returns the files. Each file appears whole or not at all. `seed` is the planted
+    model's; `held_out` draws rows of that model no training set (held_out False) holds, to evaluate on."""
     import pyarrow.parquet as pq
 
     from .synthetic import SyntheticCTR
@@ -95,7 +98,7 @@ def generate(out_dir: str, rows: int, files: int = 1, row_group_rows: int = _BLO
     model = SyntheticCTR(cardinalities=tuple(cardinalities), num_dense=num_dense, seed=seed)
     os.makedirs(out_dir, exist_ok=True)
     per_file = -(-rows // files)
-    written, block = [], 0
+    written, block = [], _HELD_OUT_FIRST_BLOCK if held_out else 0
     for k in range(files):
         first, last = k * per_file, min(rows, (k + 1) * per_file)
         if first >= last:
@@ -128,11 +131,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--row-group-rows", type=int, default=_BLOCK_ROWS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--unused-columns", type=int, default=DEFAULT_UNUSED)
+    parser.add_argument("--held-out", action="store_true", help="rows to evaluate on: the same model, other draws")
     args = parser.parse_args(argv)
     try:
         started = time.perf_counter()
         paths = generate(args.out, args.rows, args.files, args.row_group_rows, args.seed,
-                         unused_columns=args.unused_columns)
+                         unused_columns=args.unused_columns, held_out=args.held_out)
         seconds = time.perf_counter() - started
         size = sum(os.path.getsize(p) for p in paths)
         print(f"{args.out}: {len(paths)} files, {args.rows} rows, {size / 1e6:.1f} MB, {seconds:.1f} s", flush=True)

@@ -93,20 +93,22 @@ class InputTuner:
                            2 if self.prefetch == "auto" else self.prefetch)
 
     @staticmethod
-    def workers_needed(window: InputWindow) -> int:
-        """The threads whose combined rate outpaces training's by the margin, from `window`'s rates
-        alone (before any budget): more than the CPU budget says this host has too few cores for
-        this input at this step rate (preprocess elsewhere, or once and cache it)."""
-        return max(1, math.ceil(_HEADROOM * window.make_ms / max(window.step_ms, 1e-3)))
+    def workers_needed(current: InputChoice, window: InputWindow) -> int:
+        """The threads `window`'s rates call for under `current`, before any budget: the fewest whose
+        combined rate outpaces training's by the margin, and one more than now while training still
+        waits (Cachew's rule). More than the CPU budget says this host has too few cores for this
+        input at this step rate (preprocess elsewhere, or once and cache it)."""
+        needed = max(1, math.ceil(_HEADROOM * window.make_ms / max(window.step_ms, 1e-3)))
+        if window.wait_share > _WAIT_TARGET:  # the model said enough, training says otherwise
+            needed = max(needed, current.workers + 1)
+        return needed
 
     def decide(self, current: InputChoice, window: InputWindow) -> InputChoice:
         """The settings for what follows `window`, measured under `current`."""
         workers = current.workers
         if self.workers == "auto":
-            workers = self.workers_needed(window)
-            if window.wait_share > _WAIT_TARGET:  # the model said enough, training says otherwise
-                workers = max(workers, current.workers + 1)
-            elif workers < current.workers and window.wait_share > _WAIT_TARGET / 2:
+            workers = self.workers_needed(current, window)
+            if workers < current.workers and window.wait_share > _WAIT_TARGET / 2:
                 workers = current.workers  # fewer only while training clearly does not wait
             # Each thread holds up to two batches, and one more must fit the buffer.
             affordable_workers = (self.memory_budget_bytes // max(window.batch_bytes, 1) - 1) // 2
