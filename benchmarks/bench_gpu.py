@@ -74,6 +74,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--into-slots", action="store_true",
                     help="read ahead into slots on the CPU too (the default on CUDA): the named lookup's CPU path")
+    ap.add_argument("--unnamed", action="store_true",
+                    help="do not name batches as the ones read ahead (each lookup deduplicates and finds its rows)")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
     ap.add_argument("--out", default="bench-out/gpu.json")
     ap.add_argument("--smoke", action="store_true", help="a tiny run on the CPU: checks that the script works")
@@ -145,6 +147,7 @@ class Disk:
     def __init__(self, args: argparse.Namespace, optimizer: str, cache: float, depth: int, rows_per_table: int,
                  root: str, device: torch.device) -> None:
         self.depth = depth
+        self.named = depth > 0 and not args.unnamed
         rule = optim.SGD(lr=LR) if optimizer == "sgd" else optim.Adam(lr=LR)
         self.tables = list(range(args.tables))
         self.counts = [args.batch * args.bag] * args.tables
@@ -181,7 +184,7 @@ class Disk:
             self.batch.lookahead(batches[i + self.depth].values, self.counts, self.tables)
         b = batches[i]
         # Every batch was read ahead when there is a depth: the step names it (no synchronisation on CUDA).
-        loss = (self.batch.pool(b.values, self.counts, self.tables, b.offsets, read_ahead=self.depth > 0)
+        loss = (self.batch.pool(b.values, self.counts, self.tables, b.offsets, read_ahead=self.named)
                 * b.target).sum()
         loss.backward()
         return loss.detach()

@@ -200,7 +200,7 @@ class PremadeBatches:
 
     def stats(self) -> Dict[str, Any]:
         return {"wait_s": 0.0, "workers": 0, "prefetch": len(self._batches), "buffer_bytes": 0, "batch_bytes": 0,
-                "decisions": 0, "workers_needed": 0, "cpu_budget": 0}
+                "decisions": 0, "workers_needed": 0, "cpu_budget": 0, "input_cores": 0.0}
 
     def close(self) -> None:
         self._batches = []

@@ -104,6 +104,7 @@ class BatchLoader:
         self._next_decision = _FIRST_DECISION
         self._decisions = 0
         self._workers_needed = 0  # the last window's (InputTuner.workers_needed), 0 before any
+        self._input_cores = 0.0  # the last window's busy loader threads: batch time over step time
         self._last_return: Optional[float] = None  # when training last got a batch
         self._wait_s = 0.0  # over the loader's life
         self._window_wait_s = self._window_step_s = 0.0
@@ -172,6 +173,7 @@ class BatchLoader:
         self._window_batches = 0
         self._decisions += 1
         self._workers_needed = InputTuner.workers_needed(self._choice, window)
+        self._input_cores = window.make_ms / max(window.step_ms + window.wait_ms, 1e-3)
         choice = self._tuner.decide(self._choice, window)
         if choice != self._choice:
             self._choice = choice
@@ -185,13 +187,14 @@ class BatchLoader:
             ``workers`` and ``prefetch``, the settings in use; ``buffer_bytes``, the most bytes
             its batches hold under them; ``batch_bytes``; ``decisions`` taken by the tuner;
             ``workers_needed``, the threads the last measured rates call for whatever the budgets (0
-            before the first decision), beside ``cpu_budget``, the threads this host gives the loader.
+            before the first decision), beside ``cpu_budget``, the threads this host gives the loader;
+            ``input_cores``, the cores making batches took at training's pace (0 before a decision).
         """
         return {"batches": self._delivered, "wait_s": self._wait_s, "workers": self._choice.workers,
                 "prefetch": self._choice.prefetch, "batch_bytes": self._made.batch_bytes,
                 "buffer_bytes": InputTuner.bytes_in_flight(self._choice, self._made.batch_bytes),
                 "decisions": self._decisions, "workers_needed": self._workers_needed,
-                "cpu_budget": self._tuner.cpu_budget}
+                "cpu_budget": self._tuner.cpu_budget, "input_cores": self._input_cores}
 
     def state_dict(self) -> Dict[str, int]:
         """The position: the number of the next batch to deliver."""

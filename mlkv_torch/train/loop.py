@@ -268,7 +268,7 @@ def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[st
     return {"train_seconds": train_s, "input_wait_share": stats["wait_s"] / train_s if train_s > 0 else 0.0,
             "input_wait_ms": stats["wait_s"] * 1e3 / steps if steps else 0.0,
             "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions",
-                                            "workers_needed", "cpu_budget")}}
+                                            "workers_needed", "cpu_budget", "input_cores")}}
 
 
 def _tensorboard(config: ExperimentConfig) -> Any:
