@@ -193,11 +193,15 @@ EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
         return {batch->unique, batch->inverse, out, batch->slot_index, -static_cast<int64_t>(sequence), 0};
       }
 #ifdef MLKV_WITH_CUDA
-      // The slots are pinned until this batch's update (or the next lookup): no lock needed to gather them.
+      // The slots stay pinned for this batch until the next lookup: its update finds them unchanged.
       if (transfer_) transfer_->UseCurrentStreamForTraining();
       const torch::Tensor slots = batch->slot_index.to(device_, /*non_blocking=*/true);
-      return {batch->unique.to(device_, /*non_blocking=*/true), batch->inverse.to(device_, /*non_blocking=*/true),
-              slots_.narrow(1, 0, weight_words_).index_select(0, slots), slots, -static_cast<int64_t>(sequence), 0};
+      return {batch->unique.to(device_, /*non_blocking=*/true),
+              batch->inverse.to(device_, /*non_blocking=*/true),
+              slots_.narrow(1, 0, weight_words_).index_select(0, slots),
+              slots,
+              -static_cast<int64_t>(sequence),
+              0};
 #endif
     }
   }
