@@ -156,3 +156,32 @@ def test_the_runner_trains_on_parquet_files_with_two_features_sharing_a_table(da
     assert len(losses) == 4 and all(np.isfinite(losses))
     tables = sorted(p.name for p in (out / "tables").iterdir() if p.is_dir())
     assert "t_shared" in tables and "t_c_0" not in tables and "t_c_3" not in tables and len(tables) == 12
+
+
+@pytest.mark.parametrize("shuffle_window", [0, 2])
+def test_criteo_days_as_parquet_make_criteos_batches(tmp_path, shuffle_window):
+    # A converted Criteo day written as Parquet and read through its schema: the batches of the npy
+    # path (CriteoBatches), bit for bit.
+    from mlkv_torch.data.criteo import convert, generate as generate_criteo
+    from mlkv_torch.data.criteo_batches import CriteoBatches
+    from mlkv_torch.data.criteo_parquet import day_to_parquet, parquet_schema
+
+    generate_criteo(str(tmp_path / "train.txt"), 3000)
+    days = convert([str(tmp_path / "train.txt")], str(tmp_path / "cache"), days=2)[0]
+    files = [str(tmp_path / "parquet" / f"day_{d}.parquet") for d in range(2)]
+    assert [day_to_parquet(prefix, path, row_group_rows=700) for prefix, path in zip(days, files)] == [1500, 1500]
+    cardinalities = [max(2, n // 1000) for n in DEFAULT_CARDINALITIES * 2][:26]
+    schema = parquet_schema(cardinalities)
+    ours = ParquetBatches(files, 256, schema["label"], schema["dense"],
+                          [SparseFeature(s["column"], s["column"], s["rows"]) for s in schema["sparse"]],
+                          shuffle_window=shuffle_window, seed=3)
+    theirs = CriteoBatches(days, 256, cardinalities, shuffle_window=shuffle_window, seed=3)
+    assert ours.batches_per_epoch == theirs.batches_per_epoch == 11
+    for number in (0, 5, 12):
+        a, b = ours(number), theirs(number)
+        assert a.labels.tolist() == b.labels.tolist()
+        assert np.array_equal(a.dense_features.numpy(), b.dense_features.numpy())
+        kjt_a, kjt_b = a.sparse_features.to_dict(), b.sparse_features.to_dict()
+        for i in range(26):
+            assert kjt_a[f"cat_{i}"].values().tolist() == kjt_b[f"cat_{i}"].values().tolist()
+            assert kjt_a[f"cat_{i}"].lengths().tolist() == kjt_b[f"cat_{i}"].lengths().tolist()

@@ -551,6 +551,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     converting.add_argument("files", nargs="+", metavar="FILE")
     converting.add_argument("--out", required=True, help="the cache directory")
     converting.add_argument("--days", type=int, default=None, help="split each file into N consecutive days")
+    converting.add_argument("--format", choices=("npy", "parquet"), default="npy",
+                            help="parquet: also write each day as <out>/parquet/<day>.parquet (data.kind parquet)")
     generating = commands.add_parser("generate", help="write a Criteo TSV file from the planted-model generator")
     generating.add_argument("out", metavar="OUT", help="the file to write (gzip when it ends in .gz)")
     generating.add_argument("--rows", type=int, required=True)
@@ -564,6 +566,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 done = convert_file(path, args.out, days=args.days, progress=True)
                 rows = sum(done.rows)
                 print("\n".join(done.prefixes))
+                if args.format == "parquet":
+                    from .criteo_parquet import day_to_parquet
+
+                    for prefix in done.prefixes:
+                        day = os.path.join(args.out, "parquet", os.path.basename(os.path.dirname(prefix)) + "-"
+                                           + os.path.basename(prefix) + ".parquet")
+                        day_to_parquet(prefix, day)
+                        print(day)
                 rate = f"{rows / done.seconds:.0f} rows/s (converted)" if done.converted else "(cached)"
                 print(f"{rows} rows, {done.seconds:.2f} s, {rate}", flush=True)
         else:

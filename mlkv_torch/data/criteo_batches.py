@@ -16,13 +16,13 @@ from .batch import one_id_per_feature_batch
 from .criteo_tsv import CAT_FEATURES, INT_FEATURES
 from .row_order import ShuffledRows
 
-__all__ = ["CriteoBatches", "RAW_ID_SPACE"]
+__all__ = ["CriteoBatches", "RAW_ID_SPACE", "day_arrays"]
 
 RAW_ID_SPACE = 1 << 32  # Criteo's categorical values are 32-bit: raw ids take them whole
 RAW_ID_MASK = np.int64(RAW_ID_SPACE - 1)
 
 
-def _day_arrays(prefix: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def day_arrays(prefix: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A day's dense, sparse and labels arrays, memory-mapped; ValueError names a file that does not fit."""
     from .criteo import npy_files
 
@@ -60,7 +60,7 @@ class CriteoBatches:
                  shuffle_window: int = 0, seed: int = 0) -> None:
         if cardinalities is not None and (len(cardinalities) != CAT_FEATURES or min(cardinalities) < 1):
             raise ValueError(f"cardinalities must be {CAT_FEATURES} positive counts, got {list(cardinalities)}")
-        self._days = [_day_arrays(p) for p in prefixes]
+        self._days = [day_arrays(p) for p in prefixes]
         self._day_starts = np.cumsum([0] + [len(d[0]) for d in self._days])
         self.rows = int(self._day_starts[-1])
         self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
