@@ -156,6 +156,7 @@ EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
     TORCH_CHECK_VALUE(first.feature_counts == feature_counts && first.feature_tables == feature_tables,
                       "this batch's features are not those of the oldest batch read ahead and not yet looked up: "
                       "look batches up in the order they were read ahead");
+    if (transfer_) transfer_->UseCurrentStreamForTraining();  // the copies in order after this batch's kernels
     batch = untaken_read_aheads_.front().batch;
     sequence = untaken_read_aheads_.front().sequence;
     TakeReadAhead(std::nullopt);  // this batch's pins stay until the next batch's lookup
@@ -170,8 +171,10 @@ EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
   {
     MutexLock lock(&mu_);
     ThrowIfFailed();
+    ThrowIfWriteFailed(lock);
     TORCH_CHECK(!closed_, "the table is closed");
-    if (batch->complete) {
+    // Its pins hold unless something released them meanwhile (a read-ahead dropped untaken).
+    if (batch->complete && policy_.released() < sequence) {
       ++stats_.read_ahead_lookups;
       stats_.hits += n;
       for (size_t t = 0; t < table_stats_.size(); ++t) table_stats_[t].hits += batch->table_keys[t];
@@ -194,7 +197,6 @@ EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
       }
 #ifdef MLKV_WITH_CUDA
       // The slots stay pinned for this batch until the next lookup: its update finds them unchanged.
-      if (transfer_) transfer_->UseCurrentStreamForTraining();
       const torch::Tensor slots = batch->slot_index.to(device_, /*non_blocking=*/true);
       return {batch->unique.to(device_, /*non_blocking=*/true),
               batch->inverse.to(device_, /*non_blocking=*/true),
@@ -368,11 +370,12 @@ void EmbeddingCache::ReadAheadLoop() {
     }
     if (request.batch) {  // before it is done: its lookup waits for that
       MutexLock lock(&mu_);
-      if (read_ok) {
-        SettleReadAhead(request.batch.get(), request.sequence);
-      } else {
-        request.batch->settled = true;  // its lookup fetches, and meets the error
+      try {
+        if (read_ok) SettleReadAhead(request.batch.get(), request.sequence);
+      } catch (const std::exception&) {  // no pinned memory: its lookup fetches
+        request.batch->complete = false;
       }
+      request.batch->settled = true;  // else its lookup fetches, and meets the read's error
     }
     {
       MutexLock lock(&read_ahead_mu_);

@@ -123,6 +123,13 @@ def test_bad_ids_are_refused_with_the_file_and_column(tmp_path, column, problem)
         batches(0)
 
 
+def test_large_integer_dense_values_read_as_floats(tmp_path):
+    path = write(tmp_path / "f.parquet", {"label": [0, 1], "cents": pa.array([16_777_217, 3], type=pa.int64()),
+                                          "ids": [1, 2]})
+    batch = ParquetBatches([path], 2, "label", ["cents"], [SparseFeature("ids", "t", 10)])(0)
+    assert batch.dense_features[:, 0].tolist() == [16_777_216.0, 3.0]  # float32's nearest, as numpy rounds
+
+
 def test_a_schema_the_files_do_not_hold_is_refused_with_the_file_and_column(tmp_path):
     path = write(tmp_path / "f.parquet", {"label": [0, 1], "x": ["a", "b"], "ids": pa.array([1.5, 2.5])})
     with pytest.raises(ParquetFormatError, match="f.parquet' has no column 'clicks'"):
@@ -147,6 +154,9 @@ def test_the_runner_trains_on_parquet_files_with_two_features_sharing_a_table(da
                  f"data.parquet.eval=[{dataset / 'eval'}]", "train.batch_size=256", "train.steps=20",
                  "train.log_every=5", "eval.every=20", "eval.batches=4", "data.parquet.shuffle_window=4",
                  f"data.parquet.sparse={json.dumps(sparse)}"]
+    twice = json.dumps([{"column": "c_0", "rows": 10}, {"column": "c_0", "table": "other", "rows": 10}])
+    with pytest.raises(ConfigError, match="column 'c_0' is declared twice"):
+        load_config(EXAMPLE, [*overrides[:2], f"data.parquet.sparse={twice}"])
     with pytest.raises(ConfigError, match="data.parquet: .*has no column 'nope'"):
         run(load_config(EXAMPLE, [*overrides[:2], "data.parquet.label=nope"]), progress=False)
     summary = run(load_config(EXAMPLE, overrides), progress=False)

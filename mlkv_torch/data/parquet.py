@@ -65,8 +65,9 @@ def parquet_files(entries: Sequence[str]) -> List[str]:
 
 
 def hash_strings(strings: Any) -> np.ndarray:
-    """FNV-1a (64-bit) of each string's UTF-8 bytes, top bit cleared: a stable id for a string
-    column's values, the same in every file and process. `strings`: a pyarrow string array."""
+    """FNV-1a (64-bit) of each string's UTF-8 bytes shifted right by one bit (a non-negative int64):
+    a stable id for a string column's values, the same in every file and process. `strings`: a
+    pyarrow string array."""
     import pyarrow as pa
 
     array = strings.cast(pa.large_string()) if not pa.types.is_large_string(strings.type) else strings
@@ -251,7 +252,9 @@ class ParquetBatches:
         labels = (label.cast(pa.float32()).to_numpy(zero_copy_only=False) > 0).astype(np.float32)
         dense = np.empty((table.num_rows, len(self.dense)), dtype=np.float32)
         for d, name in enumerate(self.dense):
-            dense[:, d] = pc.fill_null(column(name).cast(pa.float32()), 0.0).to_numpy(zero_copy_only=False)
+            # Unsafe: large integers (prices in cents, timestamps) round to the nearest float, as numpy would.
+            values = pc.fill_null(column(name).cast(pa.float32(), safe=False), 0.0)
+            dense[:, d] = values.to_numpy(zero_copy_only=False)
         ids, offsets = [], []
         for feature in self.sparse:
             array = column(feature.column)
@@ -282,6 +285,9 @@ def schema_features(sparse: Sequence[Any]) -> Tuple[List[SparseFeature], List[Tu
     they make: (name, rows, feature names), each table once, in order of first use; ValueError
     when two features name one table with different rows."""
     features = [SparseFeature(s.column, s.table or s.column, s.rows) for s in sparse]
+    columns = [f.column for f in features]
+    if len(set(columns)) != len(columns):  # a feature is its column: TorchRec keys features by name
+        raise ValueError(f"column {next(c for c in columns if columns.count(c) > 1)!r} is declared twice")
     tables: Dict[str, Tuple[int, List[str]]] = {}
     for f in features:
         rows, names = tables.setdefault(f.table, (f.rows, []))
