@@ -21,7 +21,7 @@ so the step is the tables' forward, backward and optimizer alone.
 cached with SGD, both ways of reducing gradients, and Adam; 10% cached with SGD without look-ahead
 and with depths 2 and 4). With a depth d, before step i the batch of step i + d is read ahead
 (`DiskTableBatch.lookahead`): on CUDA its misses go into device slots ahead of its step, and the step
-names its batch as the one read ahead (`pool(read_ahead=True)`: the read-ahead's host deduplication
+names its batch as the one read ahead (`pool(read_ahead=ticket)`: the read-ahead's host deduplication
 and slots, no synchronisation; at cache 1.0 that is all a depth changes). The bag
 backward is `DiskTableBatch.bag_backward` ("index_add", the default, or "sorted"). Reported
 per configuration: samples/s and the ratio to the reference of the same optimizer, hit rate,
@@ -176,16 +176,18 @@ class Disk:
 
     def read_ahead_first(self, batches: List[Batch]) -> None:
         """Reads ahead the batches before step 0's look-ahead window."""
-        for b in batches[:self.depth]:
-            self.batch.lookahead(b.values, self.counts, self.tables)
+        self.tickets = {i: self.batch.lookahead(b.values, self.counts, self.tables)
+                        for i, b in enumerate(batches[:self.depth])}
 
     def step(self, batches: List[Batch], i: int) -> torch.Tensor:
         if self.depth and i + self.depth < len(batches):
-            self.batch.lookahead(batches[i + self.depth].values, self.counts, self.tables)
+            self.tickets[i + self.depth] = self.batch.lookahead(batches[i + self.depth].values, self.counts,
+                                                                self.tables)
         b = batches[i]
-        # Every batch was read ahead when there is a depth: the step names it (no synchronisation on CUDA).
-        loss = (self.batch.pool(b.values, self.counts, self.tables, b.offsets, read_ahead=self.named)
-                * b.target).sum()
+        # Every batch was read ahead when there is a depth: the step names it by its ticket (no
+        # synchronisation on CUDA).
+        ticket = self.tickets.pop(i, None) if self.named else None
+        loss = (self.batch.pool(b.values, self.counts, self.tables, b.offsets, read_ahead=ticket) * b.target).sum()
         loss.backward()
         return loss.detach()
 

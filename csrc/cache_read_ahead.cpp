@@ -34,8 +34,8 @@ uint64_t BatchFingerprint(const int64_t* values, const std::vector<int64_t>& fea
 
 }  // namespace
 
-void EmbeddingCache::ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-                                    const std::vector<int64_t>& feature_tables) {
+int64_t EmbeddingCache::ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+                                       const std::vector<int64_t>& feature_tables) {
   auto [unique, inverse] = UniqueKeys(values, feature_counts, feature_tables);
   std::shared_ptr<BatchReadAhead> batch;
   if (opt_.read_ahead_into_slots) {  // kept for LookupReadAhead, in pinned memory for the copies up
@@ -45,17 +45,18 @@ void EmbeddingCache::ReadAheadBatch(const torch::Tensor& values, const std::vect
     batch->unique = on_host_ ? unique : unique.pin_memory();
     batch->inverse = on_host_ ? inverse : inverse.pin_memory();
   }
-  QueueReadAhead(unique, BatchFingerprint(values.data_ptr<int64_t>(), feature_counts, feature_tables),
-                 std::move(batch));
+  return QueueReadAhead(unique, BatchFingerprint(values.data_ptr<int64_t>(), feature_counts, feature_tables),
+                        std::move(batch));
 }
 
-void EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint,
-                                    std::shared_ptr<BatchReadAhead> batch) {
+int32_t EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint,
+                                       std::shared_ptr<BatchReadAhead> batch) {
   CheckInt64Vector(keys, "keys");
   const int64_t n = keys.numel();
   const int64_t* key = keys.data_ptr<int64_t>();
   std::vector<int64_t> outside;
   bool into_slots = false, rows_of_earlier_requests = false;
+  int32_t sequence;
   if (batch) {
     batch->slots.assign(static_cast<size_t>(n), -1);
     batch->table_keys.assign(tables_.size(), 0);
@@ -64,7 +65,7 @@ void EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t fingerpr
   {
     MutexLock lock(&mu_);
     ThrowIfFailed();
-    const int32_t sequence = ++read_ahead_issued_;
+    sequence = ++read_ahead_issued_;
     if (opt_.read_ahead_into_slots) {
       // Into slots only while the slots hold the rows of every batch read ahead and not yet looked
       // up: beyond that the pins would keep out the rows of the batches themselves.
@@ -101,7 +102,7 @@ void EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t fingerpr
     // of its own (requests are done in order), even one that reads nothing.
     if (outside.empty() && !(batch && into_slots && rows_of_earlier_requests)) {
       if (batch && into_slots) SettleReadAhead(batch.get(), sequence);
-      return;
+      return sequence;
     }
     // Queued under mu_ too, so requests reach the read-ahead thread in sequence order.
     MutexLock queue_lock(&read_ahead_mu_);
@@ -109,6 +110,7 @@ void EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t fingerpr
                                  into_slots ? std::move(batch) : nullptr});
   }
   read_ahead_cv_.notify_one();
+  return sequence;
 }
 
 void EmbeddingCache::SettleReadAhead(BatchReadAhead* batch, int32_t sequence) {
@@ -141,7 +143,7 @@ int32_t EmbeddingCache::TakeReadAhead(std::optional<uint64_t> fingerprint) {
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>
-EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
+EmbeddingCache::LookupReadAhead(int64_t ticket, const std::vector<int64_t>& feature_counts,
                                 const std::vector<int64_t>& feature_tables) {
   std::shared_ptr<BatchReadAhead> batch;
   int32_t sequence;
@@ -150,16 +152,23 @@ EmbeddingCache::LookupReadAhead(const std::vector<int64_t>& feature_counts,
     MutexLock lock(&mu_);
     ThrowIfFailed();
     TORCH_CHECK(!closed_, "the table is closed");
-    TORCH_CHECK_VALUE(!untaken_read_aheads_.empty() && untaken_read_aheads_.front().batch,
-                      "no batch was read ahead (lookahead with read_ahead_into_slots) and not yet looked up");
-    const BatchReadAhead& first = *untaken_read_aheads_.front().batch;
-    TORCH_CHECK_VALUE(first.feature_counts == feature_counts && first.feature_tables == feature_tables,
-                      "this batch's features are not those of the oldest batch read ahead and not yet looked up: "
-                      "look batches up in the order they were read ahead");
+    TORCH_CHECK_VALUE(ticket > 0 && ticket <= read_ahead_issued_, "no read-ahead has ticket ", ticket,
+                      " (the tickets lookahead returned run 1 to ", read_ahead_issued_, ")");
+    auto waiting = std::find_if(untaken_read_aheads_.begin(), untaken_read_aheads_.end(),
+                                [&](const UntakenReadAhead& r) { return r.sequence == ticket; });
+    TORCH_CHECK_VALUE(waiting != untaken_read_aheads_.end() && waiting->batch, "the read-ahead with ticket ", ticket,
+                      " is no longer waiting: looked up already, or dropped after ", kUntakenReadAheads,
+                      " later read-aheads were not looked up; pool this batch without read_ahead");
+    TORCH_CHECK_VALUE(
+        waiting->batch->feature_counts == feature_counts && waiting->batch->feature_tables == feature_tables,
+        "this batch's features are not those of the batch read ahead with ticket ", ticket);
     if (transfer_) transfer_->UseCurrentStreamForTraining();  // the copies in order after this batch's kernels
-    batch = untaken_read_aheads_.front().batch;
-    sequence = untaken_read_aheads_.front().sequence;
-    TakeReadAhead(std::nullopt);  // this batch's pins stay until the next batch's lookup
+    batch = waiting->batch;
+    sequence = waiting->sequence;
+    // Older read-aheads no lookup took are let go; this batch's pins stay until the next lookup.
+    do {
+      TakeReadAhead(std::nullopt);
+    } while (read_ahead_in_use_ != sequence);
     settled = batch->settled;
   }
   if (!settled) {  // its request is in flight: settled before it is done

@@ -181,15 +181,18 @@ class EmbeddingCache {
       const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
       const std::vector<int64_t>& feature_tables);
 #endif
-  // The lookup of the oldest batch read ahead (ReadAheadBatch, read_ahead_into_slots) and not yet
-  // looked up, which the caller names as this batch (its features must match; its ids are not
-  // compared). The read-ahead's host deduplication and slots serve it: once every row of the batch
+  // The lookup of the batch read ahead (ReadAheadBatch, read_ahead_into_slots) whose ticket the
+  // caller names (its features must match; its ids are not compared). Read-aheads older than the
+  // ticket and not yet looked up are let go (their pins released); a ticket no longer waiting
+  // (looked up already, or dropped after kUntakenReadAheads later ones) or never issued raises
+  // ValueError. The read-ahead's host deduplication and slots serve it: once every row of the batch
   // is pinned in a slot, its rows are gathered from the slots with no host synchronisation (on
   // CUDA keys, index and slots go up from pinned memory without blocking). Returns what
   // LookupOnDevice returns, on the device (keys in order of first appearance); a read-ahead that
   // left rows out of the slots (too little room, a failed read) is fetched as FetchBatch does.
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> LookupReadAhead(
-      const std::vector<int64_t>& feature_counts, const std::vector<int64_t>& feature_tables) EXCLUDES(fetch_mu_, mu_);
+      int64_t ticket, const std::vector<int64_t>& feature_counts, const std::vector<int64_t>& feature_tables)
+      EXCLUDES(fetch_mu_, mu_);
 #ifdef MLKV_WITH_CUDA
   // One optimizer step for the keys of a LookupOnDevice (CUDA), with gradient rows `grads`
   // [n, dim] float32 on the device: the cached rows by one kernel over their slots, the
@@ -226,9 +229,10 @@ class EmbeddingCache {
     QueueReadAhead(keys, fingerprint, nullptr);
   }
   // The read-ahead of a batch of features, as UniqueKeys takes them. Lookups (FetchBatch,
-  // LookupOnDevice) take read-aheads in the order they were asked for, one each.
-  void ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-                      const std::vector<int64_t>& feature_tables) EXCLUDES(mu_, read_ahead_mu_);
+  // LookupOnDevice) take read-aheads in the order they were asked for, one each. Returns its
+  // ticket (sequence number), by which LookupReadAhead names the batch.
+  int64_t ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+                         const std::vector<int64_t>& feature_tables) EXCLUDES(mu_, read_ahead_mu_);
   // Cuts (cache_cut.cpp): one consistent state of every table, written while training goes on
   // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
   // updates and takes every dirty row and every row on its way to the stores as the cut's; it
@@ -414,8 +418,8 @@ class EmbeddingCache {
     bool into_slots;  // else into the staging area
     std::shared_ptr<BatchReadAhead> batch;  // of ReadAheadBatch, settled once the request is done
   };
-  // ReadAhead, with the batch the keys are of (or none).
-  void QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint, std::shared_ptr<BatchReadAhead> batch)
+  // ReadAhead, with the batch the keys are of (or none); returns the read-ahead's sequence number.
+  int32_t QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint, std::shared_ptr<BatchReadAhead> batch)
       EXCLUDES(mu_, read_ahead_mu_);
   // Finds the slots of `batch`'s keys its request placed (or a request before it), each pinned for
   // read-ahead `sequence`, and marks it settled.

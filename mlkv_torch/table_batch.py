@@ -400,23 +400,26 @@ class DiskTableBatch:
 
     # ---- the step ---------------------------------------------------------------------------------
     def pool(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int], offsets: torch.Tensor,
-             per_sample_weights: Optional[torch.Tensor] = None, read_ahead: bool = False) -> torch.Tensor:
+             per_sample_weights: Optional[torch.Tensor] = None, read_ahead: Optional[int] = None) -> torch.Tensor:
         """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
         over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
         anchor (`anchors[t]`) requires a gradient.
 
-        `read_ahead`: the caller says this batch is the oldest one given to `lookahead` and not yet
-        pooled, with the same ids (its features are checked, its ids are not). With
-        `read_ahead_into_slots` the lookup then takes the read-ahead's deduplication and slots: no
-        host synchronisation on CUDA, no second deduplication on the CPU. Ignored by virtual tables
-        and without read-ahead into slots."""
+        `read_ahead`: the ticket `lookahead` returned for this batch, which must have the same ids
+        (its features are checked, its ids are not). With `read_ahead_into_slots` the lookup then
+        takes the read-ahead's deduplication and slots: no host synchronisation on CUDA, no second
+        deduplication on the CPU. Older read-aheads not yet pooled are let go; a ticket no longer
+        waiting (pooled already, or dropped after 64 later read-aheads) raises ValueError. Ignored by
+        virtual tables and without read-ahead into slots."""
         self._check_open()
         device_lookup = holds_row = None
-        if read_ahead and self.ids is None and self.read_ahead_into_slots:
+        if read_ahead is not None and not is_int(read_ahead):
+            raise TypeError(f"read_ahead takes the ticket lookahead returned, got {read_ahead!r}")
+        if read_ahead is not None and self.ids is None and self.read_ahead_into_slots:
             if values.numel() != sum(feature_counts):
                 raise ValueError(f"the features hold {sum(feature_counts)} ids, values has {values.numel()}")
-            unique, inverse, words, slots, version, outside = self.cache.lookup_read_ahead(list(feature_counts),
-                                                                                          list(feature_tables))
+            unique, inverse, words, slots, version, outside = self.cache.lookup_read_ahead(
+                read_ahead, list(feature_counts), list(feature_tables))
             if self.device.type == "cuda":
                 device_lookup = (slots, version, outside)
         elif self.ids is not None:  # virtual tables: rounds due first, then the batch's ids counted and filtered
@@ -456,11 +459,13 @@ class DiskTableBatch:
         self.step += 1
         self.cache.update_on_device(unique, slots, version, outside, grads.contiguous(), self.step, self.lr)
 
-    def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> None:
-        """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once.
-        Pools take read-aheads in order: read ahead the batches in the order they will be pooled."""
+    def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> int:
+        """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once,
+        with the read-ahead's ticket (`pool`'s `read_ahead`). Pools take read-aheads in order: read
+        ahead the batches in the order they will be pooled."""
         self._check_open()
-        self.cache.lookahead(as_int64_cpu(values, "ids").reshape(-1).contiguous(), feature_counts, feature_tables)
+        values = as_int64_cpu(values, "ids").reshape(-1).contiguous()
+        return self.cache.lookahead(values, feature_counts, feature_tables)
 
     # ---- rows -------------------------------------------------------------------------------------
     def weights_of(self, words: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@ thread standing for the side stream, its copies held in flight by `transfer_dela
 their batch is done. Checked against one torch.nn.EmbeddingBag per table with torch's optimizers, at
 look-ahead depths 1-4, with caches roomy and too small for the rows pinned, and under a randomized
 schedule of read-aheads that match their batches, do not, or are left out. Batches the caller names
-as the ones read ahead (`pool(read_ahead=True)`) take the read-ahead's host deduplication and slots
+by the ticket their read-ahead returned (`pool(read_ahead=ticket)`) take the read-ahead's host deduplication and slots
 (on CUDA, the step with no host synchronisation): checked the same ways, and bit for bit against
 the lookup that finds its rows by key."""
 import random
+from typing import Optional
 
 import pytest
 import torch
@@ -78,9 +79,9 @@ def make_batch(tmp_path, optimizer, cache_rows: int, delay_us: int, device: str 
 
 
 def check_step(batch: DiskTableBatch, reference: Reference, step: int, device: str, steps: int, bound: float,
-               named: bool = False) -> None:
+               ticket: Optional[int] = None) -> None:
     values, counts, offsets, target = feature_batch(step)
-    out = batch.pool(values, counts, TABLES, offsets, read_ahead=named)
+    out = batch.pool(values, counts, TABLES, offsets, read_ahead=ticket)
     (out * target.to(device)).sum().backward()
     expected = reference.step(values, counts, offsets, target)
     # Each step's forward reads every row as the reference holds it: no update lost or late.
@@ -109,11 +110,10 @@ def test_batches_read_ahead_into_slots_train_as_torch_does(tmp_path, device, dep
     batch = make_batch(tmp_path, ours(), cache_rows, delay_us, device, policy)
     reference = Reference(batch, theirs)
     steps = 30
-    for ahead in range(depth):
-        batch.lookahead(*feature_batch(ahead)[:2], TABLES)
+    tickets = {ahead: batch.lookahead(*feature_batch(ahead)[:2], TABLES) for ahead in range(depth)}
     for step in range(steps):
-        batch.lookahead(*feature_batch(step + depth)[:2], TABLES)
-        check_step(batch, reference, step, device, steps, bound, named)
+        tickets[step + depth] = batch.lookahead(*feature_batch(step + depth)[:2], TABLES)
+        check_step(batch, reference, step, device, steps, bound, tickets.pop(step) if named else None)
     check_rows(batch, reference, steps, bound)
     stats = batch.cache.stats()
     assert stats["evictions"] > 0
@@ -170,12 +170,11 @@ def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_fo
                                  memory_budget_bytes=1 << 20, staging_bytes=0, read_ahead_into_slots=into_slots,
                                  transfer_delay_us=1000 if into_slots else 0)
         outs = []
-        for ahead in range(2):
-            batch.lookahead(*feature_batch(ahead)[:2], TABLES)
+        tickets = {ahead: batch.lookahead(*feature_batch(ahead)[:2], TABLES) for ahead in range(2)}
         for step in range(25):
-            batch.lookahead(*feature_batch(step + 2)[:2], TABLES)
+            tickets[step + 2] = batch.lookahead(*feature_batch(step + 2)[:2], TABLES)
             values, counts, offsets, target = feature_batch(step)
-            out = batch.pool(values, counts, TABLES, offsets, read_ahead=named)
+            out = batch.pool(values, counts, TABLES, offsets, read_ahead=tickets.pop(step) if named else None)
             (out * target).sum().backward()
             outs.append(out.detach())
         batch.flush()
@@ -210,24 +209,41 @@ def test_batches_the_slots_cannot_hold_are_read_ahead_into_the_staging_area(tmp_
     batch.close()
 
 
-def test_a_batch_named_as_read_ahead_out_of_order_is_refused_and_loses_nothing(tmp_path):
+def test_a_ticket_not_waiting_is_refused_by_name_and_loses_nothing(tmp_path):
     ours, theirs, bound = OPTIMIZERS["sgd"]
     batch = make_batch(tmp_path, ours(), 600, 0)
     reference = Reference(batch, theirs)
     values, counts, offsets, _ = feature_batch(0)
-    with pytest.raises(ValueError, match="no batch was read ahead"):
+    with pytest.raises(ValueError, match="no read-ahead has ticket 1"):
+        batch.pool(values, counts, TABLES, offsets, read_ahead=1)
+    with pytest.raises(TypeError, match="ticket"):
         batch.pool(values, counts, TABLES, offsets, read_ahead=True)
     with pytest.raises(ValueError, match="values has"):
-        batch.pool(values[1:], counts, TABLES, offsets, read_ahead=True)
-    batch.lookahead(*feature_batch(0)[:2], TABLES)
-    batch.lookahead(*feature_batch(1)[:2], TABLES)
+        batch.pool(values[1:], counts, TABLES, offsets, read_ahead=1)
+    first = batch.lookahead(*feature_batch(0)[:2], TABLES)
+    with pytest.raises(ValueError, match="out of range"):  # a read-ahead that fails issues no ticket
+        batch.lookahead(torch.full((sum(counts),), 10_000), counts, TABLES)
+    second = batch.lookahead(*feature_batch(1)[:2], TABLES)
     wrong = feature_batch(1)
-    with pytest.raises(ValueError, match="order they were read ahead"):
-        batch.pool(wrong[0], wrong[1], TABLES, wrong[2], read_ahead=True)
-    for step in range(2):  # the refused lookups took nothing: both batches still train in order
-        check_step(batch, reference, step, "cpu", 2, bound, named=True)
-    check_rows(batch, reference, 2, bound)
-    assert batch.cache.stats()["read_ahead_lookups"] == 2
+    with pytest.raises(ValueError, match=f"not those of the batch read ahead with ticket {first}"):
+        batch.pool(wrong[0], wrong[1], TABLES, wrong[2], read_ahead=first)
+    for step, ticket in enumerate([first, second]):  # the refused calls took nothing: both train in order
+        check_step(batch, reference, step, "cpu", 4, bound, ticket)
+    with pytest.raises(ValueError, match=f"ticket {first} is no longer waiting"):
+        batch.pool(values, counts, TABLES, offsets, read_ahead=first)
+    # A batch read ahead and never pooled: the next batch's ticket lets it go; a ticket dropped
+    # after 64 later read-aheads went untaken is refused, and its batch trains when pooled by key.
+    batch.lookahead(*feature_batch(10_002)[:2], TABLES)
+    check_step(batch, reference, 2, "cpu", 4, bound, batch.lookahead(*feature_batch(2)[:2], TABLES))
+    dropped = batch.lookahead(*feature_batch(3)[:2], TABLES)
+    for _ in range(64):
+        batch.lookahead(*feature_batch(4)[:2], TABLES)
+    values, counts, offsets, _ = feature_batch(3)
+    with pytest.raises(ValueError, match=f"ticket {dropped} is no longer waiting"):
+        batch.pool(values, counts, TABLES, offsets, read_ahead=dropped)
+    check_step(batch, reference, 3, "cpu", 4, bound)
+    check_rows(batch, reference, 4, bound)
+    assert batch.cache.stats()["read_ahead_lookups"] == 3
     batch.close()
 
 
