@@ -91,6 +91,8 @@ setup(
     # scripts/setup.sh installs with its CPU fbgemm).
     install_requires=["numpy", "pyyaml", "pydantic>=2,<3", "tqdm", "pyarrow>=25", "torchdata==0.11.0"],
     extras_require={"torchrec": ["torchrec"], "test": ["pytest", "hypothesis", "tensorboard", "torchrec"],
-                    "bench": ["matplotlib", "rocksdict", "lmdb"], "tensorboard": ["tensorboard"]},
+                    "bench": ["matplotlib", "rocksdict", "lmdb"], "tensorboard": ["tensorboard"],
+                    # data.engine ray and `criteo convert --ray`: batches and conversions on a Ray cluster.
+                    "ray": ["ray[data]==2.60.0"]},
     zip_safe=False,
 )

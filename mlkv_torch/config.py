@@ -93,6 +93,17 @@ class ParquetDataConfig(_Section):
     seed: int = Field(0, ge=0)
 
 
+class RayDataConfig(_Section):
+    """Where `data.engine: ray` prepares batches: `address`, the Ray head's host:port (empty: a
+    local Ray started for the run), `actors`, the batch makers each rank keeps there ("auto": the
+    cluster's CPUs shared among the ranks), and `start_timeout_s`, how long they may take to start
+    (a cluster without the CPUs for them fails the run then)."""
+
+    address: str = ""
+    actors: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    start_timeout_s: float = Field(300.0, gt=0)
+
+
 class DataConfig(_Section):
     """The data and its loader: `workers` threads make batches, `prefetch` batches wait ready;
     "auto" (the default) picks and re-picks them from measured times within a CPU budget (the
@@ -106,6 +117,9 @@ class DataConfig(_Section):
     workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     prefetch: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     memory_budget_bytes: int = Field(256 << 20, gt=0)
+    # Where batches are made: this process's threads ("local") or Ray actors (Parquet data only).
+    engine: Literal["local", "ray"] = "local"
+    ray: RayDataConfig = RayDataConfig()
 
 
 class ReplicasConfig(_Section):
@@ -236,6 +250,9 @@ class ExperimentConfig(_Section):
             raise ValueError(f"model.over_arch must end with 1, got {self.model.over_arch}")
         if self.data.kind == "criteo" and not self.data.criteo.train:
             raise ValueError("data.criteo.train must list the training files")
+        if self.data.engine == "ray" and self.data.kind != "parquet":
+            raise ValueError(f"data.engine ray prepares Parquet datasets (data.kind parquet), not {self.data.kind}; "
+                             f"Criteo days become Parquet with `criteo convert --format parquet`")
         if self.data.kind == "parquet":
             from .data.parquet import schema_features
             if not self.data.parquet.train:

@@ -57,7 +57,7 @@ else
 fi
 echo "[setup] installing tools for tests and benchmarks"
 pip -c "$constraints" numpy pyyaml "pydantic>=2,<3" "pyarrow>=25" "torchdata==0.11.0" tensorboard matplotlib pytest \
-  hypothesis ninja rocksdict lmdb "ruff==0.17.6" "clang-format==23.1.5"
+  hypothesis ninja rocksdict lmdb "ruff==0.17.6" "clang-format==23.1.5" "ray[data]==2.60.0"
 echo "[setup] building mlkv_torch (C++ extension, no build isolation so the installed torch is used)"
 pip -c "$constraints" --no-build-isolation -e .
 "$py" -c 'import mlkv_torch, torch; rocks = "with" if mlkv_torch._C.with_rocksdb else "without"

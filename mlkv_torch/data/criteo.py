@@ -553,6 +553,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     converting.add_argument("--days", type=int, default=None, help="split each file into N consecutive days")
     converting.add_argument("--format", choices=("npy", "parquet"), default="npy",
                             help="parquet: also write each day as <out>/parquet/<day>.parquet (data.kind parquet)")
+    converting.add_argument("--ray", metavar="ADDRESS", nargs="?", const="", default=None,
+                            help="with --format parquet: convert the files as Ray tasks on the cluster whose head is "
+                                 "at ADDRESS (host:port; none: a local Ray)")
     generating = commands.add_parser("generate", help="write a Criteo TSV file from the planted-model generator")
     generating.add_argument("out", metavar="OUT", help="the file to write (gzip when it ends in .gz)")
     generating.add_argument("--rows", type=int, required=True)
@@ -561,19 +564,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     generating.add_argument("--scale", type=int, default=1, help="divide every cardinality by K (at least 2 rows)")
     args = parser.parse_args(argv)
     try:
-        if args.command == "convert":
+        if args.command == "convert" and args.ray is not None:
+            if args.format != "parquet":
+                raise ValueError("--ray converts to Parquet: add --format parquet")
+            from .criteo_parquet import convert_to_parquet_on_ray
+
+            started = time.perf_counter()
+            converted = convert_to_parquet_on_ray(args.files, args.out, days=args.days, address=args.ray)
+            seconds = time.perf_counter() - started
+            print("\n".join(f for done in converted for f in done.files))
+            rows = sum(done.rows for done in converted)
+            print(f"{rows} rows, {seconds:.2f} s, {rows / seconds:.0f} rows/s (on Ray, "
+                  f"{len({done.pid for done in converted})} workers)", flush=True)
+        elif args.command == "convert":
             for path in args.files:
+                if args.format == "parquet":
+                    from .criteo_parquet import convert_to_parquet
+
+                    days = convert_to_parquet(path, args.out, days=args.days, progress=True)
+                    print("\n".join(days.prefixes + days.files))
+                    print(f"{days.rows} rows, {days.seconds:.2f} s, {days.rows / days.seconds:.0f} rows/s", flush=True)
+                    continue
                 done = convert_file(path, args.out, days=args.days, progress=True)
                 rows = sum(done.rows)
                 print("\n".join(done.prefixes))
-                if args.format == "parquet":
-                    from .criteo_parquet import day_to_parquet
-
-                    for prefix in done.prefixes:
-                        day = os.path.join(args.out, "parquet", os.path.basename(os.path.dirname(prefix)) + "-"
-                                           + os.path.basename(prefix) + ".parquet")
-                        day_to_parquet(prefix, day)
-                        print(day)
                 rate = f"{rows / done.seconds:.0f} rows/s (converted)" if done.converted else "(cached)"
                 print(f"{rows} rows, {done.seconds:.2f} s, {rate}", flush=True)
         else:

@@ -20,14 +20,15 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .row_order import ShuffledRows
 
-__all__ = ["ParquetBatches", "ParquetFormatError", "SparseFeature", "hash_strings", "parquet_files", "schema_features"]
+__all__ = ["BatchArrays", "ParquetBatches", "ParquetFormatError", "SparseFeature", "hash_strings", "parquet_batch",
+           "parquet_files", "schema_features"]
 
 _FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
 
@@ -82,6 +83,31 @@ def hash_strings(strings: Any) -> np.ndarray:
         live = np.flatnonzero(lengths > k)
         h[live] = (h[live] ^ bytes_[starts[live] + k].astype(np.uint64)) * _FNV_PRIME
     return (h >> np.uint64(1)).astype(np.int64)
+
+
+class BatchArrays(NamedTuple):
+    """A batch as numpy arrays: labels [n], dense [n, D] float32, and the ids of every sparse
+    feature in turn (values) with each sample's count of them (lengths [features * n])."""
+
+    labels: np.ndarray
+    dense: np.ndarray
+    values: np.ndarray
+    lengths: np.ndarray
+
+
+def parquet_batch(feature_names: Sequence[str], arrays: BatchArrays) -> Any:
+    """The torchrec Batch of `arrays`, its sparse features named `feature_names`."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    def tensor(array: np.ndarray) -> torch.Tensor:  # arrays from Ray's object store are read-only
+        return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+    lengths = tensor(arrays.lengths)
+    per_key = lengths.view(len(feature_names), -1).sum(1).tolist()
+    features = KeyedJaggedTensor(keys=list(feature_names), values=tensor(arrays.values), lengths=lengths,
+                                 stride=len(arrays.labels), length_per_key=per_key)
+    return Batch(dense_features=tensor(arrays.dense), sparse_features=features, labels=tensor(arrays.labels))
 
 
 @dataclass
@@ -177,9 +203,10 @@ class ParquetBatches:
 
     def __call__(self, number: int) -> Any:
         """Batch `number` (any non-negative int: epochs repeat with their own shuffle)."""
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        return parquet_batch(self.feature_names, self.arrays(number))
 
+    def arrays(self, number: int) -> BatchArrays:
+        """Batch `number` as numpy arrays (what a Ray worker sends: no torch objects to pickle)."""
         rows = self.row_indices(number)
         bounds = np.searchsorted(rows, self._starts)
         parts: List[Tuple[_RowGroup, np.ndarray]] = []
@@ -197,13 +224,7 @@ class ParquetBatches:
                 # Each row's ids, in row order: position k of the output reads first[row] + (k - row's start).
                 starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
                 values.append(group.ids[f][starts + np.arange(int(counts.sum()), dtype=np.int64)])
-        values_t = torch.from_numpy(np.concatenate(values))
-        lengths_t = torch.from_numpy(np.concatenate(lengths))
-        per_key = lengths_t.view(len(self.sparse), -1).sum(1).tolist()
-        features = KeyedJaggedTensor(keys=self.feature_names, values=values_t, lengths=lengths_t,
-                                     stride=len(rows), length_per_key=per_key)
-        return Batch(dense_features=torch.from_numpy(dense), sparse_features=features,
-                     labels=torch.from_numpy(labels))
+        return BatchArrays(labels, dense, np.concatenate(values), np.concatenate(lengths))
 
     def _row_group(self, g: int) -> _RowGroup:
         """Row group `g` decoded, from the cache or read now (one thread decodes it, others wait)."""

@@ -16,18 +16,24 @@ import torch
 from ..config import ConfigError, ExperimentConfig, cardinalities_of
 from .tuning import InputTuner
 
-__all__ = ["CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "loader_tuner"]
+__all__ = ["CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "input_cpu_budget",
+           "loader_tuner"]
 
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 
 
-def loader_tuner(config: ExperimentConfig, torch_threads: int) -> InputTuner:
-    """The loader's InputTuner: data.workers and data.prefetch, within the cores that torch's
-    `torch_threads` and the disk tables' prefetch thread leave (at least one) of this process's
-    share of the cores it may run on (under torchrun, the processes of a node share them) and
-    data.memory_budget_bytes."""
+def input_cpu_budget(config: ExperimentConfig, torch_threads: int) -> int:
+    """The cores that torch's `torch_threads` and the disk tables' prefetch thread leave (at least
+    one) of this process's share of the cores it may run on (under torchrun, the processes of a
+    node share them): what making batches may take here."""
     cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    cpu_budget = max(1, cores - torch_threads - int(config.looks_ahead))
+    return max(1, cores - torch_threads - int(config.looks_ahead))
+
+
+def loader_tuner(config: ExperimentConfig, torch_threads: int, remote_workers: Optional[int] = None) -> InputTuner:
+    """The loader's InputTuner: data.workers and data.prefetch, within `input_cpu_budget` threads
+    (with Ray, `remote_workers`: a thread waits on each actor) and data.memory_budget_bytes."""
+    cpu_budget = remote_workers or input_cpu_budget(config, torch_threads)
     return InputTuner(config.data.workers, config.data.prefetch, cpu_budget=cpu_budget,
                       memory_budget_bytes=config.data.memory_budget_bytes)
 
@@ -162,29 +168,78 @@ class CriteoSource(_TablePerFeature, _FileBatches):
 
 
 class ParquetSource(_FileBatches):
-    """A user's Parquet files with a declared schema (mlkv_torch.data.parquet), batch by number."""
+    """A user's Parquet files with a declared schema (mlkv_torch.data.parquet), batch by number;
+    with data.engine ray, training batches are made by Ray actors (mlkv_torch.data.ray_batches)
+    and evaluation batches here. `remote_workers`: the actors (None: made here)."""
 
-    def __init__(self, config: ExperimentConfig) -> None:
+    def __init__(self, config: ExperimentConfig, cpu_budget: int = 1) -> None:
         from .parquet import ParquetBatches, schema_features
 
         data = config.data.parquet
         features, self.tables = schema_features(data.sparse)
         self.feature_names = [f.column for f in features]
         self.num_dense, self.batch_size = len(data.dense), config.train.batch_size
-        try:
+        try:  # opened here in any case: the files' schemas are checked before a worker starts
             self.train_batches = ParquetBatches(data.train, self.batch_size, data.label, data.dense, features,
                                                 shuffle_window=data.shuffle_window, seed=data.seed)
             self.eval_batches = ParquetBatches(data.eval, self.batch_size, data.label, data.dense,
                                                features) if data.eval else None
         except ValueError as e:
             raise ConfigError(f"data.parquet: {e}") from e
+        self.remote_workers: Optional[int] = None
+        self._started_ray = False
+        if config.data.engine == "ray":
+            self._prepare_on_ray(config, features, cpu_budget)
+
+    def _prepare_on_ray(self, config: ExperimentConfig, features: list, cpu_budget: int) -> None:
+        import functools
+
+        from .parquet import ParquetBatches, parquet_batch
+        from .ray_batches import RayBatches, connect_ray
+
+        data, settings = config.data.parquet, config.data.ray
+        try:
+            self._started_ray = connect_ray(settings.address, cpu_budget)
+        except (ConnectionError, ValueError) as e:
+            raise ConfigError(f"data.ray.address: {e}") from e
+        import ray
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        actors = settings.actors
+        if actors == "auto":
+            actors = max(1, int(ray.cluster_resources().get("CPU", 1)) // world)
+        local = self.train_batches
+        # Unshuffled, consecutive batches share row groups: an actor makes a row group's run of them.
+        chunk = 1 if data.shuffle_window else max(1, local.rows // local.row_groups // self.batch_size)
+        make = functools.partial(ParquetBatches, local.files, self.batch_size, data.label, data.dense, features,
+                                 shuffle_window=data.shuffle_window, seed=data.seed)
+        try:
+            self.train_batches = RayBatches(make, functools.partial(parquet_batch, self.feature_names), actors,
+                                            local.batches_per_epoch, stride=world, chunk=chunk,
+                                            start_timeout_s=settings.start_timeout_s)
+        except RuntimeError as e:
+            raise ConfigError(f"data.ray: {e}") from e
+        self.remote_workers = actors
+
+    def close(self) -> None:
+        """Ends the Ray actors (and a local Ray this source started)."""
+        if self.remote_workers is None:
+            return
+        self.train_batches.close()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+        self.remote_workers = None
 
     def live_ids(self, batches: int) -> None:
         """The tables' rows: ids are hashed into them."""
         return None
 
 
-def batch_source(config: ExperimentConfig) -> Union[SyntheticSource, CriteoSource, ParquetSource]:
-    """The source of data.kind."""
-    kinds = {"synthetic": SyntheticSource, "criteo": CriteoSource, "parquet": ParquetSource}
-    return kinds[config.data.kind](config)
+def batch_source(config: ExperimentConfig, cpu_budget: int = 1
+                 ) -> Union[SyntheticSource, CriteoSource, ParquetSource]:
+    """The source of data.kind (`cpu_budget`: the cores a local Ray may take, `input_cpu_budget`)."""
+    if config.data.kind == "parquet":
+        return ParquetSource(config, cpu_budget)
+    return {"synthetic": SyntheticSource, "criteo": CriteoSource}[config.data.kind](config)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import optim as optim_lib
 from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
-from ..data.sources import batch_source, loader_tuner
+from ..data.sources import batch_source, input_cpu_budget, loader_tuner
 from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from . import checkpoints
@@ -63,7 +63,7 @@ class Experiment:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         self.config = config
-        self.source = batch_source(config)
+        self.source = batch_source(config, input_cpu_budget(config, torch_threads(config)))
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=features, **_virtual_table_fields(config))
                   for name, n, features in self.source.tables]
@@ -210,7 +210,8 @@ class Experiment:
 
         world = self.world_size
         return BatchLoader(self.source.make_batch, first=first_step * world + self.rank, count=steps, stride=world,
-                           tuner=loader_tuner(self.config, torch_threads(self.config)))
+                           tuner=loader_tuner(self.config, torch_threads(self.config),
+                                              getattr(self.source, "remote_workers", None)))
 
     def store_reads(self) -> int:
         """Rows this rank's disk tables have read from their stores since they were opened."""

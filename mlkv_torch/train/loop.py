@@ -173,6 +173,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 bar.update(1)
     finally:
         data.close()  # its threads stop, also when a step fails
+        if hasattr(experiment.source, "close"):  # Ray's actors end with training; evaluation reads here
+            experiment.source.close()
     bar.close()
     if board is not None:
         board.close()

@@ -1,0 +1,118 @@
+"""Batches prepared on a Ray cluster (``data.engine: ray``): the preprocessing tier beside the trainers.
+
+A rank keeps asking for its batches by number, as the in-process loader does (BatchLoader's
+threads now wait on Ray instead of decoding), and a pool of Ray actors, each holding a batch
+maker (a ParquetBatches with its decoded row groups), makes them in their own processes, on
+whichever nodes the cluster has. A batch is a function of its number, so the batches, the losses
+and an exact resume are those of the in-process loader. Actors restart when their process dies
+and Ray runs their unfinished calls again (``max_restarts``, ``max_task_retries``): a killed
+worker costs time, never a batch, and since the rank takes one result per number, none comes
+twice.
+
+Decided: an actor pool rather than a Ray Data stream (``streaming_split``) feeds the ranks. A
+stream's order depends on the cluster's timing; batches by number keep training reproducible and
+resumable, and the ranks independent of one another.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable, List
+
+__all__ = ["RayBatches", "connect_ray"]
+
+
+def connect_ray(address: str, cpus: int) -> bool:
+    """Joins the Ray cluster whose head is at `address` ("host:port"), or, when it is empty, starts
+    a local Ray of `cpus` CPUs for this process; does nothing when Ray is already connected.
+    Returns whether it started a local Ray (which the caller shuts down). ConnectionError names an
+    address where no Ray head answers (Ray itself would wait there for minutes)."""
+    import ray
+
+    if address:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"the Ray address {address!r} is not host:port")
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ConnectionError(f"no Ray head answers at {address!r}: {e}") from e
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        return False
+    # A small object store: a few batches in flight per actor, not the default 30% of memory.
+    ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=256 << 20, logging_level="WARNING",
+             log_to_driver=False)
+    return True
+
+
+class _BatchMaker:
+    """A Ray actor's state: the batch maker `make()` built in the actor's process."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._batches = make()
+
+    def arrays(self, number: int) -> Any:
+        return self._batches.arrays(number)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayBatches:
+    """Batch `number` -> ``assemble(maker.arrays(number))``, the arrays made by one of `actors` Ray
+    actors, each holding the batch maker ``make()`` (see the module's docstring).
+
+    Args:
+        make: builds the batch maker in each actor (picklable, e.g. a functools.partial of
+            ParquetBatches); its ``arrays(number)`` makes a batch's arrays.
+        assemble: the batch of those arrays, built in this process.
+        actors: actors in the pool (a CPU each).
+        batches_per_epoch: of the maker.
+        stride: between the numbers this process asks for (the world size): consecutive requests
+            go to consecutive actors.
+        chunk: consecutive requests that go to one actor (batches that share row groups).
+    """
+
+    def __init__(self, make: Callable[[], Any], assemble: Callable[[Any], Any], actors: int, batches_per_epoch: int,
+                 stride: int = 1, chunk: int = 1, start_timeout_s: float = 300.0) -> None:
+        import ray
+
+        if actors < 1:
+            raise ValueError(f"actors must be positive, got {actors}")
+        maker = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1)(_BatchMaker)
+        self._actors = [maker.remote(make) for _ in range(actors)]
+        # An actor the cluster has no CPU for would wait forever, and the first batch with it.
+        ready, _ = ray.wait([actor.pid.remote() for actor in self._actors], num_returns=actors,
+                            timeout=start_timeout_s)
+        if len(ready) < actors:
+            self.close()
+            free, cpus = ray.available_resources().get("CPU", 0), ray.cluster_resources().get("CPU", 0)
+            raise RuntimeError(f"Ray started {len(ready)} of {actors} batch makers (a CPU each) in "
+                               f"{start_timeout_s:.0f} s: the cluster has {free:.0f} CPUs free of {cpus:.0f}; "
+                               f"ask for fewer (data.ray.actors)")
+        ray.get(ready)  # an actor whose maker failed to start raises its error here
+        self._assemble, self._stride, self._chunk = assemble, stride, chunk
+        self.actors, self.batches_per_epoch = actors, batches_per_epoch
+
+    def __call__(self, number: int) -> Any:
+        import ray
+
+        actor = self._actors[(number // self._stride // self._chunk) % len(self._actors)]
+        return self._assemble(ray.get(actor.arrays.remote(number)))
+
+    def worker_pids(self) -> List[int]:
+        """The process id of each actor."""
+        import ray
+
+        return ray.get([actor.pid.remote() for actor in self._actors])
+
+    def close(self) -> None:
+        """Ends the actors."""
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors = []

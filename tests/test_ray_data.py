@@ -1,0 +1,132 @@
+"""Data prepared on Ray (`data.engine: ray`, mlkv_torch.data.ray_batches; `criteo convert --ray`),
+on a local Ray of two CPUs: Criteo days converted by Ray tasks are the files the in-process
+conversion writes, batches made by Ray actors are the in-process batches (a killed actor loses and
+repeats none), the runner trains on Ray with the in-process loader's losses, and an address where
+no Ray head answers is refused by name."""
+import json
+import os
+import signal
+import socket
+from functools import partial
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from mlkv_torch.config import ConfigError, load_config
+from mlkv_torch.data.loader import BatchLoader
+from mlkv_torch.data.parquet import ParquetBatches, SparseFeature, parquet_batch
+from mlkv_torch.data.parquet_generate import DEFAULT_CARDINALITIES, generate
+from mlkv_torch.data.sources import ParquetSource
+from mlkv_torch.train import run
+
+ray = pytest.importorskip("ray")
+from mlkv_torch.data.ray_batches import RayBatches, connect_ray  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "configs" / "parquet_example.yaml"
+DENSE = [f"dense_{d}" for d in range(6)]
+FEATURES = [SparseFeature(f"c_{f}", f"c_{f}", 500) for f in range(len(DEFAULT_CARDINALITIES))]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    assert connect_ray("", 2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parquet")
+    generate(str(out / "train"), 6000, files=2, row_group_rows=1000, unused_columns=4)
+    generate(str(out / "eval"), 1000, unused_columns=4, held_out=True)
+    return out
+
+
+def test_an_address_where_no_ray_head_answers_is_refused_by_name(dataset, tmp_path):
+    with socket.socket() as s:  # a port of this machine's loopback that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = load_config(EXAMPLE, [f"output_dir={tmp_path}", f"data.parquet.train=[{dataset / 'train'}]",
+                                   "data.engine=ray", f"data.ray.address=127.0.0.1:{port}"])
+    with pytest.raises(ConfigError, match=f"data.ray.address: no Ray head answers at '127.0.0.1:{port}'"):
+        run(config, progress=False)
+    with pytest.raises(ConfigError, match="data.engine ray prepares Parquet datasets"):
+        load_config(EXAMPLE, ["data.kind=synthetic", "data.engine=ray"])
+
+
+def test_criteo_days_converted_on_ray_are_the_in_process_files(local_ray, tmp_path):
+    from mlkv_torch.data.criteo import generate as generate_criteo
+    from mlkv_torch.data.criteo_parquet import convert_to_parquet, convert_to_parquet_on_ray
+    from mlkv_torch.data.criteo_tsv import CriteoFormatError
+
+    inputs = [str(tmp_path / f"part_{k}.tsv") for k in range(2)]
+    for k, path in enumerate(inputs):
+        generate_criteo(path, 1200, seed=k)
+    on_ray = convert_to_parquet_on_ray(inputs, str(tmp_path / "ray"), days=2)
+    here = [convert_to_parquet(path, str(tmp_path / "here"), days=2) for path in inputs]
+    assert [d.rows for d in on_ray] == [d.rows for d in here] == [1200, 1200]
+    assert all(d.pid != os.getpid() for d in on_ray)
+    for a, b in zip(on_ray, here):
+        assert [os.path.basename(f) for f in a.files] == [os.path.basename(f) for f in b.files]
+        for fa, fb in zip(a.files, b.files):
+            assert pq.read_table(fa).equals(pq.read_table(fb))
+    # A bad line fails the task as it fails here: the file and line named, nothing written.
+    with open(inputs[1], "r+") as f:
+        lines = f.readlines()
+        lines[6] = "1\tnot-a-number" + lines[6][lines[6].index("\t", 2):]
+        f.seek(0)
+        f.writelines(lines)
+    with pytest.raises(CriteoFormatError, match="part_1.tsv.* line 7"):
+        convert_to_parquet_on_ray([inputs[1]], str(tmp_path / "bad"))
+    assert not (tmp_path / "bad" / "parquet").exists()
+
+
+def test_batches_made_by_ray_actors_are_the_in_process_batches_and_a_killed_actor_loses_none(local_ray, dataset):
+    make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, shuffle_window=3, seed=5)
+    here = make()
+    batches = RayBatches(make, partial(parquet_batch, here.feature_names), 2, here.batches_per_epoch, stride=2)
+    pids = batches.worker_pids()
+    # Rank 1 of 2: batches 1, 3, 5, ... past the end of the first epoch, two requests in flight.
+    loader = BatchLoader(batches, first=1, count=20, stride=2, tuner=None)
+    delivered = []
+    try:
+        for k, batch in enumerate(loader):
+            if k == 4:
+                os.kill(pids[0], signal.SIGKILL)  # its calls in flight are run again by its next process
+            delivered.append(batch)
+        restarted = batches.worker_pids()
+    finally:
+        batches.close()  # the actors' CPUs go back to the other tests
+    assert len(delivered) == 20
+    assert restarted[0] != pids[0] and restarted[1] == pids[1]
+    for k, batch in enumerate(delivered):
+        expected = here(1 + 2 * k)
+        assert torch.equal(batch.labels, expected.labels)
+        assert torch.equal(batch.dense_features, expected.dense_features)
+        assert torch.equal(batch.sparse_features.values(), expected.sparse_features.values())
+        assert torch.equal(batch.sparse_features.lengths(), expected.sparse_features.lengths())
+
+
+def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, dataset, tmp_path):
+    sparse = json.dumps([{"column": f.column, "rows": f.rows} for f in FEATURES])
+    losses = {}
+    for engine in ("local", "ray"):
+        out = tmp_path / engine
+        summary = run(load_config(EXAMPLE, [f"output_dir={out}", f"data.parquet.train=[{dataset / 'train'}]",
+                                            f"data.parquet.eval=[{dataset / 'eval'}]", f"data.engine={engine}",
+                                            "data.ray.actors=2", "train.batch_size=256", "train.steps=12",
+                                            "train.log_every=3", "eval.every=12", "eval.batches=2",
+                                            "data.parquet.shuffle_window=4", f"data.parquet.sparse={sparse}"]),
+                      progress=False)
+        assert summary["steps"] == 12
+        losses[engine] = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                          if "loss" in r]
+    assert len(losses["ray"]) == 4 and losses["ray"] == losses["local"]
+    # More actors than the cluster has CPUs for: refused by name, not waited on forever.
+    config = load_config(EXAMPLE, [f"output_dir={tmp_path / 'crowded'}", f"data.parquet.train=[{dataset / 'train'}]",
+                                   "data.engine=ray", "data.ray.actors=3", "data.ray.start_timeout_s=5"])
+    with pytest.raises(ConfigError, match="Ray started 2 of 3 batch makers"):
+        ParquetSource(config)
