@@ -94,6 +94,15 @@ def bench_conversion(work: str, rows: int, reference_rows: int) -> Dict[str, Any
     seconds, _, _ = _timed_child(_module("mlkv_torch.data.criteo", "convert", tsv, "--out",
                                          os.path.join(work, "cache")))
     result["converted_again_s"] = seconds  # found in the cache: no conversion
+    # To Parquet, in this process and as Ray tasks (a local Ray of this machine's cores), the file in two parts.
+    parts = _split_lines(tsv, 2)
+    for engine, extra in (("here", []), ("ray", ["--ray"])):
+        seconds, _, _ = _timed_child(_module("mlkv_torch.data.criteo", "convert", *parts, "--out",
+                                             os.path.join(work, f"parquet-{engine}"), "--format", "parquet", *extra))
+        result[f"parquet_{engine}_rows_per_s"] = rows / seconds
+        shutil.rmtree(os.path.join(work, f"parquet-{engine}"))
+    for part in parts:
+        os.remove(part)
     head = os.path.join(work, "head.tsv")
     with open(tsv, "rb") as src, open(head, "wb") as dst:
         for _, line in zip(range(reference_rows), src):
@@ -111,6 +120,22 @@ def bench_conversion(work: str, rows: int, reference_rows: int) -> Dict[str, Any
                   torchrec_peak_rss_bytes=peak)
     os.remove(head)
     return result
+
+
+def _split_lines(path: str, parts: int) -> List[str]:
+    """`path` cut into `parts` files of whole lines (as ``split -n l/N`` does)."""
+    size, out = os.path.getsize(path), []
+    with open(path, "rb") as src:
+        for k in range(parts):
+            out.append(f"{path}.part{k}")
+            with open(out[-1], "wb") as dst:
+                end = size * (k + 1) // parts
+                while src.tell() < end or k == parts - 1:
+                    chunk = src.readline()
+                    if not chunk:
+                        break
+                    dst.write(chunk)
+    return out
 
 
 def _criteo_overrides(tsv: str, cache: str) -> List[str]:
@@ -144,12 +169,12 @@ def child_loader(name: str, overrides: List[str], batches: int) -> Dict[str, Any
     """The loader alone: samples/s of `batches` batches through the config's BatchLoader."""
     from mlkv_torch.config import load_config
     from mlkv_torch.data.loader import BatchLoader
-    from mlkv_torch.data.sources import batch_source, loader_tuner
+    from mlkv_torch.data.sources import batch_source, input_cpu_budget, loader_tuner
     from mlkv_torch.train import torch_threads
 
     config = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), ["output_dir=/unused", *overrides])
-    source = batch_source(config)
-    tuner = loader_tuner(config, torch_threads(config))
+    source = batch_source(config, input_cpu_budget(config, torch_threads(config)))
+    tuner = loader_tuner(config, torch_threads(config), getattr(source, "remote_workers", None))
     source.make_batch(0)  # imports and first touches out of the timings
     first_batch_s = {}
     for first in (0, RESUMED_AT):  # a run's start, and a run resumed that many batches in
@@ -255,11 +280,15 @@ def main(argv: List[str]) -> int:
               f"{conversion['convert_rows_per_s'] / conversion['torchrec_rows_per_s']:.1f}x); converted again: "
               f"{conversion['converted_again_s']:.2f} s; generated at {conversion['generate_rows_per_s']:,.0f} rows/s",
               flush=True)
+        print(f"to Parquet, the file in two parts: {conversion['parquet_here_rows_per_s']:,.0f} rows/s in this "
+              f"process, {conversion['parquet_ray_rows_per_s']:,.0f} as Ray tasks (a local Ray: "
+              f"{conversion['parquet_ray_rows_per_s'] / conversion['parquet_here_rows_per_s']:.2f}x)", flush=True)
         tsv, cache = os.path.join(work, "train.txt"), os.path.join(work, "cache")
         runs: Dict[str, Dict[str, Any]] = {}
         loaders: Dict[str, Any] = {}
         variants = (("tuning off (1 thread, 1 buffered)", ["data.workers=1", "data.prefetch=1"], False),
                     ("auto", [], False), ("in memory", [], True))
+        on_ray = ("on Ray (a local Ray, 2 actors)", ["data.engine=ray", "data.ray.actors=2"], False)
         stall_runs = SMOKE_STALL_RUNS if args.smoke else STALL_RUNS
         for name in (SMOKE_CONFIGS if args.smoke else [c for c in SHIPPED if c in args.configs.split(",")]):
             steps = args.steps if name in stall_runs else args.short_steps
@@ -268,6 +297,8 @@ def main(argv: List[str]) -> int:
             chosen = variants if name in stall_runs else variants[2:]
             if args.smoke and name in stall_runs:  # the tuner's run; the others are the same code path
                 chosen = variants[1:2]
+            if name == "parquet_example":  # the Parquet files are what Ray prepares
+                chosen = (*chosen, on_ray)
             for label, extra, in_memory in chosen:
                 out = os.path.join(work, f"{name}-{len(runs)}")
                 summary = _child("train", name, [f"output_dir={out}", *overrides, *extra], in_memory)
@@ -287,6 +318,13 @@ def main(argv: List[str]) -> int:
                   f"{alone['first_batch_s']['0'] * 1e3:.1f} ms at batch 0, "
                   f"{alone['first_batch_s'][str(RESUMED_AT)] * 1e3:.1f} "
                   f"ms at batch {RESUMED_AT:,} (a late resume)", flush=True)
+            if name == "parquet_example":
+                ray_alone = loaders[f"{name}, {on_ray[0]}"] = _child("loader", name, [*overrides, *on_ray[1]],
+                                                                     args.batches)
+                print(f"loader alone, {name} {on_ray[0]}: {ray_alone['samples_per_s']:,.0f} samples/s with "
+                      f"{ray_alone['workers']} thread(s) waiting on the actors: "
+                      f"{ray_alone['samples_per_s'] / alone['samples_per_s']:.2f}x the in-process loader's",
+                      flush=True)
             npy = loaders.get("criteo_terabyte", {}).get("samples_per_s")
             if name == "parquet_example" and npy:
                 print(f"  Parquet: {alone['samples_per_s'] / npy:.2f}x the npy path's (criteo_terabyte) samples/s",

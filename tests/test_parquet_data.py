@@ -143,6 +143,8 @@ def test_a_schema_the_files_do_not_hold_is_refused_with_the_file_and_column(tmp_
         ParquetBatches([str(tmp_path / "junk.parquet")], 1, "label", [], [SparseFeature("ids", "t", 10)])
     with pytest.raises(ValueError, match="no Parquet file"):
         ParquetBatches([str(tmp_path / "missing")], 1, "label", [], [SparseFeature("ids", "t", 10)])
+    with pytest.raises(ValueError, match="'ids' is the label and is declared as a feature too"):
+        ParquetBatches([path], 1, "ids", [], [SparseFeature("ids", "t", 10)])
 
 
 def test_the_runner_trains_on_parquet_files_with_two_features_sharing_a_table(dataset, tmp_path):

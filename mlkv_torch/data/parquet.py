@@ -142,6 +142,9 @@ class ParquetBatches:
             raise ValueError("a Parquet dataset needs at least one sparse feature")
         self.files = parquet_files(files)
         self.label, self.dense, self.sparse = label, list(dense), list(sparse)
+        for name in [*self.dense, *(f.column for f in self.sparse)]:
+            if name == label:  # a model fed its own label learns nothing it can use
+                raise ValueError(f"column {label!r} is the label and is declared as a feature too")
         self.columns = [label, *self.dense, *dict.fromkeys(f.column for f in self.sparse)]
         self._readers, self._row_groups = [], []  # (file, row group) in row order
         starts = [0]
@@ -261,7 +264,8 @@ class ParquetBatches:
 
         file, index = self._row_groups[g]
         path = self.files[file]
-        table = self._readers[file].read_row_group(index, columns=self.columns)
+        # One thread a row group: the loader's threads are the parallelism, within their CPU budget.
+        table = self._readers[file].read_row_group(index, columns=self.columns, use_threads=False)
 
         def column(name: str) -> Any:
             return table.column(name).combine_chunks()

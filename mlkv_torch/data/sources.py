@@ -198,8 +198,9 @@ class ParquetSource(_FileBatches):
         from .ray_batches import RayBatches, connect_ray
 
         data, settings = config.data.parquet, config.data.ray
-        try:
-            self._started_ray = connect_ray(settings.address, cpu_budget)
+        try:  # a local Ray gets the cores the loader would have, or as many as the actors asked for
+            local_cpus = settings.actors if settings.actors != "auto" else cpu_budget
+            self._started_ray = connect_ray(settings.address, local_cpus)
         except (ConnectionError, ValueError) as e:
             raise ConfigError(f"data.ray.address: {e}") from e
         import ray
