@@ -53,13 +53,17 @@ def _losses(output_dir: str) -> List[float]:
 
 
 def _kill_a_worker_later(after_s: float, killed: List[int]) -> threading.Thread:
-    """Kills one batch maker's process (SIGKILL) `after_s` seconds from now."""
+    """Kills one batch maker's process (SIGKILL) `after_s` seconds after the first one appears."""
     def kill() -> None:
-        time.sleep(after_s)
-        found = subprocess.run(["pgrep", "-f", "ray::_BatchMaker"], capture_output=True, text=True).stdout.split()
-        if found:
-            os.kill(int(found[0]), signal.SIGKILL)
-            killed.append(int(found[0]))
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            found = subprocess.run(["pgrep", "-f", "_BatchMaker"], capture_output=True, text=True).stdout.split()
+            if found:
+                time.sleep(after_s)
+                os.kill(int(found[0]), signal.SIGKILL)
+                killed.append(int(found[0]))
+                return
+            time.sleep(0.2)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -69,14 +73,17 @@ def _kill_a_worker_later(after_s: float, killed: List[int]) -> threading.Thread:
 def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=400_000)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rate", default=None, help="each link's rate (tc's units, e.g. 1gbit); default unshaped")
-    ap.add_argument("--kill-after-s", type=float, default=20.0, help="when a Ray worker is killed in the Ray run")
+    ap.add_argument("--kill-after-s", type=float, default=8.0,
+                    help="seconds after the Ray run's batch makers start that one is killed")
     ap.add_argument("--out", default="bench-out/bench_ray_nodes.json")
     args = ap.parse_args(argv)
     why = available()
     if why:
         raise SystemExit(f"bench_ray_nodes {why}")
+    # The nodes, the drivers and the ranks all run here, on addresses this run made: no tokens.
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     sys.path.insert(0, REPO)
     from mlkv_torch.data.criteo import generate
     from mlkv_torch.data.criteo_parquet import parquet_schema
@@ -91,7 +98,6 @@ def main(argv: List[str]) -> int:
         generate(tsv, args.rows, cardinalities=tuple(max(2, n // 100) for n in CRITEO_KAGGLE_CARDINALITIES))
         parts = _split_lines(tsv, 2)
         head = f"{net.address(0)}:{RAY_PORT}"
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         try:
             _in_namespace(net, 0, _ray("start", "--head", f"--node-ip-address={net.address(0)}", f"--port={RAY_PORT}",
                                        "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"))
@@ -100,7 +106,7 @@ def main(argv: List[str]) -> int:
             convert = [sys.executable, "-m", "mlkv_torch.data.criteo", "convert", *parts, "--format", "parquet"]
             began = time.perf_counter()
             subprocess.run([*convert, "--out", os.path.join(work, "here")], check=True, capture_output=True,
-                           cwd=REPO, env=env)
+                           cwd=REPO)
             report["convert_here_rows_per_s"] = args.rows / (time.perf_counter() - began)
             began = time.perf_counter()
             printed = _in_namespace(net, 0, [*convert, "--out", os.path.join(work, "ray"), "--ray", head])
@@ -112,11 +118,11 @@ def main(argv: List[str]) -> int:
                   f"{report['convert_ray_output']}", flush=True)
             files = [f for f in printed.split() if f.endswith(".parquet")]
             schema = parquet_schema([max(2, n // 100) for n in CRITEO_KAGGLE_CARDINALITIES])
-            overrides = [f"data.parquet.train=[{','.join(files)}]", "data.parquet.eval=[]",
+            overrides = [f"data.parquet.train=[{','.join(files)}]", f"data.parquet.eval=[{files[-1]}]",
                          f"data.parquet.dense={json.dumps(schema['dense'])}",
                          f"data.parquet.sparse={json.dumps(schema['sparse'])}", "data.parquet.shuffle_window=8",
                          f"train.steps={args.steps}", "train.log_every=5", f"eval.every={args.steps}",
-                         "eval.batches=0", "train.batch_size=1024", "storage.memory_budget_bytes=33554432"]
+                         "eval.batches=1", "train.batch_size=1024", "storage.memory_budget_bytes=33554432"]
             config = os.path.join(REPO, "configs", "parquet_example.yaml")
             runs = {}
             for engine in ("local", "ray"):
