@@ -92,8 +92,7 @@ def test_benchmark_smoke_runs(smoke_runs, script):
     assert "ERROR" not in done.stdout, done.stdout[-4000:]
     if script == "bench_input.py":  # every stage ran: conversion, a tuned run, one in memory, the loader alone
         for line in ("conversion of 10,000 rows", "criteo_kaggle, auto:", "criteo_terabyte, in memory:",
-                     "parquet_example, in memory:", "loader alone, parquet_example",
-                     "loader alone, parquet_example on Ray"):
+                     "parquet_example, in memory:", "loader alone, parquet_example"):
             assert line in done.stdout, done.stdout[-4000:]
     if script == "bench_replicas.py":  # two namespaces as two nodes, and a multi-node run resumed from its checkpoint
         assert "| 2 ranks, 1gbit, no replicas |" in done.stdout and ": ok" in done.stdout, done.stdout[-4000:]
