@@ -128,5 +128,5 @@ def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, 
     # More actors than the cluster has CPUs for: refused by name, not waited on forever.
     config = load_config(EXAMPLE, [f"output_dir={tmp_path / 'crowded'}", f"data.parquet.train=[{dataset / 'train'}]",
                                    "data.engine=ray", "data.ray.actors=3", "data.ray.start_timeout_s=5"])
-    with pytest.raises(ConfigError, match="Ray started 2 of 3 batch makers"):
+    with pytest.raises(ConfigError, match="Ray started [0-2] of 3 batch makers"):  # CPUs freed late: fewer start
         ParquetSource(config)
