@@ -80,6 +80,16 @@ class ParquetFeatureConfig(_Section):
     rows: int = Field(gt=0)
 
 
+class ParquetTransformConfig(_Section):
+    """A user's transform of each row group (mlkv_torch.data.transforms): `function`, its import
+    path ("package.module:function", importable wherever batches are made), the file columns it
+    `reads` besides the declared ones, and the keyword `args` it is called with."""
+
+    function: str
+    reads: List[str] = []
+    args: Dict[str, Any] = {}
+
+
 class ParquetDataConfig(_Section):
     """A user's Parquet dataset (mlkv_torch.data.parquet): `train` and `eval` files, directories of
     them or glob patterns, and the schema the model reads (only these columns are read)."""
@@ -89,6 +99,7 @@ class ParquetDataConfig(_Section):
     label: str = "label"
     dense: List[str] = []
     sparse: List[ParquetFeatureConfig] = []
+    transform: Optional[ParquetTransformConfig] = None
     shuffle_window: int = Field(0, ge=0)
     seed: int = Field(0, ge=0)
 

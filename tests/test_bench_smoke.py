@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The longest first, so the two at a time end together.
 SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_row_wise.py",
            "bench_embedding.py", "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py",
-           "bench_checkpoint.py --runner", "bench_sequence.py", "bench_virtual.py", "bench_reopen.py"]
+           "bench_checkpoint.py --runner", "bench_sequence.py", "bench_virtual.py", "bench_reopen.py",
+           "bench_rank_shares.py"]
 
 
 class SmokeRuns:
@@ -107,5 +108,7 @@ def test_benchmark_smoke_runs(smoke_runs, script):
     if script == "bench_virtual.py":  # the three configurations ran, the virtual one evicted
         assert "| virtual |" in done.stdout and "| hashed-memory |" in done.stdout, done.stdout[-4000:]
         assert "distinct raw ids trained on:" in done.stdout, done.stdout[-4000:]
+    if script == "bench_rank_shares.py":  # both numberings read by every rank
+        assert "row_groups_read, all ranks:" in done.stdout and "dealt out, rank 1:" in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does
         assert "| False |" not in done.stdout and "| True |" in done.stdout, done.stdout[-4000:]

@@ -190,7 +190,10 @@ def _write_day(prefix, rows: int, seed: int) -> None:
 CARDINALITIES = [1000 + 37 * i for i in range(26)]
 
 
-def test_criteo_batches_equal_torchrecs_datapipe(tmp_path):
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_criteo_batches_equal_torchrecs_datapipe(tmp_path, world):
+    # Each rank's batches (step s of rank r trains batch s * world + r) are those torchrec's datapipe
+    # gives that rank: it deals the batches out in turn.
     pytest.importorskip("torchrec")
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
 
@@ -201,10 +204,18 @@ def test_criteo_batches_equal_torchrecs_datapipe(tmp_path):
     _write_day(prefixes[0], 250, 0)
     _write_day(prefixes[1], 170, 1)  # batches of 64 cross from day 0 into day 1
     ours = CriteoBatches(prefixes, 64, CARDINALITIES)
-    theirs = list(InMemoryBinaryCriteoIterDataPipe("train", *npy_files(prefixes), batch_size=64, rank=0,
-                                                   world_size=1, drop_last=True, mmap_mode=True,
-                                                   hashes=CARDINALITIES))
-    assert ours.batches_per_epoch == len(theirs) == 420 // 64
+    for rank in range(world):
+        theirs = list(InMemoryBinaryCriteoIterDataPipe("train", *npy_files(prefixes), batch_size=64, rank=rank,
+                                                       world_size=world, drop_last=True, mmap_mode=True,
+                                                       hashes=CARDINALITIES))
+        assert ours.batches_per_epoch // world == len(theirs) == 420 // 64 // world
+        for k, expected in enumerate(theirs):
+            got = ours(rank + world * k)
+            assert torch.equal(got.dense_features, expected.dense_features)
+            assert torch.equal(got.labels, expected.labels)
+            assert torch.equal(got.sparse_features.values(), expected.sparse_features.values())
+    if world > 1:
+        return
     for number, expected in enumerate(theirs):
         got = ours(number)
         assert torch.equal(got.dense_features, expected.dense_features)

@@ -3,6 +3,8 @@ reading of the files (pyarrow's whole table, a Python FNV-1a, Python modulo), on
 columns read, bad files refused by file and column, and the runner training on one, with two
 features sharing a table."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,20 @@ def test_string_hashes_are_fnv1a_of_their_bytes():
     assert hash_strings(pa.array(strings, type=pa.large_string())).tolist() == [fnv1a(s) for s in strings]
 
 
+def assert_batch_holds(batch, rows, whole, feats, dense=DENSE):
+    """`batch` holds `rows` of `whole` (the files read plainly, column -> values) as the schema declares."""
+    assert batch.labels.tolist() == [float(whole["label"][r] > 0) for r in rows]
+    values = [[0.0 if whole[d][r] is None else whole[d][r] for d in dense] for r in rows]
+    np.testing.assert_array_equal(batch.dense_features.numpy(), np.asarray(values, dtype=np.float32))
+    kjt = batch.sparse_features.to_dict()
+    for f in feats:
+        cells = [whole[f.column][r] for r in rows]
+        lists = [c if isinstance(c, list) else [c] for c in cells]
+        ids = [[(fnv1a(v) if isinstance(v, str) else v) % f.rows for v in cell] for cell in lists]
+        assert kjt[f.column].lengths().tolist() == [len(cell) for cell in ids]
+        assert kjt[f.column].values().tolist() == [v for cell in ids for v in cell]
+
+
 @pytest.mark.parametrize("shuffle_window", [0, 3])
 def test_batches_hold_the_files_rows_as_declared(dataset, shuffle_window):
     feats = features(rows_scale=7)
@@ -58,21 +74,61 @@ def test_batches_hold_the_files_rows_as_declared(dataset, shuffle_window):
     for number in [0, 4, 10, 11, 17]:
         rows = batches.row_indices(number)
         seen.append(rows)
-        batch = batches(number)
-        assert batch.labels.tolist() == [float(whole["label"][r] > 0) for r in rows]
-        dense = [[0.0 if whole[d][r] is None else whole[d][r] for d in DENSE] for r in rows]
-        np.testing.assert_array_equal(batch.dense_features.numpy(), np.asarray(dense, dtype=np.float32))
-        kjt = batch.sparse_features.to_dict()
-        for f in feats:
-            cells = [whole[f.column][r] for r in rows]
-            lists = [c if isinstance(c, list) else [c] for c in cells]
-            ids = [[(fnv1a(v) if isinstance(v, str) else v) % f.rows for v in cell] for cell in lists]
-            assert kjt[f.column].lengths().tolist() == [len(cell) for cell in ids]
-            assert kjt[f.column].values().tolist() == [v for cell in ids for v in cell]
+        assert_batch_holds(batches(number), rows, whole, feats)
     if shuffle_window:
         assert not np.array_equal(seen[0], np.arange(512))
     else:
         assert np.array_equal(seen[1], np.arange(4 * 512, 5 * 512))
+
+
+@pytest.mark.parametrize("shuffle_window", [0, 3])
+def test_each_rank_reads_its_own_share_of_the_rows_and_row_groups(dataset, shuffle_window):
+    # 6000 rows in 4 row groups of 1500. Two ranks: rows 0-2999 and 3000-5999, two row groups each.
+    # Three ranks: 2000 rows each, rank 1's share straddling row groups 1 and 2.
+    feats = features(rows_scale=7)
+    whole = pq.read_table(sorted((dataset / "train").glob("*.parquet"))).to_pydict()
+    for world, groups_per_rank in ((2, [2, 2]), (3, [2, 2, 2])):
+        share = 6000 // world
+        epoch = []
+        for rank in range(world):
+            batches = ParquetBatches([str(dataset / "train")], 512, "label", DENSE, feats,
+                                     shuffle_window=shuffle_window, seed=5, world=world)
+            assert batches.batches_per_epoch == world * (share // 512)
+            numbers = [rank + world * k for k in range(share // 512)]  # this rank's batches of epoch 0
+            rows = [batches.row_indices(n) for n in numbers]
+            for n, r in zip(numbers[:2], rows):
+                assert_batch_holds(batches(n), r, whole, feats)
+            for n in numbers[2:]:
+                batches(n)
+            assert batches.row_groups_read == groups_per_rank[rank]  # its own row groups alone
+            mine = np.concatenate(rows)
+            assert mine.min() >= rank * share and mine.max() < (rank + 1) * share
+            epoch.append(mine)
+            if not shuffle_window:
+                assert np.array_equal(mine, np.arange(rank * share, rank * share + len(mine)))
+            # The next epoch: the same share, shuffled anew with a window.
+            again = np.concatenate([batches.row_indices(n + batches.batches_per_epoch) for n in numbers])
+            assert np.array_equal(np.sort(again), np.sort(mine))
+            assert np.array_equal(again, mine) == (not shuffle_window)
+        rows = np.concatenate(epoch)
+        assert len(np.unique(rows)) == len(rows) == world * (share // 512) * 512  # no row twice in an epoch
+    with pytest.raises(ValueError, match="hold 6000 rows, fewer than one batch \\(512\\) for each of 12 ranks"):
+        ParquetBatches([str(dataset / "train")], 512, "label", DENSE, feats, world=12)
+
+
+def test_the_ranks_shares_are_torchrecs_and_each_rank_shuffles_its_own():
+    from torchrec.datasets.criteo import BinaryCriteoUtils
+
+    from mlkv_torch.data.row_order import ShuffledRows
+
+    for rows, world in ((6000, 2), (10, 3), (1001, 4), (7, 7)):
+        order = ShuffledRows(rows, 1, world=world)
+        for rank in range(world):
+            ranges, _ = BinaryCriteoUtils.get_file_row_ranges_and_remainder([rows], rank, world)
+            assert (order.first_row(rank), order.first_row(rank + 1) - 1) == ranges[0]
+    order = ShuffledRows(6000, 100, shuffle_window=5, seed=1, world=2)
+    rank_0, rank_1 = order(0), order(1)  # each rank's first batch, from its own permutation
+    assert rank_0.max() < 3000 <= rank_1.min() and not np.array_equal(rank_0 + 3000, rank_1)
 
 
 def test_only_the_declared_columns_are_read(dataset):
@@ -130,6 +186,23 @@ def test_large_integer_dense_values_read_as_floats(tmp_path):
     assert batch.dense_features[:, 0].tolist() == [16_777_216.0, 3.0]  # float32's nearest, as numpy rounds
 
 
+def test_nan_dense_values_read_as_missing_and_an_infinity_is_refused(tmp_path):
+    path = write(tmp_path / "f.parquet", {"label": [0, 1, 1], "x": pa.array([1.5, float("nan"), None]),
+                                          "ids": [1, 2, 3]})
+    batch = ParquetBatches([path], 3, "label", ["x"], [SparseFeature("ids", "t", 10)])(0)
+    assert batch.dense_features[:, 0].tolist() == [1.5, 0.0, 0.0]  # pandas writes a missing float as NaN
+    path = write(tmp_path / "inf.parquet", {"label": [0, 1], "x": [1.5, -float("inf")], "ids": [1, 2]})
+    with pytest.raises(ParquetFormatError, match="inf.parquet', row group 0: column 'x' .* 1 infinite values"):
+        ParquetBatches([path], 2, "label", ["x"], [SparseFeature("ids", "t", 10)])(0)
+
+
+def test_uint64_ids_of_2_63_and_up_keep_their_unsigned_remainder(tmp_path):
+    big = [2**64 - 1, 2**63, 5]
+    path = write(tmp_path / "f.parquet", {"label": [0, 1, 1], "ids": pa.array(big, type=pa.uint64())})
+    batch = ParquetBatches([path], 3, "label", [], [SparseFeature("ids", "t", 1000)])(0)
+    assert batch.sparse_features.values().tolist() == [v % 1000 for v in big]
+
+
 def test_a_schema_the_files_do_not_hold_is_refused_with_the_file_and_column(tmp_path):
     path = write(tmp_path / "f.parquet", {"label": [0, 1], "x": ["a", "b"], "ids": pa.array([1.5, 2.5])})
     with pytest.raises(ParquetFormatError, match="f.parquet' has no column 'clicks'"):
@@ -170,6 +243,20 @@ def test_the_runner_trains_on_parquet_files_with_two_features_sharing_a_table(da
     assert "t_shared" in tables and "t_c_0" not in tables and "t_c_3" not in tables and len(tables) == 12
 
 
+def test_under_torchrun_each_rank_reads_its_own_share(dataset, tmp_path):
+    sparse = json.dumps([{"column": f.column, "rows": f.rows} for f in features(rows_scale=7)])
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "mlkv_torch.train", str(EXAMPLE), f"output_dir={tmp_path / 'run'}", "--no-progress",
+                           f"data.parquet.train=[{dataset / 'train'}]", f"data.parquet.eval=[{dataset / 'eval'}]",
+                           f"data.parquet.sparse={sparse}", "train.batch_size=256", "train.steps=4", "eval.every=4",
+                           "eval.batches=2"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "[data] rank 0 of 2 reads rows 0-2,999 of 6,000 (11 batches an epoch)" in done.stdout, done.stdout
+    assert "[data] rank 1 of 2 reads rows 3,000-5,999 of 6,000 (11 batches an epoch)" in done.stdout, done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["auc"] is not None
+
+
 @pytest.mark.parametrize("shuffle_window", [0, 2])
 def test_criteo_days_as_parquet_make_criteos_batches(tmp_path, shuffle_window):
     # A converted Criteo day written as Parquet and read through its schema: the batches of the npy
@@ -197,3 +284,62 @@ def test_criteo_days_as_parquet_make_criteos_batches(tmp_path, shuffle_window):
         for i in range(26):
             assert kjt_a[f"cat_{i}"].values().tolist() == kjt_b[f"cat_{i}"].values().tolist()
             assert kjt_a[f"cat_{i}"].lengths().tolist() == kjt_b[f"cat_{i}"].lengths().tolist()
+
+
+# A user's transform of each row group, named by import path (tests/row_group_transforms.py).
+
+def test_a_transform_makes_declared_columns_from_the_columns_it_reads(dataset):
+    from mlkv_torch.data.transforms import RowGroupTransform
+
+    boundaries = [-1.0, 0.0, 0.5, 1.0]
+    transform = RowGroupTransform("row_group_transforms:price_buckets", reads=("dense_0",),
+                                  args={"boundaries": boundaries})
+    feats = [*features(rows_scale=7)[:3], SparseFeature("bucket", "bucket", 5)]
+    batches = ParquetBatches([str(dataset / "train")], 512, "label", ["dense_1", "dense_2"], feats,
+                             shuffle_window=3, seed=5, transform=transform)
+    whole = pq.read_table(sorted((dataset / "train").glob("*.parquet"))).to_pydict()
+    # What the transform does, plainly: dense_1 doubled, dense_0's bucket a sparse feature.
+    whole["dense_1"] = [None if v is None else v * 2 for v in whole["dense_1"]]
+    whole["bucket"] = [int(np.searchsorted(boundaries, 0.0 if v is None else v)) for v in whole["dense_0"]]
+    for number in (0, 7, 12):
+        assert_batch_holds(batches(number), batches.row_indices(number), whole, feats, dense=["dense_1", "dense_2"])
+    # dense_0 is read for the transform: its chunks count, the other undeclared columns' do not.
+    plain = ParquetBatches([str(dataset / "train")], 512, "label", ["dense_1", "dense_2"], feats[:3])
+    dense_0 = sum(pq.ParquetFile(p).metadata.row_group(g).column(1).total_compressed_size
+                  for p in sorted((dataset / "train").glob("*.parquet")) for g in range(2))
+    assert pq.ParquetFile(sorted((dataset / "train").glob("*.parquet"))[0]).schema_arrow.names[1] == "dense_0"
+    assert batches.bytes_read_per_epoch == plain.bytes_read_per_epoch + dense_0
+
+
+@pytest.mark.parametrize("function,reads,error,problem", [
+    ("no_such_module:f", (), ValueError, "module 'no_such_module' cannot be imported here"),
+    ("row_group_transforms:missing", (), ValueError, "has no function 'missing'"),
+    ("row_group_transforms:price_buckets", ("dense_0", "nope"), ParquetFormatError,
+     "has no column 'nope', which the transform row_group_transforms:price_buckets reads"),
+    ("row_group_transforms:drops_the_first_row", (), ParquetFormatError,
+     "after the transform row_group_transforms:drops_the_first_row\\) has no column 'bucket'"),
+    ("row_group_transforms:not_a_table", (), TypeError, "returned a dict .*it must return a pyarrow Table"),
+])
+def test_a_transform_that_cannot_make_the_schema_is_refused_when_the_files_are_opened(dataset, function, reads,
+                                                                                    error, problem):
+    from mlkv_torch.data.transforms import RowGroupTransform
+
+    transform = RowGroupTransform(function, reads=reads, args={"boundaries": [0.0]} if reads else {})
+    with pytest.raises(error, match=problem):
+        ParquetBatches([str(dataset / "train")], 512, "label", [], [SparseFeature("bucket", "bucket", 5)],
+                       transform=transform)
+
+
+def test_a_transform_that_fails_on_a_row_group_or_drops_rows_is_named_with_the_row_group(tmp_path):
+    from mlkv_torch.data.transforms import RowGroupTransform
+
+    path = write(tmp_path / "f.parquet", {"label": [0, 1, 1], "ids": [1, 2, 3]})
+    fails = ParquetBatches([path], 3, "label", [], [SparseFeature("ids", "t", 10)],
+                           transform=RowGroupTransform("row_group_transforms:fails_on_rows"))
+    with pytest.raises(RuntimeError, match="fails_on_rows failed on Parquet file .*f.parquet', row group 0: "
+                                           "KeyError: 'no price list for this region'"):
+        fails(0)
+    drops = ParquetBatches([path], 2, "label", [], [SparseFeature("ids", "t", 10)],
+                           transform=RowGroupTransform("row_group_transforms:drops_the_first_row"))
+    with pytest.raises(ValueError, match="returned 2 rows for the 3 of Parquet file .*row group 0; it must keep"):
+        drops(0)

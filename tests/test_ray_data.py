@@ -32,9 +32,18 @@ FEATURES = [SparseFeature(f"c_{f}", f"c_{f}", 500) for f in range(len(DEFAULT_CA
 
 @pytest.fixture(scope="module")
 def local_ray():
-    assert connect_ray("", 2)
-    yield
-    ray.shutdown()
+    # Ray's workers import a user's transform as the trainer does: tests/ on their PYTHONPATH.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), before]))
+    try:
+        assert connect_ray("", 2)
+        yield
+    finally:
+        ray.shutdown()
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,7 @@ def test_an_address_where_no_ray_head_answers_is_refused_by_name(dataset, tmp_pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = load_config(EXAMPLE, [f"output_dir={tmp_path}", f"data.parquet.train=[{dataset / 'train'}]",
-                                   "data.engine=ray", f"data.ray.address=127.0.0.1:{port}"])
+                                   "data.parquet.eval=[]", "data.engine=ray", f"data.ray.address=127.0.0.1:{port}"])
     with pytest.raises(ConfigError, match=f"data.ray.address: no Ray head answers at '127.0.0.1:{port}'"):
         run(config, progress=False)
     with pytest.raises(ConfigError, match="data.engine ray prepares Parquet datasets"):
@@ -85,11 +94,12 @@ def test_criteo_days_converted_on_ray_are_the_in_process_files(local_ray, tmp_pa
 
 
 def test_batches_made_by_ray_actors_are_the_in_process_batches_and_a_killed_actor_loses_none(local_ray, dataset):
-    make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, shuffle_window=3, seed=5)
+    make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, shuffle_window=3, seed=5,
+                   world=2)
     here = make()
     batches = RayBatches(make, partial(parquet_batch, here.feature_names), 2, here.batches_per_epoch, stride=2)
     pids = batches.worker_pids()
-    # Rank 1 of 2: batches 1, 3, 5, ... past the end of the first epoch, two requests in flight.
+    # Rank 1 of 2 (rows 3000-5999): batches 1, 3, 5, ... past the end of the first epoch, two requests in flight.
     loader = BatchLoader(batches, first=1, count=20, stride=2, tuner=None)
     delivered = []
     try:
@@ -111,7 +121,10 @@ def test_batches_made_by_ray_actors_are_the_in_process_batches_and_a_killed_acto
 
 
 def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, dataset, tmp_path):
-    sparse = json.dumps([{"column": f.column, "rows": f.rows} for f in FEATURES])
+    # With a user's transform (tests/row_group_transforms.py) that Ray's workers import for themselves.
+    sparse = json.dumps([*({"column": f.column, "rows": f.rows} for f in FEATURES), {"column": "bucket", "rows": 4}])
+    transform = json.dumps({"function": "row_group_transforms:price_buckets", "reads": ["dense_0"],
+                            "args": {"boundaries": [-0.5, 0.0, 0.5]}})
     losses = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
@@ -119,7 +132,8 @@ def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, 
                                             f"data.parquet.eval=[{dataset / 'eval'}]", f"data.engine={engine}",
                                             "data.ray.actors=2", "train.batch_size=256", "train.steps=12",
                                             "train.log_every=3", "eval.every=12", "eval.batches=2",
-                                            "data.parquet.shuffle_window=4", f"data.parquet.sparse={sparse}"]),
+                                            "data.parquet.shuffle_window=4", f"data.parquet.sparse={sparse}",
+                                            f"data.parquet.transform={transform}"]),
                       progress=False)
         assert summary["steps"] == 12
         losses[engine] = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -127,6 +141,7 @@ def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, 
     assert len(losses["ray"]) == 4 and losses["ray"] == losses["local"]
     # More actors than the cluster has CPUs for: refused by name, not waited on forever.
     config = load_config(EXAMPLE, [f"output_dir={tmp_path / 'crowded'}", f"data.parquet.train=[{dataset / 'train'}]",
-                                   "data.engine=ray", "data.ray.actors=3", "data.ray.start_timeout_s=5"])
+                                   "data.parquet.eval=[]", "data.engine=ray", "data.ray.actors=3",
+                                   "data.ray.start_timeout_s=5"])
     with pytest.raises(ConfigError, match="Ray started [0-2] of 3 batch makers"):  # CPUs freed late: fewer start
         ParquetSource(config)

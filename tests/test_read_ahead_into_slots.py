@@ -183,9 +183,11 @@ def test_stateful_optimizers_read_ahead_into_slots_equal_the_staging_path_bit_fo
         batch.close()
         return outs, rows, placed
 
-    slot_outs, slot_rows, placed = run(True, "slots")
+    slot_outs, slot_rows, _ = run(True, "slots")
     staged_outs, staged_rows, _ = run(False, "staged")
-    named_outs, named_rows, _ = run(True, "named", named=True)
+    named_outs, named_rows, placed = run(True, "named", named=True)
+    # A named lookup waits for its read-ahead to settle: rows were placed however busy the machine
+    # (unnamed, a fetch may take them all over first; a suite under load saw none placed).
     assert placed > 0
     for a, b, c in zip(slot_outs, staged_outs, named_outs):
         assert torch.equal(a, b) and torch.equal(a, c)

@@ -63,11 +63,11 @@ class CriteoBatches:
         self._days = [day_arrays(p) for p in prefixes]
         self._day_starts = np.cumsum([0] + [len(d[0]) for d in self._days])
         self.rows = int(self._day_starts[-1])
-        self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
+        try:  # numbered across the ranks, as torchrec's datapipe deals them out (any rank reads any row of a map)
+            self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
+        except ValueError as e:
+            raise ValueError(f"the Criteo days {list(prefixes)} {e}") from None
         self.batch_size, self.batches_per_epoch = batch_size, self.row_indices.batches_per_epoch
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"the Criteo days {list(prefixes)} hold {self.rows} rows, fewer than one batch "
-                             f"({batch_size})")
         self._hashes = None if cardinalities is None else np.asarray(cardinalities, dtype=np.int64).reshape(
             1, CAT_FEATURES)
         self.feature_names = list(feature_names)

@@ -7,8 +7,10 @@ taken modulo its table's rows. Only the declared columns are read (Parquet's pro
 other columns' bytes never leave the disk), one row group at a time: a row group is the unit of
 reading and decoding, kept decoded while the batches around it are made (a few per process,
 enough for a shuffle window), so a row group is read once per window however many batches it
-feeds. Rows are ordered as ShuffledRows orders them (row_order.py): a batch is a function of its
-number, so resume is exact, as for Criteo.
+feeds. Rows are ordered as ShuffledRows orders them (row_order.py): each of the ranks reads a
+contiguous share of the rows, so of the row groups, and a batch is a function of its number, so
+resume is exact, as for Criteo. A user's transform (transforms.py) may make declared columns from
+others as each row group is read.
 
 Bad input is refused when the files are opened (a missing column, a column of another type,
 named with its file) or when a row group is decoded (nulls, negative ids), never trained on.
@@ -20,12 +22,13 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .row_order import ShuffledRows
+from .transforms import RowGroupTransform
 
 __all__ = ["BatchArrays", "ParquetBatches", "ParquetFormatError", "SparseFeature", "hash_strings", "parquet_batch",
            "parquet_files", "schema_features"]
@@ -132,10 +135,15 @@ class ParquetBatches:
         sparse: the sparse features.
         shuffle_window: batches per shuffled window; 0 keeps the files' order.
         seed: the shuffle's seed.
+        transform: a user's transform of each row group before it is decoded (transforms.py);
+            the declared columns are those it returns.
+        world: ranks sharing the files, each reading its own share of the rows (ShuffledRows), so
+            of the row groups.
     """
 
     def __init__(self, files: Sequence[str], batch_size: int, label: str, dense: Sequence[str],
-                 sparse: Sequence[SparseFeature], shuffle_window: int = 0, seed: int = 0) -> None:
+                 sparse: Sequence[SparseFeature], shuffle_window: int = 0, seed: int = 0,
+                 transform: Optional[RowGroupTransform] = None, world: int = 1) -> None:
         import pyarrow.parquet as pq
 
         if not sparse:
@@ -146,7 +154,10 @@ class ParquetBatches:
             if name == label:  # a model fed its own label learns nothing it can use
                 raise ValueError(f"column {label!r} is the label and is declared as a feature too")
         self.columns = [label, *self.dense, *dict.fromkeys(f.column for f in self.sparse)]
+        self.transform = transform
+        self._transform = transform.load() if transform is not None else None
         self._readers, self._row_groups = [], []  # (file, row group) in row order
+        self._file_columns: List[List[str]] = []  # the columns read from each file
         starts = [0]
         self.bytes_read_per_epoch = self.bytes_per_epoch = 0  # the declared columns', every column's
         for path in self.files:
@@ -154,7 +165,7 @@ class ParquetBatches:
                 reader = pq.ParquetFile(path, pre_buffer=False)
             except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not Parquet
                 raise ParquetFormatError(f"Parquet file {path!r} cannot be read: {e}") from e
-            self._check_schema(path, reader.schema_arrow)
+            self._file_columns.append(self._columns_to_read(path, reader.schema_arrow))
             self._readers.append(reader)
             meta = reader.metadata
             for g in range(meta.num_row_groups):
@@ -164,15 +175,15 @@ class ParquetBatches:
                 for c in range(group.num_columns):
                     chunk = group.column(c)
                     self.bytes_per_epoch += chunk.total_compressed_size
-                    if chunk.path_in_schema.split(".")[0] in self.columns:
+                    if chunk.path_in_schema.split(".")[0] in self._file_columns[-1]:
                         self.bytes_read_per_epoch += chunk.total_compressed_size
         self._starts = np.asarray(starts, dtype=np.int64)
         self.rows, self.row_groups = int(self._starts[-1]), len(self._row_groups)
-        self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed)
+        try:
+            self.row_indices = ShuffledRows(self.rows, batch_size, shuffle_window, seed, world)
+        except ValueError as e:
+            raise ValueError(f"the Parquet files {self.files} {e}") from None
         self.batch_size, self.batches_per_epoch = batch_size, self.row_indices.batches_per_epoch
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"the Parquet files {self.files} hold {self.rows} rows, fewer than one batch "
-                             f"({batch_size})")
         self.feature_names = [f.column for f in self.sparse]
         # Decoded row groups, the most recently used last: enough for a shuffle window and the next.
         rows_per_group = max(1, self.rows // len(self._row_groups))
@@ -183,26 +194,63 @@ class ParquetBatches:
         self._lock = threading.Lock()
         self.row_groups_read = 0  # decoded so far (a row group read again once dropped counts again)
 
-    def _check_schema(self, path: str, schema: Any) -> None:
+    def _columns_to_read(self, path: str, schema: Any) -> List[str]:
+        """The columns of the file `path` (of `schema`) to read: the declared ones, or, with a
+        transform, those of them the file has and those the transform reads; the declared
+        columns (the transform's output) checked against the schema."""
+        if self._transform is None:
+            self._check_schema(path, schema)
+            return self.columns
+        missing = [name for name in self.transform.reads if name not in schema.names]
+        if missing:
+            raise ParquetFormatError(f"Parquet file {path!r} has no column {missing[0]!r}, which the transform "
+                                     f"{self.transform.function} reads (it has {schema.names})")
+        columns = list(dict.fromkeys([*(c for c in self.columns if c in schema.names), *self.transform.reads]))
+        # The transform's output for no rows: a declared column it does not make is named before any batch.
+        self._transformed(schema.empty_table().select(columns), path, "its schema (no rows)")
+        return columns
+
+    def _transformed(self, table: Any, path: str, where: str) -> Any:
+        """The transform's table of `table` (read from `path`, `where` in it), checked: a Table of
+        as many rows holding the declared columns."""
+        import pyarrow as pa
+
+        name = self.transform.function
+        try:
+            out = self._transform(table)
+        except Exception as e:  # the user's code: its error, said where it happened
+            raise RuntimeError(f"the transform {name} failed on Parquet file {path!r}, {where}: "
+                               f"{type(e).__name__}: {e}") from e
+        if not isinstance(out, pa.Table):
+            raise TypeError(f"the transform {name} returned a {type(out).__name__} for Parquet file {path!r}, "
+                            f"{where}; it must return a pyarrow Table")
+        if out.num_rows != table.num_rows:  # rows are numbered before it runs: it may not drop or add any
+            raise ValueError(f"the transform {name} returned {out.num_rows} rows for the {table.num_rows} of "
+                             f"Parquet file {path!r}, {where}; it must keep every row (filter the files instead)")
+        self._check_schema(path, out.schema, f" (after the transform {name})")
+        return out
+
+    def _check_schema(self, path: str, schema: Any, after: str = "") -> None:
         import pyarrow as pa
 
         def column_type(name: str) -> Any:
             if name not in schema.names:
-                raise ParquetFormatError(f"Parquet file {path!r} has no column {name!r} (it has {schema.names})")
+                raise ParquetFormatError(f"Parquet file {path!r}{after} has no column {name!r} "
+                                         f"(it has {schema.names})")
             return schema.field(name).type
 
         numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
         for name, role in [(self.label, "the label"), *((d, "a dense feature") for d in self.dense)]:
             kind = column_type(name)
             if not any(test(kind) for test in numeric):
-                raise ParquetFormatError(f"Parquet file {path!r}: column {name!r} ({role}) has type {kind}; "
-                                         f"it must be numeric")
+                raise ParquetFormatError(f"Parquet file {path!r}{after}: column {name!r} ({role}) has type "
+                                         f"{kind}; it must be numeric")
         for feature in self.sparse:
             kind = column_type(feature.column)
             inner = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else kind
             if not (pa.types.is_integer(inner) or pa.types.is_string(inner) or pa.types.is_large_string(inner)):
-                raise ParquetFormatError(f"Parquet file {path!r}: column {feature.column!r} (a sparse feature) has "
-                                         f"type {kind}; it must be int, string, or a list of either")
+                raise ParquetFormatError(f"Parquet file {path!r}{after}: column {feature.column!r} (a sparse "
+                                         f"feature) has type {kind}; it must be int, string, or a list of either")
 
     def __call__(self, number: int) -> Any:
         """Batch `number` (any non-negative int: epochs repeat with their own shuffle)."""
@@ -265,7 +313,9 @@ class ParquetBatches:
         file, index = self._row_groups[g]
         path = self.files[file]
         # One thread a row group: the loader's threads are the parallelism, within their CPU budget.
-        table = self._readers[file].read_row_group(index, columns=self.columns, use_threads=False)
+        table = self._readers[file].read_row_group(index, columns=self._file_columns[file], use_threads=False)
+        if self._transform is not None:
+            table = self._transformed(table, path, f"row group {index}")
 
         def column(name: str) -> Any:
             return table.column(name).combine_chunks()
@@ -278,8 +328,13 @@ class ParquetBatches:
         dense = np.empty((table.num_rows, len(self.dense)), dtype=np.float32)
         for d, name in enumerate(self.dense):
             # Unsafe: large integers (prices in cents, timestamps) round to the nearest float, as numpy would.
-            values = pc.fill_null(column(name).cast(pa.float32(), safe=False), 0.0)
-            dense[:, d] = values.to_numpy(zero_copy_only=False)
+            values = pc.fill_null(column(name).cast(pa.float32(), safe=False), 0.0).to_numpy(zero_copy_only=False)
+            # NaN is how pandas writes a missing float: missing, as a null. An infinity is no value to train on.
+            values = np.nan_to_num(values, nan=0.0, posinf=np.inf, neginf=-np.inf)
+            if not np.isfinite(values).all():
+                raise ParquetFormatError(f"Parquet file {path!r}, row group {index}: column {name!r} (a dense "
+                                         f"feature) has {int(np.isinf(values).sum())} infinite values")
+            dense[:, d] = values
         ids, offsets = [], []
         for feature in self.sparse:
             array = column(feature.column)
@@ -295,12 +350,14 @@ class ParquetBatches:
             if inner.null_count:
                 raise ParquetFormatError(f"{where} has {inner.null_count} null ids in its lists")
             if pa.types.is_integer(inner.type):
-                raw = inner.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-                if raw.size and int(raw.min()) < 0:
-                    raise ParquetFormatError(f"{where} has a negative id ({int(raw.min())})")
+                raw = inner.to_numpy(zero_copy_only=False)
+                if raw.dtype != np.uint64:  # uint64 ids of 2**63 and up keep their remainder, taken unsigned
+                    raw = raw.astype(np.int64, copy=False)
+                    if raw.size and int(raw.min()) < 0:
+                        raise ParquetFormatError(f"{where} has a negative id ({int(raw.min())})")
             else:
                 raw = hash_strings(inner)
-            ids.append(raw % feature.rows)
+            ids.append((raw % raw.dtype.type(feature.rows)).astype(np.int64, copy=False))
             offsets.append(row_offsets)
         return _RowGroup(labels, dense, ids, offsets)
 

@@ -1,7 +1,8 @@
 """The runner's data: an experiment's batches by number (synthetic, Criteo or Parquet) and its loader's tuner.
 
 A source gives ``make_batch(number)`` for training (step s trains batch s * world_size + rank on
-each rank) and ``eval(batches, rank, world)`` for held-out batches, with the planted model's
+each rank; a Parquet dataset's rows are shared out among the ranks, ShuffledRows) and ``eval(batches, rank, world)``
+for held-out batches, with the planted model's
 click probabilities where the data has them, and ``tables``: (name, rows, feature names) of each
 table the model needs (one a feature, but for Parquet features that share one).
 """
@@ -168,33 +169,42 @@ class CriteoSource(_TablePerFeature, _FileBatches):
 
 
 class ParquetSource(_FileBatches):
-    """A user's Parquet files with a declared schema (mlkv_torch.data.parquet), batch by number;
-    with data.engine ray, training batches are made by Ray actors (mlkv_torch.data.ray_batches)
-    and evaluation batches here. `remote_workers`: the actors (None: made here)."""
+    """A user's Parquet files with a declared schema (mlkv_torch.data.parquet), batch by number,
+    each of `world` ranks reading its own share of the rows (`row_order`, a ShuffledRows); with
+    data.engine ray, training batches are made by Ray actors (mlkv_torch.data.ray_batches) and
+    evaluation batches here. `remote_workers`: the actors (None: made here)."""
 
-    def __init__(self, config: ExperimentConfig, cpu_budget: int = 1) -> None:
+    def __init__(self, config: ExperimentConfig, cpu_budget: int = 1, world: int = 1) -> None:
+        import functools
+
         from .parquet import ParquetBatches, schema_features
+        from .transforms import RowGroupTransform
 
         data = config.data.parquet
         features, self.tables = schema_features(data.sparse)
         self.feature_names = [f.column for f in features]
         self.num_dense, self.batch_size = len(data.dense), config.train.batch_size
+        transform = data.transform and RowGroupTransform(data.transform.function, tuple(data.transform.reads),
+                                                         dict(data.transform.args))
+        # Picklable: a Ray actor builds its own.
+        batches = functools.partial(ParquetBatches, batch_size=self.batch_size, label=data.label, dense=data.dense,
+                                    sparse=features, transform=transform, world=world)
         try:  # opened here in any case: the files' schemas are checked before a worker starts
-            self.train_batches = ParquetBatches(data.train, self.batch_size, data.label, data.dense, features,
-                                                shuffle_window=data.shuffle_window, seed=data.seed)
-            self.eval_batches = ParquetBatches(data.eval, self.batch_size, data.label, data.dense,
-                                               features) if data.eval else None
-        except ValueError as e:
+            self.train_batches = batches(data.train, shuffle_window=data.shuffle_window, seed=data.seed)
+            self.eval_batches = batches(data.eval) if data.eval else None
+        except (ValueError, TypeError, RuntimeError) as e:  # a file, or the user's transform, refused
             raise ConfigError(f"data.parquet: {e}") from e
+        self.row_order = self.train_batches.row_indices
         self.remote_workers: Optional[int] = None
         self._started_ray = False
         if config.data.engine == "ray":
-            self._prepare_on_ray(config, features, cpu_budget)
+            self._prepare_on_ray(config, functools.partial(batches, data.train, shuffle_window=data.shuffle_window,
+                                                           seed=data.seed), world, cpu_budget)
 
-    def _prepare_on_ray(self, config: ExperimentConfig, features: list, cpu_budget: int) -> None:
+    def _prepare_on_ray(self, config: ExperimentConfig, make: Any, world: int, cpu_budget: int) -> None:
         import functools
 
-        from .parquet import ParquetBatches, parquet_batch
+        from .parquet import parquet_batch
         from .ray_batches import RayBatches, connect_ray
 
         data, settings = config.data.parquet, config.data.ray
@@ -205,15 +215,12 @@ class ParquetSource(_FileBatches):
             raise ConfigError(f"data.ray.address: {e}") from e
         import ray
 
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         actors = settings.actors
         if actors == "auto":
             actors = max(1, int(ray.cluster_resources().get("CPU", 1)) // world)
         local = self.train_batches
         # Unshuffled, consecutive batches share row groups: an actor makes a row group's run of them.
         chunk = 1 if data.shuffle_window else max(1, local.rows // local.row_groups // self.batch_size)
-        make = functools.partial(ParquetBatches, local.files, self.batch_size, data.label, data.dense, features,
-                                 shuffle_window=data.shuffle_window, seed=data.seed)
         try:
             self.train_batches = RayBatches(make, functools.partial(parquet_batch, self.feature_names), actors,
                                             local.batches_per_epoch, stride=world, chunk=chunk,
@@ -238,9 +245,12 @@ class ParquetSource(_FileBatches):
         return None
 
 
-def batch_source(config: ExperimentConfig, cpu_budget: int = 1
+def batch_source(config: ExperimentConfig, cpu_budget: int = 1, world: int = 1
                  ) -> Union[SyntheticSource, CriteoSource, ParquetSource]:
-    """The source of data.kind (`cpu_budget`: the cores a local Ray may take, `input_cpu_budget`)."""
+    """The source of data.kind for a run of `world` ranks (`cpu_budget`: the cores a local Ray may
+    take, `input_cpu_budget`)."""
     if config.data.kind == "parquet":
-        return ParquetSource(config, cpu_budget)
-    return {"synthetic": SyntheticSource, "criteo": CriteoSource}[config.data.kind](config)
+        return ParquetSource(config, cpu_budget, world)
+    if config.data.kind == "criteo":
+        return CriteoSource(config)
+    return SyntheticSource(config)

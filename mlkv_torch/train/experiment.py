@@ -63,7 +63,8 @@ class Experiment:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         self.config = config
-        self.source = batch_source(config, input_cpu_budget(config, torch_threads(config)))
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.source = batch_source(config, input_cpu_budget(config, torch_threads(config)), self.world_size)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=features, **_virtual_table_fields(config))
                   for name, n, features in self.source.tables]
@@ -71,7 +72,6 @@ class Experiment:
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.tables_path = config.tables_path
-        self.distributed = dist.is_available() and dist.is_initialized()
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.distributed:
@@ -205,7 +205,7 @@ class Experiment:
 
     def loader(self, first_step: int, steps: int) -> Any:
         """A BatchLoader of this rank's batches of steps [first_step, first_step + steps): step s
-        trains batch number s * world_size + rank on each rank."""
+        trains batch number s * world_size + rank on each rank (from the rank's share of the files)."""
         from ..data.loader import BatchLoader
 
         world = self.world_size

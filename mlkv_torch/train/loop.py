@@ -76,6 +76,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                           f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
     if experiment.distributed and experiment.is_main:
         elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
+    if experiment.world_size > 1 and hasattr(experiment.source, "row_order"):
+        print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", flush=True)
     populate_s = 0.0
     # A resumed run's tables hold their rows already; populating again would also take a cut past
     # the one its checkpoint names.

@@ -1,0 +1,27 @@
+"""Row-group transforms the tests name by import path ("row_group_transforms:price_buckets"): a
+user's module, imported by the loader's threads and by Ray's workers (PYTHONPATH holds tests/)."""
+import numpy as np
+import pyarrow as pa
+
+
+def price_buckets(table: pa.Table, boundaries: list) -> pa.Table:
+    """A sparse feature `bucket` (one id a row) from the dense column dense_0, and dense_1 doubled."""
+    prices = table.column("dense_0").to_numpy(zero_copy_only=False)
+    buckets = np.searchsorted(np.asarray(boundaries), np.nan_to_num(prices, nan=0.0)).astype(np.int64)
+    doubled = pa.array(table.column("dense_1").to_numpy(zero_copy_only=False) * 2, type=pa.float64())
+    table = table.set_column(table.schema.get_field_index("dense_1"), "dense_1", doubled)
+    return table.append_column("bucket", pa.array(buckets))
+
+
+def drops_the_first_row(table: pa.Table) -> pa.Table:
+    return table.slice(1)
+
+
+def fails_on_rows(table: pa.Table) -> pa.Table:
+    if table.num_rows:
+        raise KeyError("no price list for this region")
+    return table
+
+
+def not_a_table(table: pa.Table) -> dict:
+    return table.to_pydict()
