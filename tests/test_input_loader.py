@@ -169,6 +169,17 @@ def test_tuner_buffers_the_slowest_batch_within_the_memory_budget():
         InputTuner(1, "many")
 
 
+def test_fixed_settings_still_measure_what_the_input_needs():
+    # One thread, fixed: nothing is decided, but the threads that would keep up are measured (and
+    # the runner reports them when training waited).
+    loader = BatchLoader(lambda n: time.sleep(0.02) or _numbered(n), count=24, tuner=InputTuner(1, 1, cpu_budget=8))
+    for _ in loader:
+        time.sleep(0.005)
+    stats = loader.stats()
+    assert stats["decisions"] == 0 and stats["workers"] == 1
+    assert stats["workers_needed"] >= 2 and stats["input_cores"] > 0
+
+
 def test_auto_tuning_adds_threads_while_training_waits():
     # Each batch takes 20 ms on its thread and training takes 5 ms: one thread keeps it waiting.
     loader = BatchLoader(lambda n: time.sleep(0.02) or _numbered(n), count=64,

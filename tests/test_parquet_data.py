@@ -343,3 +343,23 @@ def test_a_transform_that_fails_on_a_row_group_or_drops_rows_is_named_with_the_r
                            transform=RowGroupTransform("row_group_transforms:drops_the_first_row"))
     with pytest.raises(ValueError, match="returned 2 rows for the 3 of Parquet file .*row group 0; it must keep"):
         drops(0)
+
+
+def test_a_torchrec_npy_day_with_negative_int32_values_becomes_parquet_of_the_values_unsigned(tmp_path):
+    from mlkv_torch.data.criteo_parquet import day_to_parquet, parquet_schema
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "day_0")
+    sparse = rng.integers(0, 1 << 31, (8, 26)).astype(np.int32)
+    sparse[0, :3] = [-1, -(1 << 31), 7]  # torchrec's npy files hold values past 2**31 so
+    np.save(f"{prefix}_dense.npy", rng.random((8, 13), dtype=np.float32))
+    np.save(f"{prefix}_sparse.npy", sparse)
+    np.save(f"{prefix}_labels.npy", rng.integers(0, 2, (8, 1), dtype=np.int32))
+    path = str(tmp_path / "day_0.parquet")
+    assert day_to_parquet(prefix, path) == 8
+    schema = parquet_schema([1000] * 26)
+    batch = ParquetBatches([path], 8, schema["label"], schema["dense"],
+                           [SparseFeature(s["column"], s["column"], s["rows"]) for s in schema["sparse"]])(0)
+    ids = batch.sparse_features.values().view(26, 8).T
+    assert ids[0, :3].tolist() == [(2**32 - 1) % 1000, 2**31 % 1000, 7]
+    assert ids.tolist() == (sparse.astype(np.int64) % (1 << 32) % 1000).tolist()

@@ -3,7 +3,9 @@
 
 Columns: `label` (int32), `int_0..int_12` (float32, the dense features as converted: their log),
 `cat_0..cat_25` (int64, the categorical values whole: a schema takes them modulo its tables' rows,
-as CriteoBatches does). `parquet_schema(cardinalities)` is the `data.parquet` section that reads it.
+as CriteoBatches does). Values are written unsigned: torchrec's own npy days hold those past 2**31
+as negative int32 (the npy path hashes those negatives as torchrec's datapipe does, so for them
+alone the two paths' hashed ids differ). `parquet_schema(cardinalities)` is the `data.parquet` section that reads it.
 
 `convert_to_parquet_on_ray` converts many inputs at once, each input a Ray task on whichever node
 of the cluster is free (the cache directory must be on a file system every node shares): the
@@ -35,7 +37,7 @@ def day_to_parquet(prefix: str, path: str, row_group_rows: int = _ROW_GROUP_ROWS
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .criteo_batches import day_arrays
+    from .criteo_batches import RAW_ID_MASK, day_arrays
 
     dense, sparse, labels = day_arrays(prefix)
     names = ["label", *(f"int_{i}" for i in range(INT_FEATURES)), *(f"cat_{i}" for i in range(CAT_FEATURES))]
@@ -48,7 +50,7 @@ def day_to_parquet(prefix: str, path: str, row_group_rows: int = _ROW_GROUP_ROWS
             rows = slice(first, first + row_group_rows)
             columns: List[Any] = [np.ascontiguousarray(labels[rows, 0], dtype=np.int32)]
             columns += [np.ascontiguousarray(dense[rows, i], dtype=np.float32) for i in range(INT_FEATURES)]
-            columns += [np.ascontiguousarray(sparse[rows, i], dtype=np.int64) for i in range(CAT_FEATURES)]
+            columns += [sparse[rows, i].astype(np.int64) & RAW_ID_MASK for i in range(CAT_FEATURES)]
             writer.write_table(pa.table(columns, names=names), row_group_size=row_group_rows)
     os.replace(partial, path)
     return len(labels)

@@ -163,7 +163,7 @@ class BatchLoader:
     def _decide(self) -> None:
         self._next_decision = min(2 * self._next_decision, self._next_decision + _DECISION_PERIOD)
         make_s, make_max_s = self._made.take()
-        if not self._tuner.tunes or self._window_batches == 0:
+        if self._window_batches == 0:
             return
         per_batch = 1e3 / self._window_batches
         window = InputWindow(batches=self._window_batches, make_ms=make_s * 1e3, make_max_ms=make_max_s * 1e3,
@@ -171,9 +171,12 @@ class BatchLoader:
                              batch_bytes=self._made.batch_bytes)
         self._window_wait_s = self._window_step_s = 0.0
         self._window_batches = 0
-        self._decisions += 1
+        # Measured with fixed settings too: a run that waits is told what the input needs either way.
         self._workers_needed = InputTuner.workers_needed(self._choice, window)
         self._input_cores = window.make_ms / max(window.step_ms + window.wait_ms, 1e-3)
+        if not self._tuner.tunes:
+            return
+        self._decisions += 1
         choice = self._tuner.decide(self._choice, window)
         if choice != self._choice:
             self._choice = choice
