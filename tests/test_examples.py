@@ -67,3 +67,19 @@ def test_the_getting_started_python_block_runs_as_written(tmp_path):
                               cwd=tmp_path)
         assert done.returncode == 0, block + done.stderr[-3000:]
         assert "Warning" not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_parquet_transforms_example_makes_its_features(monkeypatch):
+    import pyarrow as pa
+
+    from mlkv_torch.data.transforms import RowGroupTransform
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # as docs/data.md runs it: PYTHONPATH=examples
+    table = pa.table({"a": [1, 2, 1, 3], "b": [5, 5, 5, 6], "x": [0.5, None, 2.0, -1.0]})
+    crossed = RowGroupTransform("parquet_transforms:crossed", args={"columns": ["a", "b"], "into": "ab"}).load()(table)
+    ids = crossed.column("ab").to_pylist()
+    assert crossed.column_names == ["a", "b", "x", "ab"]
+    assert ids[0] == ids[2] and len(set(ids)) == 3 and min(ids) >= 0  # one id a combination
+    buckets = RowGroupTransform("parquet_transforms:bucketized",
+                                args={"column": "x", "boundaries": [0.0, 1.0], "into": "a"}).load()(table)
+    assert buckets.column_names == ["a", "b", "x"] and buckets.column("a").to_pylist() == [1, 0, 2, 0]
