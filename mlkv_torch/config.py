@@ -107,12 +107,15 @@ class ParquetDataConfig(_Section):
 class RayDataConfig(_Section):
     """Where `data.engine: ray` prepares batches: `address`, the Ray head's host:port (empty: a
     local Ray started for the run), `actors`, the batch makers each rank keeps there ("auto": the
-    cluster's CPUs shared among the ranks), and `start_timeout_s`, how long they may take to start
-    (a cluster without the CPUs for them fails the run then)."""
+    cluster's CPUs shared among the ranks), `start_timeout_s`, how long they may take to start
+    (a cluster without the CPUs for them fails the run then), and `batch_timeout_s`, how long a
+    batch may take before it is asked for again (of the next batch maker; a few times, then the run
+    fails naming it)."""
 
     address: str = ""
     actors: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     start_timeout_s: float = Field(300.0, gt=0)
+    batch_timeout_s: float = Field(120.0, gt=0)
 
 
 class DataConfig(_Section):

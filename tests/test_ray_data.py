@@ -120,6 +120,26 @@ def test_batches_made_by_ray_actors_are_the_in_process_batches_and_a_killed_acto
         assert torch.equal(batch.sparse_features.lengths(), expected.sparse_features.lengths())
 
 
+def test_a_batch_that_does_not_come_is_asked_for_again_of_the_next_actor(local_ray, dataset, tmp_path):
+    from stalling_batch_maker import StallsOnce
+
+    make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, shuffle_window=3, seed=5)
+    here = make()
+    stalls = partial(StallsOnce, str(tmp_path / "stalled"), 5, 30.0, make)  # batch 5's first maker sleeps 30 s
+    batches = RayBatches(stalls, partial(parquet_batch, here.feature_names), 2, here.batches_per_epoch,
+                         batch_timeout_s=2.0)
+    try:
+        delivered = list(BatchLoader(batches, count=8, tuner=None))
+        # Batch 7 goes to the sleeping actor too: asked again of the other.
+        assert batches.asked_again == 2
+    finally:
+        batches.close()
+    for number, batch in enumerate(delivered):
+        assert torch.equal(batch.sparse_features.values(), here(number).sparse_features.values())
+        assert torch.equal(batch.labels, here(number).labels)
+    assert (tmp_path / "stalled").exists()
+
+
 def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, dataset, tmp_path):
     # With a user's transform (tests/row_group_transforms.py) that Ray's workers import for themselves.
     sparse = json.dumps([*({"column": f.column, "rows": f.rows} for f in FEATURES), {"column": "bucket", "rows": 4}])

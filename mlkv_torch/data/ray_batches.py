@@ -9,6 +9,10 @@ and Ray runs their unfinished calls again (``max_restarts``, ``max_task_retries`
 worker costs time, never a batch, and since the rank takes one result per number, none comes
 twice.
 
+A batch that has not come within `batch_timeout_s` is asked for again, of the next actor (a result
+lost between Ray's nodes, or an actor stuck, then costs that long, not the run); after
+`_ASKS` asks the run fails, naming the batch.
+
 Decided: an actor pool rather than a Ray Data stream (``streaming_split``) feeds the ranks. A
 stream's order depends on the cluster's timing; batches by number keep training reproducible and
 resumable, and the ranks independent of one another.
@@ -17,9 +21,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any, Callable, List
 
 __all__ = ["RayBatches", "connect_ray"]
+
+_ASKS = 3  # times a batch is asked for before the run fails
 
 
 def connect_ray(address: str, cpus: int) -> bool:
@@ -42,9 +49,10 @@ def connect_ray(address: str, cpus: int) -> bool:
     if address:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
         return False
-    # A small object store: a few batches in flight per actor, not the default 30% of memory.
-    ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=256 << 20, logging_level="WARNING",
-             log_to_driver=False)
+    # A small object store: a few batches in flight per actor, not the default 30% of memory. A new
+    # Ray ("local"), not the last one `ray start` made here, which Ray would join (or fail to, if it is gone).
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=256 << 20,
+             logging_level="WARNING", log_to_driver=False)
     return True
 
 
@@ -74,10 +82,13 @@ class RayBatches:
         stride: between the numbers this process asks for (the world size): consecutive requests
             go to consecutive actors.
         chunk: consecutive requests that go to one actor (batches that share row groups).
+        start_timeout_s: how long the actors may take to start (RuntimeError after).
+        batch_timeout_s: how long a batch may take before it is asked for again.
     """
 
     def __init__(self, make: Callable[[], Any], assemble: Callable[[Any], Any], actors: int, batches_per_epoch: int,
-                 stride: int = 1, chunk: int = 1, start_timeout_s: float = 300.0) -> None:
+                 stride: int = 1, chunk: int = 1, start_timeout_s: float = 300.0,
+                 batch_timeout_s: float = 120.0) -> None:
         import ray
 
         if actors < 1:
@@ -95,13 +106,25 @@ class RayBatches:
                                f"ask for fewer (data.ray.actors)")
         ray.get(ready)  # an actor whose maker failed to start raises its error here
         self._assemble, self._stride, self._chunk = assemble, stride, chunk
+        self._batch_timeout_s = batch_timeout_s
         self.actors, self.batches_per_epoch = actors, batches_per_epoch
+        self.asked_again = 0  # batches asked for again after a timeout
 
     def __call__(self, number: int) -> Any:
         import ray
 
-        actor = self._actors[(number // self._stride // self._chunk) % len(self._actors)]
-        return self._assemble(ray.get(actor.arrays.remote(number)))
+        first = number // self._stride // self._chunk
+        for ask in range(_ASKS):
+            actor = self._actors[(first + ask) % len(self._actors)]
+            try:
+                return self._assemble(ray.get(actor.arrays.remote(number), timeout=self._batch_timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                self.asked_again += 1
+                print(f"[data] batch {number} did not come from its Ray batch maker within "
+                      f"{self._batch_timeout_s:g} s (data.ray.batch_timeout_s); asking again", file=sys.stderr,
+                      flush=True)
+        raise RuntimeError(f"batch {number} did not come from Ray within {self._batch_timeout_s:g} s, asked "
+                           f"{_ASKS} times (data.ray.batch_timeout_s): are the batch makers alive?")
 
     def worker_pids(self) -> List[int]:
         """The process id of each actor."""

@@ -224,7 +224,8 @@ class ParquetSource(_FileBatches):
         try:
             self.train_batches = RayBatches(make, functools.partial(parquet_batch, self.feature_names), actors,
                                             local.batches_per_epoch, stride=world, chunk=chunk,
-                                            start_timeout_s=settings.start_timeout_s)
+                                            start_timeout_s=settings.start_timeout_s,
+                                            batch_timeout_s=settings.batch_timeout_s)
         except RuntimeError as e:
             raise ConfigError(f"data.ray: {e}") from e
         self.remote_workers = actors
