@@ -20,6 +20,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from mlkv_torch.ranks import exit_without_finalizing
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
 
 DIM, BATCH, STEPS = 16, 256, 60
@@ -77,3 +78,6 @@ def main(storage: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="mlkv-example-dmp-"))
+    # Without Python's teardown, where torch's gloo threads, still freeing the last backward's
+    # allreduce, can abort the process (pytorch#190489; mlkv_torch.ranks says how).
+    exit_without_finalizing(0)

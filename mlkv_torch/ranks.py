@@ -8,12 +8,21 @@ thread with ``pthread_exit``, and the process aborts with "terminate called with
 exception" (seen in a core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` ->
 ``take_gil`` -> ``PyThread_exit_thread``, during ``Py_FinalizeEx``). The store holds bytes, no
 tensors, so an exchange at the end of a run cannot race the interpreter's exit.
+
+The last training step's gradient allreduces (DDP's, in backward) race it the same way: each gloo
+work keeps the backward's thread-local state, which holds a Python object, and gloo's threads
+outlive ``destroy_process_group``. ``exit_without_finalizing`` ends a rank's process once its exit
+handlers have run, without the interpreter's teardown where that race aborts (seen at 2 runs in 30
+of examples/dmp.py on a loaded machine; pytorch#190489).
 """
 from __future__ import annotations
 
+import atexit
 import itertools
+import os
 import pickle
-from typing import Any, List
+import sys
+from typing import Any, List, NoReturn
 
 import torch.distributed as dist
 
@@ -27,3 +36,13 @@ def all_gather_objects(obj: Any) -> List[Any]:
     exchange = next(_exchanges)
     store.set(f"mlkv/exchange{exchange}/{dist.get_rank()}", pickle.dumps(obj))
     return [pickle.loads(store.get(f"mlkv/exchange{exchange}/{rank}")) for rank in range(dist.get_world_size())]
+
+
+def exit_without_finalizing(code: int = 0) -> NoReturn:
+    """Ends this torchrun rank's process with `code`: the exit handlers run (they close open disk
+    tables), the standard streams are flushed, and the process leaves without Python's teardown
+    (see the module's docstring)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
