@@ -324,7 +324,7 @@ class ParquetBatches:
         if label.null_count:
             raise ParquetFormatError(f"Parquet file {path!r}, row group {index}: column {self.label!r} (the label) "
                                      f"has {label.null_count} nulls")
-        labels = (label.cast(pa.float32()).to_numpy(zero_copy_only=False) > 0).astype(np.float32)
+        labels = (label.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False) > 0).astype(np.float32)
         dense = np.empty((table.num_rows, len(self.dense)), dtype=np.float32)
         for d, name in enumerate(self.dense):
             # Unsafe: large integers (prices in cents, timestamps) round to the nearest float, as numpy would.

@@ -104,7 +104,12 @@ class RayBatches:
             raise RuntimeError(f"Ray started {len(ready)} of {actors} batch makers (a CPU each) in "
                                f"{start_timeout_s:.0f} s: the cluster has {free:.0f} CPUs free of {cpus:.0f}; "
                                f"ask for fewer (data.ray.actors)")
-        ray.get(ready)  # an actor whose maker failed to start raises its error here
+        try:
+            ray.get(ready)  # an actor whose maker failed to start raises its error here
+        except ray.exceptions.RayError as e:  # the others go too: their CPUs back to the cluster
+            self.close()
+            raise RuntimeError(f"a Ray batch maker failed to start (is the transform's module importable and "
+                               f"are the files at the same path on every node?): {e}") from e
         self._assemble, self._stride, self._chunk = assemble, stride, chunk
         self._batch_timeout_s = batch_timeout_s
         self.actors, self.batches_per_epoch = actors, batches_per_epoch

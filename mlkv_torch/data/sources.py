@@ -205,7 +205,12 @@ class ParquetSource(_FileBatches):
         import functools
 
         from .parquet import parquet_batch
-        from .ray_batches import RayBatches, connect_ray
+
+        try:
+            from .ray_batches import RayBatches, connect_ray
+            import ray  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"data.engine ray needs Ray: pip install '.[ray]' ({e})") from e
 
         data, settings = config.data.parquet, config.data.ray
         try:  # a local Ray gets the cores the loader would have, or as many as the actors asked for
@@ -227,6 +232,8 @@ class ParquetSource(_FileBatches):
                                             start_timeout_s=settings.start_timeout_s,
                                             batch_timeout_s=settings.batch_timeout_s)
         except RuntimeError as e:
+            if self._started_ray:  # a failed source leaves no local Ray behind for the next run to join
+                ray.shutdown()
             raise ConfigError(f"data.ray: {e}") from e
         self.remote_workers = actors
 
