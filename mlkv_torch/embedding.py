@@ -29,11 +29,12 @@ from .disk_table import DiskTable, directory_path, draw_seed
 from .store import KVStore
 from .opening import open_table_batch
 from .table_batch import DiskTableBatch, as_int64_cpu
+from .written_through import WrittenThrough
 # Names that moved to their own modules, still importable from here.
 from .disk_table import TABLE_RECORD, destroy_table  # noqa: F401
 from .memory_budget import (HostMemorySplit, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,  # noqa: F401
                             host_memory_for_all_rows, least_host_memory, split_host_memory, stores_min_bytes)
-from .table_batch import BACKENDS  # noqa: F401
+from .table_settings import BACKENDS  # noqa: F401
 
 __all__ = ["DiskEmbeddingBag", "DiskRows", "DiskTable", "DiskTableBatch", "HostMemorySplit", "host_memory_for_all_rows",
            "split_host_memory"]
@@ -314,6 +315,24 @@ class DiskEmbeddingBag(nn.Module):
         weight, state = self._read_all(weights=True, state=include_state)
         return (weight, state) if include_state else weight
 
+    def written_through_snapshot(self, part: str = "weight") -> WrittenThrough:
+        """`snapshot` (part "weight") or `state_snapshot` (part "state") as a state dict holds it: a
+        tensor whose in-place writes reach the table's rows, as writes to a module's parameter in
+        its state dict reach the module (`written_through.WrittenThrough`)."""
+        if part not in ("weight", "state"):
+            raise ValueError(f"part must be 'weight' or 'state', got {part!r}")
+        rows = self.snapshot() if part == "weight" else self.state_snapshot()
+
+        def write_rows(first: int, stop: int, written: torch.Tensor) -> None:
+            ids = torch.arange(first, stop)
+            weights, state = self.export_rows(ids, include_state=True)
+            if part == "weight":
+                weights = written
+            else:
+                state = written
+            self.import_rows(ids, weights, state if self.state_dim else None)
+        return WrittenThrough.of(rows, write_rows)
+
     def state_snapshot(self) -> torch.Tensor:
         """Every row's optimizer state [num_embeddings, state_dim], as `snapshot` (the weights
         are read with it but not kept)."""
@@ -412,7 +431,7 @@ class DiskEmbeddingBag(nn.Module):
             destination[prefix + "weight_id"] = ids
             destination[prefix + "weight"] = self._rows_of(ids)
             return
-        destination[prefix + "weight"] = self.snapshot()
+        destination[prefix + "weight"] = self.written_through_snapshot()
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                               strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:

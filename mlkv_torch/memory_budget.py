@@ -5,6 +5,7 @@ budgets that hold a given cache (searched from that rule), and what a rank's dis
 (`shard_memory_budget`)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _C
@@ -12,10 +13,9 @@ from .store import KVStore
 
 __all__ = ["MemoryBudgetError", "HostMemorySplit", "LayoutDemand", "plan_host_memory", "split_budget",
            "split_host_memory", "cache_host_bytes", "buffer_host_bytes", "host_memory_for_all_rows",
-           "least_host_memory", "stores_min_bytes", "shard_memory_budget", "MIN_SHARD_BUDGET"]
+           "least_host_memory", "stores_min_bytes", "shard_memory_budget"]
 
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
-MIN_SHARD_BUDGET = 64 << 10  # a disk shard's budget never drops below the store's few pages
 
 
 class MemoryBudgetError(ValueError):
@@ -90,11 +90,14 @@ def split_budget(budget: int, needs: List[int], traffic: List[float], least: Opt
     return shares
 
 
-def shard_memory_budget(rows: int, row_bytes: int, memory_fraction: float) -> int:
-    """Host memory a rank's disk shard of `rows` rows of `row_bytes` is given (its cache and store
-    log): `memory_fraction` of its stored bytes, at least MIN_SHARD_BUDGET. The planner's storage
-    estimate is this; the rank's kernel shares the sum of its shards' by `plan_host_memory`."""
-    return max(MIN_SHARD_BUDGET, int(memory_fraction * rows * row_bytes))
+def shard_memory_budget(rows: int, row_bytes: int, memory_fraction: float, id_bytes: int = 0) -> int:
+    """Host memory a rank's disk shard holding `rows` rows of `row_bytes` is given: `memory_fraction`
+    of its stored bytes, but at least what one table opens with (`least_host_memory`: its store's
+    log pages, the smallest staging area and write-back buffer; a cache of no rows), plus what a
+    virtual table keeps of its ids (`id_bytes`). The planner charges each shard this, and the
+    rank's kernel opens with the sum of its shards' (`plan_host_memory` shares it), so a plan the
+    planner accepts always opens. A small table's fraction buys a small cache, as a large one's."""
+    return max(least_host_memory(1, rows, row_bytes), int(memory_fraction * rows * row_bytes)) + id_bytes
 
 
 def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int, row_bytes: int, on_host: bool,
@@ -197,6 +200,7 @@ def stores_min_bytes(paths: Sequence[str], backend: str = "mlkv") -> int:
     return 0 if backend == "rocksdb" else max((KVStore.minimum_memory_bytes(p) for p in paths), default=0)
 
 
+@functools.lru_cache(maxsize=1024)  # the planner asks for the same shards' least many times over
 def _least_budget(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int, cached_rows: int) -> int:
     """The smallest budget `split_host_memory` accepts with a cache of at least `cached_rows` rows.
     The rule's shares grow with the budget, so the answer lies between the stores' least logs plus

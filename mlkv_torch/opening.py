@@ -17,7 +17,8 @@ from .disk_table import DiskTable
 from ._C import IdActivity
 from .memory_budget import LayoutDemand, MemoryBudgetError, plan_host_memory, stores_min_bytes
 from .row_layout import RowLayout
-from .table_batch import MODES, BatchSettings, DiskTableBatch, TableBatchSpec, resolve_device
+from .table_batch import MODES, DiskTableBatch, TableBatchSpec, resolve_device
+from .table_settings import BatchSettings
 from .virtual_tables import activity_bytes
 
 __all__ = ["TableSpec", "OpenTables", "open_tables", "open_table_batch"]

@@ -12,10 +12,9 @@ follows them when they change.
 
 The model takes a batch and returns ``(loss, output)``, as torchrec's DLRMTrain does; the
 batch has ``sparse_features`` (a KeyedJaggedTensor), as torchrec's Batch. Disk tables are
-found in the model: every module with ``lookahead(KeyedJaggedTensor)`` and either
-``embedding_bag_configs()`` or ``embedding_configs()`` (DiskEmbeddingBagCollection,
-DiskEmbeddingCollection: one process) or
-``lookahead_process_group`` (ShardedDiskEmbeddingBagCollection, under DistributedModelParallel).
+found in the model: every `DiskTableModule` (DiskEmbeddingBagCollection, DiskEmbeddingCollection:
+one process; ShardedDiskEmbeddingBagCollection, ShardedDiskEmbeddingCollection: under
+DistributedModelParallel).
 
 Under DistributedModelParallel the ids of a batch reach the rank that holds their rows only
 after TorchRec's input distribution, so the sharded collection's ``lookahead`` runs that
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checks import is_int
+from .disk_modules import DiskTableModule
 
 __all__ = ["LookaheadPipeline"]
 
@@ -45,11 +45,10 @@ _ADAPT_EVERY = 8  # steps between readings of the read-ahead latency (and choice
 _EWMA = 0.3
 
 
-def _disk_collections(model: nn.Module) -> List[nn.Module]:
+def _disk_collections(model: nn.Module) -> List[DiskTableModule]:
     """The modules of `model` that look ahead on a batch's KeyedJaggedTensor: one-process disk
     collections and sharded ones (not the DiskEmbeddingBags inside them, which take ids)."""
-    return [m for m in model.modules() if callable(getattr(m, "lookahead", None))
-            and any(hasattr(m, a) for a in ("embedding_bag_configs", "embedding_configs", "lookahead_process_group"))]
+    return [m for m in model.modules() if isinstance(m, DiskTableModule)]
 
 
 class LookaheadPipeline:
@@ -90,9 +89,9 @@ class LookaheadPipeline:
         self._max_depth = max_depth
         self._device = torch.device(device) if device is not None else None
         self._window: Deque[Any] = deque()
-        self._tables: List[nn.Module] = _disk_collections(model)
+        self._tables = _disk_collections(model)
         # The groups whose ranks look ahead together must also agree on the depth.
-        groups = (getattr(t, "lookahead_process_group", None) for t in self._tables)
+        groups = (t.lookahead_process_group for t in self._tables)
         self._groups: List[dist.ProcessGroup] = list({id(g): g for g in groups if g is not None}.values())
         self._steps = 0
         self._batches_taken = 0  # drawn from the data loader, to name a bad one

@@ -13,18 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C
+from .cache_keys import cache_key, row_of, table_of
 from .checks import is_int
 from .cut import CutPart, check_cut
 from .disk_table import DiskTable, settle_reopened
 from .memory_budget import HostMemorySplit
 from .row_layout import RowLayout
 from .store import KVStore, RocksDBStore
+from .table_settings import BatchSettings
 from .virtual_tables import KernelIds
 
 MODES = ("sum", "mean")  # how a bag pools its rows
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # the cache's codes
-_CACHE_POLICIES = ("lfu", "lru")
-BACKENDS = ("mlkv", "rocksdb")  # the stores a table can sit on
 # A table's store updates half its log pages in place, not 0.9 (KVStore's default): the cache in
 # front of it takes the rows updated often, and with half its pages read-only the store's flush
 # writes several at a time (see KVStore::StartPage).
@@ -85,12 +85,12 @@ class _PooledLookup(torch.autograd.Function):
                 batch.update_on_device(unique, slots, version, outside, grads)
             elif any(trains):  # some tables frozen: their rows keep their values
                 keep = torch.tensor(trains, device=unique.device).index_select(
-                    0, unique >> _C.EmbeddingCache.table_shift)
+                    0, table_of(unique))
                 batch.update_on_device(unique[keep], slots[keep], version, -1, grads[keep])
         elif all(trains) and ctx.holds_row is None:
             batch.queue_update(unique, grads)
         elif any(trains):  # some tables frozen (requires_grad_(False)), or keys filtered: their rows stay
-            keep = torch.tensor(trains).index_select(0, unique >> _C.EmbeddingCache.table_shift)
+            keep = torch.tensor(trains).index_select(0, table_of(unique))
             if ctx.holds_row is not None:
                 keep &= ctx.holds_row
             if bool(keep.any()):
@@ -151,29 +151,6 @@ def _as_int64(ids: torch.Tensor, what: str, device: torch.device) -> torch.Tenso
 def as_int64_cpu(ids: torch.Tensor, what: str) -> torch.Tensor:
     """`ids` as an int64 CPU tensor; TypeError naming `what` for another dtype."""
     return _as_int64(ids, what, torch.device("cpu"))  # the cache's index lives on the host
-
-
-@dataclass(frozen=True)
-class BatchSettings:
-    """What the table batches of a collection share beside their row layout.
-
-    Args:
-        staleness: updates a forward may miss per row (0: exact).
-        cache_policy: "lfu" (frequency-based admission) or "lru".
-        backend: "mlkv" (KVStore) or "rocksdb" (RocksDBStore).
-    """
-
-    staleness: int = 0
-    cache_policy: str = "lfu"
-    backend: str = "mlkv"
-
-    def __post_init__(self) -> None:
-        if not is_int(self.staleness) or self.staleness < 0:
-            raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
-        if self.cache_policy not in _CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, got {self.cache_policy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
 @dataclass(frozen=True)
@@ -388,7 +365,7 @@ class DiskTableBatch:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise ValueError(f"id {bad} is out of range [0, {n}) of table {self.tables[table].name!r}")
-        return ids | (table << _C.EmbeddingCache.table_shift) if table else ids
+        return cache_key(table, ids) if table else ids
 
     def unique_keys(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -505,9 +482,8 @@ class DiskTableBatch:
         if self.ids is None or policy is None or not policy.tracked:
             raise ValueError(f"table {self.tables[table].name!r} follows no ids (a virtual table with an eviction "
                              f"policy or a frequency filter does): export_live() exports it whole")
-        shift = _C.EmbeddingCache.table_shift
-        touched, gone = self.ids.changes(lambda keys: (keys >> shift) == table)
-        touched, gone = touched & ((1 << shift) - 1), gone & ((1 << shift) - 1)
+        touched, gone = self.ids.changes(lambda keys: table_of(keys) == table)
+        touched, gone = row_of(touched), row_of(gone)
         live = self.ids.holding(self.keys(table, touched)) if touched.numel() else touched.bool()
         touched = touched[live]
         return touched, gone[~torch.isin(gone, touched)]

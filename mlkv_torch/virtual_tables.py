@@ -18,12 +18,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _C
+from .cache_keys import TABLE_SHIFT
 from .checks import is_int
 
 RULES = ("none", "count", "timestamp", "count_and_timestamp")
 
 # The largest id a disk table holds: a kernel keys a row by its table above this many bits.
-MAX_VIRTUAL_ROWS = 1 << _C.EmbeddingCache.table_shift
+MAX_VIRTUAL_ROWS = 1 << TABLE_SHIFT
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def check_virtual_size(name: str, num_embeddings: int) -> None:
     """ValueError naming the table when its id space is larger than a disk table holds."""
     if num_embeddings > MAX_VIRTUAL_ROWS:
         raise ValueError(f"table {name!r}: num_embeddings {num_embeddings} (2**{math.log2(num_embeddings):.1f}) is "
-                         f"larger than a disk table's id space, 2**{_C.EmbeddingCache.table_shift}: hash ids into it "
+                         f"larger than a disk table's id space, 2**{TABLE_SHIFT}: hash ids into it "
                          f"(collisions stay negligible below a few million live ids a table)")
 
 

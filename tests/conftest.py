@@ -80,6 +80,17 @@ def directory_bytes(path: str) -> Dict[str, bytes]:
     return out
 
 
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A gloo process group of this process alone, for DistributedModelParallel in one process."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def open_store(tmp_path):
     """Factory: open_store(path=None, dim=DIM, dtype=float32, **options).

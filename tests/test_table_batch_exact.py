@@ -6,7 +6,6 @@ import pytest
 import torch
 
 torchrec = pytest.importorskip("torchrec")
-import torch.distributed as dist  # noqa: E402
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
 from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: E402
@@ -36,14 +35,6 @@ OPTIMIZERS = {
     "rowwise_adagrad": (optim.RowWiseAdagrad(lr=LR, eps=1e-8),
                         {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8}),
 }
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def configs():

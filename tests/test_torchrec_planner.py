@@ -121,7 +121,11 @@ def test_fused_params_round_trip(rule):
 def test_fused_params_from_apply_optimizer_in_backward_and_bad_ones():
     assert optimizer_from_fused_params({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "lr": 0.5}, "t") == \
         optim.RowWiseAdagrad(lr=0.5, eps=1e-8)
-    assert optimizer_from_fused_params({}, "t") is None
+    # What fused_params leave out takes FBGEMM's default, as TorchRec's fused tables do: exact SGD at 0.01.
+    assert optimizer_from_fused_params({}, "t") == optimizer_from_fused_params(None, "t") == optim.SGD(lr=0.01)
+    assert optimizer_from_fused_params({"learning_rate": 0.1, "cache_load_factor": 0.2}, "t") == optim.SGD(lr=0.1)
+    assert optimizer_from_fused_params({"optimizer": EmbOptimType.EXACT_ADAGRAD}, "t") == \
+        optim.Adagrad(lr=0.01, eps=1e-8)
     with pytest.raises(ValueError, match="table 't'.*lamb.*no disk-table form"):
         optimizer_from_fused_params({"optimizer": EmbOptimType.LAMB}, "t")
     with pytest.raises(ValueError, match="weight_decay"):

@@ -72,26 +72,31 @@ _FUSED_KINDS = {
 }
 
 
-_FBGEMM_EPS = 1.0e-8  # FBGEMM's default eps, so disk and in-memory tables of one plan train alike
+# FBGEMM's defaults (SplitTableBatchedEmbeddingBagsCodegen's arguments), which TorchRec's fused
+# tables take for what fused_params leaves out: disk and in-memory tables of one plan train alike.
+_FBGEMM_DEFAULTS: Dict[str, Any] = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01, "eps": 1.0e-8,
+                                    "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0}
 
 
-def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table: str
-                                ) -> Optional[optim_lib.SparseOptimizer]:
-    """The mlkv_torch.optim rule for TorchRec's fused parameters (from the sharder's fused_params
-    or `apply_optimizer_in_backward`); None when they name no optimizer."""
-    params = dict(fused_params or {})
-    kind = params.get("optimizer")
-    if kind is None:
-        return None
+def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table: str) -> optim_lib.SparseOptimizer:
+    """The mlkv_torch.optim rule TorchRec's fused parameters (the sharder's fused_params, or
+    `apply_optimizer_in_backward`'s) give a table, read as FBGEMM reads them: what they leave out
+    takes FBGEMM's default (EXACT_SGD at learning_rate 0.01, eps 1e-8, betas 0.9 and 0.999), so
+    ``fused_params={"learning_rate": 0.1}`` trains with exact SGD at 0.1, as TorchRec's fused
+    tables do. ``lr`` (torch.optim's name) is read as ``learning_rate``. ValueError names an
+    optimizer or option the disk tables do not have."""
+    params = {**_FBGEMM_DEFAULTS, **{k: v for k, v in (fused_params or {}).items() if v is not None}}
+    if "lr" in (fused_params or {}) and "learning_rate" not in (fused_params or {}):
+        params["learning_rate"] = params["lr"]
+    kind = params["optimizer"]
     if isinstance(kind, str):
         kind = EmbOptimType(kind)
     if kind not in _FUSED_KINDS:
         raise ValueError(f"table {table!r}: optimizer {kind} has no disk-table form; use SGD, Adagrad, "
                          f"row-wise Adagrad or Adam")
-    if params.get("weight_decay"):
+    if params["weight_decay"]:
         raise ValueError(f"table {table!r}: weight_decay is not supported on disk tables")
-    lr = float(params.get("learning_rate", params.get("lr", 0.01)))
-    eps = float(params.get("eps", _FBGEMM_EPS))
+    lr, eps = float(params["learning_rate"]), float(params["eps"])
     if kind == EmbOptimType.EXACT_SGD:
         return optim_lib.SGD(lr=lr)
     if kind == EmbOptimType.EXACT_ADAGRAD:
@@ -99,7 +104,7 @@ def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table
             params.get("initial_accumulator_value", 0.0)))
     if kind == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
         return optim_lib.RowWiseAdagrad(lr=lr, eps=eps)
-    betas = params.get("betas", (params.get("beta1", 0.9), params.get("beta2", 0.999)))
+    betas = params.get("betas", (params["beta1"], params["beta2"]))
     return optim_lib.Adam(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps)
 
 

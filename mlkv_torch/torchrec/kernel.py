@@ -22,16 +22,15 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .. import optim as optim_lib
 from ..checks import is_int
 from ..cut import CutPart
 from ..embedding import DiskEmbeddingBag
 from ..memory_budget import shard_memory_budget
-from ..table_batch import BACKENDS, BatchSettings
-from ..virtual_tables import VirtualTableOptions, activity_bytes, id_policy_of
+from ..table_settings import DiskTableSettings
+from ..virtual_tables import IdPolicy, activity_bytes, id_policy_of
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .state_dicts import disk_tables_in_state_dict
-from .tables import disk_table_spec, open_disk_tables, table_seed
+from .tables import DATA_TYPES, disk_table_spec, open_disk_tables, table_seed
 
 DISK_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 # Shardings whose ranks pool partial sums of a bag, which TorchRec reduces and, for mean pooling,
@@ -40,13 +39,14 @@ _PARTIAL_SUM_SHARDINGS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 """The compute kernel of disk tables in a sharding plan."""
 
 
-def on_host(shard: ShardMetadata) -> ShardMetadata:
+def on_host(shard: ShardMetadata, device: Optional[torch.device] = None) -> ShardMetadata:
     """`shard` placed in its rank's host memory: a disk table's rows reach a state dict as CPU (or
     file-backed) tensors, whatever device the plan computes on (a ShardedTensor refuses local
-    shards off their placement's device)."""
+    shards off their placement's device); on the meta device (a model sharded on meta), on meta."""
     rank = shard.placement.rank() if shard.placement is not None else 0
+    where = "meta" if device is not None and device.type == "meta" else "cpu"
     return ShardMetadata(shard_offsets=list(shard.shard_offsets), shard_sizes=list(shard.shard_sizes),
-                         placement=f"rank:{rank}/cpu")
+                         placement=f"rank:{rank}/{where}")
 
 
 def rank_storage_dir(storage_dir: str, rank: int) -> str:
@@ -56,17 +56,12 @@ def rank_storage_dir(storage_dir: str, rank: int) -> str:
 
 @dataclass(frozen=True)
 class DiskTableOptions:
-    """How the sharder builds disk tables (see DiskEmbeddingBagCollectionSharder)."""
+    """How a sharder builds disk tables (see DiskEmbeddingBagCollectionSharder): their settings (its
+    seed drawn), each shard's memory, and what a reopen and virtual tables need."""
 
     storage_dir: str
-    optimizer: Optional[optim_lib.SparseOptimizer] = None
+    settings: DiskTableSettings = DiskTableSettings()
     memory_fraction: float = 0.1
-    staleness: int = 0
-    cache_policy: str = "lfu"
-    seed: int = 0
-    backend: str = "mlkv"
-    seed_drawn: bool = False
-    reopen: bool = False
     # The cut each rank's tables reopen at ({rank: record}, a training checkpoint's); without it a
     # reopen goes to the cut the rank's directory records.
     cuts: Optional[Dict[int, Any]] = field(default=None, hash=False, compare=False)
@@ -74,8 +69,17 @@ class DiskTableOptions:
     # table as large as their id space, TorchRec's use_virtual_table): its memory and disk are
     # sized by them (`live_rows`).
     live_ids: Optional[Dict[str, int]] = field(default=None, hash=False, compare=False)
-    # What virtual tables (use_virtual_table) need beyond TorchRec's config: filter, clock, cap.
-    virtual: Optional[VirtualTableOptions] = None
+    # The user's config of each table, by name: TorchRec's table-wise shardings hand the kernel
+    # shards without the virtual table's eviction policy, so it is read from here.
+    table_configs: Optional[Dict[str, Any]] = field(default=None, hash=False, compare=False)
+
+    def config_of(self, shard: Any) -> Any:
+        """The user's config of the table `shard` (a config or a ShardedEmbeddingTable) belongs to."""
+        return (self.table_configs or {}).get(shard.name, shard)
+
+    def id_policy(self, shard: Any) -> Optional[IdPolicy]:
+        """The IdPolicy of the table `shard` belongs to, from the user's config (None: not virtual)."""
+        return id_policy_of(self.config_of(shard), self.settings.virtual_tables)
 
     def live_rows(self, table: str, rows: int, table_rows: int, cap: Optional[int] = None) -> int:
         """The rows a shard of `rows` of `table`'s `table_rows` is sized by: its share of the
@@ -90,7 +94,7 @@ class DiskTableOptions:
         """The rows a rank's shard of a virtual table is sized by (its policy's cap), None for a
         table that is not virtual; ValueError names a virtual table with neither a cap nor live_ids
         (it would be sized by its whole id space)."""
-        policy = id_policy_of(config, self.virtual)
+        policy = self.id_policy(config)
         if policy is None:
             return None
         if policy.cap is None and config.name not in (self.live_ids or {}):
@@ -99,17 +103,21 @@ class DiskTableOptions:
                              f"most ids a rank keeps), or the sharder live_ids={{{config.name!r}: <ids>}}")
         return policy.cap
 
+    def shard_budget(self, config: Any, rows: int, row_bytes: int) -> int:
+        """The host memory of a rank's shard of `rows` rows of the table `config` describes, each of
+        `row_bytes` (`memory_budget.shard_memory_budget` of the rows it holds, and what a virtual
+        table keeps of its ids): what the planner charges the shard and what its kernel opens with."""
+        config = self.config_of(config)
+        held = self.live_rows(config.name, rows, config.num_embeddings, self.virtual_cap(config))
+        return shard_memory_budget(held, row_bytes, self.memory_fraction, activity_bytes(self.id_policy(config)))
+
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        if not is_int(self.staleness) or self.staleness < 0:
-            raise ValueError(f"staleness must be a non-negative int, got {self.staleness!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.settings, DiskTableSettings):
+            raise TypeError(f"settings must be a DiskTableSettings, got {type(self.settings).__name__}")
         if any(not is_int(n) or n < 1 for n in (self.live_ids or {}).values()):
             raise ValueError(f"live_ids must map table names to positive ints, got {self.live_ids!r}")
-        if self.optimizer is not None and not isinstance(self.optimizer, optim_lib.SparseOptimizer):
-            raise TypeError(f"optimizer must be a mlkv_torch.optim rule, got {type(self.optimizer).__name__}")
 
 
 def bucket_problem(config: Any, world_size: int) -> Optional[str]:
@@ -119,13 +127,6 @@ def bucket_problem(config: Any, world_size: int) -> Optional[str]:
         return None
     return (f"table {config.name!r}: total_num_buckets {buckets} is not a multiple of the {world_size} ranks: a "
             f"disk table shards row-wise by whole buckets, as many on each rank")
-
-
-def resolve_optimizer(fused_params: Optional[Dict[str, Any]], table: str, options: DiskTableOptions
-                      ) -> optim_lib.SparseOptimizer:
-    """A disk table's optimizer: from TorchRec's fused parameters (where apply_optimizer_in_backward
-    and the sharder's fused_params arrive), else the sharder's rule, else TorchRec's default SGD."""
-    return optimizer_from_fused_params(fused_params, table) or options.optimizer or optim_lib.SGD()
 
 
 class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
@@ -151,46 +152,53 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._pooled = config.pooling != PoolingType.NONE
         specs = []
         world = dist.get_world_size(pg) if pg is not None and dist.is_initialized() else 1
+        settings = options.settings
         for shard in self._shards:
             if sharding_type == ShardingType.ROW_WISE and bucket_problem(shard, world):
                 raise ValueError(bucket_problem(shard, world))
             # A row shard sees the ids of its block local to it, as TorchRec's bucketization leaves them.
             row_offset, col_offset = self._offsets(shard)
             specs.append(disk_table_spec(
-                shard, os.path.join(self._rank_dir, self._shard_name(shard)), table_seed(options.seed, shard.name),
-                resolve_optimizer(shard.fused_params or config.fused_params, shard.name, options),
-                seed_drawn=options.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset,
-                num_embeddings=shard.local_rows, first_row=row_offset, pooled=self._pooled, virtual=options.virtual))
+                shard, os.path.join(self._rank_dir, self._shard_name(shard)), table_seed(settings.seed, shard.name),
+                optimizer_from_fused_params(shard.fused_params or config.fused_params, shard.name),
+                seed_drawn=settings.seed_drawn, embedding_dim=shard.local_cols, first_column=col_offset,
+                num_embeddings=shard.local_rows, first_row=row_offset, pooled=self._pooled,
+                id_policy=options.id_policy(shard)))
             if sharding_type in _PARTIAL_SUM_SHARDINGS:  # mean pooling divides the reduced sums (TorchRec's callback)
                 specs[-1] = replace(specs[-1], mode="sum")
         lrs = {spec.layout.optimizer.lr for spec in specs}
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
-        # The rank's budget: each shard's, as the planner counted it; its row layouts share it by one rule.
-        # (and what a virtual table keeps of its ids, which the tables set aside first: `open_tables`).
-        budget = sum(shard_memory_budget(options.live_rows(shard.name, shard.local_rows, shard.num_embeddings,
-                                                           options.virtual_cap(shard)),
-                                         spec.layout.row_bytes, options.memory_fraction)
-                     + activity_bytes(spec.table.id_policy)
+        # The rank's budget: each shard's, as the planner charged it; its row layouts share it by one rule.
+        budget = sum(options.shard_budget(shard, shard.local_rows, spec.layout.row_bytes)
                      for shard, spec in zip(self._shards, specs))
-        opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=BatchSettings(
-            options.staleness, options.cache_policy, options.backend), device=self._device, cut_dir=self._rank_dir,
-            reopen=options.reopen, cut=(options.cuts or {}).get(rank))
+        self._memory_budget_bytes = budget
+        lr = lrs.pop() if lrs else 0.01
+        if self._device.type == "meta":  # as TorchRec's kernels on meta: shapes alone, nothing opened or written
+            self._batches, self._routing, self.bags = [], None, nn.ModuleList()
+            self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
+            self._anchors = {name: nn.Parameter(torch.empty(0, device="meta"))
+                             for name in dict.fromkeys(shard.name for shard in self._shards)}
+            self._optimizer = DiskFusedOptimizer({f"{n}.weight": a for n, a in self._anchors.items()}, {}, lr)
+            return
+        opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=settings.batch,
+                                  device=self._device, cut_dir=self._rank_dir, reopen=settings.reopen,
+                                  cut=(options.cuts or {}).get(rank))
         self._batches, self._routing = opened.batches, opened.routing
         for batch in self._batches:
             # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
             for anchor in batch.anchors:
                 anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
         self.bags = nn.ModuleList(opened.bags)
-        self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
+        self._bags_by_table = defaultdict(list)
         for table, bag in zip(self._shards, self.bags):
             self._bags_by_table[table.name].append((table, bag))
-        params = {f"{name}.weight": shards[0][1]._anchor for name, shards in self._bags_by_table.items()}
+        self._anchors = {name: shards[0][1]._anchor for name, shards in self._bags_by_table.items()}
         state = {shards[0][1]._anchor: {f"{name}.optimizer_state": TableOptimizerState(
             functools.partial(self.optimizer_state, name), functools.partial(self.step_of, name),
             functools.partial(self.load_optimizer_state, name))}
                  for name, shards in self._bags_by_table.items() if shards[0][1].state_dim}
-        self._optimizer = DiskFusedOptimizer(params, state, lrs.pop() if lrs else 0.01)
+        self._optimizer = DiskFusedOptimizer({f"{n}.weight": a for n, a in self._anchors.items()}, state, lr)
 
     @classmethod
     def _shard_name(cls, table: ShardedEmbeddingTable) -> str:
@@ -217,6 +225,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         laid out as fbgemm's kernel lays it out; when the lookup merges several kernels' outputs, it
         passes the merged output and where this kernel's bags go in it (`vbe_output_offsets[r][f]`:
         where feature f's bags from rank r begin), and gets the merged output back."""
+        if self._device.type == "meta":
+            return self._shapes_on_meta(features)
         self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
         if not self._pooled:
             per_feature = self._routing.look_up(self._batches, features)
@@ -231,22 +241,39 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                               + [torch.empty(0, dtype=torch.int64, device=pooled.device)])
         return vbe_output.reshape(-1).index_copy(0, positions, pooled)
 
+    def _shapes_on_meta(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The output `forward` would give, on meta (nothing read)."""
+        if not self._pooled:
+            return torch.empty(features.values().numel(), self._config.embedding_dims()[0], device="meta")
+        return torch.empty(features.stride(), sum(self._config.embedding_dims()), device="meta")
+
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows that `features` (as `forward` receives them) will look up; returns at once."""
-        self._routing.lookahead(self._batches, features)
+        if self._routing is not None:  # on meta there is nothing to read
+            self._routing.lookahead(self._batches, features)
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """The host memory this kernel's tables were given: the sum of its shards' budgets
+        (`DiskTableOptions.shard_budget`), what the planner charged them."""
+        return self._memory_budget_bytes
+
+    @property
+    def on_meta(self) -> bool:
+        """Built on the meta device: shapes alone, no table opened."""
+        return self._device.type == "meta"
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[Tuple[str, nn.Parameter]]:
-        for name, shards in self._bags_by_table.items():
-            yield f"{prefix}{name}.weight", shards[0][1]._anchor
+        for name, anchor in self._anchors.items():
+            yield f"{prefix}{name}.weight", anchor
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                       ) -> Iterator[Tuple[str, torch.Tensor]]:
         yield from ()
 
     def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
-        for name, shards in self._bags_by_table.items():
-            yield name, shards[0][1]._anchor
+        yield from self._anchors.items()
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:
@@ -267,11 +294,17 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     # ---- rows ---------------------------------------------------------------------------------------
     @property
     def table_names(self) -> List[str]:
-        return list(self._bags_by_table)
+        return list(self._anchors)
 
     def local_weight_shards(self, table: str) -> List[Shard]:
-        """This rank's shards of `table`, read from the stores (file-backed beyond their budget)."""
-        return [Shard(bag.snapshot(), on_host(shard.local_metadata)) for shard, bag in self._bags_by_table[table]]
+        """This rank's shards of `table`, read from the stores (file-backed beyond their budget);
+        written in place, they write through to the stores. On meta, meta tensors of their shape."""
+        if self.on_meta:
+            return [Shard(torch.empty(shard.local_rows, shard.local_cols, dtype=DATA_TYPES[shard.data_type],
+                                      device="meta"), on_host(shard.local_metadata, self._device))
+                    for shard in self._shards if shard.name == table]
+        return [Shard(bag.written_through_snapshot(), on_host(shard.local_metadata))
+                for shard, bag in self._bags_by_table[table]]
 
     def load_weights(self, table: str, weight: torch.Tensor) -> None:
         """Writes this rank's shards of `table` from a ShardedTensor of the same plan or a full tensor."""
@@ -283,8 +316,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         """The optimizer state of `table` on this rank: a ShardedTensor [rows, state columns of all shards]."""
         shards = self._bags_by_table[table]
         metadata = self._state_metadata(table)
-        local = [Shard(bag.state_snapshot(), metadata.shards_metadata[self._state_shard_index(table, shard)])
-                 for shard, bag in shards]
+        local = [Shard(bag.written_through_snapshot("state"),
+                       metadata.shards_metadata[self._state_shard_index(table, shard)]) for shard, bag in shards]
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self._pg)
 
     def load_optimizer_state(self, table: str, state: ShardedTensor, step: int) -> None:

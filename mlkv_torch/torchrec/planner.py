@@ -32,11 +32,10 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from .. import optim as optim_lib
-from ..memory_budget import shard_memory_budget
-from .kernel import DISK_KERNEL, DiskTableOptions, bucket_problem, resolve_optimizer
+from .fused_optimizer import optimizer_from_fused_params
+from .kernel import DISK_KERNEL, DiskTableOptions, bucket_problem
 from .sharded_tables import DiskSharder, planning_with_disk
 from ..row_layout import row_bytes
-from ..virtual_tables import activity_bytes, id_policy_of
 
 __all__ = ["DiskAwarePlanner", "DiskAwarePerfEstimator", "DiskAwareStorageEstimator"]
 
@@ -46,24 +45,23 @@ _RECORD_HEADER_BYTES = 16
 _DISK_PAGE_BYTES = 4096  # one random read per missed row
 
 
-def _planned_optimizer(option: ShardingOption, fused_params: Dict[str, Any], options: DiskTableOptions
-                       ) -> optim_lib.SparseOptimizer:
-    """The optimizer the sharder will give this table (in-backward optimizer, fused_params, or options)."""
+def _planned_optimizer(option: ShardingOption, fused_params: Dict[str, Any]) -> optim_lib.SparseOptimizer:
+    """The optimizer the sharder will give this table (in-backward optimizer, else fused_params)."""
     params = dict(fused_params or {})
     classes = getattr(option.tensor, "_optimizer_classes", [None])
     if classes and classes[0] is not None:
         params.update(getattr(option.tensor, "_optimizer_kwargs", [{}])[0])
         params.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
-    return resolve_optimizer(params, option.name, options)
+    return optimizer_from_fused_params(params, option.name)
 
 
-def _table_config(option: ShardingOption) -> Optional[Any]:
-    """The TorchRec config of the table a sharding option places (None when its module has none)."""
+def _table_config(option: ShardingOption) -> Any:
+    """The TorchRec config of the table a disk sharding option places (the disk sharders shard
+    EmbeddingBagCollection and EmbeddingCollection, which keep one per table)."""
     module = option.module[1]
-    for configs in ("embedding_bag_configs", "embedding_configs"):
-        if hasattr(module, configs):
-            return next((c for c in getattr(module, configs)() if c.name == option.name), None)
-    return None
+    configs = module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") \
+        else module.embedding_configs()
+    return next(c for c in configs if c.name == option.name)
 
 
 class _DiskEstimatorBase(ShardEstimator):
@@ -93,19 +91,17 @@ class DiskAwareStorageEstimator(_DiskEstimatorBase):
         self._stock.estimate(rest, sharder_data_map)
         for option in disk:
             fused = sharder_data_map[option.module_type_key].fused_params if sharder_data_map else {}
-            optimizer = _planned_optimizer(option, fused, self.options)
+            optimizer = _planned_optimizer(option, fused)
             dtype = option.tensor.dtype
             config = _table_config(option)
-            cap = self.options.virtual_cap(config) if config is not None else None
-            if config is not None and option.sharding_type == "row_wise" \
-                    and bucket_problem(config, self._topology.world_size):
+            cap = self.options.virtual_cap(config)
+            if option.sharding_type == "row_wise" and bucket_problem(config, self._topology.world_size):
                 raise ValueError(bucket_problem(config, self._topology.world_size))
             for shard in option.shards:
                 rows, cols = shard.size
-                rows = self.options.live_rows(option.name, rows, option.tensor.shape[0], cap)
-                budget = shard_memory_budget(rows, row_bytes(cols, dtype, optimizer), self.options.memory_fraction) \
-                    + (activity_bytes(id_policy_of(config, self.options.virtual)) if config is not None else 0)
-                on_disk = int(rows * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
+                budget = self.options.shard_budget(config, rows, row_bytes(cols, dtype, optimizer))
+                held = self.options.live_rows(option.name, rows, option.tensor.shape[0], cap)
+                on_disk = int(held * (row_bytes(cols, dtype, optimizer) + _RECORD_HEADER_BYTES)
                               * DISK_SPACE_AMPLIFICATION)
                 if self._topology.compute_device == "cuda":  # the cache in device memory, the log on the host
                     shard.storage = Storage(hbm=budget, ddr=budget, ssd=on_disk)

@@ -47,7 +47,9 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from .. import _C, wire
+from ..cache_keys import cache_key, row_of, table_of
 from ..checks import is_int
+from ..disk_modules import DiskTableModule
 from ..ranks import all_gather_objects
 from ..virtual_tables import rows_held
 from .variable_batch import VariableOutputLayout, accept_variable_batches, variable_batch_input
@@ -61,8 +63,6 @@ _CANDIDATES = 2  # each rank offers this many times the replicas' rows of its mo
 REPLICATED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
                              ShardingType.TABLE_COLUMN_WISE.value, ShardingType.ROW_WISE.value,
                              ShardingType.TABLE_ROW_WISE.value)
-_TABLE_SHIFT = _C.EmbeddingCache.table_shift  # a hot row's key in its group: table index << shift | row, as the cache's
-_ROW_MASK = (1 << _TABLE_SHIFT) - 1
 _COUNT_EVERY = 16  # training steps whose lookups are counted together (sorting them once)
 _KEPT_SPLITS = 16  # batches read ahead whose split is kept for their step
 
@@ -227,7 +227,7 @@ class _ReplicaGroup:
         self.weights = torch.tensor([t.weight for t in tables], dtype=torch.float64)
         # (keys, lookups): this rank's counts since the last choice, and its most counted keys before it
         self.counted: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.keys = torch.empty(0, dtype=torch.int64)  # table index << _TABLE_SHIFT | row, ascending
+        self.keys = torch.empty(0, dtype=torch.int64)  # cache keys (cache_keys.cache_key), ascending
         self.slot_tables = torch.empty(0, dtype=torch.int64)  # each slot's table index
         self.values = torch.empty(0, self.dim)
         self.pending = torch.empty(0, self.dim)  # gradients not pushed yet
@@ -247,7 +247,7 @@ class _ReplicaGroup:
         return self.slot_tables[slots]
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.keys[slots] & _ROW_MASK
+        return row_of(self.keys[slots])
 
     def set_hot(self, keys: torch.Tensor) -> None:
         """Takes the new hot rows' keys (ascending, with nothing owed: the step before pushed it all);
@@ -256,7 +256,7 @@ class _ReplicaGroup:
         slots, kept = self.slots_of(keys)
         values[kept], read_at[kept] = self.values[slots[kept]], self.read_at[slots[kept]]
         self.keys, self.values, self.read_at = keys, values, read_at
-        self.slot_tables = keys >> _TABLE_SHIFT
+        self.slot_tables = table_of(keys)
         self.index = _C.HotRowIndex(keys)
         self.version += 1
         self.pending = torch.zeros(keys.numel(), self.dim)
@@ -283,20 +283,20 @@ class _ReplicaGroup:
         if not self.counted:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
         keys, totals = _summed(torch.cat([k for k, _ in self.counted]), torch.cat([c for _, c in self.counted]))
-        scaled = totals * self.weights[keys >> _TABLE_SHIFT]
+        scaled = totals * self.weights[table_of(keys)]
         top = _most_frequent(scaled, _CANDIDATES * self.hot_count)
         self.counted = [(keys[top], totals[top])]
         keys = keys[top]
-        return (self.global_index[keys >> _TABLE_SHIFT] << _TABLE_SHIFT) | (keys & _ROW_MASK), scaled[top]
+        return cache_key(self.global_index[table_of(keys)], row_of(keys)), scaled[top]
 
     def choose(self, offered: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Chooses the rows with the most lookups over every rank's candidates (the same on every
         rank), and takes those of the tables replicated here."""
         keys, totals = _summed(torch.cat([k for k, _ in offered]), torch.cat([c for _, c in offered]))
         chosen = keys[_most_frequent(totals, self.hot_count)]
-        local = self.local_index[chosen >> _TABLE_SHIFT]
+        local = self.local_index[table_of(chosen)]
         mine = local >= 0
-        self.set_hot(((local[mine] << _TABLE_SHIFT) | (chosen[mine] & _ROW_MASK)).sort().values)
+        self.set_hot(cache_key(local[mine], row_of(chosen[mine])).sort().values)
 
     STATE = ("keys", "values", "pending", "has_pending", "pending_since", "read_at")
 
@@ -416,7 +416,7 @@ class HotRowReplicas:
         if getattr(sharded, "_has_mean_pooling_callback", False):
             raise ValueError("replicas do not take plans TorchRec mean-pools after its output all-to-all (mean "
                              "pooling of a row-wise table) yet")
-        self._lookahead = getattr(sharded, "lookahead", None)
+        self._lookahead = sharded.lookahead if isinstance(sharded, DiskTableModule) else None
         self._handles += [sharded.register_forward_pre_hook(self._before_forward),
                           sharded.register_forward_hook(self._after_forward)]
         if self._lookahead is not None:
@@ -446,7 +446,7 @@ class HotRowReplicas:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if len(state["groups"]) != len(self.groups) or any(
                 saved["values"].shape != (saved["keys"].numel(), group.dim)
-                or bool((saved["keys"] >> _TABLE_SHIFT >= len(group.tables)).any())
+                or bool((table_of(saved["keys"]) >= len(group.tables)).any())
                 for group, saved in zip(self.groups, state["groups"])):
             raise ValueError("the replicas' state is of another plan or rank: resume with the plan and ranks it was "
                              "saved with")
@@ -454,7 +454,7 @@ class HotRowReplicas:
         for group, saved in zip(self.groups, state["groups"]):
             for key in _ReplicaGroup.STATE:
                 setattr(group, key, saved[key])
-            group.slot_tables = group.keys >> _TABLE_SHIFT
+            group.slot_tables = table_of(group.keys)
             group.index = _C.HotRowIndex(group.keys)
             group.version += 1
         self._chosen = self.step > self.settings.warmup_steps
@@ -725,7 +725,7 @@ def _keys(members: List[Tuple[int, int]], values: List[torch.Tensor]) -> torch.T
     """The members' ids' keys, member after member."""
     if not members:
         return torch.empty(0, dtype=torch.int64)
-    return torch.cat([values[p].long() | (t << _TABLE_SHIFT) for t, p in members])
+    return torch.cat([cache_key(t, values[p].long()) for t, p in members])
 
 
 def replicate_hot_rows(sharded: nn.Module, settings: ReplicaSettings) -> HotRowReplicas:

@@ -2,15 +2,12 @@
 models) with every table on disk."""
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from .. import optim as optim_lib
-from ..virtual_tables import VirtualTableOptions
 from .table_collection import DiskTableCollection
 
 __all__ = ["DiskEmbeddingCollection"]
@@ -29,10 +26,9 @@ class DiskEmbeddingCollection(DiskTableCollection):
     snapshots, stats; its own forward pools).
 
     The arguments start as EmbeddingCollection's (``tables, device, need_indices``); the disk's own
-    are keyword-only and as DiskEmbeddingBagCollection's (``path``, ``optimizer``,
-    ``memory_budget_bytes``, ``cache_rows``, ``staleness``, ``seed``, ``cache_policy``,
-    ``lookups_per_sample`` (the ids per sample of a table, its traffic: a sequence feature has
-    many), ``backend``, ``reopen``, ``cut``, ``virtual_tables``).
+    are keyword-only, as `DiskTableCollection` takes them (see DiskEmbeddingBagCollection);
+    ``lookups_per_sample`` is the ids per sample of a table, its traffic: a sequence feature has
+    many.
     """
 
     tables_attribute = "embeddings"
@@ -41,22 +37,14 @@ class DiskEmbeddingCollection(DiskTableCollection):
     sharder = "DiskEmbeddingCollectionSharder"
 
     def __init__(self, tables: List[EmbeddingConfig], device: Optional[Union[str, torch.device]] = None,
-                 need_indices: bool = False, *, path: Union[str, os.PathLike],
-                 optimizer: Optional[optim_lib.SparseOptimizer] = None, memory_budget_bytes: int = 256 << 20,
-                 cache_rows: Optional[int] = None, staleness: int = 0, seed: Optional[int] = None,
-                 cache_policy: str = "lfu", lookups_per_sample: Optional[Dict[str, float]] = None,
-                 backend: str = "mlkv", reopen: bool = False, cut: Optional[Dict[str, Any]] = None,
-                 virtual_tables: Optional[VirtualTableOptions] = None) -> None:
+                 need_indices: bool = False, **disk: Any) -> None:
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:  # as EmbeddingCollection: its sharded outputs are [ids, dim]
             raise ValueError(f"the tables of an EmbeddingCollection share one embedding_dim, got "
                              f"{ {t.name: t.embedding_dim for t in tables} }")
         self._need_indices = need_indices
         self._embedding_dim = dims.pop() if dims else -1
-        super().__init__(tables, device, path=path, optimizer=optimizer, memory_budget_bytes=memory_budget_bytes,
-                         cache_rows=cache_rows, staleness=staleness, seed=seed, cache_policy=cache_policy,
-                         lookups_per_sample=lookups_per_sample, backend=backend, reopen=reopen, cut=cut,
-                         virtual_tables=virtual_tables)
+        super().__init__(tables, device, **disk)
 
     # ---- EmbeddingCollection's interface ----------------------------------------------------------
     def embedding_configs(self) -> List[EmbeddingConfig]:

@@ -67,7 +67,7 @@ class ShardedDiskEmbeddingBagCollection(DiskShardedTables, ShardedEmbeddingBagCo
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, options: DiskTableOptions, **kwargs: Any) -> None:
         _check_mean_pooling(module, table_name_to_parameter_sharding)
-        self._init_disk_tables(table_name_to_parameter_sharding, options)
+        self._init_disk_tables(table_name_to_parameter_sharding, options, module.embedding_bag_configs())
         super().__init__(module, table_name_to_parameter_sharding, env, **kwargs)
         self._register_disk_state_dict_hooks()
 
@@ -97,32 +97,34 @@ class DiskEmbeddingBagCollectionSharder(DiskSharder, EmbeddingBagCollectionShard
 
     Args:
         storage_dir: where disk tables live; rank r uses ``storage_dir/rank<r>``.
-        optimizer: the fused rule of every table without an in-backward optimizer
-            (`apply_optimizer_in_backward` takes precedence); the in-memory tables of the plan
-            get the same rule through TorchRec's fused parameters. Default: fused_params's, else
-            SGD(lr=0.01), TorchRec's default.
-        memory_fraction: host memory of a disk shard (cache and store log), as a fraction of its
-            bytes on disk (weights and optimizer state).
-        staleness: the per-row staleness bound of disk tables (0: exact).
-        cache_policy: "lfu" or "lru".
-        seed: seed of the initial rows of disk tables; default read from the state of torch's generator
-            when the sharder is built (every rank must build it at the same point after the same
-            ``torch.manual_seed``, or pass one). A reopened table keeps its recorded seed.
-        backend: the store under disk tables: "mlkv" (KVStore) or "rocksdb" (the baseline).
-        reopen: continue from the rows and optimizer state `storage_dir` holds from an earlier run,
-            each rank's tables at the last cut its directory records (`checkpoint`); without it,
-            disk tables holding rows are refused (FileExistsError).
+        memory_fraction: host memory of a disk shard (cache, store log, buffers), as a fraction of
+            its bytes on disk (weights and optimizer state), but at least what one table opens with
+            (`memory_budget.shard_memory_budget`); the planner charges the shard the same bytes.
         cuts: reopen each rank's tables at the cut given for it ({rank: record}, the records a
-            training checkpoint holds) instead.
+            training checkpoint holds) instead of the last one its directory records.
         live_ids: the ids a table is expected to hold, by table name, where far fewer than its rows:
             a table of raw ids as large as their id space (2**40 rows) holds only the ids trained on,
             and the planner and each shard's memory budget count those (a row shard its share).
-        virtual_tables: for tables with ``use_virtual_table``: the frequency filter, the clock of
-            their eviction policy and the cap after a round (`VirtualTableOptions`); each rank's
-            shard keeps at most its policy's training_id_eviction_trigger_count ids, and the
-            planner sizes it by that. Row-wise, a virtual table's total_num_buckets must be a
-            multiple of the ranks.
+        settings: how the disk tables train and are stored (`DiskTableSettings`), or its fields by
+            keyword (``optimizer``, ``staleness``, ``cache_policy``, ``backend``, ``seed``,
+            ``reopen``, ``virtual_tables``):
+
+            - optimizer: the fused rule of every table without an in-backward optimizer
+              (`apply_optimizer_in_backward` takes precedence); the in-memory tables of the plan get
+              the same rule through TorchRec's fused parameters. Default: ``fused_params`` read as
+              FBGEMM reads them (what they leave out takes FBGEMM's default: exact SGD at 0.01).
+            - seed: default read from the state of torch's generator when the sharder is built
+              (every rank must build it at the same point after the same ``torch.manual_seed``, or
+              pass one). A reopened table keeps its recorded seed.
+            - reopen: continue from the rows and optimizer state `storage_dir` holds, each rank's
+              tables at the last cut its directory records; without it, disk tables holding rows
+              are refused (FileExistsError).
+            - virtual_tables: each rank's shard of a ``use_virtual_table`` table keeps at most its
+              policy's training_id_eviction_trigger_count ids (the policy read from the table's
+              config, whatever the sharding), and the planner sizes it by that. Row-wise, its
+              total_num_buckets must be a multiple of the ranks.
         fused_params: TorchRec's fused parameters, as for EmbeddingBagCollectionSharder.
+        **kwargs: EmbeddingBagCollectionSharder's other arguments (``qcomm_codecs_registry``).
     """
 
     disk_sharding_types = tuple(DISK_SHARDINGS)
@@ -131,7 +133,7 @@ class DiskEmbeddingBagCollectionSharder(DiskSharder, EmbeddingBagCollectionShard
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None
               ) -> ShardedDiskEmbeddingBagCollection:
         return ShardedDiskEmbeddingBagCollection(
-            module, params, env, self.options, fused_params=self.fused_params, device=device,
+            module, params, env, self.next_module_options(), fused_params=self.fused_params, device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite)
 

@@ -29,7 +29,7 @@ class ShardedDiskEmbeddingCollection(DiskShardedTables, ShardedEmbeddingCollecti
 
     def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, options: DiskTableOptions, **kwargs: Any) -> None:
-        self._init_disk_tables(table_name_to_parameter_sharding, options)
+        self._init_disk_tables(table_name_to_parameter_sharding, options, module.embedding_configs())
         super().__init__(module, table_name_to_parameter_sharding, env, **kwargs)
         self._register_disk_state_dict_hooks()
 
@@ -60,7 +60,7 @@ class DiskEmbeddingCollectionSharder(DiskSharder, EmbeddingCollectionSharder):
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None
               ) -> ShardedDiskEmbeddingCollection:
         return ShardedDiskEmbeddingCollection(
-            module, params, env, self.options, fused_params=self.fused_params, device=device,
+            module, params, env, self.next_module_options(), fused_params=self.fused_params, device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry, use_index_dedup=self._use_index_dedup,
             module_fqn=module_fqn)
 

@@ -9,6 +9,7 @@ import contextvars
 import os
 import warnings
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -22,15 +23,14 @@ from torchrec.distributed.types import Awaitable, ParameterSharding, ShardingEnv
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .. import optim as optim_lib
 from ..cut import PendingCut
-from ..disk_table import draw_seed
-from ..virtual_tables import VirtualTableOptions
+from ..disk_modules import DiskTableModule
+from ..table_settings import DiskTableSettings
 from .fused_optimizer import fused_params_of
 from .kernel import DISK_KERNEL, DiskEmbeddingKernel, DiskTableOptions, on_host
 from .shardings.lookup import DiskGroupLookahead
 from .state_dicts import disk_tables_in_state_dict
-from .tables import DATA_TYPES
+from .tables import DATA_TYPES, table_seed
 
 # Set while DiskAwarePlanner plans: only then does the sharder offer its disk kernel.
 _planning_with_disk: contextvars.ContextVar[bool] = contextvars.ContextVar("mlkv_planning_with_disk", default=False)
@@ -74,7 +74,7 @@ def refuse_unfit_disk_shardings(sharding_infos: List[EmbeddingShardingInfo], sha
                              f"(ParameterConstraints(sharding_types=['table_wise'])) or over fewer ranks")
 
 
-class DiskShardedTables:
+class DiskShardedTables(DiskTableModule):
     """The disk side of a TorchRec sharded collection whose ``customized_kernel`` tables live on disk.
 
     Mixed in before TorchRec's sharded module; `tables_attribute` names where that module keeps
@@ -82,13 +82,17 @@ class DiskShardedTables:
     before TorchRec's __init__, `_register_disk_state_dict_hooks` after it."""
 
     tables_attribute: str
+    _device: Optional[torch.device]  # TorchRec's sharded module's
     _env: ShardingEnv
     _lookups: List[nn.Module]
     _table_name_to_config: Dict[str, Any]
     module_sharding_plan: Dict[str, ParameterSharding]
 
-    def _init_disk_tables(self, plan: Dict[str, ParameterSharding], options: DiskTableOptions) -> None:
-        self._disk_options = options  # read by the sharding's creation, which TorchRec's __init__ calls
+    def _init_disk_tables(self, plan: Dict[str, ParameterSharding], options: DiskTableOptions,
+                          configs: Sequence[Any]) -> None:
+        # Read by the sharding's creation, which TorchRec's __init__ calls; the user's configs carry
+        # what TorchRec's shardings do not hand every kernel (a virtual table's eviction policy).
+        self._disk_options = replace(options, table_configs={c.name: c for c in configs})
         self._disk_table_names = [name for name, ps in plan.items() if ps.compute_kernel == DISK_KERNEL]
         self._input_keys: Optional[List[str]] = None  # of the first input distribution (see input_dist)
 
@@ -100,12 +104,17 @@ class DiskShardedTables:
     def reset_parameters(self) -> None:
         # Disk tables start from their stores (initial rows or the rows already there); TorchRec's
         # init_fn must not touch them, and ranks without a shard still need the `weight` attribute.
-        for name in getattr(self, "_disk_table_names", []):
+        for name in self._disk_table_names:
             module = getattr(self, self.tables_attribute)[name]
             if "weight" not in module._parameters:
                 module.register_parameter("weight", nn.Parameter(torch.empty(0)))
                 module.weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
         super().reset_parameters()
+
+    @property
+    def disk_table_names(self) -> List[str]:
+        """The tables the plan put on disk (on every rank alike, whether it holds a shard or not)."""
+        return list(self._disk_table_names)
 
     def _unwrapped_lookups(self) -> Iterator[nn.Module]:
         return unwrapped_lookups(self)
@@ -160,7 +169,7 @@ class DiskShardedTables:
         spec = self.module_sharding_plan[table].sharding_spec
         metadata = spec.build_metadata(tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
                                        tensor_properties=TensorProperties(dtype=DATA_TYPES[config.data_type]))
-        metadata.shards_metadata = [on_host(m) for m in metadata.shards_metadata]
+        metadata.shards_metadata = [on_host(m, self._device) for m in metadata.shards_metadata]
         return metadata
 
     @staticmethod
@@ -225,7 +234,7 @@ class DiskShardedTables:
         `DiskEmbeddingBagCollection.begin_checkpoint`); ``wait()`` commits it in the rank's directory
         (``<storage_dir>/rank<r>/CUT.json``) and returns its record. None on a rank without disk
         tables. Every rank takes its own; a training checkpoint records them together."""
-        kernels = list(self.disk_kernels())
+        kernels = [kernel for kernel in self.disk_kernels() if not kernel.on_meta]
         if not kernels:
             return None
         return PendingCut(kernels[0].rank_dir, label,
@@ -255,19 +264,34 @@ class DiskSharder:
 
     disk_sharding_types: Sequence[str]
 
-    def __init__(self, storage_dir: Union[str, os.PathLike], *, optimizer: Optional[optim_lib.SparseOptimizer] = None,
-                 memory_fraction: float = 0.1, staleness: int = 0, cache_policy: str = "lfu",
-                 seed: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None, backend: str = "mlkv",
-                 reopen: bool = False, cuts: Optional[Dict[int, Any]] = None,
-                 live_ids: Optional[Dict[str, int]] = None, virtual_tables: Optional[VirtualTableOptions] = None,
+    def __init__(self, storage_dir: Union[str, os.PathLike], *, memory_fraction: float = 0.1,
+                 cuts: Optional[Dict[int, Any]] = None, live_ids: Optional[Dict[str, int]] = None,
+                 settings: Optional[DiskTableSettings] = None, fused_params: Optional[Dict[str, Any]] = None,
                  **kwargs: Any) -> None:
+        ours, torchrec_kwargs = DiskTableSettings.split_keywords(kwargs)
+        settings = DiskTableSettings.of(settings, ours, type(self).__name__).with_seed()
         self._told_planner = False
-        self.options = DiskTableOptions(os.fspath(storage_dir), optimizer, memory_fraction, staleness, cache_policy,
-                                        draw_seed() if seed is None else seed, backend, seed_drawn=seed is None,
-                                        reopen=reopen, cuts=cuts, live_ids=live_ids, virtual=virtual_tables)
-        if optimizer is not None:
-            fused_params = {**fused_params_of(optimizer), **(fused_params or {})}
-        super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]
+        self._modules_sharded = 0
+        self.options = DiskTableOptions(os.fspath(storage_dir), settings, memory_fraction, cuts=cuts,
+                                        live_ids=live_ids)
+        if settings.optimizer is not None:
+            fused_params = {**fused_params_of(settings.optimizer), **(fused_params or {})}
+        super().__init__(fused_params=fused_params, **torchrec_kwargs)  # type: ignore[call-arg]
+
+    def next_module_options(self) -> DiskTableOptions:
+        """The options of the next module this sharder shards (`shard` calls it once a module). The
+        first keeps `options`; the k-th after it (a second collection of a model, or a second model)
+        keeps its tables in ``storage_dir/module<k>``, reopens at the cut recorded there, and, with a
+        drawn seed, starts from other rows, as a second TorchRec collection would (torch's
+        generator has moved on)."""
+        k, self._modules_sharded = self._modules_sharded, self._modules_sharded + 1
+        if k == 0:
+            return self.options
+        settings = self.options.settings
+        if settings.seed_drawn:
+            settings = replace(settings, seed=table_seed(settings.seed, f"module{k}"))
+        return replace(self.options, storage_dir=os.path.join(self.options.storage_dir, f"module{k}"),
+                       settings=settings, cuts=None)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         # TorchRec offers row-wise only on CUDA; disk tables take it on every device.

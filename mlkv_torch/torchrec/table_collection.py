@@ -19,11 +19,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import optim as optim_lib
 from ..cut import PendingCut, check_cut, read_cut, remove_cut
-from ..disk_table import destroy_table, directory_path, draw_seed
+from ..disk_modules import DiskTableModule
+from ..disk_table import destroy_table, directory_path
 from ..embedding import DiskEmbeddingBag
 from ..store import KVStore
-from ..table_batch import BatchSettings, DiskTableBatch
-from ..virtual_tables import VirtualTableOptions
+from ..table_batch import DiskTableBatch
+from ..table_settings import DiskTableSettings
+from ..virtual_tables import id_policy_of
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .routing import KernelRouting, select_features
 from .tables import disk_table_spec, open_disk_tables, table_seed
@@ -34,7 +36,7 @@ def _optimizer_state_of(bag: DiskEmbeddingBag) -> TableOptimizerState:
     def write(rows: torch.Tensor, step: int) -> None:
         bag.restore(state=rows)
         bag.steps = step
-    return TableOptimizerState(bag.state_snapshot, lambda: bag.steps, write)
+    return TableOptimizerState(lambda: bag.written_through_snapshot("state"), lambda: bag.steps, write)
 
 
 class _TableOnMeta(nn.Module):
@@ -64,24 +66,51 @@ class _TableOnMeta(nn.Module):
             missing_keys.append(prefix + "weight")
 
 
-class DiskTableCollection(nn.Module, FusedOptimizerModule):
+class DiskTableCollection(nn.Module, FusedOptimizerModule, DiskTableModule):
     """TorchRec tables on disk in one process (the base of DiskEmbeddingBagCollection and
-    DiskEmbeddingCollection; their docstrings describe the arguments).
+    DiskEmbeddingCollection, which take its keyword-only arguments after their counterpart's own).
 
     A subclass names the attribute that holds the tables' views (`tables_attribute`, as its
     TorchRec counterpart names it: state dict keys follow), whether its tables pool (`pooled`),
-    and its TorchRec counterpart and sharder (for messages)."""
+    and its TorchRec counterpart and sharder (for messages).
+
+    Args:
+        tables: the tables' TorchRec configs.
+        device: where the caches, pooling and outputs live (default: torch's default device).
+        path: a directory; table ``t`` lives in ``path/t``.
+        memory_budget_bytes: host memory for rows, for the whole collection. Within a row layout the
+            tables share one cache, whose frequency-aware policy gives the hot rows of every table
+            their place (`split_host_memory`); several layouts share it by traffic and size
+            (`memory_budget.plan_host_memory`).
+        cache_rows: rows of hot cache for the whole collection, split the same way (default: what
+            the budget holds).
+        lookups_per_sample: expected ids per sample of each table (its traffic), by table name;
+            default: one per feature of the table. Splits the budget between row layouts.
+        cut: reopen at this cut (a record `checkpoint()` returned) rather than the last one recorded
+            in `path`: what a training checkpoint that holds the record resumes from.
+        settings: how the tables train and are stored (`DiskTableSettings`: optimizer, staleness,
+            cache policy, backend, seed, reopen, virtual tables). The model's torch optimizer does
+            not reach the tables; without an optimizer they train with SGD(lr=0.01), with a
+            warning, and `fused_optimizer` carries their learning rate for schedules and
+            CombinedOptimizer. With ``reopen`` they continue from the rows and optimizer state
+            `path` holds, at its last cut, every table at the same one, even after a crash. A
+            virtual table (``use_virtual_table``) holds a row for any id in [0, num_embeddings) (up
+            to 2**40) once looked up and evicts ids by its ``virtual_table_eviction_policy``; its
+            state dict holds its live ids (``weight_id``) and their rows (``weight``)
+            (docs/torchrec.md).
+        **options: fields of `DiskTableSettings` by keyword, replacing those of `settings`.
+    """
 
     tables_attribute: str
     pooled: bool
     counterpart: str  # the TorchRec module it replaces
     sharder: str  # the sharder that puts its counterpart on disk under DistributedModelParallel
 
-    def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: Optional[Union[str, torch.device]], *,
-                 path: Union[str, os.PathLike], optimizer: Optional[optim_lib.SparseOptimizer],
-                 memory_budget_bytes: int, cache_rows: Optional[int], staleness: int, seed: Optional[int],
-                 cache_policy: str, lookups_per_sample: Optional[Dict[str, float]], backend: str, reopen: bool,
-                 cut: Optional[Dict[str, Any]], virtual_tables: Optional[VirtualTableOptions] = None) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: Optional[Union[str, torch.device]] = None, *,
+                 path: Union[str, os.PathLike], memory_budget_bytes: int = 256 << 20, cache_rows: Optional[int] = None,
+                 lookups_per_sample: Optional[Dict[str, float]] = None, cut: Optional[Dict[str, Any]] = None,
+                 settings: Optional[DiskTableSettings] = None, **options: Any) -> None:
+        settings = DiskTableSettings.of(settings, options, type(self).__name__).with_seed()
         super().__init__()
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -108,27 +137,27 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule):
             raise ValueError(f"lookups_per_sample names tables the collection does not have: {unknown}")
         if any(not v > 0 for v in traffic.values()):
             raise ValueError(f"lookups_per_sample must be positive, got {traffic}")
-        if optimizer is None and tables:
+        if settings.optimizer is None and tables:
             warnings.warn(f"{type(self).__name__} trains its tables with its own fused optimizer, and none was "
                           "given: mlkv_torch.optim.SGD(lr=0.01). The model's torch optimizer does not reach the "
                           "tables; pass optimizer= (e.g. mlkv_torch.optim.Adam(lr=...)) and drive schedules through "
                           ".fused_optimizer", stacklevel=3)
-        rule = optimizer if optimizer is not None else optim_lib.SGD()
+        rule = settings.optimizer if settings.optimizer is not None else optim_lib.SGD()
         self._path = directory_path(path)
-        base_seed = draw_seed() if seed is None else seed
         # Each table as a disk table under `rule` (its state sizes the rows): checked now, opened now or
         # when a model built on meta is materialised.
-        self._table_specs = [disk_table_spec(t, os.path.join(self._path, t.name), table_seed(base_seed, t.name),
-                                             rule, seed_drawn=seed is None, lookups_per_sample=traffic.get(t.name),
-                                             pooled=self.pooled, virtual=virtual_tables)
+        self._table_specs = [disk_table_spec(t, os.path.join(self._path, t.name), table_seed(settings.seed, t.name),
+                                             rule, seed_drawn=settings.seed_drawn,
+                                             lookups_per_sample=traffic.get(t.name), pooled=self.pooled,
+                                             id_policy=id_policy_of(t, settings.virtual_tables))
                              for t in tables]
         self._memory_budget_bytes, self._cache_rows = memory_budget_bytes, cache_rows
-        self._settings = BatchSettings(staleness, cache_policy, backend)
+        self._settings = settings.batch
         if cut is not None:
             check_cut(cut, "cut")
-        elif reopen:
+        elif settings.reopen:
             cut = read_cut(self._path)
-        self._cut, self._reopen = cut, reopen or cut is not None
+        self._cut, self._reopen = cut, settings.reopen or cut is not None
         self._lr = rule.lr
         self._batches: List[DiskTableBatch] = []
         self._routing: Optional[KernelRouting] = None
@@ -285,6 +314,16 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule):
         if missing:
             raise ValueError(f"the KeyedJaggedTensor lacks features of the tables: {missing}")
         return select_features(features, [index[f] for f in self._feature_order])
+
+    @property
+    def disk_table_names(self) -> List[str]:
+        """Every table of the collection (all on disk)."""
+        return [t.name for t in self._configs]
+
+    @property
+    def lookahead_process_group(self) -> None:
+        """None: one process's tables look ahead on their own."""
+        return None
 
     def lookahead(self, features: KeyedJaggedTensor) -> None:
         """Starts reading the rows of a future batch's features into memory; returns at once."""

@@ -17,8 +17,9 @@ from ..disk_table import DiskTable
 from ..embedding import DiskEmbeddingBag
 from ..opening import TableSpec, open_tables
 from ..row_layout import RowLayout
-from ..table_batch import BatchSettings, DiskTableBatch
-from ..virtual_tables import VirtualTableOptions, id_policy_of
+from ..table_batch import DiskTableBatch
+from ..table_settings import BatchSettings
+from ..virtual_tables import IdPolicy
 from .routing import KernelRouting
 
 POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -63,13 +64,13 @@ def disk_table_spec(config: BaseEmbeddingConfig, path: str, seed: int, optimizer
                     seed_drawn: bool = False, embedding_dim: Optional[int] = None, first_column: int = 0,
                     num_embeddings: Optional[int] = None, first_row: int = 0,
                     lookups_per_sample: Optional[float] = None, pooled: bool = True,
-                    virtual: Optional[VirtualTableOptions] = None) -> TableSpec:
+                    id_policy: Optional[IdPolicy] = None) -> TableSpec:
     """A TorchRec table, or a rank's shard of one (`num_embeddings` rows from `first_row`,
     `embedding_dim` columns from `first_column`), as a disk table at `path`; ValueError names a
     pooling or data type the disk kernel does not have. Its traffic is `lookups_per_sample`, by
     default one per feature. A table that does not pool (`pooled` False: an EmbeddingCollection's,
     one embedding per id) is looked up as bags of one id, summed. A virtual table
-    (``use_virtual_table``) follows its eviction policy with `virtual`'s options (`id_policy_of`)."""
+    (``use_virtual_table``) follows `id_policy` (`virtual_tables.id_policy_of` its user's config)."""
     if pooled and config.pooling not in POOLING_MODES:
         raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported on disk (SUM or MEAN)")
     if config.data_type not in DATA_TYPES:
@@ -77,7 +78,7 @@ def disk_table_spec(config: BaseEmbeddingConfig, path: str, seed: int, optimizer
                          f"(FP32, FP16, BF16)")
     table = DiskTable(config.name, config.num_embeddings if num_embeddings is None else num_embeddings, path, seed,
                       first_column, init=initial_distribution_of(config), seed_drawn=seed_drawn, first_row=first_row,
-                      id_policy=id_policy_of(config, virtual))
+                      id_policy=id_policy)
     layout = RowLayout(config.embedding_dim if embedding_dim is None else embedding_dim, DATA_TYPES[config.data_type],
                        optimizer)
     return TableSpec(table, layout, POOLING_MODES[config.pooling] if pooled else "sum",

@@ -16,8 +16,10 @@ import torch.distributed as dist
 from .. import optim as optim_lib
 from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
+from ..disk_modules import DiskTableModule
 from ..data.sources import batch_source, input_cpu_budget, loader_tuner
 from ..memory_budget import MemoryBudgetError
+from ..table_settings import DiskTableSettings
 from ..ranks import all_gather_objects
 from . import checkpoints
 
@@ -90,6 +92,7 @@ class Experiment:
             if "cut" not in self._resumed:
                 raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
                                   f"row, not a cut of the tables); resume it with that version")
+        self.collection: DiskTableModule  # the model's disk tables: one process's, or this rank's sharded ones
         self.replicas: Optional[Any] = None  # HotRowReplicas under torchrun with storage.replicas.fraction > 0
         if config.storage.replicas.fraction > 0 and self.world_size < 2:
             raise ConfigError("storage.replicas.fraction: replicas need several ranks (run under torchrun); with one "
@@ -113,16 +116,22 @@ class Experiment:
                               dense_device=torch.device("cpu")))
         return dlrm.to(self.device) if self.device.type != "cpu" else dlrm
 
+    def _table_settings(self) -> DiskTableSettings:
+        """How the run's disk tables train and are stored, one process or sharded."""
+        storage = self.config.storage
+        return DiskTableSettings(optimizer=self.rule, staleness=storage.staleness, cache_policy=storage.cache_policy,
+                                 backend=_BACKENDS.get(storage.kind, "mlkv"),  # memory: nothing on disk
+                                 seed=self.config.train.seed, reopen=self.resume, virtual_tables=self.virtual_tables)
+
     def _build_local(self, tables) -> None:
         """One process, disk storage: DiskEmbeddingBagCollection (so the pipeline can look ahead)."""
         from ..torchrec import DiskEmbeddingBagCollection
 
         config, storage = self.config, self.config.storage
         self.collection = DiskEmbeddingBagCollection(
-            tables, path=self.tables_path, optimizer=self.rule, memory_budget_bytes=storage.memory_budget_bytes,
-            cache_rows=storage.cache_rows, staleness=storage.staleness, seed=config.train.seed,
-            cache_policy=storage.cache_policy, backend=_BACKENDS[storage.kind], reopen=self.resume, device=self.device,
-            cut=self._resumed["cut"] if self._resumed else None, virtual_tables=self.virtual_tables)
+            tables, device=self.device, path=self.tables_path, memory_budget_bytes=storage.memory_budget_bytes,
+            cache_rows=storage.cache_rows, cut=self._resumed["cut"] if self._resumed else None,
+            settings=self._table_settings())
         self.model = self._dlrm(self.collection)
         dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
@@ -153,12 +162,10 @@ class Experiment:
                               f"({storage.memory_budget_bytes:,})")
         model = self._dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")))
         sharder = DiskEmbeddingBagCollectionSharder(
-            self.tables_path, optimizer=self.rule, memory_fraction=storage.memory_fraction,
-            staleness=storage.staleness, cache_policy=storage.cache_policy, seed=config.train.seed,
-            backend=_BACKENDS.get(storage.kind, "mlkv"), reopen=self.resume,  # memory: nothing on disk
+            self.tables_path, memory_fraction=storage.memory_fraction,
             cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None,
-            qcomm_codecs_registry=_comms_codecs(storage.comms), live_ids=self._live_ids(tables),
-            virtual_tables=self.virtual_tables)
+            live_ids=self._live_ids(tables), settings=self._table_settings(),
+            qcomm_codecs_registry=_comms_codecs(storage.comms))
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
@@ -189,7 +196,7 @@ class Experiment:
 
     def populate(self) -> int:
         """Writes every row of this rank's disk tables to their stores (storage.populate); returns the rows."""
-        return self.collection.populate()  # both collections the runner builds have it
+        return self.collection.populate()
 
     @property
     def world_size(self) -> int:
@@ -372,7 +379,7 @@ class Experiment:
 
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
         # Storage kind memory has no disk tables: every row goes to the directory.
-        pending = self.collection.begin_checkpoint(label=step) if hasattr(self.collection, "disk_kernels") else None
+        pending = self.collection.begin_checkpoint(label=step)
         if pending is not None:
             pending.defer_commit()  # committed once the rank's own record names it (`commit` below)
         with disk_tables_left_out():  # copied now, written in the background
@@ -436,7 +443,7 @@ class Experiment:
         what would stand for them differs from rank to rank, which torch.distributed.checkpoint
         cannot match up on load)."""
         state = self.optimizer.state_dict()
-        on_disk = tuple(f"embedding_bags.{t}.weight" for t in getattr(self.collection, "_disk_table_names", []))
+        on_disk = tuple(f"embedding_bags.{t}.weight" for t in self.collection.disk_table_names)
         state["state"] = {k: v for k, v in state["state"].items() if not (on_disk and k.endswith(on_disk))}
         return state
 

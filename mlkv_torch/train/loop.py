@@ -184,8 +184,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
     elapsed = time.perf_counter() - started
     sent = traffic.all_ranks()
     served = replica_lookups.all_ranks()
-    if hasattr(experiment.collection, "flush"):
-        experiment.collection.flush()
+    experiment.collection.flush()
     # Each rank's rows read from its stores a step (evaluations' reads included): where row-wise
     # tables spread what one rank would read.
     reads = experiment.store_reads() - reads_at_start
