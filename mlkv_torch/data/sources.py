@@ -221,14 +221,15 @@ class ParquetSource(_FileBatches):
         import ray
 
         actors = settings.actors
-        if actors == "auto":
-            actors = max(1, int(ray.cluster_resources().get("CPU", 1)) // world)
+        if actors == "auto":  # a local Ray is this rank's alone; a cluster's CPUs are shared by the ranks
+            cpus = int(ray.cluster_resources().get("CPU", 1))
+            actors = max(1, cpus if self._started_ray else cpus // world)
         local = self.train_batches
         # Unshuffled, consecutive batches share row groups: an actor makes a row group's run of them.
         chunk = 1 if data.shuffle_window else max(1, local.rows // local.row_groups // self.batch_size)
         try:
             self.train_batches = RayBatches(make, functools.partial(parquet_batch, self.feature_names), actors,
-                                            local.batches_per_epoch, stride=world, chunk=chunk,
+                                            stride=world, chunk=chunk,
                                             start_timeout_s=settings.start_timeout_s,
                                             batch_timeout_s=settings.batch_timeout_s)
         except RuntimeError as e:

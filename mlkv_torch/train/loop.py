@@ -226,10 +226,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             json.dump(summary, f, indent=1)
         short = summary["input"]
         if short["workers_needed"] > short["cpu_budget"] and summary["input_wait_share"] > 0.01:
-            print(f"[train] the input needs {short['workers_needed']} threads to keep ahead of training; this host "
-                  f"gives the loader {short['cpu_budget']}, and training waited {summary['input_wait_share']:.0%} "
-                  f"of its steps' time: give it more cores, or make batches cheaper (fewer columns, converted "
-                  f"once)", flush=True)
+            print(_too_few_input_workers(config, short["workers_needed"], short["cpu_budget"],
+                                         summary["input_wait_share"]), flush=True)
     experiment.collection.close()
     return summary
 
@@ -273,6 +271,18 @@ def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[st
             "input_wait_ms": stats["wait_s"] * 1e3 / steps if steps else 0.0,
             "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions",
                                             "workers_needed", "cpu_budget", "input_cores")}}
+
+
+def _too_few_input_workers(config: ExperimentConfig, needed: int, given: int, wait_share: float) -> str:
+    """What the runner says when training waited for batches that `needed` workers would have made
+    in time and it had `given`: Ray's actors, or this host's threads."""
+    if config.data.engine == "ray":
+        return (f"[train] the input needs {needed} Ray batch makers to keep ahead of training; this rank has "
+                f"{given}, and training waited {wait_share:.0%} of its steps' time: ask for more actors "
+                f"(data.ray.actors), or make batches cheaper (fewer columns)")
+    return (f"[train] the input needs {needed} threads to keep ahead of training; this host gives the loader "
+            f"{given}, and training waited {wait_share:.0%} of its steps' time: give it more cores, or make "
+            f"batches cheaper (fewer columns, converted once)")
 
 
 def _tensorboard(config: ExperimentConfig) -> Any:
