@@ -158,7 +158,7 @@ def _config_overrides(name: str, tsv: str, cache: str, rows: int = 0) -> List[st
         return _criteo_overrides(tsv, cache)
     if name == "criteo_terabyte":  # its format is npy: the generated file's converted days
         sys.path.insert(0, REPO)
-        from mlkv_torch.data.criteo import convert
+        from mlkv_torch.data.criteo_convert import convert
 
         days = convert([tsv], cache, days=7)[0]
         return [f"data.criteo.train=[{','.join(days[:-1])}]", f"data.criteo.eval=[{days[-1]}]"]

@@ -268,7 +268,8 @@ def test_under_torchrun_each_rank_reads_its_own_share(dataset, tmp_path):
 def test_criteo_days_as_parquet_make_criteos_batches(tmp_path, shuffle_window):
     # A converted Criteo day written as Parquet and read through its schema: the batches of the npy
     # path (CriteoBatches), bit for bit.
-    from mlkv_torch.data.criteo import convert, generate as generate_criteo
+    from mlkv_torch.data.criteo_convert import convert
+    from mlkv_torch.data.criteo_generate import generate as generate_criteo
     from mlkv_torch.data.criteo_batches import CriteoBatches
     from mlkv_torch.data.criteo_parquet import day_to_parquet, parquet_schema
 

@@ -69,7 +69,7 @@ def test_an_address_where_no_ray_head_answers_is_refused_by_name(dataset, tmp_pa
 
 
 def test_criteo_days_converted_on_ray_are_the_in_process_files(local_ray, tmp_path):
-    from mlkv_torch.data.criteo import generate as generate_criteo
+    from mlkv_torch.data.criteo_generate import generate as generate_criteo
     from mlkv_torch.data.criteo_parquet import convert_to_parquet, convert_to_parquet_on_ray
     from mlkv_torch.data.criteo_tsv import CriteoFormatError
 

@@ -126,9 +126,9 @@ class CriteoSource(_TablePerFeature, _FileBatches):
     """Criteo days (TSV files, converted once, or torchrec's npy layout), batch by number."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from .criteo import CriteoFormatError, convert_file
+        from .criteo_convert import convert_file
         from .criteo_batches import RAW_ID_SPACE, CriteoBatches
-        from .criteo_tsv import CAT_FEATURES, INT_FEATURES
+        from .criteo_tsv import CAT_FEATURES, INT_FEATURES, CriteoFormatError
 
         criteo = config.data.criteo
         train_days, eval_days = list(criteo.train), list(criteo.eval)
