@@ -169,7 +169,7 @@ def child_loader(name: str, overrides: List[str], batches: int) -> Dict[str, Any
     """The loader alone: samples/s of `batches` batches through the config's BatchLoader."""
     from mlkv_torch.config import load_config
     from mlkv_torch.data.loader import BatchLoader
-    from mlkv_torch.data.sources import batch_source, input_cpu_budget, loader_tuner
+    from mlkv_torch.train.sources import batch_source, input_cpu_budget, loader_tuner
     from mlkv_torch.train import torch_threads
 
     config = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), ["output_dir=/unused", *overrides])

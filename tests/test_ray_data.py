@@ -19,7 +19,7 @@ from mlkv_torch.config import ConfigError, load_config
 from mlkv_torch.data.loader import BatchLoader
 from mlkv_torch.data.parquet import ParquetBatches, SparseFeature, parquet_batch
 from mlkv_torch.data.parquet_generate import DEFAULT_CARDINALITIES, generate
-from mlkv_torch.data.sources import ParquetSource
+from mlkv_torch.train.sources import ParquetSource
 from mlkv_torch.data.transforms import RowGroupTransform
 from mlkv_torch.train import run
 

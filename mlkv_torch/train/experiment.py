@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import optim as optim_lib
 from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
-from ..data.sources import batch_source, input_cpu_budget, loader_tuner
+from .sources import batch_source, input_cpu_budget, loader_tuner
 from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from . import checkpoints

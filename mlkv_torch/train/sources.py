@@ -15,7 +15,7 @@ from typing import Any, Iterator, List, Optional, Tuple, Union
 import torch
 
 from ..config import ConfigError, ExperimentConfig, cardinalities_of
-from .tuning import InputTuner
+from ..data.tuning import InputTuner
 
 __all__ = ["CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "input_cpu_budget",
            "loader_tuner"]
@@ -74,7 +74,7 @@ class SyntheticSource(_TablePerFeature):
     """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from .synthetic import SyntheticCTR
+        from ..data.synthetic import SyntheticCTR
 
         data = config.data.synthetic
         self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
@@ -97,7 +97,7 @@ class SyntheticSource(_TablePerFeature):
 
     def make_batch(self, number: int) -> Any:
         """Training batch `number`."""
-        from .synthetic import synthetic_batch
+        from ..data.synthetic import synthetic_batch
 
         return synthetic_batch(self.generator, number, self.batch_size)
 
@@ -105,7 +105,7 @@ class SyntheticSource(_TablePerFeature):
              ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
         """This rank's share of `batches` held-out batches, each with its true click probabilities;
         with new ids entering, drawn from the vocabulary of training batch `at_batch` (where training is)."""
-        from .synthetic import synthetic_batch
+        from ..data.synthetic import synthetic_batch
 
         vocabulary = at_batch if self._new_ids_per_batch else None
         for k in range(batches):
@@ -126,9 +126,9 @@ class CriteoSource(_TablePerFeature, _FileBatches):
     """Criteo days (TSV files, converted once, or torchrec's npy layout), batch by number."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from .criteo_convert import convert_file
-        from .criteo_batches import RAW_ID_SPACE, CriteoBatches
-        from .criteo_tsv import CAT_FEATURES, INT_FEATURES, CriteoFormatError
+        from ..data.criteo_convert import convert_file
+        from ..data.criteo_batches import RAW_ID_SPACE, CriteoBatches
+        from ..data.criteo_tsv import CAT_FEATURES, INT_FEATURES, CriteoFormatError
 
         criteo = config.data.criteo
         train_days, eval_days = list(criteo.train), list(criteo.eval)
@@ -163,7 +163,7 @@ class CriteoSource(_TablePerFeature, _FileBatches):
     def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
         """With raw ids, the ids each table is expected to hold: the distinct values of Criteo
         Kaggle's features (torchrec's counts), an estimate for other days; None: the tables' rows."""
-        from .synthetic import CRITEO_KAGGLE_CARDINALITIES
+        from ..data.synthetic import CRITEO_KAGGLE_CARDINALITIES
 
         return CRITEO_KAGGLE_CARDINALITIES if self._raw else None
 
@@ -177,8 +177,8 @@ class ParquetSource(_FileBatches):
     def __init__(self, config: ExperimentConfig, cpu_budget: int = 1, world: int = 1) -> None:
         import functools
 
-        from .parquet import ParquetBatches, schema_features
-        from .transforms import RowGroupTransform
+        from ..data.parquet import ParquetBatches, schema_features
+        from ..data.transforms import RowGroupTransform
 
         data = config.data.parquet
         features, self.tables = schema_features(data.sparse)
@@ -204,10 +204,10 @@ class ParquetSource(_FileBatches):
     def _prepare_on_ray(self, config: ExperimentConfig, make: Any, world: int, cpu_budget: int) -> None:
         import functools
 
-        from .parquet import parquet_batch
+        from ..data.parquet import parquet_batch
 
         try:
-            from .ray_batches import RayBatches, connect_ray
+            from ..data.ray_batches import RayBatches, connect_ray
             import ray  # noqa: F401
         except ImportError as e:
             raise ConfigError(f"data.engine ray needs Ray: pip install '.[ray]' ({e})") from e
