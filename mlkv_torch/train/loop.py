@@ -76,7 +76,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                           f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
     if experiment.distributed and experiment.is_main:
         elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
-    if experiment.world_size > 1 and hasattr(experiment.source, "row_order"):
+    if experiment.world_size > 1 and experiment.source.row_order is not None:
         print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", flush=True)
     populate_s = 0.0
     # A resumed run's tables hold their rows already; populating again would also take a cut past
@@ -175,8 +175,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 bar.update(1)
     finally:
         data.close()  # its threads stop, also when a step fails
-        if hasattr(experiment.source, "close"):  # Ray's actors end with training; evaluation reads here
-            experiment.source.close()
+        experiment.source.close()  # Ray's actors end with training; evaluation reads here
     bar.close()
     if board is not None:
         board.close()

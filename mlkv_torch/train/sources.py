@@ -1,24 +1,26 @@
 """The runner's data: an experiment's batches by number (synthetic, Criteo or Parquet) and its loader's tuner.
 
-A source gives ``make_batch(number)`` for training (step s trains batch s * world_size + rank on
-each rank; a Parquet dataset's rows are shared out among the ranks, ShuffledRows) and ``eval(batches, rank, world)``
-for held-out batches, with the planted model's
-click probabilities where the data has them, and ``tables``: (name, rows, feature names) of each
-table the model needs (one a feature, but for Parquet features that share one).
+Every source is a BatchSource: ``make_batch(number)`` for training (step s trains batch
+s * world_size + rank on each rank; a Parquet dataset's rows are shared out among the ranks,
+ShuffledRows), ``eval(batches, rank, world)`` for held-out batches, with the planted model's click
+probabilities where the data has them, and ``tables``: (name, rows, feature names) of each table
+the model needs (one a feature, but for Parquet features that share one).
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from abc import ABC, abstractmethod
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..config import ConfigError, ExperimentConfig, cardinalities_of
+from ..data.row_order import ShuffledRows
 from ..data.tuning import InputTuner
 
-__all__ = ["CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "input_cpu_budget",
-           "loader_tuner"]
+__all__ = ["BatchSource", "CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir",
+           "input_cpu_budget", "loader_tuner"]
 
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 
@@ -39,6 +41,43 @@ def loader_tuner(config: ExperimentConfig, torch_threads: int, remote_workers: O
                       memory_budget_bytes=config.data.memory_budget_bytes)
 
 
+class BatchSource(ABC):
+    """What the runner asks of its data (see the module's docstring).
+
+    Attributes:
+        tables: (name, rows, feature names) of each table the model needs.
+        num_dense: dense features a sample.
+        batch_size: samples a batch.
+        row_order: the rows' order where the ranks share a dataset's rows out (a ShuffledRows,
+            which says what each rank reads); None where a batch is drawn from its number alone.
+        remote_workers: the Ray actors making training batches, a loader thread waiting on each;
+            None where batches are made in this process.
+    """
+
+    tables: List[Tuple[str, int, List[str]]]
+    num_dense: int
+    batch_size: int
+    row_order: Optional[ShuffledRows] = None
+    remote_workers: Optional[int] = None
+
+    @abstractmethod
+    def make_batch(self, number: int) -> Any:
+        """Training batch `number` (a torchrec Batch)."""
+
+    @abstractmethod
+    def eval(self, batches: int, rank: int, world: int, at_batch: int = 0
+             ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        """This rank's share of `batches` held-out batches, each with its true click probabilities
+        where the data has them (else None); `at_batch`: the training batch the run has reached."""
+
+    @abstractmethod
+    def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
+        """The ids each table is expected to hold after `batches` batches; None: the tables' rows."""
+
+    def close(self) -> None:
+        """Ends what the source started for training (Ray's actors); evaluation still reads here."""
+
+
 class _TablePerFeature:
     """Sources whose every sparse feature has a table of its own, of `cardinalities` rows."""
 
@@ -50,7 +89,7 @@ class _TablePerFeature:
         return [(name, rows, [name]) for name, rows in zip(self.feature_names, self.cardinalities)]
 
 
-class _FileBatches:
+class _FileBatches(BatchSource):
     """Sources of files read batch by number: `train_batches` and `eval_batches` (or None)."""
 
     train_batches: Any
@@ -70,7 +109,7 @@ class _FileBatches:
             yield self.eval_batches(rank + world * k), None
 
 
-class SyntheticSource(_TablePerFeature):
+class SyntheticSource(_TablePerFeature, BatchSource):
     """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
 
     def __init__(self, config: ExperimentConfig) -> None:
@@ -195,7 +234,6 @@ class ParquetSource(_FileBatches):
         except (ValueError, TypeError, RuntimeError) as e:  # a file, or the user's transform, refused
             raise ConfigError(f"data.parquet: {e}") from e
         self.row_order = self.train_batches.row_indices
-        self.remote_workers: Optional[int] = None
         self._started_ray = False
         if config.data.engine == "ray":
             self._prepare_on_ray(config, functools.partial(batches, data.train, shuffle_window=data.shuffle_window,
@@ -254,8 +292,7 @@ class ParquetSource(_FileBatches):
         return None
 
 
-def batch_source(config: ExperimentConfig, cpu_budget: int = 1, world: int = 1
-                 ) -> Union[SyntheticSource, CriteoSource, ParquetSource]:
+def batch_source(config: ExperimentConfig, cpu_budget: int = 1, world: int = 1) -> BatchSource:
     """The source of data.kind for a run of `world` ranks (`cpu_budget`: the cores a local Ray may
     take, `input_cpu_budget`)."""
     if config.data.kind == "parquet":
