@@ -185,7 +185,7 @@ def test_a_batch_maker_that_fails_to_start_ends_the_others_and_is_named(local_ra
 
     make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES)
     fails = partial(FailsToStartOnce, str(tmp_path / "failed"), make)
-    with pytest.raises(RuntimeError, match="a Ray batch maker failed to start.*no such file on this node"):
+    with pytest.raises(RuntimeError, match="(?s)a Ray batch maker failed to start.*no such file on this node"):
         RayBatches(fails, partial(parquet_batch, make().feature_names), 2)
     assert free_cpus_within(30) == 2  # the maker that started is ended too
     # Through the runner's source: a transform's module this process imports but Ray's workers cannot.
@@ -195,7 +195,7 @@ def test_a_batch_maker_that_fails_to_start_ends_the_others_and_is_named(local_ra
     config = load_config(EXAMPLE, [f"output_dir={tmp_path / 'out'}", f"data.parquet.train=[{dataset / 'train'}]",
                                    "data.parquet.eval=[]", "data.engine=ray", "data.ray.actors=2",
                                    f"data.parquet.transform={transform}"])
-    with pytest.raises(ConfigError, match="data.ray: a Ray batch maker failed to start.*driver_only_transform"):
+    with pytest.raises(ConfigError, match="(?s)data.ray: a Ray batch maker failed to start.*driver_only_transform"):
         ParquetSource(config)
     assert free_cpus_within(30) == 2
 

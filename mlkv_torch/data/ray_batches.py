@@ -183,7 +183,7 @@ class RayBatches:
             return True
         try:
             ray.get(starting, timeout=self._start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        except ray.exceptions.RayError:  # not back in time, or not at all: the next actor is asked
             return False
         with self._lock:
             if self._restarting.get(index) is starting:
