@@ -158,7 +158,7 @@ def _config_overrides(name: str, tsv: str, cache: str, rows: int = 0) -> List[st
         return _criteo_overrides(tsv, cache)
     if name == "criteo_terabyte":  # its format is npy: the generated file's converted days
         sys.path.insert(0, REPO)
-        from mlkv_torch.data.criteo import convert
+        from mlkv_torch.data.criteo_convert import convert
 
         days = convert([tsv], cache, days=7)[0]
         return [f"data.criteo.train=[{','.join(days[:-1])}]", f"data.criteo.eval=[{days[-1]}]"]
@@ -169,7 +169,7 @@ def child_loader(name: str, overrides: List[str], batches: int) -> Dict[str, Any
     """The loader alone: samples/s of `batches` batches through the config's BatchLoader."""
     from mlkv_torch.config import load_config
     from mlkv_torch.data.loader import BatchLoader
-    from mlkv_torch.data.sources import batch_source, input_cpu_budget, loader_tuner
+    from mlkv_torch.train.sources import batch_source, input_cpu_budget, loader_tuner
     from mlkv_torch.train import torch_threads
 
     config = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), ["output_dir=/unused", *overrides])

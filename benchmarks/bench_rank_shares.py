@@ -37,7 +37,7 @@ def child(root: str, world: int, rank: int, shares: bool) -> Dict[str, Any]:
     from mlkv_torch.config import load_config
     from mlkv_torch.data.loader import BatchLoader
     from mlkv_torch.data.parquet import ParquetBatches
-    from mlkv_torch.data.sources import batch_source, input_cpu_budget, loader_tuner
+    from mlkv_torch.train.sources import batch_source, input_cpu_budget, loader_tuner
     from mlkv_torch.train import torch_threads
 
     config = load_config(os.path.join(REPO, "configs", "parquet_example.yaml"),

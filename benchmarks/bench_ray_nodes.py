@@ -109,7 +109,7 @@ def main(argv: List[str]) -> int:
     # The nodes, the drivers and the ranks all run here, on addresses this run made: no tokens.
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     sys.path.insert(0, REPO)
-    from mlkv_torch.data.criteo import generate
+    from mlkv_torch.data.criteo_generate import generate
     from mlkv_torch.data.criteo_parquet import parquet_schema
     from mlkv_torch.data.synthetic import CRITEO_KAGGLE_CARDINALITIES
 

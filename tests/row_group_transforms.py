@@ -1,5 +1,8 @@
 """Row-group transforms the tests name by import path ("row_group_transforms:price_buckets"): a
 user's module, imported by the loader's threads and by Ray's workers (PYTHONPATH holds tests/)."""
+import os
+import time
+
 import numpy as np
 import pyarrow as pa
 
@@ -25,3 +28,14 @@ def fails_on_rows(table: pa.Table) -> pa.Table:
 
 def not_a_table(table: pa.Table) -> dict:
     return table.to_pydict()
+
+
+def slow_and_logged(table: pa.Table, seconds: float, log: str) -> pa.Table:
+    """`table` unchanged, a row group with rows taking `seconds` more to decode; appends the process
+    id and when it began and ended to the file `log` (a line a row group)."""
+    if table.num_rows:
+        began = time.monotonic()
+        time.sleep(seconds)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {began} {time.monotonic()}\n")
+    return table

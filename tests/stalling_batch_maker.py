@@ -20,3 +20,6 @@ class StallsOnce:
             except FileExistsError:
                 pass
         return self._batches.arrays(number)
+
+    def decode_row_groups(self, number: int) -> None:
+        self._batches.decode_row_groups(number)

@@ -16,7 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlkv_torch.data.criteo import CriteoFormatError, cache_entry, convert, convert_file, generate, npy_files
+from mlkv_torch.data.criteo_convert import cache_entry, convert, convert_file
+from mlkv_torch.data.criteo_generate import generate
+from mlkv_torch.data.criteo_npy import npy_files
+from mlkv_torch.data.criteo_tsv import CriteoFormatError
 from mlkv_torch.data.criteo_tsv import count_lines, read_blocks
 
 torchrec_criteo = pytest.importorskip("torchrec.datasets.criteo")
@@ -238,18 +241,18 @@ def test_a_rank_that_found_the_entry_unconverted_while_another_converted_it_does
     # Under torchrun: rank 1 finds the entry unconverted and goes to convert it; rank 0 converts it
     # first and keeps its shared lock for the run. Rank 1 must then find it converted, not wait for
     # the lock alone (once a deadlock: rank 0 waited in a collective for rank 1).
-    import mlkv_torch.data.criteo as criteo
+    import mlkv_torch.data.criteo_convert as criteo_convert
 
     source = _write(tmp_path / "day.tsv", _lines(200))
     out = tmp_path / "out"
     held = convert_file(str(source), str(out), hold=True)  # rank 0: converted, reading it
-    valid, seen = criteo._valid_manifest, []
+    valid, seen = criteo_convert._valid_manifest, []
 
     def unconverted_at_first(entry, fingerprint):  # rank 1's first check ran before rank 0's conversion
         seen.append(entry)
         return None if len(seen) == 1 else valid(entry, fingerprint)
 
-    monkeypatch.setattr(criteo, "_valid_manifest", unconverted_at_first)
+    monkeypatch.setattr(criteo_convert, "_valid_manifest", unconverted_at_first)
     other, served = _converting_in_a_thread(source, out)
     assert not other.is_alive(), "it waited for the lock alone while the converter read the entry"
     assert not served[0].converted and served[0].prefixes == held.prefixes
@@ -258,9 +261,9 @@ def test_a_rank_that_found_the_entry_unconverted_while_another_converted_it_does
 
 
 def test_the_dense_log_is_taken_chunk_by_chunk(tmp_path, monkeypatch):
-    import mlkv_torch.data.criteo as criteo
+    import mlkv_torch.data.criteo_convert as criteo_convert
 
-    monkeypatch.setattr(criteo, "_DENSE_CHUNK_VALUES", 1000)  # 2000 rows of 13 values: 26 chunks, one partial
+    monkeypatch.setattr(criteo_convert, "_DENSE_CHUNK_VALUES", 1000)  # 2000 rows of 13 values: 26 chunks, one partial
     source = _write(tmp_path / "day.tsv", _lines(2000))
     done = convert_file(str(source), str(tmp_path / "out"))
     _assert_same_arrays(done.prefixes[0], _torchrec_arrays(source, tmp_path / "torchrec"))
@@ -277,7 +280,7 @@ def test_a_file_without_line_ends_is_refused_before_it_is_read_whole(tmp_path):
 _CONVERT_AND_REPORT = """
 import json, sys
 print("ready", flush=True)
-from mlkv_torch.data.criteo import convert_file
+from mlkv_torch.data.criteo_convert import convert_file
 done = convert_file(sys.argv[1], sys.argv[2])
 print(json.dumps({"prefixes": done.prefixes, "converted": done.converted}))
 """

@@ -208,7 +208,7 @@ def test_criteo_batches_equal_torchrecs_datapipe(tmp_path, world):
     pytest.importorskip("torchrec")
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
 
-    from mlkv_torch.data.criteo import npy_files
+    from mlkv_torch.data.criteo_npy import npy_files
     from mlkv_torch.data.criteo_batches import CriteoBatches
 
     prefixes = [str(tmp_path / "day_0"), str(tmp_path / "day_1")]

@@ -186,6 +186,13 @@ def test_large_integer_dense_values_read_as_floats(tmp_path):
     assert batch.dense_features[:, 0].tolist() == [16_777_216.0, 3.0]  # float32's nearest, as numpy rounds
 
 
+def test_a_count_label_past_2_24_is_a_click(tmp_path):
+    # Clicks counted per impression: 2**24 + 1 has no float32 of its own, which a safe cast refuses.
+    path = write(tmp_path / "f.parquet", {"label": pa.array([2**24 + 1, 0, 2**40], type=pa.int64()), "ids": [1, 2, 3]})
+    batch = ParquetBatches([path], 3, "label", [], [SparseFeature("ids", "t", 10)])(0)
+    assert batch.labels.tolist() == [1.0, 0.0, 1.0]
+
+
 def test_nan_dense_values_read_as_missing_and_an_infinity_is_refused(tmp_path):
     path = write(tmp_path / "f.parquet", {"label": [0, 1, 1], "x": pa.array([1.5, float("nan"), None]),
                                           "ids": [1, 2, 3]})
@@ -261,7 +268,8 @@ def test_under_torchrun_each_rank_reads_its_own_share(dataset, tmp_path):
 def test_criteo_days_as_parquet_make_criteos_batches(tmp_path, shuffle_window):
     # A converted Criteo day written as Parquet and read through its schema: the batches of the npy
     # path (CriteoBatches), bit for bit.
-    from mlkv_torch.data.criteo import convert, generate as generate_criteo
+    from mlkv_torch.data.criteo_convert import convert
+    from mlkv_torch.data.criteo_generate import generate as generate_criteo
     from mlkv_torch.data.criteo_batches import CriteoBatches
     from mlkv_torch.data.criteo_parquet import day_to_parquet, parquet_schema
 

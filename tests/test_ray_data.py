@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from mlkv_torch.config import ConfigError, load_config
 from mlkv_torch.data.loader import BatchLoader
 from mlkv_torch.data.parquet import ParquetBatches, SparseFeature, parquet_batch
 from mlkv_torch.data.parquet_generate import DEFAULT_CARDINALITIES, generate
-from mlkv_torch.data.sources import ParquetSource
+from mlkv_torch.train.sources import ParquetSource
+from mlkv_torch.data.transforms import RowGroupTransform
 from mlkv_torch.train import run
 
 ray = pytest.importorskip("ray")
@@ -67,7 +69,7 @@ def test_an_address_where_no_ray_head_answers_is_refused_by_name(dataset, tmp_pa
 
 
 def test_criteo_days_converted_on_ray_are_the_in_process_files(local_ray, tmp_path):
-    from mlkv_torch.data.criteo import generate as generate_criteo
+    from mlkv_torch.data.criteo_generate import generate as generate_criteo
     from mlkv_torch.data.criteo_parquet import convert_to_parquet, convert_to_parquet_on_ray
     from mlkv_torch.data.criteo_tsv import CriteoFormatError
 
@@ -97,7 +99,7 @@ def test_batches_made_by_ray_actors_are_the_in_process_batches_and_a_killed_acto
     make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, shuffle_window=3, seed=5,
                    world=2)
     here = make()
-    batches = RayBatches(make, partial(parquet_batch, here.feature_names), 2, here.batches_per_epoch, stride=2)
+    batches = RayBatches(make, partial(parquet_batch, here.feature_names), 2, stride=2)
     pids = batches.worker_pids()
     # Rank 1 of 2 (rows 3000-5999): batches 1, 3, 5, ... past the end of the first epoch, two requests in flight.
     loader = BatchLoader(batches, first=1, count=20, stride=2, tuner=None)
@@ -120,24 +122,107 @@ def test_batches_made_by_ray_actors_are_the_in_process_batches_and_a_killed_acto
         assert torch.equal(batch.sparse_features.lengths(), expected.sparse_features.lengths())
 
 
-def test_a_batch_that_does_not_come_is_asked_for_again_of_the_next_actor(local_ray, dataset, tmp_path):
+def test_a_batch_that_does_not_come_is_asked_for_again_of_the_next_actor_and_its_actor_restarted(local_ray, dataset,
+                                                                                                   tmp_path):
     from stalling_batch_maker import StallsOnce
 
     make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, shuffle_window=3, seed=5)
     here = make()
     stalls = partial(StallsOnce, str(tmp_path / "stalled"), 5, 30.0, make)  # batch 5's first maker sleeps 30 s
-    batches = RayBatches(stalls, partial(parquet_batch, here.feature_names), 2, here.batches_per_epoch,
-                         batch_timeout_s=2.0)
+    batches = RayBatches(stalls, partial(parquet_batch, here.feature_names), 2, batch_timeout_s=2.0)
     try:
-        delivered = list(BatchLoader(batches, count=8, tuner=None))
-        # Batch 7 goes to the sleeping actor too: asked again of the other.
-        assert batches.asked_again == 2
+        pids = batches.worker_pids()
+        delivered = list(BatchLoader(batches, count=16, tuner=None))
+        # Batches 7, 9, ... go to the restarted actor, not to the one asleep: none waits a timeout.
+        assert batches.asked_again == 1 and batches.restarts == 1
+        assert batches.worker_pids()[1] != pids[1]
     finally:
         batches.close()
     for number, batch in enumerate(delivered):
         assert torch.equal(batch.sparse_features.values(), here(number).sparse_features.values())
         assert torch.equal(batch.labels, here(number).labels)
     assert (tmp_path / "stalled").exists()
+
+
+def overlapping(spans):
+    """Whether two of the (pid, began, ended) spans of different processes overlap."""
+    return any(a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for a in spans for b in spans)
+
+
+def test_unshuffled_batches_keep_every_actor_working_and_each_row_group_is_decoded_once(local_ray, dataset, tmp_path):
+    # A row group takes 0.5 s to decode (the transform sleeps, and logs who decoded it when).
+    log = tmp_path / "decoded"
+    slow = RowGroupTransform("row_group_transforms:slow_and_logged", (), {"seconds": 0.5, "log": str(log)})
+    make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES, transform=slow)
+    here = ParquetBatches([str(dataset / "train")], 200, "label", DENSE, FEATURES)
+    batches = RayBatches(make, partial(parquet_batch, here.feature_names), 2, chunk=1000 // 200)
+    try:
+        delivered = list(BatchLoader(batches, count=here.batches_per_epoch, tuner=None))
+    finally:
+        batches.close()
+    spans = [(int(pid), float(began), float(ended))
+             for pid, began, ended in map(str.split, log.read_text().splitlines())]
+    assert len(spans) == here.row_groups == 6
+    assert len({pid for pid, _, _ in spans}) == 2 and overlapping(spans)
+    for number, batch in enumerate(delivered):
+        expected = here(number)
+        assert torch.equal(batch.labels, expected.labels)
+        assert torch.equal(batch.dense_features, expected.dense_features)
+        assert torch.equal(batch.sparse_features.values(), expected.sparse_features.values())
+
+
+def free_cpus_within(seconds: float) -> float:
+    """The local Ray's free CPUs once it has all of them back, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0)
+
+
+def test_a_batch_maker_that_fails_to_start_ends_the_others_and_is_named(local_ray, dataset, tmp_path, monkeypatch):
+    from failing_batch_maker import FailsToStartOnce
+
+    make = partial(ParquetBatches, [str(dataset / "train")], 200, "label", DENSE, FEATURES)
+    fails = partial(FailsToStartOnce, str(tmp_path / "failed"), make)
+    with pytest.raises(RuntimeError, match="(?s)a Ray batch maker failed to start.*no such file on this node"):
+        RayBatches(fails, partial(parquet_batch, make().feature_names), 2)
+    assert free_cpus_within(30) == 2  # the maker that started is ended too
+    # Through the runner's source: a transform's module this process imports but Ray's workers cannot.
+    (tmp_path / "driver_only_transform.py").write_text("def unchanged(table):\n    return table\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    transform = json.dumps({"function": "driver_only_transform:unchanged"})
+    config = load_config(EXAMPLE, [f"output_dir={tmp_path / 'out'}", f"data.parquet.train=[{dataset / 'train'}]",
+                                   "data.parquet.eval=[]", "data.engine=ray", "data.ray.actors=2",
+                                   f"data.parquet.transform={transform}"])
+    with pytest.raises(ConfigError, match="(?s)data.ray: a Ray batch maker failed to start.*driver_only_transform"):
+        ParquetSource(config)
+    assert free_cpus_within(30) == 2
+
+
+@pytest.fixture
+def own_local_ray():
+    """No Ray connected when the test starts; the module's local Ray back after it."""
+    running = ray.is_initialized()
+    ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if running:
+            connect_ray("", 2)
+
+
+def test_auto_actors_of_a_local_ray_are_its_cpus_whatever_the_ranks(own_local_ray, dataset, tmp_path):
+    # Each rank starts a local Ray of its share of the cores (cpu_budget): all of them are its actors.
+    config = load_config(EXAMPLE, [f"output_dir={tmp_path}", f"data.parquet.train=[{dataset / 'train'}]",
+                                   "data.parquet.eval=[]", "data.engine=ray", "data.ray.actors=auto"])
+    source = ParquetSource(config, cpu_budget=2, world=2)
+    try:
+        assert ray.cluster_resources()["CPU"] == 2 and source.remote_workers == 2
+    finally:
+        source.close()
+    assert not ray.is_initialized()
 
 
 def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, dataset, tmp_path):
@@ -165,3 +250,18 @@ def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, 
                                    "data.ray.start_timeout_s=5"])
     with pytest.raises(ConfigError, match="Ray started [0-2] of 3 batch makers"):  # CPUs freed late: fewer start
         ParquetSource(config)
+
+
+def test_the_runner_asks_for_more_actors_when_ray_makes_batches_too_slowly(local_ray, dataset, tmp_path, capsys):
+    # One actor, and each row group takes 0.3 s to decode: training waits for its batches.
+    slow = json.dumps({"function": "row_group_transforms:slow_and_logged",
+                       "args": {"seconds": 0.3, "log": str(tmp_path / "decoded")}})
+    summary = run(load_config(EXAMPLE, [f"output_dir={tmp_path / 'out'}", f"data.parquet.train=[{dataset / 'train'}]",
+                                        f"data.parquet.eval=[{dataset / 'eval'}]", "data.engine=ray",
+                                        "data.ray.actors=1", "train.batch_size=256", "train.steps=16",
+                                        "train.log_every=8", "eval.every=16", "eval.batches=1",
+                                        f"data.parquet.transform={slow}"]), progress=False)
+    assert summary["input"]["workers_needed"] > summary["input"]["cpu_budget"] == 1
+    out = capsys.readouterr().out
+    assert "the input needs" in out and "ask for more actors (data.ray.actors)" in out
+    assert "give it more cores" not in out

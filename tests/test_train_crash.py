@@ -62,7 +62,7 @@ def _tables(out: Path):
     from mlkv_torch import optim
     from mlkv_torch.config import load_config
     from mlkv_torch.torchrec import DiskEmbeddingBagCollection
-    from mlkv_torch.data.sources import SyntheticSource
+    from mlkv_torch.train.sources import SyntheticSource
 
     config = load_config(QUICKSTART, [f"output_dir={out}", *OVERRIDES])
     source = SyntheticSource(config)

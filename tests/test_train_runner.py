@@ -328,7 +328,7 @@ def _write_criteo_tsv(path: Path, rows: int, seed: int) -> None:
 
 
 def test_criteo_tsv_and_npy_days(tmp_path):
-    from mlkv_torch.data.criteo import convert
+    from mlkv_torch.data.criteo_convert import convert
 
     _write_criteo_tsv(tmp_path / "day_0.tsv", 600, 0)
     _write_criteo_tsv(tmp_path / "day_1.tsv", 300, 1)
@@ -358,7 +358,7 @@ def test_criteo_tsv_and_npy_days(tmp_path):
 def test_raw_criteo_ids_each_train_their_own_row(tmp_path):
     import numpy as np
 
-    from mlkv_torch.data.criteo import convert
+    from mlkv_torch.data.criteo_convert import convert
 
     _write_criteo_tsv(tmp_path / "day_0.tsv", 600, 0)
     overrides = [f"output_dir={tmp_path / 'raw'}", "data.kind=criteo", "data.criteo.cardinalities=raw",
@@ -376,7 +376,7 @@ def test_raw_criteo_ids_each_train_their_own_row(tmp_path):
 def test_criteo_kaggle_train_txt_split_into_days_shuffled_and_resumed(tmp_path):
     """Kaggle's one train.txt: split into 7 days (the 7th evaluates), shuffled within windows, and a
     resumed run trains the steps after its checkpoint as the uninterrupted run does."""
-    from mlkv_torch.data.criteo import cache_entry
+    from mlkv_torch.data.criteo_convert import cache_entry
 
     train_txt = tmp_path / "train.txt"
     _write_criteo_tsv(train_txt, 7 * 130, 2)

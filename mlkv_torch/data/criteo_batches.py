@@ -13,33 +13,14 @@ import numpy as np
 import torch
 
 from .batch import one_id_per_feature_batch
-from .criteo_tsv import CAT_FEATURES, INT_FEATURES
+from .criteo_npy import day_arrays
+from .criteo_tsv import CAT_FEATURES
 from .row_order import ShuffledRows
 
-__all__ = ["CriteoBatches", "RAW_ID_SPACE", "day_arrays"]
+__all__ = ["CriteoBatches", "RAW_ID_MASK", "RAW_ID_SPACE"]
 
 RAW_ID_SPACE = 1 << 32  # Criteo's categorical values are 32-bit: raw ids take them whole
 RAW_ID_MASK = np.int64(RAW_ID_SPACE - 1)
-
-
-def day_arrays(prefix: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A day's dense, sparse and labels arrays, memory-mapped; ValueError names a file that does not fit."""
-    from .criteo import npy_files
-
-    dense_path, sparse_path, labels_path = (paths[0] for paths in npy_files([prefix]))
-    arrays = []
-    for path, columns in ((dense_path, INT_FEATURES), (sparse_path, CAT_FEATURES), (labels_path, 1)):
-        try:
-            array = np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as e:
-            raise ValueError(f"Criteo npy file {path!r} cannot be read: {e}") from e
-        if array.ndim != 2 or array.shape[1] != columns:
-            raise ValueError(f"Criteo npy file {path!r} has shape {array.shape}, expected (rows, {columns})")
-        arrays.append(array)
-    if not arrays[0].shape[0] == arrays[1].shape[0] == arrays[2].shape[0]:
-        raise ValueError(f"Criteo day {prefix!r}: dense, sparse and labels have {arrays[0].shape[0]}, "
-                         f"{arrays[1].shape[0]} and {arrays[2].shape[0]} rows")
-    return arrays[0], arrays[1], arrays[2]
 
 
 class CriteoBatches:

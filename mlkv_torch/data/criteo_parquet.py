@@ -24,7 +24,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .criteo_batches import RAW_ID_MASK
+from .criteo_convert import convert_file
+from .criteo_npy import day_arrays
 from .criteo_tsv import CAT_FEATURES, INT_FEATURES
+from .ray_batches import connect_ray
 
 __all__ = ["ParquetDays", "convert_to_parquet", "convert_to_parquet_on_ray", "day_to_parquet", "parquet_schema"]
 
@@ -36,8 +40,6 @@ def day_to_parquet(prefix: str, path: str, row_group_rows: int = _ROW_GROUP_ROWS
     (whole or not at all), a row group of `row_group_rows` rows at a time; returns its rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from .criteo_batches import RAW_ID_MASK, day_arrays
 
     dense, sparse, labels = day_arrays(prefix)
     names = ["label", *(f"int_{i}" for i in range(INT_FEATURES)), *(f"cat_{i}" for i in range(CAT_FEATURES))]
@@ -81,11 +83,9 @@ class ParquetDays:
 
 def convert_to_parquet(tsv_path: str, out_dir: str, days: Optional[int] = None, progress: bool = False
                        ) -> ParquetDays:
-    """Converts the Criteo TSV `tsv_path` into the cache `out_dir` (criteo.convert_file: once,
+    """Converts the Criteo TSV `tsv_path` into the cache `out_dir` (criteo_convert.convert_file: once,
     reported on stderr with `progress`) and writes each of its days as
     ``<out_dir>/parquet/<entry>-<day>.parquet``."""
-    from .criteo import convert_file
-
     started = time.perf_counter()
     done = convert_file(tsv_path, out_dir, days=days, progress=progress)
     files = []
@@ -104,8 +104,6 @@ def convert_to_parquet_on_ray(tsv_paths: Sequence[str], out_dir: str, days: Opti
     (empty: a local Ray of this machine's cores). The inputs' paths and `out_dir` must be the same
     on every node. Errors are raised as the in-process conversion raises them."""
     import ray
-
-    from .ray_batches import connect_ray
 
     started_ray = connect_ray(address, len(os.sched_getaffinity(0)))
     try:

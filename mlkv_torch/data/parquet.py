@@ -258,12 +258,7 @@ class ParquetBatches:
 
     def arrays(self, number: int) -> BatchArrays:
         """Batch `number` as numpy arrays (what a Ray worker sends: no torch objects to pickle)."""
-        rows = self.row_indices(number)
-        bounds = np.searchsorted(rows, self._starts)
-        parts: List[Tuple[_RowGroup, np.ndarray]] = []
-        for g, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if lo < hi:
-                parts.append((self._row_group(g), rows[lo:hi] - self._starts[g]))
+        parts = [(self._row_group(g), local) for g, local in self._rows_by_row_group(number)]
         labels = np.concatenate([group.labels[local] for group, local in parts])
         dense = np.concatenate([group.dense[local] for group, local in parts])
         values, lengths = [], []
@@ -276,6 +271,19 @@ class ParquetBatches:
                 starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
                 values.append(group.ids[f][starts + np.arange(int(counts.sum()), dtype=np.int64)])
         return BatchArrays(labels, dense, np.concatenate(values), np.concatenate(lengths))
+
+    def decode_row_groups(self, number: int) -> None:
+        """Decodes the row groups batch `number` reads, kept for the batches around it, making no
+        batch (a Ray actor decodes its next row groups while another makes batches)."""
+        for g, _ in self._rows_by_row_group(number):
+            self._row_group(g)
+
+    def _rows_by_row_group(self, number: int) -> List[Tuple[int, np.ndarray]]:
+        """(row group, rows of it in the group's numbering) of each row group batch `number` reads."""
+        rows = self.row_indices(number)
+        bounds = np.searchsorted(rows, self._starts)
+        return [(g, rows[lo:hi] - self._starts[g]) for g, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+                if lo < hi]
 
     def _row_group(self, g: int) -> _RowGroup:
         """Row group `g` decoded, from the cache or read now (one thread decodes it, others wait)."""

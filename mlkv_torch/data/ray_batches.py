@@ -9,9 +9,14 @@ and Ray runs their unfinished calls again (``max_restarts``, ``max_task_retries`
 worker costs time, never a batch, and since the rank takes one result per number, none comes
 twice.
 
-A batch that has not come within `batch_timeout_s` is asked for again, of the next actor (a result
-lost between Ray's nodes, or an actor stuck, then costs that long, not the run); after
-`_ASKS` asks the run fails, naming the batch.
+Unshuffled, a row group feeds a run of consecutive batches, which go to one actor (`chunk`), so it
+decodes the row group once; meanwhile the next chunks' row groups are decoded on the other actors,
+so all of them work at once and none decodes every row group.
+
+A batch that has not come within `batch_timeout_s` is asked for again, of the next actor, and the
+actor it was asked of is restarted (a result lost between Ray's nodes, or an actor stuck, then
+costs that long once, not the run, nor once a batch); after `_ASKS` asks the run fails, naming
+the batch.
 
 Decided: an actor pool rather than a Ray Data stream (``streaming_split``) feeds the ranks. A
 stream's order depends on the cluster's timing; batches by number keep training reproducible and
@@ -22,7 +27,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Callable, List
+import threading
+from typing import Any, Callable, Dict, List
 
 __all__ = ["RayBatches", "connect_ray"]
 
@@ -65,6 +71,9 @@ class _BatchMaker:
     def arrays(self, number: int) -> Any:
         return self._batches.arrays(number)
 
+    def decode_row_groups(self, number: int) -> None:
+        self._batches.decode_row_groups(number)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -75,20 +84,21 @@ class RayBatches:
 
     Args:
         make: builds the batch maker in each actor (picklable, e.g. a functools.partial of
-            ParquetBatches); its ``arrays(number)`` makes a batch's arrays.
+            ParquetBatches); its ``arrays(number)`` makes a batch's arrays and
+            ``decode_row_groups(number)`` decodes the row groups that batch reads, making no batch.
         assemble: the batch of those arrays, built in this process.
         actors: actors in the pool (a CPU each).
-        batches_per_epoch: of the maker.
         stride: between the numbers this process asks for (the world size): consecutive requests
             go to consecutive actors.
-        chunk: consecutive requests that go to one actor (batches that share row groups).
-        start_timeout_s: how long the actors may take to start (RuntimeError after).
-        batch_timeout_s: how long a batch may take before it is asked for again.
+        chunk: consecutive requests that go to one actor (batches that share row groups); above 1,
+            the next chunks' row groups are decoded on their actors while this one's batches are made.
+        start_timeout_s: how long the actors may take to start, or to start again (RuntimeError after).
+        batch_timeout_s: how long a batch may take before its actor is restarted and the batch is
+            asked for again of the next actor.
     """
 
-    def __init__(self, make: Callable[[], Any], assemble: Callable[[Any], Any], actors: int, batches_per_epoch: int,
-                 stride: int = 1, chunk: int = 1, start_timeout_s: float = 300.0,
-                 batch_timeout_s: float = 120.0) -> None:
+    def __init__(self, make: Callable[[], Any], assemble: Callable[[Any], Any], actors: int, stride: int = 1,
+                 chunk: int = 1, start_timeout_s: float = 300.0, batch_timeout_s: float = 120.0) -> None:
         import ray
 
         if actors < 1:
@@ -111,25 +121,74 @@ class RayBatches:
             raise RuntimeError(f"a Ray batch maker failed to start (is the transform's module importable and "
                                f"are the files at the same path on every node?): {e}") from e
         self._assemble, self._stride, self._chunk = assemble, stride, chunk
-        self._batch_timeout_s = batch_timeout_s
-        self.actors, self.batches_per_epoch = actors, batches_per_epoch
+        self._start_timeout_s, self._batch_timeout_s = start_timeout_s, batch_timeout_s
+        self._lock = threading.Lock()  # the loader's threads call in together
+        self._decoding_to = -1  # the last chunk whose row groups were sent to be decoded
+        self._restarting: Dict[int, Any] = {}  # actor index -> its pid call, done once it runs again
         self.asked_again = 0  # batches asked for again after a timeout
+        self.restarts = 0  # actors restarted after a batch timed out on them
 
     def __call__(self, number: int) -> Any:
         import ray
 
-        first = number // self._stride // self._chunk
+        chunk = number // self._stride // self._chunk
+        if self._chunk > 1:
+            self._decode_ahead(number, chunk)
         for ask in range(_ASKS):
-            actor = self._actors[(first + ask) % len(self._actors)]
+            index = (chunk + ask) % len(self._actors)
+            if not self._started(index):
+                continue
             try:
-                return self._assemble(ray.get(actor.arrays.remote(number), timeout=self._batch_timeout_s))
+                return self._assemble(ray.get(self._actors[index].arrays.remote(number),
+                                              timeout=self._batch_timeout_s))
             except ray.exceptions.GetTimeoutError:
                 self.asked_again += 1
+                self._restart(index)
                 print(f"[data] batch {number} did not come from its Ray batch maker within "
-                      f"{self._batch_timeout_s:g} s (data.ray.batch_timeout_s); asking again", file=sys.stderr,
-                      flush=True)
+                      f"{self._batch_timeout_s:g} s (data.ray.batch_timeout_s); restarting that maker and asking "
+                      f"again", file=sys.stderr, flush=True)
         raise RuntimeError(f"batch {number} did not come from Ray within {self._batch_timeout_s:g} s, asked "
                            f"{_ASKS} times (data.ray.batch_timeout_s): are the batch makers alive?")
+
+    def _decode_ahead(self, number: int, chunk: int) -> None:
+        """Sends the row groups of the chunks after `chunk` to be decoded on their actors, one chunk
+        an actor, so every actor works while one makes this chunk's batches."""
+        with self._lock:
+            first, last = max(chunk + 1, self._decoding_to + 1), chunk + len(self._actors) - 1
+            self._decoding_to = max(self._decoding_to, last)
+        for ahead in range(first, last + 1):
+            actor = self._actors[ahead % len(self._actors)]
+            actor.decode_row_groups.remote(ahead * self._chunk * self._stride + number % self._stride)
+
+    def _restart(self, index: int) -> None:
+        """Restarts actor `index` (a new process; Ray runs its unfinished calls again there), unless
+        it is starting again already: a stuck actor would cost every later batch sent to it a timeout."""
+        import ray
+
+        with self._lock:
+            if index in self._restarting:
+                return
+            actor = self._actors[index]
+            ray.kill(actor, no_restart=False)
+            self._restarting[index] = actor.pid.remote()
+            self.restarts += 1
+
+    def _started(self, index: int) -> bool:
+        """Whether actor `index` runs (waiting up to start_timeout_s for it when it is starting again)."""
+        import ray
+
+        with self._lock:
+            starting = self._restarting.get(index)
+        if starting is None:
+            return True
+        try:
+            ray.get(starting, timeout=self._start_timeout_s)
+        except ray.exceptions.RayError:  # not back in time, or not at all: the next actor is asked
+            return False
+        with self._lock:
+            if self._restarting.get(index) is starting:
+                del self._restarting[index]
+        return True
 
     def worker_pids(self) -> List[int]:
         """The process id of each actor."""

@@ -17,11 +17,11 @@ from .. import optim as optim_lib
 from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
 from ..disk_modules import DiskTableModule
-from ..data.sources import batch_source, input_cpu_budget, loader_tuner
 from ..memory_budget import MemoryBudgetError
-from ..table_settings import DiskTableSettings
 from ..ranks import all_gather_objects
+from ..table_settings import DiskTableSettings
 from . import checkpoints
+from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 
 _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adagrad": optim_lib.RowWiseAdagrad,
                "adam": optim_lib.Adam}
@@ -66,7 +66,8 @@ class Experiment:
 
         self.config = config
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.source = batch_source(config, input_cpu_budget(config, torch_threads(config)), self.world_size)
+        cpu_budget = input_cpu_budget(config, torch_threads(config))
+        self.source: BatchSource = batch_source(config, cpu_budget, self.world_size)
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=features, **_virtual_table_fields(config))
                   for name, n, features in self.source.tables]
@@ -218,7 +219,7 @@ class Experiment:
         world = self.world_size
         return BatchLoader(self.source.make_batch, first=first_step * world + self.rank, count=steps, stride=world,
                            tuner=loader_tuner(self.config, torch_threads(self.config),
-                                              getattr(self.source, "remote_workers", None)))
+                                              self.source.remote_workers))
 
     def store_reads(self) -> int:
         """Rows this rank's disk tables have read from their stores since they were opened."""

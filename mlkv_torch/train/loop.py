@@ -76,7 +76,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                           f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
     if experiment.distributed and experiment.is_main:
         elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
-    if experiment.world_size > 1 and hasattr(experiment.source, "row_order"):
+    if experiment.world_size > 1 and experiment.source.row_order is not None:
         print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", flush=True)
     populate_s = 0.0
     # A resumed run's tables hold their rows already; populating again would also take a cut past
@@ -175,8 +175,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 bar.update(1)
     finally:
         data.close()  # its threads stop, also when a step fails
-        if hasattr(experiment.source, "close"):  # Ray's actors end with training; evaluation reads here
-            experiment.source.close()
+        experiment.source.close()  # Ray's actors end with training; evaluation reads here
     bar.close()
     if board is not None:
         board.close()
@@ -225,10 +224,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
             json.dump(summary, f, indent=1)
         short = summary["input"]
         if short["workers_needed"] > short["cpu_budget"] and summary["input_wait_share"] > 0.01:
-            print(f"[train] the input needs {short['workers_needed']} threads to keep ahead of training; this host "
-                  f"gives the loader {short['cpu_budget']}, and training waited {summary['input_wait_share']:.0%} "
-                  f"of its steps' time: give it more cores, or make batches cheaper (fewer columns, converted "
-                  f"once)", flush=True)
+            print(_too_few_input_workers(config, short["workers_needed"], short["cpu_budget"],
+                                         summary["input_wait_share"]), flush=True)
     experiment.collection.close()
     return summary
 
@@ -272,6 +269,18 @@ def _input_summary(stats: Dict[str, Any], train_s: float, steps: int) -> Dict[st
             "input_wait_ms": stats["wait_s"] * 1e3 / steps if steps else 0.0,
             "input": {k: stats[k] for k in ("workers", "prefetch", "buffer_bytes", "batch_bytes", "decisions",
                                             "workers_needed", "cpu_budget", "input_cores")}}
+
+
+def _too_few_input_workers(config: ExperimentConfig, needed: int, given: int, wait_share: float) -> str:
+    """What the runner says when training waited for batches that `needed` workers would have made
+    in time and it had `given`: Ray's actors, or this host's threads."""
+    if config.data.engine == "ray":
+        return (f"[train] the input needs {needed} Ray batch makers to keep ahead of training; this rank has "
+                f"{given}, and training waited {wait_share:.0%} of its steps' time: ask for more actors "
+                f"(data.ray.actors), or make batches cheaper (fewer columns)")
+    return (f"[train] the input needs {needed} threads to keep ahead of training; this host gives the loader "
+            f"{given}, and training waited {wait_share:.0%} of its steps' time: give it more cores, or make "
+            f"batches cheaper (fewer columns, converted once)")
 
 
 def _tensorboard(config: ExperimentConfig) -> Any:

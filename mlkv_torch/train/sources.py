@@ -1,24 +1,26 @@
 """The runner's data: an experiment's batches by number (synthetic, Criteo or Parquet) and its loader's tuner.
 
-A source gives ``make_batch(number)`` for training (step s trains batch s * world_size + rank on
-each rank; a Parquet dataset's rows are shared out among the ranks, ShuffledRows) and ``eval(batches, rank, world)``
-for held-out batches, with the planted model's
-click probabilities where the data has them, and ``tables``: (name, rows, feature names) of each
-table the model needs (one a feature, but for Parquet features that share one).
+Every source is a BatchSource: ``make_batch(number)`` for training (step s trains batch
+s * world_size + rank on each rank; a Parquet dataset's rows are shared out among the ranks,
+ShuffledRows), ``eval(batches, rank, world)`` for held-out batches, with the planted model's click
+probabilities where the data has them, and ``tables``: (name, rows, feature names) of each table
+the model needs (one a feature, but for Parquet features that share one).
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from abc import ABC, abstractmethod
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..config import ConfigError, ExperimentConfig, cardinalities_of
-from .tuning import InputTuner
+from ..data.row_order import ShuffledRows
+from ..data.tuning import InputTuner
 
-__all__ = ["CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir", "input_cpu_budget",
-           "loader_tuner"]
+__all__ = ["BatchSource", "CriteoSource", "ParquetSource", "SyntheticSource", "batch_source", "criteo_cache_dir",
+           "input_cpu_budget", "loader_tuner"]
 
 _EVAL_FIRST_BATCH = 1 << 40  # evaluation batches come from a range training never reaches
 
@@ -39,6 +41,43 @@ def loader_tuner(config: ExperimentConfig, torch_threads: int, remote_workers: O
                       memory_budget_bytes=config.data.memory_budget_bytes)
 
 
+class BatchSource(ABC):
+    """What the runner asks of its data (see the module's docstring).
+
+    Attributes:
+        tables: (name, rows, feature names) of each table the model needs.
+        num_dense: dense features a sample.
+        batch_size: samples a batch.
+        row_order: the rows' order where the ranks share a dataset's rows out (a ShuffledRows,
+            which says what each rank reads); None where a batch is drawn from its number alone.
+        remote_workers: the Ray actors making training batches, a loader thread waiting on each;
+            None where batches are made in this process.
+    """
+
+    tables: List[Tuple[str, int, List[str]]]
+    num_dense: int
+    batch_size: int
+    row_order: Optional[ShuffledRows] = None
+    remote_workers: Optional[int] = None
+
+    @abstractmethod
+    def make_batch(self, number: int) -> Any:
+        """Training batch `number` (a torchrec Batch)."""
+
+    @abstractmethod
+    def eval(self, batches: int, rank: int, world: int, at_batch: int = 0
+             ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+        """This rank's share of `batches` held-out batches, each with its true click probabilities
+        where the data has them (else None); `at_batch`: the training batch the run has reached."""
+
+    @abstractmethod
+    def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
+        """The ids each table is expected to hold after `batches` batches; None: the tables' rows."""
+
+    def close(self) -> None:
+        """Ends what the source started for training (Ray's actors); evaluation still reads here."""
+
+
 class _TablePerFeature:
     """Sources whose every sparse feature has a table of its own, of `cardinalities` rows."""
 
@@ -50,7 +89,7 @@ class _TablePerFeature:
         return [(name, rows, [name]) for name, rows in zip(self.feature_names, self.cardinalities)]
 
 
-class _FileBatches:
+class _FileBatches(BatchSource):
     """Sources of files read batch by number: `train_batches` and `eval_batches` (or None)."""
 
     train_batches: Any
@@ -70,11 +109,11 @@ class _FileBatches:
             yield self.eval_batches(rank + world * k), None
 
 
-class SyntheticSource(_TablePerFeature):
+class SyntheticSource(_TablePerFeature, BatchSource):
     """Batches of mlkv_torch.data.SyntheticCTR, with the planted model's probabilities for evaluation."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from .synthetic import SyntheticCTR
+        from ..data.synthetic import SyntheticCTR
 
         data = config.data.synthetic
         self.generator = SyntheticCTR(cardinalities=cardinalities_of(data.cardinalities, data.scale),
@@ -97,7 +136,7 @@ class SyntheticSource(_TablePerFeature):
 
     def make_batch(self, number: int) -> Any:
         """Training batch `number`."""
-        from .synthetic import synthetic_batch
+        from ..data.synthetic import synthetic_batch
 
         return synthetic_batch(self.generator, number, self.batch_size)
 
@@ -105,7 +144,7 @@ class SyntheticSource(_TablePerFeature):
              ) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
         """This rank's share of `batches` held-out batches, each with its true click probabilities;
         with new ids entering, drawn from the vocabulary of training batch `at_batch` (where training is)."""
-        from .synthetic import synthetic_batch
+        from ..data.synthetic import synthetic_batch
 
         vocabulary = at_batch if self._new_ids_per_batch else None
         for k in range(batches):
@@ -126,9 +165,9 @@ class CriteoSource(_TablePerFeature, _FileBatches):
     """Criteo days (TSV files, converted once, or torchrec's npy layout), batch by number."""
 
     def __init__(self, config: ExperimentConfig) -> None:
-        from .criteo import CriteoFormatError, convert_file
-        from .criteo_batches import RAW_ID_SPACE, CriteoBatches
-        from .criteo_tsv import CAT_FEATURES, INT_FEATURES
+        from ..data.criteo_convert import convert_file
+        from ..data.criteo_batches import RAW_ID_SPACE, CriteoBatches
+        from ..data.criteo_tsv import CAT_FEATURES, INT_FEATURES, CriteoFormatError
 
         criteo = config.data.criteo
         train_days, eval_days = list(criteo.train), list(criteo.eval)
@@ -163,7 +202,7 @@ class CriteoSource(_TablePerFeature, _FileBatches):
     def live_ids(self, batches: int) -> Optional[Tuple[int, ...]]:
         """With raw ids, the ids each table is expected to hold: the distinct values of Criteo
         Kaggle's features (torchrec's counts), an estimate for other days; None: the tables' rows."""
-        from .synthetic import CRITEO_KAGGLE_CARDINALITIES
+        from ..data.synthetic import CRITEO_KAGGLE_CARDINALITIES
 
         return CRITEO_KAGGLE_CARDINALITIES if self._raw else None
 
@@ -177,8 +216,8 @@ class ParquetSource(_FileBatches):
     def __init__(self, config: ExperimentConfig, cpu_budget: int = 1, world: int = 1) -> None:
         import functools
 
-        from .parquet import ParquetBatches, schema_features
-        from .transforms import RowGroupTransform
+        from ..data.parquet import ParquetBatches, schema_features
+        from ..data.transforms import RowGroupTransform
 
         data = config.data.parquet
         features, self.tables = schema_features(data.sparse)
@@ -195,7 +234,6 @@ class ParquetSource(_FileBatches):
         except (ValueError, TypeError, RuntimeError) as e:  # a file, or the user's transform, refused
             raise ConfigError(f"data.parquet: {e}") from e
         self.row_order = self.train_batches.row_indices
-        self.remote_workers: Optional[int] = None
         self._started_ray = False
         if config.data.engine == "ray":
             self._prepare_on_ray(config, functools.partial(batches, data.train, shuffle_window=data.shuffle_window,
@@ -204,10 +242,10 @@ class ParquetSource(_FileBatches):
     def _prepare_on_ray(self, config: ExperimentConfig, make: Any, world: int, cpu_budget: int) -> None:
         import functools
 
-        from .parquet import parquet_batch
+        from ..data.parquet import parquet_batch
 
         try:
-            from .ray_batches import RayBatches, connect_ray
+            from ..data.ray_batches import RayBatches, connect_ray
             import ray  # noqa: F401
         except ImportError as e:
             raise ConfigError(f"data.engine ray needs Ray: pip install '.[ray]' ({e})") from e
@@ -221,14 +259,15 @@ class ParquetSource(_FileBatches):
         import ray
 
         actors = settings.actors
-        if actors == "auto":
-            actors = max(1, int(ray.cluster_resources().get("CPU", 1)) // world)
+        if actors == "auto":  # a local Ray is this rank's alone; a cluster's CPUs are shared by the ranks
+            cpus = int(ray.cluster_resources().get("CPU", 1))
+            actors = max(1, cpus if self._started_ray else cpus // world)
         local = self.train_batches
         # Unshuffled, consecutive batches share row groups: an actor makes a row group's run of them.
         chunk = 1 if data.shuffle_window else max(1, local.rows // local.row_groups // self.batch_size)
         try:
             self.train_batches = RayBatches(make, functools.partial(parquet_batch, self.feature_names), actors,
-                                            local.batches_per_epoch, stride=world, chunk=chunk,
+                                            stride=world, chunk=chunk,
                                             start_timeout_s=settings.start_timeout_s,
                                             batch_timeout_s=settings.batch_timeout_s)
         except RuntimeError as e:
@@ -253,8 +292,7 @@ class ParquetSource(_FileBatches):
         return None
 
 
-def batch_source(config: ExperimentConfig, cpu_budget: int = 1, world: int = 1
-                 ) -> Union[SyntheticSource, CriteoSource, ParquetSource]:
+def batch_source(config: ExperimentConfig, cpu_budget: int = 1, world: int = 1) -> BatchSource:
     """The source of data.kind for a run of `world` ranks (`cpu_budget`: the cores a local Ray may
     take, `input_cpu_budget`)."""
     if config.data.kind == "parquet":
