@@ -41,7 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from mlkv_torch import initial_rows, optim
 from mlkv_torch.ranks import all_gather_objects
 from mlkv_torch.torchrec import DISK_KERNEL, DiskEmbeddingBagCollectionSharder
-from mlkv_torch.torchrec import replicas as replicas_module
+from mlkv_torch.torchrec.replicas.autograd import ServedHits
 from mlkv_torch.torchrec.replicas import ReplicaSettings, replicate_hot_rows
 from mlkv_torch.torchrec.tables import table_seed
 from mlkv_torch.wire import EmbeddingTraffic
@@ -148,7 +148,7 @@ def call_order():
     and its wait (w waits, W sends the gradients)."""
     calls = []
     functions = {comm_ops.Variable_Batch_All2All_Pooled_Req: "r", comm_ops.Variable_Batch_All2All_Pooled_Wait: "w",
-                 replicas_module._ServedHits: "s"}
+                 ServedHits: "s"}
     saved = {f: (f.__dict__["forward"], f.__dict__["backward"]) for f in functions}
 
     def recorded(method, letter):

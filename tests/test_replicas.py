@@ -290,8 +290,8 @@ def test_the_variable_batch_layout_is_fbgemms():
 
 
 def test_hits_pool_served_and_pushed_rows_as_one_embedding_bag():
-    # A step's hits are pooled in two parts (replicas._ServedHits from the replica before the
-    # all-to-all's wait, replicas._PushedHits from the push bags' refreshed rows after it): together
+    # A step's hits are pooled in two parts (ServedHits from the replica before the
+    # all-to-all's wait, PushedHits from the push bags' refreshed rows after it): together
     # they must be one embedding_bag over the replica with the pushed rows refreshed, and their
     # gradients must go to what the rank owes (served rows) and to the push bags, with what was owed
     # (pushed rows). Small integers, so float sums are exact in any order.
@@ -299,11 +299,13 @@ def test_hits_pool_served_and_pushed_rows_as_one_embedding_bag():
 
     import torch
 
-    from mlkv_torch.torchrec import replicas
+    from mlkv_torch.torchrec.replicas.autograd import PushedHits
+    from mlkv_torch.torchrec.replicas.groups import GroupStep, ReplicaGroup, ReplicatedTable
+    from mlkv_torch.torchrec.replicas.hot_rows import HotRowReplicas
 
     g = torch.Generator().manual_seed(5)
-    table = replicas._ReplicatedTable("t", 100, 4, ["f"], False, 4, 0, 1.0)
-    group = replicas._ReplicaGroup([table], hot_count=10, sharded_tables=1)
+    table = ReplicatedTable("t", 100, 4, ["f"], False, 4, 0, 1.0)
+    group = ReplicaGroup([table], hot_count=10, sharded_tables=1)
     group.set_hot(torch.arange(10) * 7)
     group.values = torch.randint(-4, 5, (10, 4), generator=g).float()
     bags = [[1, 2], [3], [], [4, 1, 5], [6], [5, 6]]  # slots; an empty bag is a hit too
@@ -312,13 +314,13 @@ def test_hits_pool_served_and_pushed_rows_as_one_embedding_bag():
     weights = torch.randint(1, 4, (slots.numel(),), generator=g).float()
     push = torch.tensor([1, 5, 8])  # row 8: pushed without a hit (its push bound)
     owed = torch.randint(-4, 5, (3, 4), generator=g).float()
-    step = replicas._GroupStep(["f"], torch.arange(len(bags)), offsets, slots, weights, push, [3], owed)
+    step = GroupStep(["f"], torch.arange(len(bags)), offsets, slots, weights, push, [3], owed)
     fresh = torch.randint(-4, 5, (3, 4), generator=g).float().requires_grad_()
     grad = torch.randint(-4, 5, (len(bags), 4), generator=g).float()
 
-    served, pushed = replicas.HotRowReplicas._pool_hits(
+    served, pushed = HotRowReplicas._pool_hits(
         SimpleNamespace(_anchor=torch.zeros(0, requires_grad=True)), group, step)
-    ours = served + replicas._PushedHits.apply(fresh, pushed, owed)
+    ours = served + PushedHits.apply(fresh, pushed, owed)
     ours.backward(grad)
 
     read = group.values.clone()
@@ -402,13 +404,13 @@ def test_every_rank_chooses_the_same_rows_with_counts_scaled_to_all_ranks():
     # the tables it replicates.
     import torch
 
-    from mlkv_torch.torchrec.replicas import _ReplicaGroup, _ReplicatedTable
+    from mlkv_torch.torchrec.replicas.groups import ReplicaGroup, ReplicatedTable
 
     def table(index, weight):
-        return _ReplicatedTable(f"t{index}", 100, 4, [f"f{index}"], False, 4, index, weight)
+        return ReplicatedTable(f"t{index}", 100, 4, [f"f{index}"], False, 4, index, weight)
 
-    rank0 = _ReplicaGroup([table(0, 2.0), table(1, 1.0)], hot_count=1, sharded_tables=2)
-    rank1 = _ReplicaGroup([table(1, 1.0)], hot_count=1, sharded_tables=2)
+    rank0 = ReplicaGroup([table(0, 2.0), table(1, 1.0)], hot_count=1, sharded_tables=2)
+    rank1 = ReplicaGroup([table(1, 1.0)], hot_count=1, sharded_tables=2)
     rank0.uncounted = [torch.tensor([5] * 10 + [1 << 40 | 7] * 8)]  # keys: local table << 40 | row
     rank1.uncounted = [torch.tensor([7] * 8)]
     offered = [rank0.candidates(), rank1.candidates()]

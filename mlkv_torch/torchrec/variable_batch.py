@@ -1,5 +1,5 @@
 """How a sharded collection takes TorchRec's variable batch per feature (VBE) from replicas of hot
-rows (`replicas.py`) on every kind of kernel of a plan: `accept_variable_batches` hooks the
+rows (`replicas/`) on every kind of kernel of a plan: `accept_variable_batches` hooks the
 collection so that fbgemm's kernels, TorchRec's data-parallel lookups and its output
 distribution, built for a fixed batch, take variable ones too (the disk kernel takes them itself);
 `variable_batch_input` builds one."""

@@ -1,6 +1,6 @@
 """The output distributions of row-wise shardings, for fixed and variable batches in one run.
 
-Replicas of hot rows (`replicas.py`) send a collection fixed batches until they first choose rows
+Replicas of hot rows (`replicas/`) send a collection fixed batches until they first choose rows
 and variable batches per feature after. TorchRec makes a row-wise output dist's modules on its
 first call, for that call's kind of batch only; and it sums the bags' partial poolings of a
 variable batch with a reduce-scatter-v, whose backward (an all-gather of unequal parts) NCCL has
