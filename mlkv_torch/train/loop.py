@@ -61,10 +61,31 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
 
 
 def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, Any]:
-    from tqdm import tqdm
-
     from ..pipeline import LookaheadPipeline
 
+    experiment = _open_experiment(config, resume)
+    populate_s = _populate(experiment, config, resume)
+    start_step = 0
+    if resume:
+        if not os.path.exists(experiment.checkpoint_path()):
+            raise ConfigError(f"--resume: no checkpoint at {experiment.checkpoint_path()}")
+        start_step = experiment.load()
+    pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
+                                 device=experiment.device if experiment.device.type != "cpu" else None)
+    data = experiment.loader(start_step, config.train.steps - start_step)
+    training = _Training(experiment, config, pipeline, data, start_step, resume, progress)
+    try:
+        training.run()
+    finally:
+        data.close()  # its threads stop, also when a step fails
+        experiment.source.close()  # Ray's actors end with training; evaluation reads here
+    training.close()
+    experiment.finish_save()
+    return _summary(experiment, config, training, populate_s)
+
+
+def _open_experiment(config: ExperimentConfig, resume: bool) -> Experiment:
+    """The run's experiment, its output directory made; an earlier run's tables named as such."""
     try:
         os.makedirs(config.output_dir, exist_ok=True)
     except OSError as e:
@@ -78,115 +99,150 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
         elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
     if experiment.world_size > 1 and experiment.source.row_order is not None:
         print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", flush=True)
-    populate_s = 0.0
-    # A resumed run's tables hold their rows already; populating again would also take a cut past
-    # the one its checkpoint names.
-    if config.storage.populate and not resume:
-        began = time.perf_counter()
-        rows = experiment.populate()
-        populate_s = time.perf_counter() - began
-        if experiment.is_main:
-            print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores "
-                  f"before training in {populate_s:.1f} s", flush=True)
-    start_step = 0
-    if resume:
-        if not os.path.exists(experiment.checkpoint_path()):
-            raise ConfigError(f"--resume: no checkpoint at {experiment.checkpoint_path()}")
-        start_step = experiment.load()
-    train = config.train
-    pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
-                                 device=experiment.device if experiment.device.type != "cpu" else None)
-    data = experiment.loader(start_step, train.steps - start_step)
-    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    evaluation: Dict[str, float] = {}
-    started = time.perf_counter()
-    samples = 0
-    main = experiment.is_main  # under torchrun, rank 0 reports for all
-    world = experiment.world_size
-    if resume and main and os.path.exists(metrics_path):
-        # A killed run's steps past its checkpoint are trained again.
-        checkpoints.drop_records_after(metrics_path, start_step)
-    reads_at_start = experiment.store_reads()
-    bar = tqdm(total=train.steps, initial=start_step, disable=not (progress and main), unit="step", dynamic_ncols=True)
-    board = _tensorboard(config) if main else None
-    train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
-    traffic = EmbeddingTraffic()  # what the embeddings send between ranks in training steps (not evaluations)
-    window_sent = 0  # all ranks' bytes at the last log line
-    replica_lookups = _ReplicaLookups(experiment.replicas)
-    window_served = (0, 0)  # all ranks' replica hits and lookups at the last log line
-    try:
+    return experiment
+
+
+def _populate(experiment: Experiment, config: ExperimentConfig, resume: bool) -> float:
+    """Writes every row to the stores before training when the config asks (seconds it took). A
+    resumed run's tables hold their rows already; populating again would also take a cut past the
+    one its checkpoint names."""
+    if not config.storage.populate or resume:
+        return 0.0
+    began = time.perf_counter()
+    rows = experiment.populate()
+    populate_s = time.perf_counter() - began
+    if experiment.is_main:
+        print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores "
+              f"before training in {populate_s:.1f} s", flush=True)
+    return populate_s
+
+
+class _LogWindow:
+    """The steps since the last log line, all ranks together: what the next line reports."""
+
+    def __init__(self, traffic: EmbeddingTraffic, replica_lookups: "_ReplicaLookups") -> None:
+        self._traffic, self._replica_lookups = traffic, replica_lookups
+        self._start, self._samples, self._steps = time.perf_counter(), 0, 0
+        self._wait_s = self._train_s = 0.0  # the input's wait and the training time at the last line
+        self._sent = 0  # bytes the embeddings sent
+        self._served = (0, 0)  # replica hits and lookups
+
+    def add_step(self, samples: int) -> None:
+        self._samples += samples
+        self._steps += 1
+
+    def record(self, step: int, loss: torch.Tensor, train_s: float, depth: int, input_stats: Dict[str, Any],
+               replicated: bool) -> Dict[str, Any]:
+        """The log line's fields for the window ending at `step`, which starts a new window. A
+        collective under torchrun: every rank logs at the same steps."""
+        now = time.perf_counter()
+        rate = self._samples / max(now - self._start, 1e-9)
+        sent = sum(self._traffic.all_ranks().values())
+        record: Dict[str, Any] = dict(
+            step=step, loss=float(loss), samples_per_s=rate, step_ms=(train_s - self._train_s) * 1e3 / self._steps,
+            depth=depth, embedding_bytes_per_step=(sent - self._sent) / self._steps,
+            input_wait_ms=(input_stats["wait_s"] - self._wait_s) * 1e3 / self._steps,
+            input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
+        if replicated:
+            served = self._replica_lookups.all_ranks()
+            record["replica_hit_rate"] = _share(served, self._served)
+            self._served = served
+        self._start, self._samples, self._steps, self._wait_s = now, 0, 0, input_stats["wait_s"]
+        self._train_s, self._sent = train_s, sent
+        return record
+
+
+class _Training:
+    """The training loop of a run: its steps through the pipeline, their log lines, evaluations and
+    checkpoints, and what the summary reports of them."""
+
+    def __init__(self, experiment: Experiment, config: ExperimentConfig, pipeline: Any, data: Any, start_step: int,
+                 resume: bool, progress: bool) -> None:
+        from tqdm import tqdm
+
+        self.experiment, self.config, self.pipeline, self.data = experiment, config, pipeline, data
+        self.start_step = self.step = start_step
+        self.main = experiment.is_main  # under torchrun, rank 0 reports for all
+        self.metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+        if resume and self.main and os.path.exists(self.metrics_path):
+            # A killed run's steps past its checkpoint are trained again.
+            checkpoints.drop_records_after(self.metrics_path, start_step)
+        self.reads_at_start = experiment.store_reads()
+        self.evaluation: Dict[str, float] = {}
+        self.samples = 0
+        self.train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
+        self.traffic = EmbeddingTraffic()  # what the embeddings send between ranks in training steps
+        self.replica_lookups = _ReplicaLookups(experiment.replicas)
+        self._bar = tqdm(total=config.train.steps, initial=start_step, disable=not (progress and self.main),
+                         unit="step", dynamic_ncols=True)
+        self._board = _tensorboard(config) if self.main else None
+        self.started = time.perf_counter()
+
+    def run(self) -> None:
+        """Trains to the config's last step (or the data's end)."""
+        train, experiment = self.config.train, self.experiment
+        window = _LogWindow(self.traffic, self.replica_lookups)
         # Unbuffered: a write a full disk refuses leaves nothing behind for the close to raise again.
-        with open(metrics_path if main else os.devnull, "ab", buffering=0) as metrics:
-            step = start_step
-            window_start, window_samples, window_steps, window_wait_s = time.perf_counter(), 0, 0, 0.0
-            window_train_s = 0.0  # train_s at the last log line
-            while step < train.steps:
+        with open(self.metrics_path if self.main else os.devnull, "ab", buffering=0) as metrics:
+            while self.step < train.steps:
                 if experiment.replicas is not None and train.checkpoint_every \
-                        and (step + 1) % train.checkpoint_every == 0:
+                        and (self.step + 1) % train.checkpoint_every == 0:
                     experiment.replicas.push_all_in_next_step()  # the checkpoint's cut holds every gradient
                 began = time.perf_counter()
-                traffic.start()
+                self.traffic.start()
                 try:
-                    loss, _, labels = pipeline.progress(data)
+                    loss, _, labels = self.pipeline.progress(self.data)
                 except StopIteration:
                     break
                 finally:
-                    traffic.stop()
-                train_s += time.perf_counter() - began
-                step += 1
+                    self.traffic.stop()
+                self.train_s += time.perf_counter() - began
+                self.step += 1
                 experiment.boundaries.passed()
-                samples += labels.numel() * world
-                window_samples += labels.numel() * world
-                window_steps += 1
+                self.samples += labels.numel() * experiment.world_size
+                window.add_step(labels.numel() * experiment.world_size)
                 record: Dict[str, Any] = {}
-                if step % train.log_every == 0 or step == train.steps:
-                    now = time.perf_counter()
-                    rate = window_samples / max(now - window_start, 1e-9)
-                    input_stats = data.stats()
-                    sent = sum(traffic.all_ranks().values())  # a collective: every rank logs at this step
-                    record.update(step=step, loss=float(loss), samples_per_s=rate,
-                                  step_ms=(train_s - window_train_s) * 1e3 / window_steps, depth=pipeline.depth,
-                                  embedding_bytes_per_step=(sent - window_sent) / window_steps,
-                                  input_wait_ms=(input_stats["wait_s"] - window_wait_s) * 1e3 / window_steps,
-                                  input_workers=input_stats["workers"], input_prefetch=input_stats["prefetch"])
-                    window_start, window_samples, window_steps, window_wait_s = now, 0, 0, input_stats["wait_s"]
-                    window_train_s = train_s
-                    window_sent = sent
+                if self.step % train.log_every == 0 or self.step == train.steps:
+                    record = window.record(self.step, loss, self.train_s, self.pipeline.depth, self.data.stats(),
+                                           experiment.replicas is not None)
                     hit_rate = experiment.hit_rate()
                     if hit_rate is not None:
                         record["hit_rate"] = hit_rate
-                    if experiment.replicas is not None:
-                        served = replica_lookups.all_ranks()  # a collective, as above
-                        record["replica_hit_rate"] = _share(served, window_served)
-                        window_served = served
-                    bar.set_postfix(samples_s=f"{rate:,.0f}", loss=f"{float(loss):.4f}",
-                                    hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
-                if step % config.eval.every == 0 or step == train.steps:
-                    evaluation = experiment.evaluate(step)
-                    record.update(step=step, **{f"eval_{k}": v for k, v in evaluation.items()})
+                    self._bar.set_postfix(samples_s=f"{record['samples_per_s']:,.0f}", loss=f"{float(loss):.4f}",
+                                          hit=f"{hit_rate:.1%}" if hit_rate is not None else "-")
+                if self.step % self.config.eval.every == 0 or self.step == train.steps:
+                    self.evaluation = experiment.evaluate(self.step)
+                    record.update(step=self.step, **{f"eval_{k}": v for k, v in self.evaluation.items()})
                 if record:
-                    _append_line(metrics, metrics_path, json.dumps(record))
-                    if board is not None:
-                        for key, value in record.items():
-                            if key != "step" and isinstance(value, (int, float)):
-                                board.add_scalar(key, value, step)
-                if train.checkpoint_every and step % train.checkpoint_every == 0:
-                    experiment.save(step)
-                bar.update(1)
-    finally:
-        data.close()  # its threads stop, also when a step fails
-        experiment.source.close()  # Ray's actors end with training; evaluation reads here
-    bar.close()
-    if board is not None:
-        board.close()
-    experiment.finish_save()
-    elapsed = time.perf_counter() - started
-    sent = traffic.all_ranks()
-    served = replica_lookups.all_ranks()
+                    self._log(metrics, record)
+                if train.checkpoint_every and self.step % train.checkpoint_every == 0:
+                    experiment.save(self.step)
+                self._bar.update(1)
+
+    def _log(self, metrics: Any, record: Dict[str, Any]) -> None:
+        _append_line(metrics, self.metrics_path, json.dumps(record))
+        if self._board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._board.add_scalar(key, value, self.step)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._board is not None:
+            self._board.close()
+
+
+def _summary(experiment: Experiment, config: ExperimentConfig, training: _Training, populate_s: float
+             ) -> Dict[str, Any]:
+    """The run's summary (written to summary.json by rank 0), once training has ended; closes the tables."""
+    step, start_step, evaluation = training.step, training.start_step, training.evaluation
+    elapsed = time.perf_counter() - training.started
+    sent = training.traffic.all_ranks()
+    served = training.replica_lookups.all_ranks()
     experiment.collection.flush()
     # Each rank's rows read from its stores a step (evaluations' reads included): where row-wise
     # tables spread what one rank would read.
-    reads = experiment.store_reads() - reads_at_start
+    reads = experiment.store_reads() - training.reads_at_start
     reads_per_step = [r / max(1, step - start_step)
                       for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
     live = all_gather_objects(experiment.live_ids()) if experiment.distributed else [experiment.live_ids()]
@@ -204,22 +260,24 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, An
                 return json.load(f)
         if not evaluation:
             evaluation = experiment.evaluate(step)
-    summary = {"steps": step, "samples": samples, "world_size": world, "device": config.device, "seconds": elapsed,
-               "samples_per_s": samples / max(elapsed, 1e-9),
+    samples, steps = training.samples, max(1, step - start_step)
+    summary = {"steps": step, "samples": samples, "world_size": experiment.world_size, "device": config.device,
+               "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),
-               "hit_rate": experiment.hit_rate(), "lookahead_depth": pipeline.depth,
+               "hit_rate": experiment.hit_rate(), "lookahead_depth": training.pipeline.depth,
                "replica_hit_rate": _share(served, (0, 0)) if experiment.replicas is not None else None,
                # All ranks together, a training step's mean: what DMP's all-to-alls sent between ranks.
-               "embedding_bytes_per_step": sum(sent.values()) / max(1, step - start_step),
-               "embedding_bytes_per_step_by_kind": {k: v / max(1, step - start_step) for k, v in sent.items()},
+               "embedding_bytes_per_step": sum(sent.values()) / steps,
+               "embedding_bytes_per_step_by_kind": {k: v / steps for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
                "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids, "evicted_ids": evicted_ids,
                "peak_live_ids": peak_live_ids,
                "storage": config.storage.kind, "populate_s": populate_s,
-               "torch_threads": torch.get_num_threads(), **_input_summary(data.stats(), train_s, step - start_step)}
-    if main:
+               "torch_threads": torch.get_num_threads(),
+               **_input_summary(training.data.stats(), training.train_s, step - start_step)}
+    if experiment.is_main:
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=1)
         short = summary["input"]
