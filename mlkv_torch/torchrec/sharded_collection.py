@@ -129,13 +129,8 @@ class DiskEmbeddingBagCollectionSharder(DiskSharder, EmbeddingBagCollectionShard
 
     disk_sharding_types = tuple(DISK_SHARDINGS)
 
-    def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
-              device: Optional[torch.device] = None, module_fqn: Optional[str] = None
-              ) -> ShardedDiskEmbeddingBagCollection:
-        return ShardedDiskEmbeddingBagCollection(
-            module, params, env, self.next_module_options(), fused_params=self.fused_params, device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+    def sharded_module_arguments(self) -> Dict[str, Any]:
+        return {"sharded_module_order_overwrite": self._sharded_module_order_overwrite}
 
     @property
     def sharded_module_type(self) -> Type[ShardedDiskEmbeddingBagCollection]:

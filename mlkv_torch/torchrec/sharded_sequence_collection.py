@@ -56,13 +56,8 @@ class DiskEmbeddingCollectionSharder(DiskSharder, EmbeddingCollectionSharder):
 
     disk_sharding_types = tuple(DISK_SEQUENCE_SHARDINGS)
 
-    def shard(self, module: EmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
-              device: Optional[torch.device] = None, module_fqn: Optional[str] = None
-              ) -> ShardedDiskEmbeddingCollection:
-        return ShardedDiskEmbeddingCollection(
-            module, params, env, self.next_module_options(), fused_params=self.fused_params, device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry, use_index_dedup=self._use_index_dedup,
-            module_fqn=module_fqn)
+    def sharded_module_arguments(self) -> Dict[str, Any]:
+        return {"use_index_dedup": self._use_index_dedup}
 
     @property
     def sharded_module_type(self) -> Type[ShardedDiskEmbeddingCollection]:

@@ -293,6 +293,19 @@ class DiskSharder:
         return replace(self.options, storage_dir=os.path.join(self.options.storage_dir, f"module{k}"),
                        settings=settings, cuts=None)
 
+    def sharded_module_arguments(self) -> Dict[str, Any]:
+        """The arguments of TorchRec's sharded module that only this kind of collection takes."""
+        return {}
+
+    def shard(self, module: nn.Module, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
+        """The sharded module (the sharder's `sharded_module_type`) of `module` under the plan
+        `params`, its disk tables in the next module's directory (`next_module_options`)."""
+        return self.sharded_module_type(  # type: ignore[attr-defined]
+            module, params, env, self.next_module_options(), fused_params=self.fused_params,  # type: ignore
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry,  # type: ignore[attr-defined]
+            module_fqn=module_fqn, **self.sharded_module_arguments())
+
     def sharding_types(self, compute_device_type: str) -> List[str]:
         # TorchRec offers row-wise only on CUDA; disk tables take it on every device.
         types = super().sharding_types(compute_device_type)
