@@ -38,15 +38,16 @@ class SparseOptimizer:
     """Base of the row-wise optimizers: the state layout and the update rule."""
 
     kind: int = -1  # the rule's number in csrc/row_ops.h (OptimizerKind)
+    lr: float
 
     def rule_constants(self) -> Tuple[float, float, float]:
         """(eps, beta1, beta2): what the fused rule keeps for the life of a table (the learning rate
-        comes with each step, as a schedule sets it)."""
-        return (getattr(self, "eps", 0.0), *getattr(self, "betas", (0.0, 0.0)))
+        comes with each step, as a schedule sets it); 0 where the rule has none."""
+        return 0.0, 0.0, 0.0
 
     def hyperparameters(self) -> Tuple[float, float, float, float]:
         """(lr, eps, beta1, beta2) as the fused rule takes them."""
-        return (self.lr, *self.rule_constants())  # type: ignore[attr-defined]
+        return (self.lr, *self.rule_constants())
 
     def state_dim(self, dim: int) -> int:
         """Optimizer state elements kept per row beside its `dim` weights."""
@@ -102,6 +103,9 @@ class Adagrad(SparseOptimizer):
         if self.initial_accumulator_value < 0:
             raise ValueError(f"initial_accumulator_value must be >= 0, got {self.initial_accumulator_value}")
 
+    def rule_constants(self) -> Tuple[float, float, float]:
+        return self.eps, 0.0, 0.0
+
     def state_dim(self, dim: int) -> int:
         return dim
 
@@ -121,6 +125,9 @@ class RowWiseAdagrad(SparseOptimizer):
         _check_positive("lr", self.lr)
         _check_positive("eps", self.eps)
 
+    def rule_constants(self) -> Tuple[float, float, float]:
+        return self.eps, 0.0, 0.0
+
     def state_dim(self, dim: int) -> int:
         return 1
 
@@ -139,6 +146,9 @@ class Adam(SparseOptimizer):
         _check_positive("eps", self.eps)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+
+    def rule_constants(self) -> Tuple[float, float, float]:
+        return self.eps, self.betas[0], self.betas[1]
 
     def state_dim(self, dim: int) -> int:
         return 2 * dim  # first moment, then second moment

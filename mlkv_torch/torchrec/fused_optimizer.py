@@ -113,8 +113,9 @@ def fused_params_of(optimizer: optim_lib.SparseOptimizer) -> Dict[str, Any]:
     memory train with the same rule as the disk tables."""
     kind = {cls: kind for kind, cls in _FUSED_KINDS.items()}[type(optimizer)]
     params: Dict[str, Any] = {"optimizer": kind, "learning_rate": optimizer.lr}
-    if hasattr(optimizer, "eps"):
-        params["eps"] = optimizer.eps
+    eps, beta1, beta2 = optimizer.rule_constants()
+    if not isinstance(optimizer, optim_lib.SGD):
+        params["eps"] = eps
     if isinstance(optimizer, optim_lib.Adam):
-        params["beta1"], params["beta2"] = optimizer.betas
+        params["beta1"], params["beta2"] = beta1, beta2
     return params
