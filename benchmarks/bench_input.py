@@ -270,7 +270,7 @@ def main(argv: List[str]) -> int:
         args.rows, args.reference_rows, args.steps, args.short_steps, args.batches = 10_000, 500, 10, 4, 6
     report: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-input-") as work:
-        # The smoke run leaves Ray out (its start is most of a smoke run): tests/test_ray_data.py covers it.
+        # The smoke run leaves Ray out (its start is most of a smoke run): tests/data/test_ray_data.py covers it.
         conversion = report["conversion"] = bench_conversion(work, args.rows, args.reference_rows, not args.smoke)
         print(f"conversion of {conversion['rows']:,} rows ({conversion['bytes'] / 2**30:.2f} GiB): "
               f"{conversion['convert_rows_per_s']:,.0f} rows/s, peak RSS "

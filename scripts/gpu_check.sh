@@ -33,9 +33,9 @@ echo "[gpu_check] built in $(( $(date +%s) - start )) s"
 status=0
 # The read-ahead into device slots and the table batch first (their twins are quick), then the benchmark, then
 # the rest of the core's twins: a call that runs out of time has the figures.
-quick="tests/test_read_ahead_into_slots.py tests/test_table_batch.py"
-rest="tests/test_disk_embedding_bag.py tests/test_embedding_cache.py tests/test_optim.py
-  tests/test_initial_rows_and_lookup.py tests/test_table_snapshot.py tests/test_store_bad_input.py"
+quick="tests/core/test_read_ahead_into_slots.py tests/core/test_table_batch.py"
+rest="tests/core/test_disk_embedding_bag.py tests/core/test_embedding_cache.py tests/core/test_optim.py
+  tests/core/test_initial_rows_and_lookup.py tests/core/test_table_snapshot.py tests/engine/test_store_bad_input.py"
 run_tests() {  # log name, files...
   local log=$1; shift
   timeout "${MLKV_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs "$@" 2>&1 \
@@ -52,7 +52,8 @@ if has bench; then
 fi
 if has train; then
   echo "[gpu_check] training on CUDA at $(( $(date +%s) - start )) s"
-  run_tests tests-train.log tests/test_cuda_training.py tests/test_torchrec_collection.py tests/test_virtual_tables.py
+  run_tests tests-train.log tests/test_cuda_training.py tests/torchrec_integration/test_torchrec_collection.py \
+    tests/core/test_virtual_tables.py
   for device in cuda cpu; do  # the quickstart, 100 steps, on each device: samples/s and AUC side by side
     run=/tmp/quickstart-$device
     rm -rf "$run"

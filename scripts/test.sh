@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 [ -x "$py" ] || py=python3
-comparisons=(tests/test_optim.py tests/test_table_batch_exact.py tests/test_torchrec_collection.py
-  tests/test_disk_embedding_bag.py tests/test_table_batch.py tests/test_model_zoo.py tests/test_torchrec_sequence.py)
+comparisons=(tests/core/test_optim.py tests/core/test_table_batch_exact.py
+  tests/torchrec_integration/test_torchrec_collection.py tests/core/test_disk_embedding_bag.py tests/core/test_table_batch.py
+  tests/torchrec_integration/test_model_zoo.py tests/torchrec_integration/test_torchrec_sequence.py)
 "$py" -m pytest -q tests "$@"
 capabilities=(default avx2)
 grep -q avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)

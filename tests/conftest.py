@@ -9,12 +9,21 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import sys
 from typing import Dict, Iterable
 
 import pytest
 import torch
 
 from mlkv_torch import KVStore
+
+# Tests import by name, as when tests/ was one folder: the helpers, a worker's constants and a few of each other's
+# modules (pytest's default import mode refuses two test files of one name). Child processes that import conftest
+# get the same path.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in ("helpers", "workers", "engine", "core", "torchrec_integration", "data", "train"):
+    if os.path.join(TESTS, _folder) not in sys.path:
+        sys.path.insert(0, os.path.join(TESTS, _folder))
 
 DIM = 8
 SMALL_OPTIONS = dict(memory_budget_bytes=32 << 10, expected_rows=1024, segment_bytes=16 << 10)

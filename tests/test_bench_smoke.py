@@ -2,7 +2,7 @@
 
 Most of a run is one process importing torch, and the suite's other tests leave the second core
 idle most of the time: the runs start when the collection ends (tests/conftest.py), one at a time
-at a low priority beside the other tests (tests/bench_smoke_runner.py), and these tests run last,
+at a low priority beside the other tests (tests/workers/bench_smoke_runner.py), and these tests run last,
 where what has not run yet runs two at a time."""
 import json
 import os
@@ -27,13 +27,13 @@ SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_bi
 
 
 class SmokeRuns:
-    """The runs of `scripts` by tests/bench_smoke_runner.py, in a process group of their own."""
+    """The runs of `scripts` by tests/workers/bench_smoke_runner.py, in a process group of their own."""
 
     def __init__(self, scripts):
         self.scripts = list(scripts)
         self.dir = Path(tempfile.mkdtemp(prefix="mlkv-bench-smoke-"))
         with open(self.dir / "runner.log", "w") as log:
-            self.runner = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bench_smoke_runner.py")),
+            self.runner = subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "bench_smoke_runner.py"),
                                             str(self.dir), *self.scripts], stdout=log, stderr=log, cwd=REPO,
                                            start_new_session=True)
 

@@ -109,7 +109,7 @@ def test_the_runner_refuses_a_device_it_cannot_train_on(tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "table_row_wise"])
 def test_dmp_with_nccl_on_one_gpu_trains_disk_tables_as_on_the_cpu(tmp_path, sharding_type):
-    worker = Path(__file__).with_name("cuda_dmp_worker.py")
+    worker = Path(__file__).parent / "workers" / "cuda_dmp_worker.py"
     repo = str(worker.parents[1])  # an in-place build (the GPU machine's) is imported from the checkout
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",

@@ -24,7 +24,7 @@ from mlkv_torch import KVStore
 
 from conftest import DIM, SMALL_OPTIONS, assert_store_equals, rows_for
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest's
 
 CHILD_PRELUDE = textwrap.dedent(
     """

@@ -231,17 +231,6 @@ def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_
         DiskEmbeddingBagCollection(tables(), path=tmp_path / "a", optimizer=optim.SGD(lr=0.1))
 
 
-def test_split_budget_follows_traffic_and_caps_at_need():
-    from mlkv_torch.memory_budget import split_budget
-
-    assert split_budget(1000, [10_000, 10_000], [1, 3]) == [250, 750]
-    # The small table takes only what it needs; the rest splits by traffic.
-    assert split_budget(1000, [100, 10_000, 10_000], [4, 1, 1]) == [100, 450, 450]
-    assert split_budget(1000, [100, 200], [1, 1]) == [100, 200]  # everything fits
-    assert split_budget(1000, [10_000, 10_000], [1, 3], least=[200, 100]) == [375, 625]  # least first, then traffic
-    assert split_budget(1000, [300, 10_000], [1, 1], least=[250, 100]) == [300, 700]
-
-
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
     from mlkv_torch.memory_budget import (MemoryBudgetError, buffer_host_bytes, cache_host_bytes,
                                           host_memory_for_all_rows, least_host_memory, split_host_memory)

@@ -1,8 +1,8 @@
-"""A torchrun worker for tests/test_row_wise.py: DLRM under DistributedModelParallel (gloo, CPU)
+"""A torchrun worker for tests/torchrec_integration/test_row_wise.py: DLRM under DistributedModelParallel (gloo, CPU)
 with row-wise and table-row-wise disk tables, against the same model with every table in
 TorchRec's memory, table-wise.
 
-    torchrun --nproc_per_node N tests/row_wise_worker.py OPTIMIZER[,OPTIMIZER...] OUT_DIR
+    torchrun --nproc_per_node N tests/workers/row_wise_worker.py OPTIMIZER[,OPTIMIZER...] OUT_DIR
 
 For each optimizer ("sgd"; "rowwise_adagrad" through apply_optimizer_in_backward; "mean": SGD with
 a mean-pooled row-wise table, every table by rows; "qcomm": SGD with TorchRec's quantized comms,

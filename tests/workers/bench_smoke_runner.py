@@ -2,7 +2,7 @@
 tests: one at a time at the lowest priority (SCHED_IDLE) while they run (most of them leave the
 second core idle), two at a time once OUT_DIR/wide exists (the suite has reached the tests that wait for them).
 
-    python tests/bench_smoke_runner.py OUT_DIR SCRIPT [SCRIPT ...]
+    python tests/workers/bench_smoke_runner.py OUT_DIR SCRIPT [SCRIPT ...]
 
 A SCRIPT is a file of benchmarks/ and its arguments, in one string ("bench_checkpoint.py --runner").
 Each run writes its stdout and stderr to OUT_DIR/<i>.stdout and .stderr, then OUT_DIR/<i>.json (its
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a run's wall time once the suite waits for it (the longest takes about 70 s alone)
 
 

@@ -1,7 +1,7 @@
-"""A torchrun worker for tests/test_torchrec_dmp.py: DLRM under DistributedModelParallel (gloo, CPU)
-with TorchRec's in-memory kernels and with disk tables chosen through DiskAwarePlanner.
+"""A torchrun worker for tests/torchrec_integration/test_torchrec_dmp.py: DLRM under DistributedModelParallel
+(gloo, CPU) with TorchRec's in-memory kernels and with disk tables chosen through DiskAwarePlanner.
 
-    torchrun --nproc_per_node 2 tests/dmp_worker.py PHASE[,PHASE...] OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/dmp_worker.py PHASE[,PHASE...] OUT_DIR
 
 Phases (rank 0 writes OUT_DIR/<phase>.json):
 - equivalence: per optimizer, the losses of the all-in-memory plan and of the mixed plan (t1

@@ -1,6 +1,6 @@
 """A batch maker for Ray's actors whose first process fails to start, as a maker whose files or
-transform one node lacks would (tests/test_ray_data.py imports it by name on Ray's workers:
-PYTHONPATH holds tests/)."""
+transform one node lacks would (tests/data/test_ray_data.py imports it by name on Ray's workers:
+PYTHONPATH holds tests/helpers/)."""
 import os
 
 

@@ -1,6 +1,6 @@
 """An EmbeddingCollection's disk tables under DistributedModelParallel: 2 real processes under
 torchrun (gloo, CPU), table-wise, row-wise and column-wise, against the same plan with every table
-in TorchRec's memory (TorchRec's own sequence shardings and fused kernel; tests/sequence_dmp_worker.py).
+in TorchRec's memory (TorchRec's own sequence shardings and fused kernel; tests/workers/sequence_dmp_worker.py).
 
 Each id is looked up on one rank and its embedding sent back, nothing is summed across ranks, and
 each row's gradients are summed over its ids by both kernels: measured equal to the bit here. The
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("torchrec")
 
-WORKER = Path(__file__).with_name("sequence_dmp_worker.py")
+WORKER = Path(__file__).parents[1] / "workers" / "sequence_dmp_worker.py"
 OPTIMIZERS = ["sgd", "rowwise_adagrad"]
 MODES = OPTIMIZERS + ["qcomm"]
 

@@ -2,9 +2,9 @@
 (NCCL, world size 1) with every table on the disk kernel, sharded as asked (table_wise, row_wise,
 table_row_wise), beside the same model under DMP on the CPU (a gloo group of the same process),
 trained on the same batches. fbgemm ops that the installed fbgemm has no CUDA kernel for run through
-the host (tests/fbgemm_host_route.py); the JSON names them.
+the host (tests/workers/fbgemm_host_route.py); the JSON names them.
 
-    torchrun --nproc_per_node 1 tests/cuda_dmp_worker.py OUT_DIR SHARDING_TYPE
+    torchrun --nproc_per_node 1 tests/workers/cuda_dmp_worker.py OUT_DIR SHARDING_TYPE
 
 Writes OUT_DIR/cuda_dmp.json: each device's losses, the device of the CUDA model's output and of its
 tables' caches; ("cuda_bf16_comms") the CUDA model with TorchRec's bf16 comms codecs on NCCL; and

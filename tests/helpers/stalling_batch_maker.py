@@ -1,5 +1,5 @@
 """A batch maker for Ray's actors that keeps one batch's caller waiting, as a result lost between
-Ray's nodes would (tests/test_ray_data.py imports it by name on Ray's workers: PYTHONPATH holds tests/)."""
+Ray's nodes would (tests/data/test_ray_data.py imports it by name on Ray's workers: PYTHONPATH holds tests/helpers/)."""
 import os
 import time
 

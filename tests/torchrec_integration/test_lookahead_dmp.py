@@ -1,7 +1,7 @@
 """LookaheadPipeline under DistributedModelParallel: 2 real processes under torchrun (gloo, CPU).
 
-tests/lookahead_dmp_worker.py trains DLRM (DLRMTrain) with the mixed plan of
-tests/dmp_worker.py (a table-wise and a column-wise table on disk, row-wise Adagrad) with the
+tests/workers/lookahead_dmp_worker.py trains DLRM (DLRMTrain) with the mixed plan of
+tests/workers/dmp_worker.py (a table-wise and a column-wise table on disk, row-wise Adagrad) with the
 plain loop and with the pipeline at depths 0, 1, 3 and "auto". The losses must equal the plain
 loop's exactly on every rank, and at depth >= 1 the disk shards of every rank must have served
 rows read ahead (read-ahead hits), which only a lookahead on the distributed ids produces. A
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("torchrec")
 
-WORKER = Path(__file__).with_name("lookahead_dmp_worker.py")
+WORKER = Path(__file__).parents[1] / "workers" / "lookahead_dmp_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Row-wise and table-row-wise disk tables under DistributedModelParallel: 2 and 4 real processes
-under torchrun (gloo, CPU), against every table in TorchRec's memory (tests/row_wise_worker.py).
+under torchrun (gloo, CPU), against every table in TorchRec's memory (tests/workers/row_wise_worker.py).
 
 Each rank holds a block of the table's rows (TorchRec's bucketization sends it its block's ids,
 local to the block), pools its part of every bag, and the partial sums meet in TorchRec's
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("torchrec")
 
-WORKER = Path(__file__).with_name("row_wise_worker.py")
+WORKER = Path(__file__).parents[1] / "workers" / "row_wise_worker.py"
 
 
 def _run(tmp_path_factory, ranks: int, optimizers: str) -> dict:

@@ -1,7 +1,7 @@
-"""A torchrun worker for tests/test_train_runner.py's elastic restart: the runner's command line,
+"""A torchrun worker for tests/train/test_train_runner.py's elastic restart: the runner's command line,
 with SIGKILL at chosen training steps of chosen attempts and ranks.
 
-    MLKV_TEST_KILLS=ATTEMPT:RANK:STEP[,...] torchrun --max-restarts N tests/elastic_worker.py CONFIG [OVERRIDES]
+    MLKV_TEST_KILLS=ATTEMPT:RANK:STEP[,...] torchrun --max-restarts N tests/workers/elastic_worker.py CONFIG [OVERRIDES]
 
 In attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT), rank RANK kills itself right after its training
 step STEP (counted from the step its run started or resumed at), before it logs or checkpoints.

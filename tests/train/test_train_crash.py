@@ -21,7 +21,7 @@ pytest.importorskip("torchrec")
 
 from mlkv_torch.cut import read_cut  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 STEPS = 36
 OVERRIDES = ["data.synthetic.scale=1000", "train.batch_size=256", "eval.batches=2", "eval.every=1000",

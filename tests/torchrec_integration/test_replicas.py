@@ -1,6 +1,6 @@
 """Replicas of hot rows across ranks (mlkv_torch.torchrec.replicas): 2 real processes under torchrun
 (gloo, CPU), DLRM under DistributedModelParallel with a plan of an in-memory table, a table-wise
-and a column-wise disk table, and a data-parallel one (tests/replica_worker.py).
+and a column-wise disk table, and a data-parallel one (tests/workers/replica_worker.py).
 
 - At bounds 0 training is exact: the losses of every step and the tables equal those of the same
   run without replicas (up to the order of float additions), with SGD, Adagrad, row-wise Adagrad
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torchrec")
 
-WORKER = Path(__file__).with_name("replica_worker.py")
+WORKER = Path(__file__).parents[1] / "workers" / "replica_worker.py"
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
 
 
@@ -145,7 +145,7 @@ def test_the_served_hits_are_pooled_and_their_gradients_kept_while_the_all_to_al
 
 
 # ---- through the runner (storage.replicas.*), under torchrun --------------------------------------------
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 RUNNER = ["data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
           "train.log_every=1", "train.checkpoint_every=4", "pipeline.depth=2"]  # with disk tables, looking ahead
@@ -181,7 +181,7 @@ def _logged(out: Path) -> list:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# TorchRec's virtual tables of 2**40 ids, row-wise over 2 ranks, evicting (as tests/test_train_runner.py's).
+# TorchRec's virtual tables of 2**40 ids, row-wise over 2 ranks, evicting (as tests/train/test_train_runner.py's).
 VIRTUAL = ["data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776", "storage.sharding_types=[row_wise]",
            "storage.virtual_tables.enabled=true", "storage.virtual_tables.eviction=count_and_timestamp",
            "storage.virtual_tables.trigger_ids=60", "storage.virtual_tables.count_threshold=2",

@@ -17,7 +17,7 @@ from mlkv_torch.data.parquet import ParquetBatches, ParquetFormatError, SparseFe
 from mlkv_torch.data.parquet_generate import DEFAULT_CARDINALITIES, generate, sparse_kind
 from mlkv_torch.train import run
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "configs" / "parquet_example.yaml"
 DENSE = [f"dense_{d}" for d in range(6)]
 
@@ -294,7 +294,7 @@ def test_criteo_days_as_parquet_make_criteos_batches(tmp_path, shuffle_window):
             assert kjt_a[f"cat_{i}"].lengths().tolist() == kjt_b[f"cat_{i}"].lengths().tolist()
 
 
-# A user's transform of each row group, named by import path (tests/row_group_transforms.py).
+# A user's transform of each row group, named by import path (tests/helpers/row_group_transforms.py).
 
 def test_a_transform_makes_declared_columns_from_the_columns_it_reads(dataset):
     from mlkv_torch.data.transforms import RowGroupTransform

@@ -1,5 +1,5 @@
 """Row-group transforms the tests name by import path ("row_group_transforms:price_buckets"): a
-user's module, imported by the loader's threads and by Ray's workers (PYTHONPATH holds tests/)."""
+user's module, imported by the loader's threads and by Ray's workers (PYTHONPATH holds tests/helpers/)."""
 import os
 import time
 

@@ -58,7 +58,7 @@ def SPARSE_ADAM(params):
     return torch.optim.SparseAdam(params, lr=0.01, betas=(0.8, 0.99), eps=1e-8)
 
 
-# The exact claim: each rule equals its float32 model (tests/float32_rules.py) to the bit, step after
+# The exact claim: each rule equals its float32 model (tests/helpers/float32_rules.py) to the bit, step after
 # step, on every CPU; a rule off by 0.1% (its learning rate, say) fails here.
 @pytest.mark.parametrize("ours, model", [
     (optim.SGD(lr=0.1), lambda w, s, g, t: rules.sgd(0.1, w, s, g, t)),

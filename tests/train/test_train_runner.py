@@ -15,7 +15,7 @@ from mlkv_torch.config import ConfigError, cardinalities_of, load_config  # noqa
 from mlkv_torch.data.synthetic import SyntheticCTR  # noqa: E402
 from mlkv_torch.train import run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 SMALL = ["data.synthetic.scale=1000", "train.batch_size=256", "eval.batches=2", "storage.memory_budget_bytes=1048576"]
 
@@ -232,7 +232,8 @@ def _torchrun(out: Path, steps: int, *extra: str, worker: Sequence[str] = ("-m",
     return done
 
 
-# The runs under torchrun use TorchRec's quantized comms (tests/test_row_wise.py has them against float32).
+# The runs under torchrun use TorchRec's quantized comms (tests/torchrec_integration/test_row_wise.py has them
+# against float32).
 COMMS = ["storage.comms.forward=fp16", "storage.comms.backward=bf16"]
 
 
@@ -289,7 +290,7 @@ def test_a_rank_killed_under_torchrun_max_restarts_makes_the_job_go_on_from_its_
     # Attempt 0: rank 1 dies at step 3, before the first checkpoint (4): the restarted job starts over.
     # Attempt 1: rank 0 dies at step 10: the job resumes from the checkpoint at step 8. No --resume.
     out = tmp_path / "elastic"
-    done = _torchrun(out, 12, *COMMS, worker=[str(REPO / "tests" / "elastic_worker.py")],
+    done = _torchrun(out, 12, *COMMS, worker=[str(REPO / "tests" / "workers" / "elastic_worker.py")],
                      launcher=["--max-restarts", "2"], env={"MLKV_TEST_KILLS": "0:1:3,1:0:10"})
     assert "restart 1): no checkpoint yet, starting over" in done.stderr, done.stderr[-4000:]
     assert "restart 2): resuming from the last checkpoint" in done.stderr, done.stderr[-4000:]
@@ -512,7 +513,7 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     # optimizer state on each rank as the run never killed.
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     _torchrun(whole, 12, *VIRTUAL)
-    done = _torchrun(killed, 12, *VIRTUAL, worker=[str(REPO / "tests" / "elastic_worker.py")],
+    done = _torchrun(killed, 12, *VIRTUAL, worker=[str(REPO / "tests" / "workers" / "elastic_worker.py")],
                      launcher=["--max-restarts", "1"], env={"MLKV_TEST_KILLS": "0:1:10"})
     assert "resuming from the last checkpoint" in done.stderr, done.stderr[-4000:]
     assert _losses(killed) == _losses(whole)

@@ -1,8 +1,8 @@
-"""A torchrun worker for tests/test_sequence_dmp.py: a sequence model (an EmbeddingCollection and a
+"""A torchrun worker for tests/torchrec_integration/test_sequence_dmp.py: a sequence model (an EmbeddingCollection and a
 per-id head) under DistributedModelParallel (gloo, CPU) with disk tables sharded table-wise,
 row-wise and column-wise, against the same plan with every table in TorchRec's memory.
 
-    torchrun --nproc_per_node N tests/sequence_dmp_worker.py OPTIMIZER[,OPTIMIZER...] OUT_DIR
+    torchrun --nproc_per_node N tests/workers/sequence_dmp_worker.py OPTIMIZER[,OPTIMIZER...] OUT_DIR
 
 For each optimizer ("sgd" through the sharder; "rowwise_adagrad" through apply_optimizer_in_backward;
 "qcomm": SGD with TorchRec's quantized comms on the sequence all-to-alls, fp16 forward and bf16

@@ -1,8 +1,8 @@
-"""A torchrun worker for tests/test_lookahead_dmp.py: LookaheadPipeline under DistributedModelParallel
-(gloo, CPU), on dmp_worker.py's DLRM (in DLRMTrain) with its mixed plan (t1 table-wise and t3
+"""A torchrun worker for tests/torchrec_integration/test_lookahead_dmp.py: LookaheadPipeline under
+DistributedModelParallel (gloo, CPU), on dmp_worker.py's DLRM (in DLRMTrain) with its mixed plan (t1 table-wise and t3
 column-wise on disk).
 
-    torchrun --nproc_per_node 2 tests/lookahead_dmp_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/lookahead_dmp_worker.py OUT_DIR
 
 For each mode (the plain loop, then the pipeline at each of DEPTHS), a fresh model from the same
 initial rows trains the same STEPS batches, with ids drawn over whole tables so that most rows a

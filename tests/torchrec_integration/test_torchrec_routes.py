@@ -31,7 +31,7 @@ from mlkv_torch.torchrec.sharded_tables import planning_with_disk  # noqa: E402
 from mlkv_torch.torchrec.tables import table_seed  # noqa: E402
 from mlkv_torch.written_through import WrittenThrough  # noqa: E402
 
-WORKER = Path(__file__).parent / "workers" / "routes_worker.py"
+WORKER = Path(__file__).parents[1] / "workers" / "routes_worker.py"
 DIM, ROWS, BATCH, LR = 8, 64, 6, 0.1
 
 

@@ -26,7 +26,7 @@ torchrec_criteo = pytest.importorskip("torchrec.datasets.criteo")
 pytest.importorskip("pyarrow")
 pytestmark = pytest.mark.filterwarnings("ignore:Local function is not supported by pickle:UserWarning")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPECIAL_HEX = ["ffffffff", "80000000", "7fffffffffffffff", "0", "F", "00000000", "DeadBeef", "123456789abcdef"]
 
 

@@ -1,7 +1,7 @@
-"""A torchrun worker for tests/test_replicas.py: DLRM under DistributedModelParallel (gloo, CPU),
+"""A torchrun worker for tests/torchrec_integration/test_replicas.py: DLRM under DistributedModelParallel (gloo, CPU),
 with and without replicas of hot rows (mlkv_torch.torchrec.replicate_hot_rows).
 
-    torchrun --nproc_per_node 2 tests/replica_worker.py PHASE OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/replica_worker.py PHASE OUT_DIR
 
 The plan mixes every kind of table replicas meet: on rank 0, t0 table-wise in memory (TorchRec's
 fused kernel) and t1 and t4 (mean pooling) table-wise on disk, whose lookup merges the kernels'

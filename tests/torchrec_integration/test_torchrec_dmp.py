@@ -1,6 +1,6 @@
 """DistributedModelParallel with disk tables: 2 real processes under torchrun (gloo, CPU).
 
-tests/dmp_worker.py runs DLRM with TorchRec's in-memory kernels and with the planner's
+tests/workers/dmp_worker.py runs DLRM with TorchRec's in-memory kernels and with the planner's
 mixed plan (a table-wise and a column-wise table on disk); from the same initial rows and
 batches, the losses must agree at every step, for SGD (the sharder's optimizer) and row-wise
 Adagrad (apply_optimizer_in_backward), across a learning-rate change made through the
@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("torchrec")
 
-WORKER = Path(__file__).with_name("dmp_worker.py")
+WORKER = Path(__file__).parents[1] / "workers" / "dmp_worker.py"
 
 
 def _torchrun(phase: str, out: Path) -> subprocess.CompletedProcess:

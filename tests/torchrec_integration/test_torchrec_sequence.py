@@ -73,7 +73,7 @@ OPTIMIZERS = {
     "rowwise_adagrad": (optim.RowWiseAdagrad(lr=0.2), lambda p: RowWiseAdagradReference(p, lr=0.2)),
     "adam": (optim.Adam(lr=0.05), lambda p: torch.optim.SparseAdam(p, lr=0.05)),
 }
-# A bound on one step's update over lr (as tests/test_disk_embedding_bag.py's): SGD's gradient row
+# A bound on one step's update over lr (as tests/core/test_disk_embedding_bag.py's): SGD's gradient row
 # (at most 6 + 4 ids of a batch x |head| <= 2 x |d loss / d logit| <= 1 per id).
 STEP_BOUNDS = {"sgd": 20.0, "adagrad": 1.0, "rowwise_adagrad": DIM ** 0.5, "adam": 4.0}
 

@@ -26,7 +26,7 @@ from mlkv_torch.train import run
 ray = pytest.importorskip("ray")
 from mlkv_torch.data.ray_batches import RayBatches, connect_ray  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "configs" / "parquet_example.yaml"
 DENSE = [f"dense_{d}" for d in range(6)]
 FEATURES = [SparseFeature(f"c_{f}", f"c_{f}", 500) for f in range(len(DEFAULT_CARDINALITIES))]
@@ -34,9 +34,9 @@ FEATURES = [SparseFeature(f"c_{f}", f"c_{f}", 500) for f in range(len(DEFAULT_CA
 
 @pytest.fixture(scope="module")
 def local_ray():
-    # Ray's workers import a user's transform as the trainer does: tests/ on their PYTHONPATH.
+    # Ray's workers import a user's transform as the trainer does: tests/helpers/ on their PYTHONPATH.
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), before]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "helpers"), before]))
     try:
         assert connect_ray("", 2)
         yield
@@ -226,7 +226,7 @@ def test_auto_actors_of_a_local_ray_are_its_cpus_whatever_the_ranks(own_local_ra
 
 
 def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, dataset, tmp_path):
-    # With a user's transform (tests/row_group_transforms.py) that Ray's workers import for themselves.
+    # With a user's transform (tests/helpers/row_group_transforms.py) that Ray's workers import for themselves.
     sparse = json.dumps([*({"column": f.column, "rows": f.rows} for f in FEATURES), {"column": "bucket", "rows": 4}])
     transform = json.dumps({"function": "row_group_transforms:price_buckets", "reads": ["dense_0"],
                             "args": {"boundaries": [-0.5, 0.0, 0.5]}})
