@@ -3,6 +3,7 @@
 #include "cuda_slot_transfer.h"
 #include "engine/task_pool.h"
 #include "engine/thread_name.h"
+#include "engine/thread_start.h"
 
 #include <algorithm>
 #include <cmath>
@@ -96,9 +97,51 @@ EmbeddingCache::EmbeddingCache(std::vector<CacheTable> tables, CacheOptions opti
     }
   }
   write_back_limit_ = opt_.write_back_rows;  // rows waiting before a fetch waits for the writer
-  if (device_.is_cpu()) applier_ = std::thread([this] { ApplierLoop(); });
-  read_ahead_thread_ = std::thread([this] { ReadAheadLoop(); });
-  writer_ = std::thread([this] { WriterLoop(); });
+  StartThreads();
+}
+
+void EmbeddingCache::StartThreads() {
+  try {
+    if (device_.is_cpu()) applier_ = StartThread([this] { ApplierLoop(); });
+    read_ahead_thread_ = StartThread([this] { ReadAheadLoop(); });
+    writer_ = StartThread([this] { WriterLoop(); });
+  } catch (const std::exception& e) {
+    StopThreads();  // a thread object destroyed while joinable would end the process
+    TORCH_CHECK(false, "the cache of ", tables_[0].store->path(), " could not start its threads: ", e.what());
+  }
+}
+
+void EmbeddingCache::StopThreads() {
+  if (applier_.joinable()) {
+    {
+      MutexLock lock(&queue_mu_);
+      stopping_ = true;
+      paused_ = false;
+    }
+    queue_cv_.notify_all();
+    applier_.join();
+  }
+  if (writer_.joinable()) {
+    {
+      MutexLock lock(&mu_);
+      writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
+      if (write_back_.size() + cut_write_back_.size() > 0) {
+        std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
+                     write_back_.size() + cut_write_back_.size(), tables_[0].store->path().c_str(),
+                     write_error_.ToString().c_str());
+      }
+    }
+    writer_cv_.notify_all();
+    writer_.join();
+  }
+  if (read_ahead_thread_.joinable()) {
+    {
+      MutexLock lock(&read_ahead_mu_);
+      read_ahead_stopping_ = true;
+    }
+    read_ahead_cv_.notify_all();
+    read_ahead_thread_.join();
+  }
 }
 
 int64_t EmbeddingCache::HostBytesBesideRows(int64_t capacity) {
@@ -120,32 +163,7 @@ EmbeddingCache::~EmbeddingCache() {
   } catch (...) {
     // Close's error was already raised to Python by an earlier call, or the process is exiting.
   }
-  if (applier_.joinable()) {
-    {
-      MutexLock lock(&queue_mu_);
-      stopping_ = true;
-      paused_ = false;
-    }
-    queue_cv_.notify_all();
-    applier_.join();
-  }
-  {
-    MutexLock lock(&mu_);
-    writer_stopping_ = true;  // rows still waiting (after a failed write) stay unwritten: Close raised
-    if (write_back_.size() + cut_write_back_.size() > 0) {
-      std::fprintf(stderr, "mlkv: %zu rows of %s (and the tables beside it) could not be written back: %s\n",
-                   write_back_.size() + cut_write_back_.size(), tables_[0].store->path().c_str(),
-                   write_error_.ToString().c_str());
-    }
-  }
-  writer_cv_.notify_all();
-  writer_.join();
-  {
-    MutexLock lock(&read_ahead_mu_);
-    read_ahead_stopping_ = true;
-  }
-  read_ahead_cv_.notify_all();
-  read_ahead_thread_.join();
+  StopThreads();
 }
 
 std::tuple<torch::Tensor, torch::Tensor> EmbeddingCache::UniqueKeys(const torch::Tensor& values,

@@ -327,6 +327,12 @@ class EmbeddingCache {
   // Copies and unstages a staged row, counting a read-ahead hit when it was read ahead.
   bool TakeStaged(int64_t key, float* row) REQUIRES(mu_);
 
+  // Starts the applier (CPU), the read-ahead thread and the writer; when one cannot start, stops
+  // those started and raises.
+  void StartThreads();
+  // Stops and joins the threads that run (after Close, or when StartThreads failed).
+  void StopThreads() EXCLUDES(mu_, read_ahead_mu_, queue_mu_);
+
   // ---- updates and the applier (cache_applier.cpp)
   void ApplierLoop() EXCLUDES(mu_, queue_mu_);
   void Apply(const Update& u) REQUIRES(mu_);
