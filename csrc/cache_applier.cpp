@@ -99,9 +99,9 @@ void EmbeddingCache::QueueUpdate(const torch::Tensor& keys, const torch::Tensor&
   TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
                         grads.size(0) == keys.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
                     "grads must be a contiguous float32 [", keys.numel(), ", ", opt_.dim, "] tensor on ", device_);
-  // Aliases without a Python object: the applier may drop the last reference
-  // without taking the GIL (a Python-owned tensor would need it to die).
-  Update u{at::alias(keys), at::alias(grads), step, static_cast<float>(lr)};
+  // Detached: tensors of their own over the caller's storage, holding no Python tensor (an alias
+  // would, as its view base), so the applier drops them without the GIL even at interpreter exit.
+  Update u{keys.detach(), grads.detach(), step, static_cast<float>(lr)};
   if (!device_.is_cpu()) {
     // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
     MutexLock lock(&mu_);

@@ -202,7 +202,10 @@ EmbeddingCache::LookupReadAhead(int64_t ticket, const std::vector<int64_t>& feat
             stats_.max_staleness = std::max<int64_t>(stats_.max_staleness, pending_.Find(key[i]));
           }
         }
-        return {batch->unique, batch->inverse, out, batch->slot_index, -static_cast<int64_t>(sequence), 0};
+        // Detached: Python's tensors are its own, so the batch's last reference (the read-ahead
+        // thread may drop it) never needs the GIL.
+        const int64_t version = -static_cast<int64_t>(sequence);
+        return {batch->unique.detach(), batch->inverse.detach(), out, batch->slot_index.detach(), version, 0};
       }
 #ifdef MLKV_WITH_CUDA
       // The slots stay pinned for this batch until the next lookup: its update finds them unchanged.
@@ -218,7 +221,7 @@ EmbeddingCache::LookupReadAhead(int64_t ticket, const std::vector<int64_t>& feat
   }
   // Rows left out of the slots: fetched (and admitted) by key.
   torch::Tensor weights = Fetch(batch->unique);
-  if (on_host_) return {batch->unique, batch->inverse, weights, torch::Tensor(), 0, -1};
+  if (on_host_) return {batch->unique.detach(), batch->inverse.detach(), weights, torch::Tensor(), 0, -1};
 #ifdef MLKV_WITH_CUDA
   const torch::Tensor unique = batch->unique.to(device_, /*non_blocking=*/true);
   auto [slots, version, outside] = SlotsAfterFetch(unique);

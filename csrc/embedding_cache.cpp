@@ -155,9 +155,7 @@ int64_t EmbeddingCache::HostBytesOfBuffers(int64_t staging_rows, int64_t write_b
 }
 
 EmbeddingCache::~EmbeddingCache() {
-  // Python may collect the cache while holding the GIL; waiting for the applier must not keep it.
-  std::optional<pybind11::gil_scoped_release> release;
-  if (Py_IsInitialized() && PyGILState_Check()) release.emplace();
+  // Without Python: the binding decides what to do with the GIL while this waits (gil_for_teardown.h).
   try {
     Close();
   } catch (...) {

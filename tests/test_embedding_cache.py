@@ -390,3 +390,13 @@ def test_a_thread_that_cannot_start_fails_the_cache_with_an_exception(tmp_path):
     # The threads started before the failing one are stopped and joined (none is left joinable to abort the process).
     run_lifetime_worker("thread_start_fails", tmp_path)
 
+
+@pytest.mark.parametrize("mode", ["drop_in_thread", "drop_in_daemon_at_exit", "left_at_exit"])
+def test_a_cache_dropped_on_any_thread_or_at_exit_writes_its_rows_back(tmp_path, mode):
+    from mlkv_torch import KVStore
+
+    path = tmp_path / "t"
+    run_lifetime_worker(mode, path)
+    rows, dim = 100_000, 16  # as the worker trains them: every row once, from 0 to -1
+    with KVStore(path, dim, torch.float32, 64 << 20, expected_rows=rows) as store:
+        torch.testing.assert_close(store.get(torch.arange(rows)), torch.full((rows, dim), -1.0), rtol=0, atol=0)
