@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "embedding_cache.h"
+#include "engine/fault_points.h"
 #include "engine/thread_name.h"
 
 namespace mlkv {
@@ -125,12 +126,17 @@ void EmbeddingCache::SettleReadAhead(BatchReadAhead* batch, int32_t sequence) {
     batch->slots[i] = slot;
   }
   batch->settled = true;
-  batch->complete = complete;
   if (!complete) return;
   const int64_t n = static_cast<int64_t>(batch->slots.size());
   auto options = torch::TensorOptions().dtype(torch::kInt32);
-  batch->slot_index = torch::empty({n}, on_host_ ? options : options.pinned_memory(true));
+  try {
+    PassFaultPoint(FaultPoint::kReadAheadSlotList);
+    batch->slot_index = torch::empty({n}, on_host_ ? options : options.pinned_memory(true));
+  } catch (const std::exception&) {
+    return;  // no (pinned) memory for the list: not complete, so its lookup fetches
+  }
   std::copy(batch->slots.begin(), batch->slots.end(), batch->slot_index.data_ptr<int32_t>());
+  batch->complete = true;  // only now: a lookup gathers from slot_index
 }
 
 int32_t EmbeddingCache::TakeReadAhead(std::optional<uint64_t> fingerprint) {
@@ -382,11 +388,7 @@ void EmbeddingCache::ReadAheadLoop() {
     }
     if (request.batch) {  // before it is done: its lookup waits for that
       MutexLock lock(&mu_);
-      try {
-        if (read_ok) SettleReadAhead(request.batch.get(), request.sequence);
-      } catch (const std::exception&) {  // no pinned memory: its lookup fetches
-        request.batch->complete = false;
-      }
+      if (read_ok) SettleReadAhead(request.batch.get(), request.sequence);
       request.batch->settled = true;  // else its lookup fetches, and meets the read's error
     }
     {

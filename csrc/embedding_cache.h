@@ -428,7 +428,8 @@ class EmbeddingCache {
   int32_t QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint, std::shared_ptr<BatchReadAhead> batch)
       EXCLUDES(mu_, read_ahead_mu_);
   // Finds the slots of `batch`'s keys its request placed (or a request before it), each pinned for
-  // read-ahead `sequence`, and marks it settled.
+  // read-ahead `sequence`, and marks it settled; complete once its slot list is made (no memory for
+  // the list: not complete, and its lookup fetches). Raises nothing.
   void SettleReadAhead(BatchReadAhead* batch, int32_t sequence) REQUIRES(mu_);
 #ifdef MLKV_WITH_CUDA
   // After a fetch of the distinct `unique` (on the device) of a device lookup: their slots, the
