@@ -9,7 +9,7 @@
 #include "bindings/bindings.h"
 #include "bindings/gil_for_teardown.h"
 #include "bindings/row_store_handle.h"
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 
 namespace mlkv::bindings {
 
