@@ -49,7 +49,8 @@ def fma_flags() -> list:
 
 
 def extension():
-    sources = sorted(glob.glob("csrc/engine/*.cc") + glob.glob("csrc/*.cpp") + glob.glob("csrc/bindings/*.cpp"))
+    sources = sorted(glob.glob("csrc/engine/*.cc") + glob.glob("csrc/*.cpp") + glob.glob("csrc/cache/*.cpp") +
+                     glob.glob("csrc/bindings/*.cpp"))
     cuda_sources = sorted(glob.glob("cuda/*.cu"))
     force_cpu = os.environ.get("MLKV_FORCE_CPU", "0") == "1"
     with_cuda = bool(cuda_sources) and not force_cpu and torch.version.cuda is not None and CUDA_HOME is not None

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 
 namespace mlkv {
 

@@ -2,7 +2,7 @@
 // features, and key -> slot through the copy of the cache's map in device memory.
 #include <cuda_runtime.h>
 
-#include "cuda_kernels.h"
+#include "cache/cuda_kernels.h"
 #include "id_map.h"
 
 namespace mlkv {

@@ -6,7 +6,7 @@
 #include <c10/util/Half.h>
 #include <cuda_runtime.h>
 
-#include "cuda_kernels.h"
+#include "cache/cuda_kernels.h"
 
 namespace mlkv {
 

@@ -11,8 +11,11 @@ which=${1:-all}
 out=${TMPDIR:-/tmp}/mlkv-sanitize
 mkdir -p "$out"
 # Sources each stress program is built from besides its own file in csrc/tests/.
-torch_free_srcs="csrc/engine/*.cc csrc/id_map.cpp csrc/write_back_buffer.cpp csrc/admission_policy.cpp
-  csrc/slot_index.cpp csrc/staging_area.cpp csrc/slot_transfer.cpp"
+torch_free_srcs="csrc/engine/*.cc csrc/id_map.cpp csrc/cache/write_back_buffer.cpp csrc/cache/admission_policy.cpp
+  csrc/cache/slot_index.cpp csrc/cache/staging_area.cpp csrc/cache/slot_transfer.cpp csrc/cache/read_ahead_queue.cpp"
+# The cache's files that include torch (the CUDA ones only with MLKV_WITH_CUDA, checked by scripts/build_cuda.sh).
+cache_torch_srcs="csrc/cache/embedding_cache.cpp csrc/cache/fetch.cpp csrc/cache/applier.cpp csrc/cache/update_queue.cpp
+  csrc/cache/read_ahead.cpp csrc/cache/write_back.cpp csrc/cache/cut.cpp csrc/cache/delete.cpp csrc/cache/device.cpp"
 stress_programs=(store_stress cache_stress)
 jobs=$(nproc 2>/dev/null || echo 2)
 build_and_run() {  # name, sanitizer flags...
@@ -49,7 +52,8 @@ if [[ $which == threads || $which == all ]]; then
 from torch.utils.cpp_extension import include_paths
 print(' '.join('-isystem ' + p for p in include_paths() + [sysconfig.get_paths()['include']]))" 2>/dev/null); then
     # One translation unit of them all: torch's headers, most of the time, are parsed once.
-    printf '#include "%s"\n' "$PWD"/csrc/embedding_cache.cpp "$PWD"/csrc/cache_*.cpp >"$out/cache_files.cpp"
+    # shellcheck disable=SC2086
+    printf "#include \"$PWD/%s\"\n" $cache_torch_srcs >"$out/cache_files.cpp"
     # shellcheck disable=SC2086
     clang++ -std=c++17 -fsyntax-only -Icsrc $torch_includes -Wthread-safety -Werror=thread-safety "$out/cache_files.cpp"
     echo "thread-safety analysis of the cache's torch files: clean"

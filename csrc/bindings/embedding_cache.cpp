@@ -7,8 +7,9 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "bindings/gil_for_teardown.h"
 #include "bindings/row_store_handle.h"
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 
 namespace mlkv::bindings {
 
@@ -20,12 +21,20 @@ namespace {
 using TableArgs =
     std::tuple<std::string, const RowStoreHandle*, int64_t, int64_t, bool, double, double, int64_t, int64_t>;
 
-std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& tables, int64_t capacity, int64_t dim,
-                                                int64_t weight_type, int64_t kind, double eps, double beta1,
-                                                double beta2, std::vector<float> initial_state,
-                                                const std::string& policy, int64_t staleness, const std::string& device,
-                                                int64_t staging_rows, int64_t write_back_rows,
-                                                bool read_ahead_into_slots, int64_t transfer_delay_us) {
+// Destroys a cache with the GIL released where this thread can take it back: its threads may need
+// the GIL (to drop tensors Python saw) while its destructor waits for them.
+struct CacheDeleter {
+  void operator()(mlkv::EmbeddingCache* cache) const {
+    GilReleasedForTeardown released;
+    delete cache;
+  }
+};
+using CacheHolder = std::unique_ptr<mlkv::EmbeddingCache, CacheDeleter>;
+
+CacheHolder MakeCache(const std::vector<TableArgs>& tables, int64_t capacity, int64_t dim, int64_t weight_type,
+                      int64_t kind, double eps, double beta1, double beta2, std::vector<float> initial_state,
+                      const std::string& policy, int64_t staleness, const std::string& device, int64_t staging_rows,
+                      int64_t write_back_rows, bool read_ahead_into_slots, int64_t transfer_delay_us) {
   std::vector<mlkv::CacheTable> cache_tables;
   for (const auto& [name, store, num_embeddings, seed, normal, a, b, first_column, first_row] : tables) {
     TORCH_CHECK_VALUE(store != nullptr, "table '", name, "' has no store");
@@ -57,7 +66,7 @@ std::unique_ptr<mlkv::EmbeddingCache> MakeCache(const std::vector<TableArgs>& ta
   o.write_back_rows = write_back_rows;
   o.read_ahead_into_slots = read_ahead_into_slots;
   o.transfer_delay_us = transfer_delay_us;
-  return std::make_unique<mlkv::EmbeddingCache>(std::move(cache_tables), std::move(o), torch::Device(device));
+  return CacheHolder(new mlkv::EmbeddingCache(std::move(cache_tables), std::move(o), torch::Device(device)));
 }
 
 py::dict CacheStatsDict(mlkv::EmbeddingCache& cache) {
@@ -125,7 +134,8 @@ void BindEmbeddingCache(py::module_& m) {
         "Host bytes of an EmbeddingCache's staging area and write-back buffer at these many rows.");
   using mlkv::EmbeddingCache;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  py::class_<EmbeddingCache>(m, "EmbeddingCache")
+  WaitForTeardownsAtExit();
+  py::class_<EmbeddingCache, CacheHolder>(m, "EmbeddingCache")
       // Named arguments only: fourteen numbers in a row are too easy to swap.
       .def(py::init(&MakeCache), py::arg("tables"), py::kw_only(), py::arg("capacity"), py::arg("dim"),
            py::arg("weight_type"), py::arg("kind"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"),

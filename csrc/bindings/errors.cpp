@@ -3,7 +3,7 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 
 namespace mlkv::bindings {
 

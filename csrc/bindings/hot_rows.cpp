@@ -7,7 +7,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/errors.h"
-#include "embedding_cache.h"  // kTableShift: a key is table << kTableShift | row, as the cache keys rows
+#include "cache/embedding_cache.h"  // kTableShift: a key is table << kTableShift | row, as the cache keys rows
 #include "id_map.h"
 
 namespace mlkv::bindings {

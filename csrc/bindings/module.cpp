@@ -6,6 +6,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/errors.h"
+#include "engine/fault_points.h"
 #include "engine/io_reader.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -17,6 +18,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_rocksdb") = false;
 #endif
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
+  m.def(
+      "_arm_fault_for_testing",
+      [](const std::string& point, int pass) {
+        if (point == "thread_start") {
+          mlkv::ArmFaultForTesting(mlkv::FaultPoint::kThreadStart, pass);
+        } else if (point == "read_ahead_slot_list") {
+          mlkv::ArmFaultForTesting(mlkv::FaultPoint::kReadAheadSlotList, pass);
+        } else {
+          throw pybind11::value_error("no fault point '" + point + "' (thread_start, read_ahead_slot_list)");
+        }
+      },
+      pybind11::arg("point"), pybind11::arg("pass"),
+      "Tests only: the pass-th pass through the point from now fails (0 disarms it); see engine/fault_points.h.");
   mlkv::bindings::BindOps(m);
   mlkv::bindings::BindStore(m);
   mlkv::bindings::BindRocksStore(m);

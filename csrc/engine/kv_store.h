@@ -189,6 +189,15 @@ class KVStore : public RowStore {
 
   // Recovery, in kv_store_recovery.cc.
   Status Recover() EXCLUDES(mu_);
+  // Its steps: the checkpoint to recover (*meta; *older the one kept beside it; *latest the record
+  // CHECKPOINT holds once recovery goes back to an older one), its rows' layout checked against the
+  // options, the log replayed from the segments and from the snapshot of its last pages, the
+  // recovered index checked against the checkpoint.
+  Status ChooseCheckpoint(CheckpointMeta* meta, CheckpointMeta* older, std::string* latest) EXCLUDES(mu_);
+  Status CheckRowLayout(const CheckpointMeta& meta, const std::string& meta_path);
+  Status ReplaySegmentPages(uint64_t replay_from, uint64_t flushed_page) REQUIRES(mu_);
+  Status ReplaySnapshotPages(const CheckpointMeta& meta, uint64_t flushed_page, uint64_t end_page) REQUIRES(mu_);
+  Status CheckRecoveredIndex(const CheckpointMeta& meta) REQUIRES(mu_);
   void RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_t previous_sequence) REQUIRES_SHARED(mu_);
   Status ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end_slot, const std::string& file_name,
                    uint64_t file_base_offset) REQUIRES(mu_);
@@ -317,6 +326,17 @@ class KVStore : public RowStore {
   // copies live rows in chunks, each under a short exclusive lock. `all`: every segment below the
   // mutable region; otherwise the oldest ones that hold half of the garbage on disk. Sets *compacted.
   Status CompactSegments(bool all, bool* compacted) REQUIRES(compaction_mu_) EXCLUDES(checkpoint_mu_, mu_);
+  // Its steps: the segments [*first, *end) it compacts; the live records of a segment, read
+  // unlocked and copied to the log a chunk at a time (CopyLiveRecords, under a short exclusive lock).
+  struct LiveRecords {
+    std::vector<int64_t> keys;
+    std::vector<uint64_t> slots;
+    std::vector<uint8_t> values;  // whole records
+  };
+  Status SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) EXCLUDES(mu_);
+  Status CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) EXCLUDES(mu_);
+  void CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) EXCLUDES(mu_);
+  Status CopyLiveRecords(LiveRecords* live) EXCLUDES(mu_);
   bool CompactionDueLocked(double ratio) const REQUIRES_SHARED(mu_);  // on-disk log > ratio x live rows
   void StallForCompaction() EXCLUDES(mu_, compaction_state_mu_);
   // After writes: queues a compaction (executor "mlkv-compact") when due.

@@ -95,91 +95,95 @@ void KVStore::RunCompactions() {
   compaction_idle_.notify_all();
 }
 
+Status KVStore::SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) {
+  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
+  ReaderLock lock(&mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  *first = begin_ / slots_per_segment;
+  const uint64_t full_end = flusher_.flushed_page() / pages_per_segment_;  // segments wholly written
+  auto live = [&](uint64_t s) REQUIRES_SHARED(mu_) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
+  *end = full_end;
+  if (all) return Status::OK();
+  int64_t garbage = 0;
+  for (uint64_t s = *first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
+  int64_t reclaimed = 0;
+  *end = *first;
+  while (*end < full_end && 2 * reclaimed < garbage)
+    reclaimed += static_cast<int64_t>(slots_per_segment) - live((*end)++);
+  return Status::OK();
+}
+
+void KVStore::CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) {
+  ReaderLock lock(&mu_);
+  constexpr uint64_t kAhead = 8;  // prefetch the index ahead: these lookups are random
+  auto key_at = [&](uint64_t slot) {
+    int64_t key;
+    std::memcpy(&key, page + OffsetInPage(slot), sizeof(key));
+    return key;
+  };
+  HashIndex::Where ring[kAhead];
+  const uint64_t end_slot = first_slot + records_per_page_;
+  for (uint64_t s = first_slot; s < std::min(end_slot, first_slot + kAhead); ++s) {
+    index_.Prefetch(ring[s % kAhead] = index_.Locate(key_at(s)));
+  }
+  for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
+    const HashIndex::Where where = ring[slot % kAhead];
+    if (slot + kAhead < end_slot) index_.Prefetch(ring[slot % kAhead] = index_.Locate(key_at(slot + kAhead)));
+    const uint8_t* rec = page + OffsetInPage(slot);
+    RecordHeader h;
+    std::memcpy(&h, rec, sizeof(h));
+    if ((h.flags & kFlagTombstone) || index_.Find(where) != slot) continue;  // superseded or deleted
+    live->keys.push_back(h.key);
+    live->slots.push_back(slot);
+    live->values.insert(live->values.end(), rec, rec + record_bytes_);
+  }
+}
+
+Status KVStore::CopyLiveRecords(LiveRecords* live) {
+  if (live->keys.empty()) return Status::OK();
+  WriterLock lock(&mu_);
+  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+  Status st = ApplyCopies(live->keys.data(), live->slots.data(), live->values.data(), live->keys.size(),
+                          CopyKind::kCompaction, /*values_only=*/false);
+  live->keys.clear();
+  live->slots.clear();
+  live->values.clear();
+  return st;
+}
+
+Status KVStore::CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) {
+  constexpr size_t kChunkRows = 4096;
+  std::shared_ptr<SegmentFiles::File> file;
+  MLKV_RETURN_IF_ERROR(segments_.Open(segment, SegmentFiles::OpenMode::kMustExist, &file));
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t page = segment * pages_per_segment_; page < (segment + 1) * pages_per_segment_; ++page) {
+    // Segment pages below read-only never change: read and verify them unlocked.
+    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+    const uint64_t first_slot = page * records_per_page_;
+    for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+      // Verify before the liveness check: a damaged key must not make a live row look dead.
+      MLKV_RETURN_IF_ERROR(
+          VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
+    }
+    CollectLiveRecords(page_buffer.data, first_slot, live);
+    if (live->keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(CopyLiveRecords(live));
+  }
+  return Status::OK();
+}
+
 Status KVStore::CompactSegments(bool all, bool* compacted) {
   *compacted = false;
-  const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
   uint64_t first, end;
-  {
-    ReaderLock lock(&mu_);
-    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-    first = begin_ / slots_per_segment;
-    const uint64_t full_end = flusher_.flushed_page() / pages_per_segment_;  // segments wholly written
-    auto live = [&](uint64_t s)
-                    REQUIRES_SHARED(mu_) { return s < live_per_segment_.size() ? live_per_segment_[s] : 0; };
-    end = full_end;
-    if (!all) {
-      int64_t garbage = 0;
-      for (uint64_t s = first; s < full_end; ++s) garbage += static_cast<int64_t>(slots_per_segment) - live(s);
-      int64_t reclaimed = 0;
-      end = first;
-      while (end < full_end && 2 * reclaimed < garbage)
-        reclaimed += static_cast<int64_t>(slots_per_segment) - live(end++);
-    }
-  }
+  MLKV_RETURN_IF_ERROR(SegmentsToCompact(all, &first, &end));
   if (end <= first) return Status::OK();
-
-  constexpr size_t kChunkRows = 4096;
-  std::vector<int64_t> keys;
-  std::vector<uint64_t> slots;
-  std::vector<uint8_t> values;
-  auto copy_chunk = [&]() -> Status {
-    if (keys.empty()) return Status::OK();
-    WriterLock lock(&mu_);
-    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-    Status st = ApplyCopies(keys.data(), slots.data(), values.data(), keys.size(), CopyKind::kCompaction,
-                            /*values_only=*/false);
-    keys.clear();
-    slots.clear();
-    values.clear();
-    return st;
-  };
-  AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t s = first; s < end; ++s) {
-    std::shared_ptr<SegmentFiles::File> file;
-    MLKV_RETURN_IF_ERROR(segments_.Open(s, SegmentFiles::OpenMode::kMustExist, &file));
-    for (uint64_t page = s * pages_per_segment_; page < (s + 1) * pages_per_segment_; ++page) {
-      // Segment pages below read-only never change: read and verify them unlocked.
-      const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
-      MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
-      const uint64_t first_slot = page * records_per_page_;
-      for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
-        // Verify before the liveness check: a damaged key must not make a live row look dead.
-        MLKV_RETURN_IF_ERROR(
-            VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
-      }
-      {
-        ReaderLock lock(&mu_);
-        constexpr uint64_t kAhead = 8;  // prefetch the index ahead: these lookups are random
-        auto key_at = [&](uint64_t slot) {
-          int64_t key;
-          std::memcpy(&key, page_buffer.data + OffsetInPage(slot), sizeof(key));
-          return key;
-        };
-        HashIndex::Where ring[kAhead];
-        const uint64_t end_slot = first_slot + records_per_page_;
-        for (uint64_t s = first_slot; s < std::min(end_slot, first_slot + kAhead); ++s) {
-          index_.Prefetch(ring[s % kAhead] = index_.Locate(key_at(s)));
-        }
-        for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
-          const HashIndex::Where where = ring[slot % kAhead];
-          if (slot + kAhead < end_slot) index_.Prefetch(ring[slot % kAhead] = index_.Locate(key_at(slot + kAhead)));
-          const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
-          RecordHeader h;
-          std::memcpy(&h, rec, sizeof(h));
-          if ((h.flags & kFlagTombstone) || index_.Find(where) != slot) continue;  // superseded or deleted
-          keys.push_back(h.key);
-          slots.push_back(slot);
-          values.insert(values.end(), rec, rec + record_bytes_);
-        }
-      }
-      if (keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(copy_chunk());
-    }
-  }
-  MLKV_RETURN_IF_ERROR(copy_chunk());
+  LiveRecords live;
+  for (uint64_t s = first; s < end; ++s) MLKV_RETURN_IF_ERROR(CopyLiveRecordsOfSegment(s, &live));
+  MLKV_RETURN_IF_ERROR(CopyLiveRecords(&live));
   {
     WriterLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-    begin_ = end * slots_per_segment;
+    begin_ = end * pages_per_segment_ * records_per_page_;
     for (uint64_t s = first; s < end; ++s) {
       segments_.Forget(s);  // readers holding the file keep its descriptor
       compacted_segments_.push_back(s);

@@ -124,28 +124,40 @@ Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end
   return Status::OK();
 }
 
-Status KVStore::Recover() {
+Status KVStore::ChooseCheckpoint(CheckpointMeta* meta, CheckpointMeta* older, std::string* latest) {
   const std::string latest_path = path_ + "/CHECKPOINT", previous_path = path_ + "/CHECKPOINT.previous";
-  std::string latest, previous;
-  MLKV_RETURN_IF_ERROR(ReadCheckpointRecord(latest_path, &latest));
+  std::string previous;
+  MLKV_RETURN_IF_ERROR(ReadCheckpointRecord(latest_path, latest));
   // A store written before CHECKPOINT.previous existed, or one checkpoint old, has none.
-  if (!FileExists(previous_path) || !ReadCheckpointRecord(previous_path, &previous).ok()) previous = latest;
-  const bool drop_previous = !options_.cut_checkpoints && options_.checkpoint_sequence == 0 && previous != latest;
-  if (drop_previous) previous = latest;  // a store opened without cuts keeps only its latest
-  CheckpointMeta meta, older;
-  std::memcpy(&meta, latest.data(), sizeof(meta));
-  std::memcpy(&older, previous.data(), sizeof(older));
-  const std::string& meta_path = latest_path;
+  if (!FileExists(previous_path) || !ReadCheckpointRecord(previous_path, &previous).ok()) previous = *latest;
+  const bool drop_previous = !options_.cut_checkpoints && options_.checkpoint_sequence == 0 && previous != *latest;
+  if (drop_previous) previous = *latest;  // a store opened without cuts keeps only its latest
+  std::memcpy(meta, latest->data(), sizeof(*meta));
+  std::memcpy(older, previous.data(), sizeof(*older));
   const uint64_t wanted = options_.checkpoint_sequence;
-  if (wanted != 0 && wanted != meta.sequence) {
-    if (wanted != older.sequence) {
-      return Status::InvalidArgument("store at " + path_ + " has checkpoints " + std::to_string(older.sequence) +
-                                     " and " + std::to_string(meta.sequence) + ", not checkpoint " +
+  if (wanted != 0 && wanted != meta->sequence) {
+    if (wanted != older->sequence) {
+      return Status::InvalidArgument("store at " + path_ + " has checkpoints " + std::to_string(older->sequence) +
+                                     " and " + std::to_string(meta->sequence) + ", not checkpoint " +
                                      std::to_string(wanted) +
                                      " that was asked for: it has moved past that cut, or never reached it");
     }
-    meta = older;
+    *meta = *older;
   }
+  MLKV_RETURN_IF_ERROR(CheckRowLayout(*meta, latest_path));
+  if (drop_previous && unlink(previous_path.c_str()) != 0 && errno != ENOENT) {
+    return Status::IOError("removing " + previous_path + ": " + ErrnoText(errno));
+  }
+  if (meta->sequence != CheckpointSequenceOf(*latest)) {
+    // Back to the previous checkpoint: it becomes the latest before anything is written, so a
+    // crash from here on recovers it, never the newer one being discarded.
+    MLKV_RETURN_IF_ERROR(WriteCheckpointRecord(latest_path, previous));
+    *latest = previous;
+  }
+  return Status::OK();
+}
+
+Status KVStore::CheckRowLayout(const CheckpointMeta& meta, const std::string& meta_path) {
   if (meta.dim != options_.dim) {
     return Status::InvalidArgument("store at " + path_ + " holds rows of dim " + std::to_string(meta.dim) +
                                    ", opened with dim " + std::to_string(options_.dim));
@@ -157,15 +169,65 @@ Status KVStore::Recover() {
   }
   MLKV_RETURN_IF_ERROR(ComputeLayout(meta.page_bytes, meta.pages_per_segment));
   if (meta.record_bytes != record_bytes_) return Status::Corruption(meta_path + " has an inconsistent record size");
-  if (drop_previous && unlink(previous_path.c_str()) != 0 && errno != ENOENT) {
-    return Status::IOError("removing " + previous_path + ": " + ErrnoText(errno));
+  return Status::OK();
+}
+
+Status KVStore::ReplaySegmentPages(uint64_t replay_from, uint64_t flushed_page) {
+  AlignedBuffer page_buffer(page_bytes_);
+  for (uint64_t page = replay_from / records_per_page_; page < flushed_page; ++page) {
+    std::shared_ptr<SegmentFiles::File> file;
+    MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(page), SegmentFiles::OpenMode::kMustExist, &file));
+    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+    const uint64_t first_slot = std::max(page * records_per_page_, replay_from);
+    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path, offset));
   }
-  if (meta.sequence != CheckpointSequenceOf(latest)) {
-    // Back to the previous checkpoint: it becomes the latest before anything is written, so a
-    // crash from here on recovers it, never the newer one being discarded.
-    MLKV_RETURN_IF_ERROR(WriteCheckpointRecord(latest_path, previous));
-    latest = previous;
+  return Status::OK();
+}
+
+Status KVStore::ReplaySnapshotPages(const CheckpointMeta& meta, uint64_t flushed_page, uint64_t end_page) {
+  const std::string snapshot = SnapshotPath(meta.sequence);
+  int fd = open(snapshot.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::Corruption("snapshot file " + snapshot + " is missing: " + ErrnoText(errno));
+  Status st;
+  // Replays the pages as if appended, so a smaller budget spills the oldest to disk.
+  for (uint64_t page = flushed_page; page < end_page && st.ok(); ++page) {
+    st = StartPage(page);
+    const uint64_t offset = (page - flushed_page) * page_bytes_;
+    if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
+    const uint64_t first_slot = page * records_per_page_,
+                   end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
+    // The pages that were mutable at the checkpoint are replayed whatever the image.
+    if (st.ok()) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
   }
+  close(fd);
+  return st;
+}
+
+Status KVStore::CheckRecoveredIndex(const CheckpointMeta& meta) {
+  if (index_.size() != meta.rows) {
+    return Status::Corruption(
+        "recovered " + std::to_string(index_.size()) + " rows from " + path_ +
+        (recovered_from_index_image_ ? " (through " + IndexImagePath(image_sequence_) + ")" : "") +
+        ", its CHECKPOINT says " + std::to_string(meta.rows));
+  }
+  if (!recovered_from_index_image_) return Status::OK();
+  // Every row the image names in segments compacted since was copied to the log replayed over
+  // it: a slot below begin means the image is not this log's.
+  bool stale = false;
+  const uint64_t begin = begin_;
+  index_.ForEachAddress([&](uint64_t slot) { stale = stale || slot < begin; });
+  if (stale) {
+    return Status::Corruption(IndexImagePath(image_sequence_) + " names rows below the log's first slot " +
+                              std::to_string(begin_) + "; remove it to recover by a scan of the log");
+  }
+  return Status::OK();
+}
+
+Status KVStore::Recover() {
+  CheckpointMeta meta, older;
+  std::string latest;
+  MLKV_RETURN_IF_ERROR(ChooseCheckpoint(&meta, &older, &latest));
   WriterLock lock(&mu_);
   begin_ = meta.begin;
   checkpoint_sequence_ = meta.sequence;
@@ -189,54 +251,13 @@ Status KVStore::Recover() {
     recovered_from_index_image_ = image_sound_ = true;
     replay_from = image_flushed_;
   }
-  AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t page = replay_from / records_per_page_; page < flushed_page; ++page) {
-    std::shared_ptr<SegmentFiles::File> file;
-    MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(page), SegmentFiles::OpenMode::kMustExist, &file));
-    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
-    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
-    const uint64_t first_slot = std::max(page * records_per_page_, replay_from);
-    MLKV_RETURN_IF_ERROR(ScanSlots(page_buffer.data, first_slot, (page + 1) * records_per_page_, file->path, offset));
-  }
+  MLKV_RETURN_IF_ERROR(ReplaySegmentPages(replay_from, flushed_page));
   head_page_ = read_only_page_ = flushed_page;
   flusher_.Reset(flushed_page);
   tail_ = flushed_page * records_per_page_;
-  if (end_page > flushed_page) {
-    const std::string snapshot = SnapshotPath(meta.sequence);
-    int fd = open(snapshot.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return Status::Corruption("snapshot file " + snapshot + " is missing: " + ErrnoText(errno));
-    Status st;
-    // Replays the pages as if appended, so a smaller budget spills the oldest to disk.
-    for (uint64_t page = flushed_page; page < end_page && st.ok(); ++page) {
-      st = StartPage(page);
-      const uint64_t offset = (page - flushed_page) * page_bytes_;
-      if (st.ok()) st = ReadExactly(fd, FrameOf(page), page_bytes_, offset, snapshot);
-      const uint64_t first_slot = page * records_per_page_,
-                     end_slot = std::min(meta.tail, (page + 1) * records_per_page_);
-      // The pages that were mutable at the checkpoint are replayed whatever the image.
-      if (st.ok()) st = ScanSlots(FrameOf(page), first_slot, end_slot, snapshot, offset);
-    }
-    close(fd);
-    MLKV_RETURN_IF_ERROR(st);
-  }
+  if (end_page > flushed_page) MLKV_RETURN_IF_ERROR(ReplaySnapshotPages(meta, flushed_page, end_page));
   tail_ = meta.tail;
-  if (index_.size() != meta.rows) {
-    return Status::Corruption(
-        "recovered " + std::to_string(index_.size()) + " rows from " + path_ +
-        (recovered_from_index_image_ ? " (through " + IndexImagePath(image_sequence_) + ")" : "") +
-        ", its CHECKPOINT says " + std::to_string(meta.rows));
-  }
-  if (recovered_from_index_image_) {
-    // Every row the image names in segments compacted since was copied to the log replayed over
-    // it: a slot below begin means the image is not this log's.
-    bool stale = false;
-    const uint64_t begin = begin_;
-    index_.ForEachAddress([&](uint64_t slot) { stale = stale || slot < begin; });
-    if (stale) {
-      return Status::Corruption(IndexImagePath(image_sequence_) + " names rows below the log's first slot " +
-                                std::to_string(begin_) + "; remove it to recover by a scan of the log");
-    }
-  }
+  MLKV_RETURN_IF_ERROR(CheckRecoveredIndex(meta));
   // Segments below begin that the previous checkpoint still needs go at the next checkpoint.
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
   for (uint64_t seg = previous_begin_ / slots_per_segment; seg < begin_ / slots_per_segment; ++seg) {

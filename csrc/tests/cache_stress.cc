@@ -13,19 +13,22 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
-#include "admission_policy.h"
+#include "cache/admission_policy.h"
+#include "cache/read_ahead_queue.h"
 #include "engine/task_pool.h"
 #include "engine/thread_annotations.h"
-#include "slot_index.h"
-#include "slot_transfer.h"
-#include "staging_area.h"
-#include "write_back_buffer.h"
+#include "cache/slot_index.h"
+#include "cache/slot_transfer.h"
+#include "cache/staging_area.h"
+#include "cache/write_back_buffer.h"
 
 namespace {
 
@@ -500,6 +503,58 @@ void TaskPoolTest() {
   for (std::thread& t : threads) t.join();
 }
 
+// The read-ahead queue between producers that queue in sequence order (as the cache does, under a
+// lock of theirs), its thread and waiters: every request arrives once and in order, a wait for a
+// sequence ends only once it is done, and Stop ends the thread and every wait.
+void ReadAheadQueueTest() {
+  mlkv::ReadAheadQueue queue;
+  constexpr int32_t kRequests = 3000;
+  std::atomic<int32_t> done{0};
+  std::thread worker([&] {
+    int32_t expected = 1;
+    while (std::optional<mlkv::ReadAheadRequest> request = queue.Next()) {
+      EXPECT(request->sequence == expected, "request %d arrived, %d expected", request->sequence, expected);
+      EXPECT(request->keys.size() == 1 && request->keys[0] == request->sequence, "request %d carries the wrong keys",
+             request->sequence);
+      expected = request->sequence + 1;
+      done = request->sequence;
+      queue.Done(request->sequence, request->queued);
+    }
+  });
+  std::mutex order;  // the producers' own lock, as the cache's mu_: sequences queued in order
+  int32_t next = 0;
+  std::vector<std::thread> producers;
+  for (int p = 0; p < 3; ++p) {
+    producers.emplace_back([&] {
+      for (;;) {
+        int32_t sequence;
+        {
+          std::lock_guard<std::mutex> lock(order);
+          if (next == kRequests) return;
+          sequence = ++next;
+          mlkv::ReadAheadRequest request;
+          request.sequence = sequence;
+          request.keys = {sequence};
+          request.queued = std::chrono::steady_clock::now();
+          queue.Push(std::move(request));
+        }
+        if (sequence % 7 == 0) {
+          queue.WaitDone(sequence, /*counted=*/true);
+          EXPECT(done.load() >= sequence, "a wait for %d ended at %d", sequence, done.load());
+        }
+      }
+    });
+  }
+  for (std::thread& t : producers) t.join();
+  queue.WaitDone(kRequests, /*counted=*/false);
+  EXPECT(done.load() == kRequests, "%d of %d requests done", done.load(), kRequests);
+  EXPECT(queue.latency_us() > 0 && queue.wait_us() >= 0, "no latency measured");
+  std::thread waiter([&] { queue.WaitDone(kRequests + 1, /*counted=*/false); });  // never done: Stop ends it
+  queue.Stop();
+  waiter.join();
+  worker.join();
+}
+
 }  // namespace
 
 int main() {
@@ -520,6 +575,7 @@ int main() {
   run(PinTest);
   run(TransferTest);
   run(TaskPoolTest);
+  run(ReadAheadQueueTest);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -1,5 +1,7 @@
 """DiskEmbeddingBag's hot cache, asynchronous updates and staleness bound, weight dtypes,
 lookahead, and the gradient of per_sample_weights (gradcheck in double)."""
+import os
+
 import pytest
 import torch
 
@@ -372,3 +374,29 @@ def test_a_fetch_reads_the_few_rows_a_later_lookahead_holds_itself(tmp_path):
     out.sum().backward()  # each row: -0.5 per element, written back outside the cache
     torch.testing.assert_close(emb(wanted, offsets), (rows - 0.5).sum(0, keepdim=True), rtol=0, atol=0)
     emb.close()
+
+
+def run_lifetime_worker(mode: str, path) -> None:
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_lifetime_worker.py")
+    result = subprocess.run([sys.executable, worker, mode, str(path)], capture_output=True, text=True, timeout=300)
+    # A child ended by a signal (an abort) has a negative return code.
+    assert result.returncode == 0 and "terminate" not in result.stderr, (result.returncode, result.stderr[-3000:])
+
+
+def test_a_thread_that_cannot_start_fails_the_cache_with_an_exception(tmp_path):
+    # The threads started before the failing one are stopped and joined (none is left joinable to abort the process).
+    run_lifetime_worker("thread_start_fails", tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["drop_in_thread", "drop_in_daemon_at_exit", "left_at_exit"])
+def test_a_cache_dropped_on_any_thread_or_at_exit_writes_its_rows_back(tmp_path, mode):
+    from mlkv_torch import KVStore
+
+    path = tmp_path / "t"
+    run_lifetime_worker(mode, path)
+    rows, dim = 100_000, 16  # as the worker trains them: every row once, from 0 to -1
+    with KVStore(path, dim, torch.float32, 64 << 20, expected_rows=rows) as store:
+        torch.testing.assert_close(store.get(torch.arange(rows)), torch.full((rows, dim), -1.0), rtol=0, atol=0)

@@ -270,3 +270,27 @@ def test_the_sorted_bag_backward_trains_as_torch_does(tmp_path, device, mode):
         check_step(batch, reference, step, device, 10, 25.0)
     check_rows(batch, reference, 10, 25.0)
     batch.close()
+
+
+def test_a_batch_whose_slot_list_cannot_be_allocated_is_fetched_by_its_lookup(tmp_path):
+    # Every row of the batch is cached already, so its read-ahead settles at once, in the caller's
+    # thread; the allocation of its slot list fails. The read-ahead is not complete then: its lookup
+    # fetches the rows by key (version 0) instead of gathering them from slots it has no list of.
+    from mlkv_torch import _C
+
+    batch = make_batch(tmp_path, optim.SGD(lr=LR), 600, 0, policy="lru")
+    values, counts, offsets, target = feature_batch(0)
+    (batch.pool(values, counts, TABLES, offsets) * target).sum().backward()
+    _C._arm_fault_for_testing("read_ahead_slot_list", 1)
+    try:
+        ticket, raised = batch.lookahead(values, counts, TABLES), None
+    except RuntimeError as e:
+        ticket, raised = 1, e  # the first read-ahead's ticket
+    finally:
+        _C._arm_fault_for_testing("read_ahead_slot_list", 0)
+    unique, inverse, words, slots, version, outside = batch.cache.lookup_read_ahead(ticket, counts, TABLES)
+    assert version == 0 and batch.cache.stats()["read_ahead_lookups"] == 0, (version, slots)
+    expected = torch.cat([batch.read_rows(t, unique[unique >> 40 == t] & ((1 << 40) - 1)) for t in TABLES])
+    torch.testing.assert_close(words, expected[:, :batch.cache.weight_words], rtol=0, atol=0)
+    assert raised is None, raised  # a read-ahead that cannot use its slots is still a read-ahead
+    batch.close()

@@ -4,8 +4,8 @@ lock annotations under clang's thread-safety analysis.
 Runs scripts/sanitize.sh, which builds csrc/engine and the cache's torch-free parts with
 csrc/tests/store_stress.cc (random operation sequences against std::unordered_map, then concurrent
 readers, writers, lookahead and checkpoints) and csrc/tests/cache_stress.cc (the admission policy,
-slot index, staging area and write-back buffer driven from several threads against a reference
-model) and fails on any sanitizer report.
+slot index, staging area, write-back buffer and read-ahead queue driven from several threads against a
+reference model) and fails on any sanitizer report.
 """
 import os
 import shutil
@@ -26,7 +26,7 @@ def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "5 passed, 0 failed" in output  # store_stress
-    assert "11 passed, 0 failed" in output  # cache_stress
+    assert "12 passed, 0 failed" in output  # cache_stress
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
 
 

@@ -1,7 +1,7 @@
 // EmbeddingCache's deletes: rows of ids a table no longer holds (evicted ids of a virtual table)
 // leave the cache, its staging area, the read-aheads and their stores, so a later lookup of such
 // an id finds it nowhere and starts it afresh from its initial row.
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 
 namespace mlkv {
 
@@ -19,7 +19,7 @@ torch::Tensor EmbeddingCache::DeleteRows(const torch::Tensor& keys) {
   TORCH_CHECK(!closed_, "the table is closed");
   // A cut being written holds rows of these keys for its stores: the deletes follow its checkpoints,
   // so the cut keeps the rows it was taken with.
-  if (cut_state_ != CutState::kNone) WaitCutDurable(lock);
+  if (cut_.phase != CutPhase::kNone) WaitCutDurable(lock);
   FoldDeviceDirty();  // the device's dirty marks of slots about to be freed are folded, then dropped
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_VALUE(key[i] >= 0 && TableOf(key[i]) < num_tables(), "key ", key[i], " is of no table of the cache");
@@ -33,7 +33,7 @@ torch::Tensor EmbeddingCache::DeleteRows(const torch::Tensor& keys) {
     }
     gone[i] = true;
     staging_.Unstage(key[i]);
-    reading_ahead_.Erase(key[i]);  // a read-ahead in flight neither stages nor places it
+    read_aheads_.reading.Erase(key[i]);  // a read-ahead in flight neither stages nor places it
     if (reads_in_flight_ > 0) written_during_reads_.Insert(key[i], 1);  // reads in flight look again
   }
   // Rows of these keys on their way to the stores land first: the writer puts without the lock,

@@ -1,10 +1,10 @@
-#include "device_index.h"
+#include "cache/device_index.h"
 
 #ifdef MLKV_WITH_CUDA
 
 #include <c10/cuda/CUDAStream.h>
 
-#include "cuda_kernels.h"
+#include "cache/cuda_kernels.h"
 
 namespace mlkv {
 

@@ -13,7 +13,7 @@
 
 #include <map>
 
-#include "slot_transfer.h"
+#include "cache/slot_transfer.h"
 
 namespace mlkv {
 

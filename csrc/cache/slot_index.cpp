@@ -1,4 +1,4 @@
-#include "slot_index.h"
+#include "cache/slot_index.h"
 
 #include <algorithm>
 

@@ -2,17 +2,18 @@
 // counters, and the device-resident lookup and update of batches whose rows are all cached.
 #include <cmath>
 
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 
 #ifdef MLKV_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
 
-#include "cuda_kernels.h"
+#include "cache/cuda_kernels.h"
 #endif
 
 namespace mlkv {
 
-void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u) {
+void EmbeddingCache::UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads,
+                                         const QueuedUpdate& u) {
 #ifdef MLKV_WITH_CUDA
   // Temporaries may die before the kernel runs: the caching allocator orders their reuse on this stream.
   const torch::Tensor g = grads.contiguous();
@@ -43,9 +44,9 @@ void EmbeddingCache::FoldDeviceDirty() {
 }
 
 #ifdef MLKV_WITH_CUDA
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> EmbeddingCache::LookupOnDevice(
-    const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-    const std::vector<int64_t>& feature_tables) {
+EmbeddingCache::DeviceLookup EmbeddingCache::LookupOnDevice(const torch::Tensor& values,
+                                                            const std::vector<int64_t>& feature_counts,
+                                                            const std::vector<int64_t>& feature_tables) {
   TORCH_CHECK_VALUE(!on_host_, "the device lookup needs a cache on a CUDA device");
   TORCH_CHECK_VALUE(values.scalar_type() == torch::kInt64 && values.dim() == 1 && values.device() == device_ &&
                         values.is_contiguous(),
@@ -143,10 +144,10 @@ void EmbeddingCache::UpdateOnDevice(const torch::Tensor& keys, const torch::Tens
   const bool slots_kept = version < 0 ? policy_.released() < -version : device_index_->Unchanged(version);
   if (version < 0) policy_.ReleaseThrough(static_cast<int32_t>(-version));
   if (!slots_kept) {  // rows moved since the lookup: by key, on the host
-    Apply(Update{keys.cpu(), grads.contiguous(), step, static_cast<float>(lr)});
+    Apply(QueuedUpdate{keys.cpu(), grads.contiguous(), step, static_cast<float>(lr)});
     return;
   }
-  const Update u{keys, grads, step, static_cast<float>(lr)};
+  const QueuedUpdate u{keys, grads, step, static_cast<float>(lr)};
   UpdateSlotsOnDevice(slots, grads, u);
   if (outside != 0) {  // rows the cache does not hold, by the host
     const torch::Tensor positions = slots.lt(0).nonzero().squeeze(1);

@@ -1,4 +1,4 @@
-#include "staging_area.h"
+#include "cache/staging_area.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "write_back_buffer.h"
+#include "cache/write_back_buffer.h"
 
 #include <cstring>
 #include <utility>

@@ -3,17 +3,17 @@
 #include <algorithm>
 #include <cstring>
 
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 #include "engine/thread_name.h"
 
 namespace mlkv {
 
 void EmbeddingCache::WaitForWriteBackRoom(MutexLock& lock) {
-  if (static_cast<int64_t>(write_back_.size()) <= write_back_limit_) return;
+  if (static_cast<int64_t>(write_back_.size()) <= writer_.limit) return;
   CheckWriterNotPaused();
   const auto began = std::chrono::steady_clock::now();
   writer_cv_.notify_one();
-  while (static_cast<int64_t>(write_back_.size()) > write_back_limit_ && write_error_.ok()) {
+  while (static_cast<int64_t>(write_back_.size()) > writer_.limit && writer_.error.ok()) {
     written_cv_.wait(lock.native());
   }
   ++stats_.write_back_waits;
@@ -23,14 +23,14 @@ void EmbeddingCache::WaitForWriteBackRoom(MutexLock& lock) {
 }
 
 void EmbeddingCache::ThrowIfWriteFailed(MutexLock& lock) {
-  if (write_error_.ok()) return;
+  if (writer_.error.ok()) return;
   // The rows stay in the buffer. Each call tries the write again first (a disk that was full may
   // have room now) and raises while it still fails.
-  const int64_t attempt = write_attempts_;
-  write_retry_ = true;
+  const int64_t attempt = writer_.attempts;
+  writer_.retry = true;
   writer_cv_.notify_one();
-  while (write_attempts_ <= attempt && !writer_stopping_) written_cv_.wait(lock.native());
-  if (!write_error_.ok()) throw StatusError(write_error_);
+  while (writer_.attempts <= attempt && !writer_.stopping) written_cv_.wait(lock.native());
+  if (!writer_.error.ok()) throw StatusError(writer_.error);
 }
 
 void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* rows) {
@@ -42,14 +42,14 @@ void EmbeddingCache::WriteBehind(const int64_t* keys, size_t n, const float* row
 }
 
 bool EmbeddingCache::WriterWakes() const {
-  if (writer_stopping_) return true;
-  if (writer_paused_) return false;
-  const bool can_write = write_error_.ok() || write_retry_;
-  return cut_state_ == CutState::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
+  if (writer_.stopping) return true;
+  if (writer_.paused) return false;
+  const bool can_write = writer_.error.ok() || writer_.retry;
+  return cut_.phase == CutPhase::kWriting ? can_write : write_back_.waiting() > 0 && can_write;
 }
 
 void EmbeddingCache::WaitWritten(MutexLock& lock) {
-  while (write_back_.size() != 0 && write_error_.ok()) written_cv_.wait(lock.native());
+  while (write_back_.size() != 0 && writer_.error.ok()) written_cv_.wait(lock.native());
 }
 
 void EmbeddingCache::WriterLoop() {
@@ -59,28 +59,28 @@ void EmbeddingCache::WriterLoop() {
     // During a cut only its rows are written: a row written after the boundary must not reach a
     // store before the cut's value of it, nor before the stores' checkpoints.
     while (!WriterWakes()) writer_cv_.wait(lock.native());
-    if (!(write_error_.ok() || write_retry_)) return;  // stopping, with rows a failed write left
+    if (!(writer_.error.ok() || writer_.retry)) return;  // stopping, with rows a failed write left
     WriteBackBuffer* source = &write_back_;
-    if (cut_state_ == CutState::kWriting) {
-      if (cut_write_back_.waiting() == 0) {
+    if (cut_.phase == CutPhase::kWriting) {
+      if (cut_.rows.waiting() == 0) {
         WriteCut(lock);  // more cut rows to take, or the stores' checkpoints
         continue;
       }
-      source = &cut_write_back_;
+      source = &cut_.rows;
     } else if (write_back_.waiting() == 0) {
       return;  // stopping
     }
-    write_retry_ = false;
+    writer_.retry = false;
     const WriteBackBuffer::Batch batch = source->Take(kWriteBatchRows);
-    writer_busy_ = true;
+    writer_.busy = true;
     std::vector<uint8_t> landed;
     Status st;
     {
       MutexUnlock unlocked(&mu_, &lock);
       st = PutToStores(batch.keys.data(), batch.keys.size(), batch.rows.data(), &landed);
     }
-    writer_busy_ = false;
-    ++write_attempts_;
+    writer_.busy = false;
+    ++writer_.attempts;
     // Rows of the tables whose stores took them leave the buffer; a failing table's stay in
     // memory until a write succeeds, and hold back no other table's.
     const WriteBackBuffer::Batch written = st.ok() ? batch : batch.Only(landed, 1);
@@ -90,10 +90,10 @@ void EmbeddingCache::WriterLoop() {
       for (int64_t key : written.keys) written_during_reads_.Insert(key, 1);
     }
     if (st.ok()) {
-      write_error_ = Status::OK();
+      writer_.error = Status::OK();
     } else {
       source->Return(batch.Only(landed, 0));
-      write_error_ = st;
+      writer_.error = st;
     }
     written_cv_.notify_all();
   }
@@ -102,7 +102,7 @@ void EmbeddingCache::WriterLoop() {
 void EmbeddingCache::PauseWriter(bool paused) {
   {
     MutexLock lock(&mu_);
-    writer_paused_ = paused;
+    writer_.paused = paused;
   }
   writer_cv_.notify_all();
 }
@@ -162,7 +162,7 @@ void EmbeddingCache::WriteBack() {
   // A cut being written goes first (rows written back now are past its boundary), and its
   // stores' checkpoints are finished: the stores may be closed next.
   if (write_back_.size() > 0) CheckWriterNotPaused();
-  if (cut_state_ != CutState::kNone) WaitCutDurable(lock);
+  if (cut_.phase != CutPhase::kNone) WaitCutDurable(lock);
   std::vector<int64_t> keys;
   const std::vector<int32_t> slots = TakeDirtySlots(&keys);
   if (!keys.empty()) {
@@ -177,7 +177,7 @@ void EmbeddingCache::WriteBack() {
   ThrowIfWriteFailed(lock);
   if (write_back_.size() > 0) {  // the retry succeeded: the rest follows
     WaitWritten(lock);
-    if (!write_error_.ok()) throw StatusError(write_error_);
+    if (!writer_.error.ok()) throw StatusError(writer_.error);
   }
 }
 
@@ -201,9 +201,9 @@ void EmbeddingCache::WriteRows(const torch::Tensor& keys, const torch::Tensor& r
   // holds no more of them in memory than training does.
   const float* data = rows.data_ptr<float>();
   std::vector<float> piece;
-  for (size_t start = 0; start < missed_pos.size(); start += static_cast<size_t>(write_back_limit_)) {
+  for (size_t start = 0; start < missed_pos.size(); start += static_cast<size_t>(writer_.limit)) {
     WaitForWriteBackRoom(lock);
-    const size_t end = std::min(missed_pos.size(), start + static_cast<size_t>(write_back_limit_));
+    const size_t end = std::min(missed_pos.size(), start + static_cast<size_t>(writer_.limit));
     piece.resize((end - start) * static_cast<size_t>(row_words_));
     for (size_t k = start; k < end; ++k) {
       std::memcpy(&piece[(k - start) * row_words_], data + missed_pos[k] * row_words_, row_words_ * sizeof(float));

@@ -2,7 +2,7 @@
 // order (CPU), and the update of rows the cache does not hold (see embedding_cache.h).
 #include <cmath>
 
-#include "embedding_cache.h"
+#include "cache/embedding_cache.h"
 #include "engine/thread_name.h"
 
 namespace mlkv {
@@ -11,15 +11,7 @@ void EmbeddingCache::ThrowIfFailed() {
   if (!failed_.ok()) throw StatusError(failed_);
 }
 
-void EmbeddingCache::WaitQueuedAtMost(int64_t n) {
-  MutexLock lock(&queue_mu_);
-  if (queued_ <= n) return;
-  TORCH_CHECK(!paused_, "the applier is paused with ", queued_, " updates queued; this call would wait for it forever");
-  ++waits_;
-  while (queued_ > n) applied_cv_.wait(lock.native());
-}
-
-void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const {
+void EmbeddingCache::UpdateHostRows(float* const* rows, const float* grads, int64_t n, const QueuedUpdate& u) const {
   const OptimizerSpec spec = SpecOf(u);
   const float adam_scale = spec.kind == OptimizerKind::kAdam ? AdamStepScale(spec, u.step) : 0.f;
   DispatchWeightType(opt_.weight_type, [&](auto zero) {
@@ -47,7 +39,7 @@ void EmbeddingCache::AddPending(const int64_t* keys, int64_t n, int delta) {
   }
 }
 
-void EmbeddingCache::Apply(const Update& u) {
+void EmbeddingCache::Apply(const QueuedUpdate& u) {
   const int64_t n = u.keys.numel();
   const int64_t* key = u.keys.data_ptr<int64_t>();
   const CacheSplit split = SplitByCache(key, n, /*will_write=*/true);
@@ -83,7 +75,7 @@ void EmbeddingCache::Apply(const Update& u) {
   stats_.rows_updated += n;
 }
 
-void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u) {
+void EmbeddingCache::ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const QueuedUpdate& u) {
   torch::Tensor rows = torch::empty({m, row_words_}, torch::kFloat32);
   float* data = rows.data_ptr<float>();
   ReadOutsideCache(keys, static_cast<size_t>(m), data, nullptr);
@@ -99,9 +91,9 @@ void EmbeddingCache::QueueUpdate(const torch::Tensor& keys, const torch::Tensor&
   TORCH_CHECK_VALUE(grads.scalar_type() == torch::kFloat32 && grads.is_contiguous() && grads.dim() == 2 &&
                         grads.size(0) == keys.numel() && grads.size(1) == opt_.dim && grads.device() == device_,
                     "grads must be a contiguous float32 [", keys.numel(), ", ", opt_.dim, "] tensor on ", device_);
-  // Aliases without a Python object: the applier may drop the last reference
-  // without taking the GIL (a Python-owned tensor would need it to die).
-  Update u{at::alias(keys), at::alias(grads), step, static_cast<float>(lr)};
+  // Detached: tensors of their own over the caller's storage, holding no Python tensor (an alias
+  // would, as its view base), so the applier drops them without the GIL even at interpreter exit.
+  QueuedUpdate u{keys.detach(), grads.detach(), step, static_cast<float>(lr)};
   if (!device_.is_cpu()) {
     // CUDA: the kernels queue on the current stream, which is already asynchronous to the host.
     MutexLock lock(&mu_);
@@ -115,30 +107,17 @@ void EmbeddingCache::QueueUpdate(const torch::Tensor& keys, const torch::Tensor&
     TORCH_CHECK(!closed_, "the table is closed");
     if (opt_.staleness > 0) AddPending(keys.data_ptr<int64_t>(), keys.numel(), +1);
   }
-  {
-    MutexLock lock(&queue_mu_);
-    queue_.push_back(std::move(u));
-    ++queued_;
-  }
-  queue_cv_.notify_one();
+  update_queue_.Push(std::move(u));
 }
 
 void EmbeddingCache::ApplierLoop() {
   NameThisThread("mlkv-applier");
-  for (;;) {
-    Update u;
-    {
-      MutexLock lock(&queue_mu_);
-      while (!stopping_ && (paused_ || queue_.empty())) queue_cv_.wait(lock.native());
-      if (queue_.empty()) return;
-      u = std::move(queue_.front());
-      queue_.pop_front();
-    }
+  while (std::optional<QueuedUpdate> u = update_queue_.Next()) {
     {
       MutexLock lock(&mu_);
       if (failed_.ok()) {
         try {
-          Apply(u);
+          Apply(*u);
         } catch (const StatusError& e) {
           failed_ = e.status;
         } catch (const std::exception& e) {
@@ -146,24 +125,14 @@ void EmbeddingCache::ApplierLoop() {
         }
       }
     }
-    {
-      MutexLock lock(&queue_mu_);
-      --queued_;
-    }
-    applied_cv_.notify_all();
+    update_queue_.Applied();
   }
 }
 
-void EmbeddingCache::PauseApplier(bool paused) {
-  {
-    MutexLock lock(&queue_mu_);
-    paused_ = paused;
-  }
-  queue_cv_.notify_all();
-}
+void EmbeddingCache::PauseApplier(bool paused) { update_queue_.Pause(paused); }
 
 void EmbeddingCache::Drain() {
-  WaitQueuedAtMost(0);
+  update_queue_.WaitQueuedAtMost(0);
   MutexLock lock(&mu_);
   ThrowIfFailed();
 }

@@ -10,11 +10,11 @@
 //   policy live on the host: SlotIndex (key -> slot, each slot's key and dirty bit) and
 //   AdmissionPolicy ("lfu": a count-min sketch's admission test; "lru": the baseline).
 // - Dirty rows are written back to the store on eviction and on WriteBack, through the
-//   write-back buffer (WriteBackBuffer) and the writer thread (cache_write_back.cpp).
+//   write-back buffer (WriteBackBuffer) and the writer thread (write_back.cpp).
 // - Read-ahead (ReadAhead, what Python's `lookahead` starts; the thread is named mlkv-read-ahead):
 //   rows of future batches are read from the stores into the staging area (StagingArea), which
 //   also holds rows the policy kept out; a fetch takes staged rows instead of reading the store,
-//   and waits for a read-ahead in flight rather than issuing it twice (cache_read_ahead.cpp).
+//   and waits for a read-ahead in flight rather than issuing it twice (read_ahead.cpp).
 //   "Read-ahead" is the act and "staging area" where its rows wait; the stats say `read_ahead_*`.
 //   Every store write of the cache drops staged copies of its rows (and
 //   rows of the read in flight), so staged rows are never older than the store.
@@ -40,8 +40,11 @@
 // - Updates (QueueUpdate) are applied in order by the applier thread (CPU) or
 //   at once on the current stream (CUDA). A fetch first waits until at most
 //   `staleness` updates are queued, so no row it reads misses more than that
-//   many of its updates; with staleness 0 every read sees every update (cache_applier.cpp).
-// - Cuts: cache_cut.cpp; the CUDA paths: cache_device.cpp. The locks: beside the mutexes below.
+//   many of its updates; with staleness 0 every read sees every update (applier.cpp).
+// - Its parts, each in this folder: fetches (fetch.cpp), updates and the applier (applier.cpp, its
+//   queue UpdateQueue), read-ahead (read_ahead.cpp; ReadAheadQueue, ReadAheadState), write-back and
+//   the writer (write_back.cpp; WriterState), cuts (cut.cpp; CutState), deletes (delete.cpp), the
+//   CUDA paths (device.cpp). The locks and their order: once, beside the mutexes below.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -58,16 +61,21 @@
 #include <thread>
 #include <vector>
 
-#include "admission_policy.h"
-#include "device_index.h"
+#include "cache/admission_policy.h"
+#include "cache/cut_state.h"
+#include "cache/device_index.h"
 #include "engine/row_store.h"
 #include "engine/thread_annotations.h"
 #include "id_map.h"
 #include "row_ops.h"
-#include "slot_index.h"
-#include "slot_transfer.h"
-#include "staging_area.h"
-#include "write_back_buffer.h"
+#include "cache/slot_index.h"
+#include "cache/read_ahead_queue.h"
+#include "cache/read_ahead_state.h"
+#include "cache/slot_transfer.h"
+#include "cache/staging_area.h"
+#include "cache/update_queue.h"
+#include "cache/write_back_buffer.h"
+#include "cache/writer_state.h"
 
 namespace mlkv {
 
@@ -147,6 +155,18 @@ struct TableCounters {
   int64_t hits = 0, misses = 0, store_reads = 0, fresh_rows = 0, cached_rows = 0, read_ahead_hits = 0, written_back = 0;
 };
 
+// A batch read ahead (ReadAheadBatch) as LookupReadAhead takes it: its features, distinct keys
+// and each value's index among them (pinned host memory on CUDA), each key's slot once known
+// (-1 before), its distinct keys per table; `settled` once its request is done, `complete` when
+// then every key's row is in a slot pinned for it (`slot_index`: the slots as int32, pinned on CUDA).
+struct BatchReadAhead {
+  std::vector<int64_t> feature_counts, feature_tables;
+  torch::Tensor unique, inverse, slot_index;
+  std::vector<int32_t> slots;
+  std::vector<int64_t> table_keys;
+  bool settled = false, complete = false;
+};
+
 class EmbeddingCache {
  public:
   EmbeddingCache(std::vector<CacheTable> tables, CacheOptions options, torch::Device device);
@@ -171,15 +191,17 @@ class EmbeddingCache {
   torch::Tensor Fetch(const torch::Tensor& keys) EXCLUDES(fetch_mu_, mu_);
   // Fetch of a batch's keys: the batch takes the oldest read-ahead not yet taken (see ReadAheadBatch).
   torch::Tensor FetchBatch(const torch::Tensor& keys) EXCLUDES(fetch_mu_, mu_);
+  // What a device lookup returns: distinct keys, each value's index among them, their weights, their
+  // slots, the index version the slots belong to, how many keys are not cached (see LookupOnDevice).
+  using DeviceLookup = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>;
 #ifdef MLKV_WITH_CUDA
   // The device-resident lookup of a batch of features (CUDA; `values` int64 on the device, as
   // UniqueKeys takes them): returns the distinct keys (sorted), each value's index among them,
   // their weights [n, weight_words], their slots (int32, -1: not cached), the version of the
   // index the slots belong to, and how many keys are not cached. A batch with misses is
   // fetched by Fetch (the host admits), then looked up again.
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> LookupOnDevice(
-      const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-      const std::vector<int64_t>& feature_tables);
+  DeviceLookup LookupOnDevice(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
+                              const std::vector<int64_t>& feature_tables);
 #endif
   // The lookup of the batch read ahead (ReadAheadBatch, read_ahead_into_slots) whose ticket the
   // caller names (its features must match; its ids are not compared). Read-aheads older than the
@@ -190,9 +212,8 @@ class EmbeddingCache {
   // CUDA keys, index and slots go up from pinned memory without blocking). Returns what
   // LookupOnDevice returns, on the device (keys in order of first appearance); a read-ahead that
   // left rows out of the slots (too little room, a failed read) is fetched as FetchBatch does.
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> LookupReadAhead(
-      int64_t ticket, const std::vector<int64_t>& feature_counts, const std::vector<int64_t>& feature_tables)
-      EXCLUDES(fetch_mu_, mu_);
+  DeviceLookup LookupReadAhead(int64_t ticket, const std::vector<int64_t>& feature_counts,
+                               const std::vector<int64_t>& feature_tables) EXCLUDES(fetch_mu_, mu_);
 #ifdef MLKV_WITH_CUDA
   // One optimizer step for the keys of a LookupOnDevice (CUDA), with gradient rows `grads`
   // [n, dim] float32 on the device: the cached rows by one kernel over their slots, the
@@ -203,13 +224,12 @@ class EmbeddingCache {
   // Queues one optimizer step for distinct `keys` with gradient rows `grads`
   // [n, dim] float32 (on the device), at learning rate `lr` (the rate when
   // the step was taken, so a schedule applies even to updates still queued).
-  void QueueUpdate(const torch::Tensor& keys, const torch::Tensor& grads, int64_t step, double lr)
-      EXCLUDES(mu_, queue_mu_);
+  void QueueUpdate(const torch::Tensor& keys, const torch::Tensor& grads, int64_t step, double lr) EXCLUDES(mu_);
   // Waits until every queued update is applied.
-  void Drain() EXCLUDES(mu_, queue_mu_);
+  void Drain() EXCLUDES(mu_);
   // Holds queued updates back (tests and benchmarks of staleness); a call
   // that would wait for a held update raises instead.
-  void PauseApplier(bool paused) EXCLUDES(queue_mu_);
+  void PauseApplier(bool paused);
   // Holds the writer back (tests of cuts): a call that would wait for it raises instead.
   void PauseWriter(bool paused) EXCLUDES(mu_);
   // Current full rows [n, row_words] float32 on the CPU; no admission.
@@ -225,15 +245,15 @@ class EmbeddingCache {
   // read-ahead thread puts them in the staging area, where the next fetch takes them instead of
   // reading the store, or (read_ahead_into_slots) into slots. `fingerprint`: of the batch's keys
   // (BatchFingerprint), which the batch's lookup compares.
-  void ReadAhead(const torch::Tensor& keys, uint64_t fingerprint = 0) EXCLUDES(mu_, read_ahead_mu_) {
+  void ReadAhead(const torch::Tensor& keys, uint64_t fingerprint = 0) EXCLUDES(mu_) {
     QueueReadAhead(keys, fingerprint, nullptr);
   }
   // The read-ahead of a batch of features, as UniqueKeys takes them. Lookups (FetchBatch,
   // LookupOnDevice) take read-aheads in the order they were asked for, one each. Returns its
   // ticket (sequence number), by which LookupReadAhead names the batch.
   int64_t ReadAheadBatch(const torch::Tensor& values, const std::vector<int64_t>& feature_counts,
-                         const std::vector<int64_t>& feature_tables) EXCLUDES(mu_, read_ahead_mu_);
-  // Cuts (cache_cut.cpp): one consistent state of every table, written while training goes on
+                         const std::vector<int64_t>& feature_tables) EXCLUDES(mu_);
+  // Cuts (cut.cpp): one consistent state of every table, written while training goes on
   // (FASTER's CPR, at the level of the cache). BeginCut, at a step boundary, applies queued
   // updates and takes every dirty row and every row on its way to the stores as the cut's; it
   // returns at once. The writer thread then puts the cut's rows, before any row written after
@@ -251,30 +271,25 @@ class EmbeddingCache {
   // A cut was begun and not yet finished.
   bool CutPending() EXCLUDES(mu_) {
     MutexLock lock(&mu_);
-    return cut_state_ != CutState::kNone;
+    return cut_.phase != CutPhase::kNone;
   }
   // The cut's rows are in the stores and every store has begun its checkpoint: rows written
   // after the boundary go to the stores again, while FinishCut has the checkpoints to finish.
   bool CutSealed() EXCLUDES(mu_) {
     MutexLock lock(&mu_);
-    return cut_state_ == CutState::kSealed;
+    return cut_.phase == CutPhase::kSealed;
   }
   // Writes every dirty cached row to the store (after a cut being written, if any).
   void WriteBack() EXCLUDES(mu_);
   // Drains and writes back, then stops the applier.
   void Close() EXCLUDES(mu_);
-  CacheStats Stats() EXCLUDES(mu_, read_ahead_mu_, queue_mu_);
+  CacheStats Stats() EXCLUDES(mu_);
   std::vector<TableCounters> TableStats() EXCLUDES(mu_);
   int64_t num_tables() const { return static_cast<int64_t>(tables_.size()); }
   int64_t row_words() const { return row_words_; }
   int64_t weight_words() const { return weight_words_; }
 
  private:
-  struct Update {
-    torch::Tensor keys, grads;
-    int64_t step;
-    float lr;
-  };
   // Positions of `keys` held by the cache (with their slots) and the rest; marks the cached ones
   // dirty when the caller will write them.
   struct CacheSplit {
@@ -318,6 +333,22 @@ class EmbeddingCache {
   // Slot for a missed id, or -1 when the policy keeps it out. May evict; the
   // caller writes evicted dirty rows back.
   int32_t Admit(int64_t id, uint8_t frequency, std::vector<Admission>* admissions) REQUIRES(mu_);
+  // The steps of Fetch. A fetched batch: each key's slot (-1: not cached), the positions and keys of
+  // its misses and, once read, their full rows.
+  struct FetchedBatch {
+    std::vector<int64_t> source;
+    std::vector<int64_t> missed_pos, missed_ids;
+    torch::Tensor missed_rows;  // [misses, row_words] float32 on the CPU
+  };
+  FetchedBatch FindCached(const int64_t* key, int64_t n) REQUIRES(mu_);
+  void NoteStaleness(const int64_t* key, int64_t n) REQUIRES(mu_);  // the most updates a read row misses
+  // Admits the misses the policy lets in (their slots into `source`), copies their rows in, and
+  // stages those kept out for the batch's update.
+  void AdmitMisses(FetchedBatch* batch) REQUIRES(mu_);
+  void WriteEvictedBack(const std::vector<Admission>& admissions) REQUIRES(mu_);
+  // The batch's weights [n, weight_words] on the device, from its slots and its rows kept out.
+  torch::Tensor GatherOnHost(const FetchedBatch& batch) REQUIRES(mu_);
+  torch::Tensor GatherOnDevice(FetchedBatch& batch) REQUIRES(mu_);
   void CopyRowsToSlots(const std::vector<int32_t>& slots, const torch::Tensor& rows) REQUIRES(mu_);
   torch::Tensor SlotRowsToHost(const std::vector<int32_t>& slots) REQUIRES(mu_);
   // Full rows of keys not cached: staged copies (taken), rows in the write-back buffer, and store
@@ -327,33 +358,39 @@ class EmbeddingCache {
   // Copies and unstages a staged row, counting a read-ahead hit when it was read ahead.
   bool TakeStaged(int64_t key, float* row) REQUIRES(mu_);
 
-  // ---- updates and the applier (cache_applier.cpp)
-  void ApplierLoop() EXCLUDES(mu_, queue_mu_);
-  void Apply(const Update& u) REQUIRES(mu_);
+  // Starts the applier (CPU), the read-ahead thread and the writer; when one cannot start, stops
+  // those started and raises.
+  void StartThreads();
+  // Stops and joins the threads that run (after Close, or when StartThreads failed).
+  void StopThreads() EXCLUDES(mu_);
+
+  // ---- updates and the applier (applier.cpp)
+  void ApplierLoop() EXCLUDES(mu_);
+  void Apply(const QueuedUpdate& u) REQUIRES(mu_);
   void ThrowIfFailed() REQUIRES(mu_);  // rethrows an error the applier met
-  void WaitQueuedAtMost(int64_t n) EXCLUDES(queue_mu_);
-  void UpdateHostRows(float* const* rows, const float* grads, int64_t n, const Update& u) const;
+  void UpdateHostRows(float* const* rows, const float* grads, int64_t n, const QueuedUpdate& u) const;
   // Rows not cached: read (staged, buffered or from the stores), updated with host gradient rows
   // `grads` [m, dim], and written back through the write-back buffer.
-  void ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const Update& u) REQUIRES(mu_);
+  void ApplyOutsideCache(const int64_t* keys, int64_t m, const float* grads, const QueuedUpdate& u) REQUIRES(mu_);
   // The table's optimizer at the update's learning rate.
-  OptimizerSpec SpecOf(const Update& u) const {
+  OptimizerSpec SpecOf(const QueuedUpdate& u) const {
     OptimizerSpec spec = opt_.optimizer;
     spec.lr = u.lr;
     return spec;
   }
   void AddPending(const int64_t* keys, int64_t n, int delta) REQUIRES(mu_);
 
-  // ---- the device (cache_device.cpp)
+  // ---- the device (device.cpp)
   // Device slots `slot_index` (int32 on the device; -1 skipped) updated with gradient rows
   // `grads` [n, dim] on the device by the update kernel.
-  void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const Update& u) REQUIRES(mu_);
+  void UpdateSlotsOnDevice(const torch::Tensor& slot_index, const torch::Tensor& grads, const QueuedUpdate& u)
+      REQUIRES(mu_);
   // Takes the device's dirty marks into slot_index_ (no-op on the CPU).
   void FoldDeviceDirty() REQUIRES(mu_);
   // Adds the hits the device counted (device_hits_) to table_stats_ (no-op on the CPU).
   void FoldDeviceHits() REQUIRES(mu_);
 
-  // ---- write-back and the writer (cache_write_back.cpp)
+  // ---- write-back and the writer (write_back.cpp)
   // Every store write of the cache goes here: the rows wait in the write-back buffer, where reads
   // find them, until the writer thread has put them.
   void WriteBehind(const int64_t* keys, size_t n, const float* rows) REQUIRES(mu_);
@@ -367,7 +404,7 @@ class EmbeddingCache {
   // Waits (releasing mu_) while the write-back buffer is over its limit.
   void WaitForWriteBackRoom(MutexLock& lock) REQUIRES(mu_);
   void CheckWriterNotPaused() const REQUIRES(mu_) {  // before waiting for the writer
-    TORCH_CHECK(!writer_paused_, "the writer is paused with rows to write; this call would wait for it forever");
+    TORCH_CHECK(!writer_.paused, "the writer is paused with rows to write; this call would wait for it forever");
   }
   // Batched puts, one per table (no lock needed); landed[i] says row i reached its store. Every
   // table is written even when one fails; the first failure is returned.
@@ -379,11 +416,11 @@ class EmbeddingCache {
   // The newest value of `key` on its way to the stores, or nullptr.
   const float* BufferedRow(int64_t key) const REQUIRES(mu_) {
     const float* row = write_back_.Find(key);
-    return row ? row : cut_write_back_.Find(key);
+    return row ? row : cut_.rows.Find(key);
   }
 
-  // ---- cuts (cache_cut.cpp)
-  // The writer's part of a cut: moves the next batch of cut slots into cut_write_back_, or, once
+  // ---- cuts (cut.cpp)
+  // The writer's part of a cut: moves the next batch of cut slots into cut_.rows, or, once
   // every cut row is in its store, begins the stores' checkpoints (releasing mu_) and seals it.
   void WriteCut(MutexLock& lock) REQUIRES(mu_);
   // The sealed cut's store checkpoints made durable (mu_ released while the disk works).
@@ -391,38 +428,27 @@ class EmbeddingCache {
   // Until the cut begun last is durable (finishing its stores' checkpoints if no other call is);
   // raises while the stores refuse its rows.
   void WaitCutDurable(MutexLock& lock) REQUIRES(mu_);
-  // A cut slot about to change hands its cut value to cut_write_back_.
+  // A cut slot about to change hands its cut value to cut_.rows.
   void PreserveCutRow(int32_t slot) REQUIRES(mu_) {
-    if (cut_slot_.empty() || !cut_slot_[slot]) return;
-    cut_write_back_.Put(slot_index_.key(slot), host_slots_ + static_cast<int64_t>(slot) * row_words_);
-    cut_slot_[slot] = 0;
+    if (cut_.marked.empty() || !cut_.marked[slot]) return;
+    cut_.rows.Put(slot_index_.key(slot), host_slots_ + static_cast<int64_t>(slot) * row_words_);
+    cut_.marked[slot] = 0;
   }
 
-  // ---- read-ahead (cache_read_ahead.cpp)
-  void ReadAheadLoop() EXCLUDES(mu_, read_ahead_mu_);
-  // A batch read ahead (ReadAheadBatch) as LookupReadAhead takes it: its features, distinct keys
-  // and each value's index among them (pinned host memory on CUDA), each key's slot once known
-  // (-1 before), its distinct keys per table; `settled` once its request is done, `complete` when
-  // then every key's row is in a slot pinned for it (`slot_index`: the slots as int32, pinned on CUDA).
-  struct BatchReadAhead {
-    std::vector<int64_t> feature_counts, feature_tables;
-    torch::Tensor unique, inverse, slot_index;
-    std::vector<int32_t> slots;
-    std::vector<int64_t> table_keys;
-    bool settled = false, complete = false;
-  };
-  struct ReadAheadRequest {
-    int32_t sequence;
-    std::vector<int64_t> keys;
-    std::chrono::steady_clock::time_point queued;
-    bool into_slots;  // else into the staging area
-    std::shared_ptr<BatchReadAhead> batch;  // of ReadAheadBatch, settled once the request is done
-  };
+  // ---- read-ahead (read_ahead.cpp)
+  void ReadAheadLoop() EXCLUDES(mu_);
+  // One request: its rows read from the stores (without mu_), then placed into slots or staged, and
+  // its batch settled.
+  void RunReadAhead(const ReadAheadRequest& request) EXCLUDES(fetch_mu_, mu_);
+  // Stages the rows a request read (`read_ok`: else it failed, and only lets its keys go) that it
+  // still holds and that nothing newer has replaced.
+  void StageReadAhead(const ReadAheadRequest& request, const std::vector<float>& rows, bool read_ok) REQUIRES(mu_);
   // ReadAhead, with the batch the keys are of (or none); returns the read-ahead's sequence number.
   int32_t QueueReadAhead(const torch::Tensor& keys, uint64_t fingerprint, std::shared_ptr<BatchReadAhead> batch)
-      EXCLUDES(mu_, read_ahead_mu_);
+      EXCLUDES(mu_);
   // Finds the slots of `batch`'s keys its request placed (or a request before it), each pinned for
-  // read-ahead `sequence`, and marks it settled.
+  // read-ahead `sequence`, and marks it settled; complete once its slot list is made (no memory for
+  // the list: not complete, and its lookup fetches). Raises nothing.
   void SettleReadAhead(BatchReadAhead* batch, int32_t sequence) REQUIRES(mu_);
 #ifdef MLKV_WITH_CUDA
   // After a fetch of the distinct `unique` (on the device) of a device lookup: their slots, the
@@ -434,12 +460,31 @@ class EmbeddingCache {
   // fetch_mu_ while it evicts and publishes, so no lookup between finding its slots and gathering
   // them loses one, and no fetch between finding its misses and admitting them sees one cached.
   void PlaceReadAhead(const ReadAheadRequest& request, const std::vector<float>& rows) EXCLUDES(fetch_mu_, mu_);
+  // Its steps. A placement: the slots reserved and the keys and rows (`incoming`) they take; the
+  // rows evicted from them; `row`, room for one row.
+  struct Placement {
+    std::vector<int32_t> slots, victim_slots;
+    std::vector<int64_t> keys, victim_keys;
+    std::vector<uint8_t> victim_dirty;
+    std::vector<float> incoming, row;
+  };
+  void WaitForPlacementRoom(MutexLock& lock) REQUIRES(mu_);
+  // Reserves a slot for `key` (`read`: its row as the request read it), evicting an unpinned row.
+  void ReserveSlotFor(int64_t key, const float* read, Placement* placement) REQUIRES(mu_);
+  void WriteVictimsBack(const Placement& placement) REQUIRES(mu_);
+  void PublishPlaced(const Placement& placement) EXCLUDES(fetch_mu_, mu_);  // and ends the read
   // The lookup of a batch takes the oldest read-ahead not taken, and the batch before it is done
   // with its rows (their pins released). Returns the read-ahead's sequence when its fingerprint is
   // `fingerprint` (its slots are pinned until this batch's update), else 0.
   int32_t TakeReadAhead(std::optional<uint64_t> fingerprint) REQUIRES(mu_);
+  // The steps of LookupReadAhead: the read-ahead of `ticket` taken (checked against the batch's
+  // features), its sequence and whether it was settled then; its rows gathered from its slots.
+  std::shared_ptr<BatchReadAhead> TakeNamedReadAhead(int64_t ticket, const std::vector<int64_t>& feature_counts,
+                                                     const std::vector<int64_t>& feature_tables, int32_t* sequence,
+                                                     bool* settled) EXCLUDES(mu_);
+  DeviceLookup GatherReadAhead(const BatchReadAhead& batch, int32_t sequence) REQUIRES(mu_);
   // Waits (without mu_) until no read-ahead in flight covers one of `keys`.
-  void WaitForReadAheads(const int64_t* keys, int64_t n) EXCLUDES(mu_, read_ahead_mu_);
+  void WaitForReadAheads(const int64_t* keys, int64_t n) EXCLUDES(mu_);
 
   const std::vector<CacheTable> tables_;
   const CacheOptions opt_;
@@ -447,18 +492,19 @@ class EmbeddingCache {
   const bool on_host_;  // the slots are in host memory
   const int64_t weight_words_, row_words_;
 
-  // The locks, taken in this order (a thread holding one takes only those after it):
-  //   fetch_mu_       one fetch (or a call that must see no admissions meanwhile) at a time;
-  //   mu_             the slots and everything of the cache below but the two queues; the applier
-  //                   holds it while it applies, the writer and the read-ahead thread between
-  //                   their store I/O, which they do without it;
-  //   read_ahead_mu_  the read-ahead queue (ReadAhead queues under mu_, keeping requests in order);
-  //   queue_mu_       the update queue, never held with another.
+  // The locks, in the order a thread takes them (one that holds a lock takes only those after it):
+  //   fetch_mu_            one fetch (or a call that must see no admission meanwhile) at a time;
+  //   mu_                  the slots and everything below that says GUARDED_BY(mu_): the index, the
+  //                        policy, the staging area, the write-back buffer and the state of the writer
+  //                        (WriterState), the cut (CutState) and the read-aheads (ReadAheadState), which
+  //                        change together with the slots; the applier holds it while it applies, the
+  //                        writer and the read-ahead thread between their store I/O, done without it;
+  //   read_ahead_queue_'s  the read-ahead requests (queued under mu_, so they arrive in order);
+  // and leaves held with no other: update_queue_'s (the updates the applier applies) and transfer_'s
+  // (copies into slots).
   // Condition variables wait in a loop on the guarded condition: while (!cond) cv.wait(lock.native()).
   Mutex fetch_mu_ ACQUIRED_BEFORE(mu_);
   Mutex mu_;
-  Mutex read_ahead_mu_ ACQUIRED_AFTER(mu_);
-  Mutex queue_mu_ ACQUIRED_AFTER(read_ahead_mu_);
 
   torch::Tensor slots_ GUARDED_BY(mu_);             // [capacity, row_words] float32 on device_
   float* host_slots_ PT_GUARDED_BY(mu_) = nullptr;  // slots_ data when on the CPU
@@ -476,67 +522,29 @@ class EmbeddingCache {
   std::vector<TableCounters> table_stats_ GUARDED_BY(mu_);  // cached_rows kept current; the rest count up
   Status failed_ GUARDED_BY(mu_);  // the first error the applier met; every later call raises it
   bool closed_ GUARDED_BY(mu_) = false;
-
-  StagingArea staging_ GUARDED_BY(mu_);  // rows read from the stores and not cached, until a fetch or update takes them
-  IdMap reading_ahead_ GUARDED_BY(mu_);  // id -> sequence number of the read-ahead request reading it
-  int32_t read_ahead_issued_ GUARDED_BY(mu_) = 0;  // read-aheads asked for (each has its sequence number)
-  // Read-aheads not yet taken by a lookup (sequence, fingerprint: none for one read into the staging
-  // area), and the one the batch between its lookup and its update took (read_ahead_into_slots only).
-  struct UntakenReadAhead {
-    int32_t sequence;
-    std::optional<uint64_t> fingerprint;
-    std::shared_ptr<BatchReadAhead> batch;  // none: a read-ahead of keys (ReadAhead)
-  };
-  std::deque<UntakenReadAhead> untaken_read_aheads_ GUARDED_BY(mu_);
-  int32_t read_ahead_in_use_ GUARDED_BY(mu_) = 0;
-  // Moves rows into slots for PlaceReadAhead (read_ahead_into_slots only); its own lock.
-  std::unique_ptr<SlotTransfer> transfer_;
   // Store reads running without mu_ (fetches' and the read-ahead thread's), and the keys whose
   // writes completed meanwhile: those reads may hold older values.
   int64_t reads_in_flight_ GUARDED_BY(mu_) = 0;
   IdMap written_during_reads_ GUARDED_BY(mu_);
-  WriteBackBuffer write_back_ GUARDED_BY(mu_);
-  int64_t write_back_limit_ GUARDED_BY(mu_) = 0;
-  bool writer_busy_ GUARDED_BY(mu_) = false;  // the writer is putting a batch it took (without mu_)
-  bool writer_paused_ GUARDED_BY(mu_) = false;
-  // The cut being written: rows of the cut on their way to the stores (written before any of
-  // write_back_), host slots still holding a cut value (cut_slot_, listed in cut_slots_ from
-  // cut_next_), and the outcome, kept until FinishCut takes it.
-  // kWriting: its rows go to the stores; kSealed: every store began its checkpoint (cut_begun_
-  // says which did), and later rows may follow; kSyncing: a call finishes those checkpoints;
-  // kDone: they are durable (or failed), until FinishCut takes the outcome.
-  enum class CutState { kNone, kWriting, kSealed, kSyncing, kDone };
-  CutState cut_state_ GUARDED_BY(mu_) = CutState::kNone;
-  WriteBackBuffer cut_write_back_ GUARDED_BY(mu_);
-  std::vector<uint8_t> cut_slot_ GUARDED_BY(mu_);
-  std::vector<int32_t> cut_slots_ GUARDED_BY(mu_);
-  size_t cut_next_ GUARDED_BY(mu_) = 0;
-  std::vector<uint8_t> cut_begun_ GUARDED_BY(mu_);
-  std::vector<int64_t> cut_sequences_ GUARDED_BY(mu_);
-  Status cut_error_ GUARDED_BY(mu_);
-  // The writer's last failure; it writes again when a call asks (write_retry_).
-  Status write_error_ GUARDED_BY(mu_);
-  bool write_retry_ GUARDED_BY(mu_) = false;
-  int64_t write_attempts_ GUARDED_BY(mu_) = 0;  // batches the writer tried to put
-  bool writer_stopping_ GUARDED_BY(mu_) = false;
-  std::condition_variable writer_cv_, written_cv_;  // with mu_
-  std::thread writer_;
 
-  std::condition_variable queue_cv_, applied_cv_;  // with queue_mu_
-  std::deque<Update> queue_ GUARDED_BY(queue_mu_);
-  int64_t queued_ GUARDED_BY(queue_mu_) = 0;  // queued or being applied
-  int64_t waits_ GUARDED_BY(queue_mu_) = 0;  // fetches that waited for the applier
-  bool stopping_ GUARDED_BY(queue_mu_) = false;
-  bool paused_ GUARDED_BY(queue_mu_) = false;
-  std::thread applier_;
-
-  std::condition_variable read_ahead_cv_, read_ahead_done_cv_;  // with read_ahead_mu_
-  std::deque<ReadAheadRequest> read_ahead_queue_ GUARDED_BY(read_ahead_mu_);
-  int32_t read_ahead_done_ GUARDED_BY(read_ahead_mu_) = 0;
-  double read_ahead_latency_us_ GUARDED_BY(read_ahead_mu_) = 0;  // moving average
-  int64_t read_ahead_wait_us_ GUARDED_BY(read_ahead_mu_) = 0;
-  bool read_ahead_stopping_ GUARDED_BY(read_ahead_mu_) = false;
+  // Read-ahead: rows read from the stores and not cached wait in the staging area until a fetch or
+  // an update takes them; the thread takes requests from its queue.
+  StagingArea staging_ GUARDED_BY(mu_);
+  ReadAheadState read_aheads_ GUARDED_BY(mu_);
+  ReadAheadQueue read_ahead_queue_;
+  std::unique_ptr<SlotTransfer> transfer_;  // moves rows into slots for PlaceReadAhead (read_ahead_into_slots)
   std::thread read_ahead_thread_;
+
+  // Write-back: every store write waits in the buffer until the writer has put it.
+  WriteBackBuffer write_back_ GUARDED_BY(mu_);
+  WriterState writer_ GUARDED_BY(mu_);
+  CutState cut_ GUARDED_BY(mu_);
+  std::condition_variable writer_cv_, written_cv_;  // with mu_
+  std::thread writer_thread_;
+
+  // Updates (CPU): applied in order by the applier.
+  UpdateQueue update_queue_;
+  std::thread applier_;
 };
 
 }  // namespace mlkv

@@ -1,5 +1,5 @@
 // SlotTransfer: how rows move between host memory and the cache's slots off the training path,
-// for the read-ahead into slots (cache_read_ahead.cpp). The cache decides which slots to reserve
+// for the read-ahead into slots (read_ahead.cpp). The cache decides which slots to reserve
 // and which rows leave (the policy, the pins); a backend only moves rows and says when they landed:
 //
 // - CopyOut: rows leaving their slots (and the device's dirty marks of those slots), once every

@@ -1,4 +1,4 @@
-#include "cuda_slot_transfer.h"
+#include "cache/cuda_slot_transfer.h"
 
 #ifdef MLKV_WITH_CUDA
 

@@ -1,4 +1,4 @@
-#include "admission_policy.h"
+#include "cache/admission_policy.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "slot_transfer.h"
+#include "cache/slot_transfer.h"
 
 #include <chrono>
 #include <cstring>
