@@ -12,6 +12,7 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -21,6 +22,8 @@
 namespace mlkv {
 
 enum class EvictionRule : int { kNone = 0, kCount = 1, kTimestamp = 2, kCountAndTimestamp = 3 };
+// The rules' names in EvictionRule's order: Python names a rule by them (`IdActivity.rules`).
+inline constexpr std::array<const char*, 4> kEvictionRuleNames = {"none", "count", "timestamp", "count_and_timestamp"};
 
 struct ActivityPolicy {
   bool tracked = false;

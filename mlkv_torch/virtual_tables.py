@@ -21,7 +21,7 @@ from . import _C
 from .cache_keys import TABLE_SHIFT
 from .checks import is_int
 
-RULES = ("none", "count", "timestamp", "count_and_timestamp")
+RULES = tuple(_C.IdActivity.rules)  # the eviction rules, in the order the C++ engine numbers them
 
 # The largest id a disk table holds: a kernel keys a row by its table above this many bits.
 MAX_VIRTUAL_ROWS = 1 << TABLE_SHIFT

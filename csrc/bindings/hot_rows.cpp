@@ -7,7 +7,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/errors.h"
-#include "cache/embedding_cache.h"  // kTableShift: a key is table << kTableShift | row, as the cache keys rows
+#include "cache/embedding_cache.h"  // TableKey: a row's key, as the cache keys rows
 #include "id_map.h"
 
 namespace mlkv::bindings {
@@ -59,7 +59,7 @@ class HotRowIndex {
     for (int64_t m = 0; m < members; ++m) {
       const int64_t* id = ids[m].data_ptr<int64_t>();
       const int64_t end = ids[m].numel();
-      const int64_t table = tables[m] << kTableShift;
+      const int64_t table = tables[m];
       int64_t i = 0;
       for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = len[m * batch + b];
@@ -69,7 +69,7 @@ class HotRowIndex {
         for (int64_t j = i; j < i + n; ++j) {
           // An id outside [0, 2^40) is no row of a key: it misses here, and TorchRec's lookup names it.
           const bool bad = id[j] < 0 || (id[j] >> kTableShift) != 0;
-          key[at + j] = bad ? -1 : (table | id[j]);
+          key[at + j] = bad ? -1 : TableKey(table, id[j]);
           const int32_t slot = bad ? -1 : slots_.Find(key[at + j]);
           hit = hit && slot >= 0;
           bag_slots.push_back(slot);

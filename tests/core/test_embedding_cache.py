@@ -1,6 +1,7 @@
 """DiskEmbeddingBag's hot cache, asynchronous updates and staleness bound, weight dtypes,
 lookahead, and the gradient of per_sample_weights (gradcheck in double)."""
-import os
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,7 +381,7 @@ def run_lifetime_worker(mode: str, path) -> None:
     import subprocess
     import sys
 
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_lifetime_worker.py")
+    worker = Path(__file__).parents[1] / "workers" / "cache_lifetime_worker.py"
     result = subprocess.run([sys.executable, worker, mode, str(path)], capture_output=True, text=True, timeout=300)
     # A child ended by a signal (an abort) has a negative return code.
     assert result.returncode == 0 and "terminate" not in result.stderr, (result.returncode, result.stderr[-3000:])
