@@ -1,5 +1,5 @@
 """The house style holds: ruff (pyproject.toml) over the Python, clang-format (.clang-format) over
-the C++ and CUDA. scripts/setup.sh installs both at the versions the code was checked with."""
+the C++ and CUDA, no C++ function over 80 lines. scripts/setup.sh installs both at the versions the code was checked with."""
 import glob
 import os
 import shutil
@@ -31,3 +31,10 @@ def test_cpp_is_formatted():
     run = subprocess.run([tool("clang-format"), "--dry-run", "-Werror", *sources], cwd=REPO, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_no_cpp_function_is_longer_than_eighty_lines():
+    # A long function in the engine or the cache is a concern waiting to be named (scripts/function_lengths.py).
+    run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "function_lengths.py"), "--over", "80"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
