@@ -122,6 +122,34 @@ class DiskRows:
         return f"DiskRows(shape={tuple(self.shape)}, dtype={self.dtype}, path={self._table._store.path!r})"
 
 
+class _TableRowsOf:
+    """A table's weights or optimizer state as a WrittenThrough tensor reads and writes them: a
+    chunk of rows at a time, the other part of each row kept."""
+
+    def __init__(self, table: "DiskEmbeddingBag", weights: bool) -> None:
+        self._table, self._weights = table, weights
+
+    def read(self, first: int, stop: int) -> torch.Tensor:
+        rows = []
+        for start in range(first, stop, DiskEmbeddingBag._STATE_CHUNK_ROWS):
+            ids = torch.arange(start, min(stop, start + DiskEmbeddingBag._STATE_CHUNK_ROWS))
+            weights, state = self._table.export_rows(ids, include_state=True)
+            rows.append(weights if self._weights else state)
+        return torch.cat(rows)
+
+    def write(self, first: int, stop: int, rows: torch.Tensor) -> None:
+        table = self._table
+        for start in range(first, stop, table._STATE_CHUNK_ROWS):
+            end = min(stop, start + table._STATE_CHUNK_ROWS)
+            ids = torch.arange(start, end)
+            weights, state = table.export_rows(ids, include_state=True)
+            if self._weights:
+                weights = rows[start - first:end - first]
+            else:
+                state = rows[start - first:end - first]
+            table.import_rows(ids, weights, state if table.state_dim else None)
+
+
 class DiskEmbeddingBag(nn.Module):
     """An embedding bag over a table larger than memory, trained by a fused sparse optimizer.
 
@@ -322,16 +350,7 @@ class DiskEmbeddingBag(nn.Module):
         if part not in ("weight", "state"):
             raise ValueError(f"part must be 'weight' or 'state', got {part!r}")
         rows = self.snapshot() if part == "weight" else self.state_snapshot()
-
-        def write_rows(first: int, stop: int, written: torch.Tensor) -> None:
-            ids = torch.arange(first, stop)
-            weights, state = self.export_rows(ids, include_state=True)
-            if part == "weight":
-                weights = written
-            else:
-                state = written
-            self.import_rows(ids, weights, state if self.state_dim else None)
-        return WrittenThrough.of(rows, write_rows)
+        return WrittenThrough.of(rows, _TableRowsOf(self, part == "weight"))
 
     def state_snapshot(self) -> torch.Tensor:
         """Every row's optimizer state [num_embeddings, state_dim], as `snapshot` (the weights

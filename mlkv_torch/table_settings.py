@@ -112,7 +112,10 @@ class DiskTableSettings:
                             f"{list(cls.keywords())} (DiskTableSettings)")
         if settings is not None and not isinstance(settings, DiskTableSettings):
             raise TypeError(f"settings must be a DiskTableSettings, got {type(settings).__name__}")
-        return replace(settings if settings is not None else cls(), **dict(keywords))
+        chosen = dict(keywords)
+        if "seed" in chosen:  # a seed given is chosen, not drawn
+            chosen["seed_drawn"] = False
+        return replace(settings if settings is not None else cls(), **chosen)
 
     @classmethod
     def split_keywords(cls, keywords: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:

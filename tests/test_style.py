@@ -1,5 +1,6 @@
 """The house style holds: ruff (pyproject.toml) over the Python, clang-format (.clang-format) over
-the C++ and CUDA, no C++ function over 80 lines. scripts/setup.sh installs both at the versions the code was checked with."""
+the C++ and CUDA, no C++ function over 80 lines. scripts/setup.sh installs ruff and clang-format at
+the versions the code was checked with."""
 import glob
 import os
 import shutil

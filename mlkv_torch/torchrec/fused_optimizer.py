@@ -85,12 +85,17 @@ def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table
     ``fused_params={"learning_rate": 0.1}`` trains with exact SGD at 0.1, as TorchRec's fused
     tables do. ``lr`` (torch.optim's name) is read as ``learning_rate``. ValueError names an
     optimizer or option the disk tables do not have."""
-    params = {**_FBGEMM_DEFAULTS, **{k: v for k, v in (fused_params or {}).items() if v is not None}}
-    if "lr" in (fused_params or {}) and "learning_rate" not in (fused_params or {}):
-        params["learning_rate"] = params["lr"]
+    given = {k: v for k, v in (fused_params or {}).items() if v is not None}
+    if "lr" in given and "learning_rate" not in given:
+        given["learning_rate"] = given["lr"]
+    params = {**_FBGEMM_DEFAULTS, **given}
     kind = params["optimizer"]
     if isinstance(kind, str):
-        kind = EmbOptimType(kind)
+        try:
+            kind = EmbOptimType(kind)
+        except ValueError:
+            raise ValueError(f"table {table!r}: optimizer {kind!r} is none of FBGEMM's "
+                             f"({', '.join(t.value for t in EmbOptimType)})") from None
     if kind not in _FUSED_KINDS:
         raise ValueError(f"table {table!r}: optimizer {kind} has no disk-table form; use SGD, Adagrad, "
                          f"row-wise Adagrad or Adam")
@@ -111,6 +116,10 @@ def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table
 def fused_params_of(optimizer: optim_lib.SparseOptimizer) -> Dict[str, Any]:
     """TorchRec's fused parameters for an mlkv_torch.optim rule, so tables TorchRec keeps in
     memory train with the same rule as the disk tables."""
+    if isinstance(optimizer, optim_lib.Adagrad) and optimizer.initial_accumulator_value:
+        raise ValueError(f"{optimizer}: FBGEMM's fused Adagrad starts its accumulators at 0, and a sharder's rule "
+                         f"reaches the tables through TorchRec's fused parameters; use initial_accumulator_value=0 "
+                         f"(or DiskEmbeddingBagCollection in one process)")
     kind = {cls: kind for kind, cls in _FUSED_KINDS.items()}[type(optimizer)]
     params: Dict[str, Any] = {"optimizer": kind, "learning_rate": optimizer.lr}
     eps, beta1, beta2 = optimizer.rule_constants()

@@ -46,12 +46,15 @@ _DISK_PAGE_BYTES = 4096  # one random read per missed row
 
 
 def _planned_optimizer(option: ShardingOption, fused_params: Dict[str, Any]) -> optim_lib.SparseOptimizer:
-    """The optimizer the sharder will give this table (in-backward optimizer, else fused_params)."""
+    """The optimizer the sharder will give this table: an in-backward optimizer's, over the
+    sharder's fused_params, as TorchRec merges them (its ``lr`` is FBGEMM's ``learning_rate``)."""
     params = dict(fused_params or {})
     classes = getattr(option.tensor, "_optimizer_classes", [None])
     if classes and classes[0] is not None:
-        params.update(getattr(option.tensor, "_optimizer_kwargs", [{}])[0])
-        params.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
+        declared = dict(getattr(option.tensor, "_optimizer_kwargs", [{}])[0])
+        if "lr" in declared:
+            declared["learning_rate"] = declared.pop("lr")
+        params.update(declared, optimizer=optimizer_type_to_emb_opt_type(classes[0]))
     return optimizer_from_fused_params(params, option.name)
 
 
@@ -61,7 +64,10 @@ def _table_config(option: ShardingOption) -> Any:
     module = option.module[1]
     configs = module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") \
         else module.embedding_configs()
-    return next(c for c in configs if c.name == option.name)
+    for config in configs:
+        if config.name == option.name:
+            return config
+    raise ValueError(f"table {option.name!r} is in no config of its module {type(module).__name__}")
 
 
 class _DiskEstimatorBase(ShardEstimator):

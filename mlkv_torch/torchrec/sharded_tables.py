@@ -278,20 +278,26 @@ class DiskSharder:
             fused_params = {**fused_params_of(settings.optimizer), **(fused_params or {})}
         super().__init__(fused_params=fused_params, **torchrec_kwargs)  # type: ignore[call-arg]
 
-    def next_module_options(self) -> DiskTableOptions:
+    def next_module_options(self, device: Optional[torch.device] = None) -> DiskTableOptions:
         """The options of the next module this sharder shards (`shard` calls it once a module). The
         first keeps `options`; the k-th after it (a second collection of a model, or a second model)
-        keeps its tables in ``storage_dir/module<k>``, reopens at the cut recorded there, and, with a
-        drawn seed, starts from other rows, as a second TorchRec collection would (torch's
-        generator has moved on)."""
+        keeps its tables in ``storage_dir/module<k>`` and, with a drawn seed, starts from other rows,
+        as a second TorchRec collection would (torch's generator has moved on). A module sharded
+        on the meta device opens nothing and takes no place. ``cuts`` name one module's cuts:
+        a second module is refused with them (give each module its own sharder)."""
+        if device is not None and device.type == "meta":
+            return self.options
         k, self._modules_sharded = self._modules_sharded, self._modules_sharded + 1
         if k == 0:
             return self.options
+        if self.options.cuts is not None:
+            raise ValueError(f"{type(self).__name__}(cuts=...) names the cuts of one module's tables, and this is "
+                             f"the {k + 1}th module it shards: give each module its own sharder (and storage_dir)")
         settings = self.options.settings
         if settings.seed_drawn:
             settings = replace(settings, seed=table_seed(settings.seed, f"module{k}"))
         return replace(self.options, storage_dir=os.path.join(self.options.storage_dir, f"module{k}"),
-                       settings=settings, cuts=None)
+                       settings=settings)
 
     def sharded_module_arguments(self) -> Dict[str, Any]:
         """The arguments of TorchRec's sharded module that only this kind of collection takes."""
@@ -302,7 +308,7 @@ class DiskSharder:
         """The sharded module (the sharder's `sharded_module_type`) of `module` under the plan
         `params`, its disk tables in the next module's directory (`next_module_options`)."""
         return self.sharded_module_type(  # type: ignore[attr-defined]
-            module, params, env, self.next_module_options(), fused_params=self.fused_params,  # type: ignore
+            module, params, env, self.next_module_options(device), fused_params=self.fused_params,  # type: ignore
             device=device, qcomm_codecs_registry=self.qcomm_codecs_registry,  # type: ignore[attr-defined]
             module_fqn=module_fqn, **self.sharded_module_arguments())
 

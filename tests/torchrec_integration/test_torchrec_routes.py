@@ -21,6 +21,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator  # noqa
 from torchrec.distributed.planner.types import ParameterConstraints, Topology  # noqa: E402
 from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from mlkv_torch import DiskTableSettings, initial_rows, optim  # noqa: E402
@@ -48,8 +49,8 @@ def batch(names=("t",), rows=ROWS, seed=0):
                                                lengths=lengths.flatten())
 
 
-def one_process_dmp(tables, sharder, sharding="table_wise", kernel=DISK_KERNEL, device="cpu"):
-    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
+def one_process_dmp(tables, sharder, sharding="table_wise", kernel=DISK_KERNEL, device="cpu", ebc=None):
+    ebc = ebc if ebc is not None else EmbeddingBagCollection(tables, device=torch.device("meta"))
     constraints = {t.name: ParameterConstraints(sharding_types=[sharding], compute_kernels=[kernel],
                                                 min_partition=DIM // 2) for t in tables}
     planner_of = DiskAwarePlanner if kernel == DISK_KERNEL else EmbeddingShardingPlanner
@@ -123,12 +124,15 @@ def test_fused_params_without_an_optimizer_train_as_torchrec_fused_tables(proces
 
 
 # ---- one budget: what the planner charges is what the kernel opens -----------------------------------
-def _planned_and_opened(tmp_path, tables, sharding, fraction, optimizer=optim.SGD(lr=LR), **sharder_args):
+def _planned_and_opened(tmp_path, tables, sharding, fraction, optimizer=optim.SGD(lr=LR), in_backward=None,
+                        **sharder_args):
     """The bytes DiskAwarePlanner's storage estimate charges this rank's disk shards, and the bytes
-    the kernels DMP opens hold."""
+    the kernels DMP opens hold (`in_backward`: (optimizer class, kwargs) applied to the tables)."""
     sharder = DiskEmbeddingBagCollectionSharder(tmp_path, memory_fraction=fraction, optimizer=optimizer, seed=0,
                                                 **sharder_args)
     ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    if in_backward is not None:
+        apply_optimizer_in_backward(in_backward[0], ebc.embedding_bags.parameters(), in_backward[1])
     topology = Topology(world_size=1, compute_device="cpu")
     estimator = DiskAwareStorageEstimator(topology)
     estimator.options = sharder.options
@@ -137,9 +141,17 @@ def _planned_and_opened(tmp_path, tables, sharding, fraction, optimizer=optim.SG
             ebc, [sharder])
     charged = sum(shard.storage.ddr for o in options
                   if o.compute_kernel == DISK_KERNEL and o.sharding_type == sharding for shard in o.shards)
-    dmp = one_process_dmp(tables, sharder, sharding)
+    dmp = one_process_dmp(tables, sharder, sharding, ebc=ebc)
     (kernel,) = list(dmp.module.disk_kernels())
     return charged, kernel, dmp
+
+
+def test_the_planner_charges_an_in_backward_optimizers_rows_over_the_sharders(process_group, tmp_path):
+    # Adagrad's rows carry a state per weight: the planner must size them as the kernel opens them.
+    charged, kernel, _ = _planned_and_opened(tmp_path, [table(rows=20_000)], "table_wise", 0.5,
+                                             in_backward=(torch.optim.Adagrad, {"lr": 0.5}))
+    (bag,) = kernel.bags
+    assert bag.optimizer == optim.Adagrad(lr=0.5, eps=1e-8) and charged == kernel.memory_budget_bytes
 
 
 @pytest.mark.parametrize("rows, dim, fraction", [(256, 128, 0.1), (256, 128, 0.5), (100_000, 256, 0.001)])
@@ -199,6 +211,26 @@ def test_writes_into_a_collections_state_dict_reach_its_tables(tmp_path):
     assert type(copy.deepcopy(weight)) is torch.Tensor
 
 
+def test_a_state_dict_write_keeps_what_training_changed_since_and_takes_every_way_of_writing(tmp_path):
+    ebc = DiskEmbeddingBagCollection([table()], path=tmp_path, optimizer=optim.SGD(lr=LR), seed=0)
+    bag = ebc.embedding_bags["t"]
+    weight = ebc.state_dict()["embedding_bags.t.weight"]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f_t"], values=torch.tensor([5]), lengths=torch.tensor([1]))
+    ebc(kjt).values().sum().backward()  # row 5 trains after the state dict was taken
+    trained = bag.snapshot()[5].clone()
+    weight[5, 0] = 42.0  # one element: the rest of the row keeps its trained values
+    trained[0] = 42.0
+    torch.testing.assert_close(bag.snapshot()[5], trained, rtol=0, atol=0)
+    torch.nn.init.constant_(weight[7:9], 3.0)  # torch.nn.init passes the tensor by keyword
+    assert torch.equal(bag.snapshot()[7:9], torch.full((2, DIM), 3.0))
+    for row in weight[10:12]:  # iteration and unbind give views that write through
+        row.zero_()
+    assert torch.equal(bag.snapshot()[10:12], torch.zeros(2, DIM))
+    first, _ = weight.split([1, ROWS - 1])
+    first.fill_(-1.0)
+    assert torch.equal(bag.snapshot()[0], torch.full((DIM,), -1.0))
+
+
 def test_writes_into_a_sharded_state_dict_reach_the_shards_without_load_state_dict(process_group, tmp_path):
     dmp = one_process_dmp([table()], DiskEmbeddingBagCollectionSharder(tmp_path, optimizer=optim.SGD(lr=LR)),
                           "column_wise")
@@ -222,6 +254,20 @@ def test_one_sharder_shards_two_models_each_with_its_own_tables(process_group, t
     assert torch.equal(rows_of(first), before) and not torch.equal(rows_of(second), before)
     seeded = DiskEmbeddingBagCollectionSharder(tmp_path / "seeded", optimizer=optim.SGD(lr=LR), seed=3)
     assert torch.equal(rows_of(one_process_dmp([table()], seeded)), rows_of(one_process_dmp([table()], seeded)))
+    with pytest.raises(ValueError, match="names the cuts of one module's tables"):
+        cut = DiskEmbeddingBagCollectionSharder(tmp_path / "cut", optimizer=optim.SGD(lr=LR), cuts={0: None})
+        one_process_dmp([table()], cut), one_process_dmp([table()], cut)
+    assert DiskTableSettings.of(DiskTableSettings().with_seed(), {"seed": 3}, "x").seed_drawn is False
+    with pytest.raises(ValueError, match="FBGEMM's fused Adagrad starts its accumulators at 0"):
+        DiskEmbeddingBagCollectionSharder(tmp_path, optimizer=optim.Adagrad(initial_accumulator_value=0.5))
+
+
+def test_a_model_sharded_on_meta_first_takes_no_place_of_the_sharders(process_group, tmp_path):
+    # TorchRec users build a meta DMP for shapes or a checkpoint's layout, then the real one.
+    sharder = DiskEmbeddingBagCollectionSharder(tmp_path, optimizer=optim.SGD(lr=LR))
+    one_process_dmp([table()], sharder, device="meta")
+    (kernel,) = one_process_dmp([table()], sharder).module.disk_kernels()
+    assert kernel.rank_dir == str(tmp_path / "rank0")
 
 
 # ---- DMP on the meta device --------------------------------------------------------------------------
