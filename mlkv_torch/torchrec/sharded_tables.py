@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 import warnings
 from collections import defaultdict
@@ -269,6 +270,12 @@ class DiskSharder:
                  settings: Optional[DiskTableSettings] = None, fused_params: Optional[Dict[str, Any]] = None,
                  **kwargs: Any) -> None:
         ours, torchrec_kwargs = DiskTableSettings.split_keywords(kwargs)
+        takes = inspect.signature(super().__init__).parameters  # type: ignore[misc]
+        unknown = sorted(set(torchrec_kwargs) - set(takes))
+        if unknown and not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in takes.values()):
+            raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {unknown}; the disk tables' "
+                            f"settings are {list(DiskTableSettings.keywords())} (DiskTableSettings), TorchRec's "
+                            f"sharder takes {sorted(takes)}")
         settings = DiskTableSettings.of(settings, ours, type(self).__name__).with_seed()
         self._told_planner = False
         self._modules_sharded = 0

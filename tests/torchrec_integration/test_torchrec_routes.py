@@ -91,6 +91,9 @@ def test_the_settings_are_one_object_taken_whole_or_by_keyword(tmp_path):
         DiskEmbeddingBagCollection([table()], path=tmp_path / "c", stalenes=1)
     with pytest.raises(ValueError, match="staleness must be a non-negative int"):
         DiskEmbeddingBagCollectionSharder(tmp_path / "d", staleness=-1)
+    with pytest.raises(TypeError, match=r"DiskEmbeddingBagCollectionSharder got unexpected keyword arguments "
+                                        r"\['stalenes'\]; the disk tables' settings are"):
+        DiskEmbeddingBagCollectionSharder(tmp_path / "d", stalenes=1)
     with pytest.raises(ValueError, match="backend must be one of"):
         DiskTableSettings(backend="leveldb")
     with pytest.raises(TypeError, match="optimizer must be an mlkv_torch.optim rule"):
