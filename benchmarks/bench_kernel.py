@@ -188,7 +188,7 @@ def kernels_of(collection) -> List[List[str]]:
 def memory_of(collection) -> Dict[str, float]:
     """MiB of what the collection holds by its own count: the cache (rows, optimizer state and what
     the cache keeps beside them), the staging area and write-back buffer, the stores' in-memory
-    logs and their indexes (16 bytes a row, beside the budget). The buffers follow from each
+    logs and their indexes (within their share of the budget). The buffers follow from each
     kernel's budget by the budget rule (`split_host_memory`), as the kernel sized them."""
     from mlkv_torch.memory_budget import buffer_host_bytes, cache_host_bytes, split_host_memory
     from mlkv_torch.row_layout import row_bytes

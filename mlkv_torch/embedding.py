@@ -180,7 +180,8 @@ class DiskEmbeddingBag(nn.Module):
             default generator (``torch.manual_seed`` makes runs reproducible). Recorded in the
             table's directory: a reopened table keeps its own.
         include_last_offset: as in nn.EmbeddingBag.
-        expected_rows: sizes the store's index; default min(num_embeddings, 4M).
+        expected_rows: pre-sizes the store's index for this many rows; by default it starts at
+            its least (256 KiB) and grows with the rows written, whatever num_embeddings.
         cache_policy: "lfu" (frequency-based admission, the default) or "lru".
         first_column: this table holds columns [first_column, first_column +
             embedding_dim) of a wider table (a column shard); its initial rows

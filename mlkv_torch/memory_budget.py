@@ -13,6 +13,7 @@ from .store import KVStore
 
 __all__ = ["MemoryBudgetError", "HostMemorySplit", "LayoutDemand", "plan_host_memory", "split_budget",
            "split_host_memory", "cache_host_bytes", "buffer_host_bytes", "host_memory_for_all_rows",
+           "host_memory_for_cache",
            "least_host_memory", "stores_min_bytes", "shard_memory_budget"]
 
 _STORE_MIN_BYTES = 16 << 10  # four 4 KiB log pages, the store's minimum
@@ -29,6 +30,7 @@ class HostMemorySplit(NamedTuple):
     log_bytes: int        # each table's store log in memory
     staging_rows: int     # rows of the staging area: rows read ahead, rows kept out of the cache
     write_back_rows: int  # rows the write-back buffer holds before a fetch waits for the writer
+    index_bytes: int = 0  # each store's index (`KVStore(index_budget_bytes=)`): past it, rows go to its base run
 
 
 class LayoutDemand(NamedTuple):
@@ -106,6 +108,11 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     """The budget rule of a table batch: one budget bounds the cache, the staging area, the
     write-back buffer and the stores' in-memory logs together.
 
+    Each table's store index takes its share first: an eighth of the budget among the tables; past
+    it the store moves the log's rows into its base run, so its memory stays bounded whatever the
+    rows it holds. (An index never shrinks below 256 KiB: a fixed cost of each table, as its
+    store's other constants.)
+
     The staging area holds what a look-ahead reads for the batches ahead (and rows the policy kept
     out until their update): an eighth of the budget (`staging_bytes`, when given, sets its bytes
     of rows instead). The write-back buffer only smooths the writer's work: a thirty-second. Each
@@ -127,20 +134,23 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
                                          lambda r: buffer_host_bytes(r, 0, row_bytes))
     write_back_rows = _most_rows_within(memory_budget_bytes // _WRITE_BACK_SHARE, _BUFFER_MIN_ROWS, most_buffer_rows,
                                         lambda r: buffer_host_bytes(0, r, row_bytes))
-    buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes)
+    # Not capped by the rows: the planner and the kernel count a table's rows differently (a
+    # virtual table's), and both must come to the same split.
+    index_bytes = max(1, memory_budget_bytes // (_INDEX_SHARE * num_tables))  # 0 would mean no bound
+    buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes) + num_tables * index_bytes
     store_floor = max(_STORE_MIN_BYTES, store_min_bytes)
     log_floor = max(store_floor, memory_budget_bytes // (8 * num_tables))
     if num_tables * store_floor + buffers > memory_budget_bytes:
         why = ("; a reopened store keeps the log pages of the budget it was created with"
                if store_min_bytes > _STORE_MIN_BYTES else "")
         raise MemoryBudgetError(f"memory_budget_bytes={memory_budget_bytes} cannot hold the stores' logs "
-                                f"({num_tables} tables, each at least {store_floor} bytes{why}) beside the staging "
-                                f"area and write-back buffer ({buffers} bytes); use at least "
+                                f"({num_tables} tables, each at least {store_floor} bytes{why}) beside their indexes, "
+                                f"the staging area and write-back buffer ({buffers} bytes); use at least "
                                 f"{num_tables * store_floor + buffers}")
     if not on_host:
         log_bytes = max(store_floor, (memory_budget_bytes - buffers) // num_tables)
         rows = min(total_rows, memory_budget_bytes // row_bytes) if cache_rows is None else cache_rows
-        return HostMemorySplit(rows, log_bytes, staging_rows, write_back_rows)
+        return HostMemorySplit(rows, log_bytes, staging_rows, write_back_rows, index_bytes)
     if cache_rows is None:
         cache_rows = _most_rows_within(memory_budget_bytes - num_tables * log_floor - buffers, 0, total_rows,
                                        lambda r: cache_host_bytes(r, row_bytes))
@@ -148,12 +158,13 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     if left < num_tables * log_floor:
         raise MemoryBudgetError(f"cache_rows={cache_rows} takes {cache_host_bytes(cache_rows, row_bytes)} bytes "
                          "(rows and "
-                         f"their index) and the staging area and write-back buffer {buffers} of the "
+                         f"their index) and the stores' indexes, staging area and write-back buffer {buffers} of the "
                          f"{memory_budget_bytes}-byte memory_budget_bytes; each table's store needs at least "
                          f"{log_floor} of them for its log ({num_tables} tables)")
-    return HostMemorySplit(cache_rows, max(log_floor, left // num_tables), staging_rows, write_back_rows)
+    return HostMemorySplit(cache_rows, max(log_floor, left // num_tables), staging_rows, write_back_rows, index_bytes)
 
 
+_INDEX_SHARE = 8              # the stores' indexes: an eighth of the budget,
 _STAGING_SHARE = 8            # the staging area: an eighth of the budget,
 _WRITE_BACK_SHARE = 32        # the write-back buffer: a thirty-second,
 _BUFFER_MAX_BYTES = 32 << 20  # each at most this many bytes of rows,
@@ -184,6 +195,13 @@ def buffer_host_bytes(staging_rows: int, write_back_rows: int, row_bytes: int) -
 def host_memory_for_all_rows(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:
     """The smallest budget with which `split_host_memory` caches every row (the same rule, searched)."""
     return _least_budget(num_tables, total_rows, row_bytes, store_min_bytes, cached_rows=total_rows)
+
+
+def host_memory_for_cache(num_tables: int, total_rows: int, row_bytes: int, cache_rows: int,
+                          store_min_bytes: int = 0) -> int:
+    """The smallest budget with which `split_host_memory` gives these tables a cache of at least
+    `cache_rows` rows (the same rule, searched)."""
+    return _least_budget(num_tables, total_rows, row_bytes, store_min_bytes, cached_rows=min(cache_rows, total_rows))
 
 
 def least_host_memory(num_tables: int, total_rows: int, row_bytes: int, store_min_bytes: int = 0) -> int:

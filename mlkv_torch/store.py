@@ -192,7 +192,12 @@ class KVStore(_RowStore):
         dim: elements per row.
         dtype: torch.float32, torch.float16 or torch.bfloat16.
         memory_budget_bytes: bytes of log pages held in memory (the index is extra).
-        expected_rows: sizes the hash index (it grows beyond).
+        expected_rows: pre-sizes the hash index (16 bytes a row); by default it starts at its least
+            (256 KiB) and grows with the rows.
+        index_budget_bytes: bytes the hash index may take (at 32 a key). Past them, the rows of the
+            log's written pages move into the base run, a file of rows sorted by key that a get
+            reads with one 4 KiB read and no memory per row, so the store's memory stays bounded
+            however many rows it holds. 0 (the default): no bound; the index keeps every key.
         segment_bytes: size of one segment file on disk.
         page_bytes: log page size; 0 picks budget/16, at most 1 MiB.
         mutable_fraction: share of the memory pages updated in place.
@@ -233,7 +238,7 @@ class KVStore(_RowStore):
         dtype: torch.dtype = torch.float32,
         memory_budget_bytes: int = 256 << 20,
         *,
-        expected_rows: int = 1 << 20,
+        expected_rows: int = 0,
         segment_bytes: int = 64 << 20,
         page_bytes: int = 0,
         mutable_fraction: float = 0.9,
@@ -245,12 +250,13 @@ class KVStore(_RowStore):
         promote_hot_reads: bool = True,
         cut_checkpoints: bool = False,
         checkpoint: Optional[int] = None,
+        index_budget_bytes: int = 0,
     ) -> None:
         self._open(path, dim, dtype, memory_budget_bytes)
         if checkpoint is not None and (not is_int(checkpoint) or checkpoint <= 0):
             raise ValueError(f"checkpoint must be a positive int (a number checkpoint() returned), got {checkpoint!r}")
         for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes),
-                            ("page_bytes", page_bytes),
+                            ("page_bytes", page_bytes), ("index_budget_bytes", index_budget_bytes),
                             ("io_depth", io_depth), ("io_threads", io_threads)):
             if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -259,7 +265,7 @@ class KVStore(_RowStore):
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
                                bool(direct_io), float(compaction_ratio), bool(promote_hot_reads),
-                               bool(cut_checkpoints), int(checkpoint or 0))
+                               bool(cut_checkpoints), int(checkpoint or 0), index_budget_bytes)
         self._closed = False
 
     def get(self, keys: KeysLike, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -143,7 +143,8 @@ def _cache_init(table: DiskTable) -> Tuple[bool, float, float]:
 
 def _as_int64(ids: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{what} must be an int64 or int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+        got = str(ids.dtype) if isinstance(ids, torch.Tensor) else type(ids).__name__  # a numpy array has a dtype too
+        raise TypeError(f"{what} must be an int64 or int32 tensor, got {got}")
     # To a GPU without blocking (from pinned memory the copy overlaps); to the host, blocking.
     return ids.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
 
@@ -268,9 +269,9 @@ class DiskTableBatch:
                 try:
                     # Cut checkpoints: the store moves only when its tables' owner takes a cut.
                     self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
-                                               expected_rows=t.expected_rows or min(t.num_embeddings, 1 << 22),
+                                               expected_rows=t.expected_rows or 0,
                                                mutable_fraction=_STORE_MUTABLE_FRACTION, cut_checkpoints=True,
-                                               checkpoint=checkpoint))
+                                               checkpoint=checkpoint, index_budget_bytes=spec.memory.index_bytes))
                 except ValueError as e:
                     if checkpoint is None:
                         raise

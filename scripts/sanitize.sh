@@ -16,7 +16,7 @@ torch_free_srcs="csrc/engine/*.cc csrc/id_map.cpp csrc/cache/write_back_buffer.c
 # The cache's files that include torch (the CUDA ones only with MLKV_WITH_CUDA, checked by scripts/build_cuda.sh).
 cache_torch_srcs="csrc/cache/embedding_cache.cpp csrc/cache/fetch.cpp csrc/cache/applier.cpp csrc/cache/update_queue.cpp
   csrc/cache/read_ahead.cpp csrc/cache/write_back.cpp csrc/cache/cut.cpp csrc/cache/delete.cpp csrc/cache/device.cpp"
-stress_programs=(store_stress cache_stress)
+stress_programs=(store_stress cache_stress base_run_test)
 jobs=$(nproc 2>/dev/null || echo 2)
 build_and_run() {  # name, sanitizer flags...
   local name=$1; shift

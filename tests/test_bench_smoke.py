@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_row_wise.py",
            "bench_embedding.py", "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py",
            "bench_checkpoint.py --runner", "bench_sequence.py", "bench_virtual.py", "bench_reopen.py",
-           "bench_rank_shares.py"]
+           "bench_rank_shares.py", "bench_memory.py"]
 
 
 class SmokeRuns:
@@ -111,5 +111,7 @@ def test_benchmark_smoke_runs(smoke_runs, script):
     if script == "bench_rank_shares.py":  # both numberings read by every rank
         for line in ("row_groups_read, all ranks:", "dealt out over all rows, rank 1:"):
             assert line in done.stdout, done.stdout[-4000:]
+    if script == "bench_memory.py":  # the populated table trained after its reopen, and the empty tables opened
+        assert "| training peak |" in done.stdout and "| 4 empty tables of 2**40 |" in done.stdout, done.stdout[-4000:]
     if script in ("bench_kernel.py", "bench_gpu.py"):  # the disk kernel trains as the in-memory reference does
         assert "| False |" not in done.stdout and "| True |" in done.stdout, done.stdout[-4000:]

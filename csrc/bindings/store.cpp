@@ -17,7 +17,7 @@ class Store : public RowStoreHandle {
   Store(const std::string& path, int64_t dim, int64_t element_type, int64_t memory_budget_bytes, int64_t expected_keys,
         int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth,
         const std::string& io_engine, int64_t io_threads, bool direct_io, double compaction_ratio,
-        bool promote_hot_reads, bool cut_checkpoints, int64_t checkpoint_sequence) {
+        bool promote_hot_reads, bool cut_checkpoints, int64_t checkpoint_sequence, int64_t index_budget_bytes) {
     TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 &&
                           page_bytes >= 0 && io_depth > 0 && io_threads > 0,
                       "store sizes must be positive");
@@ -54,6 +54,8 @@ class Store : public RowStoreHandle {
     o.cut_checkpoints = cut_checkpoints;
     TORCH_CHECK_VALUE(checkpoint_sequence >= 0, "checkpoint_sequence must be non-negative");
     o.checkpoint_sequence = static_cast<uint64_t>(checkpoint_sequence);
+    TORCH_CHECK_VALUE(index_budget_bytes >= 0, "index_budget_bytes must be non-negative");
+    o.index_budget_bytes = static_cast<uint64_t>(index_budget_bytes);
     Status st;
     std::unique_ptr<mlkv::KVStore> store;
     {
@@ -156,13 +158,21 @@ class Store : public RowStoreHandle {
   }
 
   py::dict Stats() {
-    const mlkv::StoreStats s = Unlocked([&] { return store_->Stats(); });
+    mlkv::StoreStats s;
+    Check(Unlocked([&] { return store_->Stats(&s); }));
     py::dict d;
     d["rows"] = s.rows;
     d["memory_bytes"] = s.memory_bytes;
     d["index_bytes"] = s.index_bytes;
     d["log_memory_bytes"] = s.log_memory_bytes;
+    d["base_memory_bytes"] = s.base_memory_bytes;
     d["disk_bytes"] = s.disk_bytes;
+    d["base_rows"] = s.base_rows;
+    d["base_runs"] = s.base_runs;
+    d["base_disk_bytes"] = s.base_disk_bytes;
+    d["base_reads"] = s.base_reads;
+    d["base_merges"] = s.base_merges;
+    d["base_rows_written"] = s.base_rows_written;
     d["memory_hits"] = s.memory_hits;
     d["disk_reads"] = s.disk_reads;
     d["disk_rows"] = s.disk_rows;
@@ -189,7 +199,11 @@ class Store : public RowStoreHandle {
     return d;
   }
 
-  int64_t Size() { return static_cast<int64_t>(store_->Size()); }
+  int64_t Size() {
+    uint64_t rows = 0;
+    Check(Unlocked([&] { return store_->Size(&rows); }));
+    return static_cast<int64_t>(rows);
+  }
   bool Closed() { return store_->Closed(); }
 
  private:
@@ -202,12 +216,12 @@ void BindStore(py::module_& m) {
   py::class_<RowStoreHandle>(m, "RowStore");  // what EmbeddingCache takes
   py::class_<Store, RowStoreHandle>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                    const std::string&, int64_t, bool, double, bool, bool, int64_t>(),
+                    const std::string&, int64_t, bool, double, bool, bool, int64_t, int64_t>(),
            py::arg("path"), py::arg("dim"), py::arg("element_type"), py::arg("memory_budget_bytes"),
            py::arg("expected_keys"), py::arg("segment_bytes"), py::arg("page_bytes"), py::arg("mutable_fraction"),
            py::arg("io_depth"), py::arg("io_engine"), py::arg("io_threads"), py::arg("direct_io"),
            py::arg("compaction_ratio"), py::arg("promote_hot_reads"), py::arg("cut_checkpoints") = false,
-           py::arg("checkpoint_sequence") = 0)
+           py::arg("checkpoint_sequence") = 0, py::arg("index_budget_bytes") = 0)
       .def("put", &Store::Put)
       .def("get", &Store::Get)
       .def("lookup", &Store::Lookup)

@@ -1,6 +1,7 @@
 #include "file_io.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,10 +14,25 @@ namespace mlkv {
 std::string ErrnoText(int err) { return std::strerror(err); }
 
 AlignedBuffer::AlignedBuffer(size_t bytes) {
-  if (bytes) data = static_cast<uint8_t*>(std::aligned_alloc(kBlockBytes, RoundUp(bytes, kBlockBytes)));
+  constexpr size_t kMapFrom = 256 << 10;
+  if (bytes >= kMapFrom) {
+    void* p = mmap(nullptr, RoundUp(bytes, kBlockBytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) {
+      data = static_cast<uint8_t*>(p);
+      mapped_ = RoundUp(bytes, kBlockBytes);
+    }
+  } else if (bytes) {
+    data = static_cast<uint8_t*>(std::aligned_alloc(kBlockBytes, RoundUp(bytes, kBlockBytes)));
+  }
 }
 
-AlignedBuffer::~AlignedBuffer() { std::free(data); }
+AlignedBuffer::~AlignedBuffer() {
+  if (mapped_) {
+    munmap(data, mapped_);
+  } else {
+    std::free(data);
+  }
+}
 
 Status WriteFully(int fd, const void* data, size_t n, uint64_t offset, const std::string& file) {
   const auto* p = static_cast<const uint8_t*>(data);

@@ -17,13 +17,18 @@ inline uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
 
 std::string ErrnoText(int err);
 
-// Heap bytes aligned to kBlockBytes, freed with the buffer.
+// Bytes aligned to kBlockBytes, freed with the buffer. Large ones are mapped and unmapped: a read
+// buffer of many MiB from the heap stays in the process once freed (malloc's arenas keep it), and
+// the memory budget is then no bound.
 struct AlignedBuffer {
   uint8_t* data = nullptr;
   explicit AlignedBuffer(size_t bytes);
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+ private:
+  size_t mapped_ = 0;  // bytes mapped (0: from the heap)
 };
 
 // All n bytes at `offset`, retrying short writes and EINTR.

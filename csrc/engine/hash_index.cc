@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -27,6 +28,26 @@ uint64_t Mix(uint64_t x) {
   x = (x * kMul2) & kMask63;
   x ^= x >> 29;
   return x;
+}
+
+// The inverse of an odd number mod 2^64 (so mod 2^63 too), by Newton's iteration.
+constexpr uint64_t InverseOf(uint64_t odd) {
+  uint64_t inv = odd;
+  for (int i = 0; i < 6; ++i) inv *= 2 - odd * inv;
+  return inv;
+}
+
+uint64_t UndoXorShift(uint64_t y, int shift) {
+  uint64_t x = y;
+  for (int done = shift; done < 63; done += shift) x = y ^ (x >> shift);
+  return x;
+}
+
+uint64_t Unmix(uint64_t x) {
+  x = UndoXorShift(x, 29);
+  x = (x * InverseOf(kMul2)) & kMask63;
+  x = UndoXorShift(x, 31);
+  return (x * InverseOf(kMul1)) & kMask63;
 }
 
 bool Occupied(uint64_t lo) { return (lo & kAddrMask) != 0; }
@@ -245,6 +266,27 @@ bool HashIndex::Reset(const ImageCounts& counts, std::vector<Region>* regions) {
   return true;
 }
 
+uint64_t HashIndex::HashOf(const Bucket& b, int slot, uint64_t index, uint64_t n) const {
+  const uint64_t fp = (static_cast<uint64_t>(b.hi[slot] & ~kAlternateBit) << kFpLoBits) | (b.lo[slot] >> 44);
+  uint64_t home = index;
+  if (b.hi[slot] & kAlternateBit) {  // index is the alternate: undo its offset
+    const uint64_t r = (fp * kMul2) >> 32;
+    home = (index + n - 1 - ((r * (n - 1)) >> 32)) % n;
+  }
+  return fp * n + home;
+}
+
+int64_t HashIndex::KeyOf(const Bucket& b, int slot, uint64_t index, uint64_t n) const {
+  return static_cast<int64_t>(Unmix(HashOf(b, slot, index, n)));
+}
+
+void HashIndex::ShrinkToFit() {
+  const uint64_t needed = std::max(kMinBuckets, size_ * 4 / 17 + 1);
+  if (needed * 2 <= buckets_.size() || free_overflow_.size() > 64) Resize(needed);
+  overflow_.shrink_to_fit();
+  free_overflow_.shrink_to_fit();
+}
+
 void HashIndex::Resize(uint64_t bucket_count) {
   BucketArray old_buckets(bucket_count);
   std::vector<Bucket> old_overflow(1, Bucket{});
@@ -258,13 +300,7 @@ void HashIndex::Resize(uint64_t bucket_count) {
       for (int i = 0; i < kSlotsPerBucket; ++i) {
         uint64_t lo = b->lo[i];
         if (!Occupied(lo)) continue;
-        const uint64_t fp = (static_cast<uint64_t>(b->hi[i] & ~kAlternateBit) << kFpLoBits) | (lo >> 44);
-        uint64_t home = index;
-        if (b->hi[i] & kAlternateBit) {  // index is the alternate: undo its offset
-          const uint64_t r = (fp * kMul2) >> 32;
-          home = (index + old_n - 1 - ((r * (old_n - 1)) >> 32)) % old_n;
-        }
-        InsertNew(LocateHash(fp * old_n + home), (lo & kAddrMask) - 1);
+        InsertNew(LocateHash(HashOf(*b, i, index, old_n)), (lo & kAddrMask) - 1);
       }
       if (b->next == 0) break;
       b = &old_overflow[b->next];

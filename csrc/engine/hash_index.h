@@ -71,6 +71,25 @@ class HashIndex {
   // Resizes to an image's counts and returns the regions to read it into (in order); false when
   // the counts cannot be an image of an index (nothing changed then).
   bool Reset(const ImageCounts& counts, std::vector<Region>* regions);
+  // Calls fn(key, address) for every key: the key comes back from its bucket and fingerprint.
+  template <typename F>
+  void ForEachEntry(F&& fn) const {
+    const uint64_t n = buckets_.size();
+    auto visit = [&](const Bucket& b, uint64_t index) {
+      for (int i = 0; i < kSlotsPerBucket; ++i) {
+        if (b.lo[i] & kAddressBits) fn(KeyOf(b, i, index, n), (b.lo[i] & kAddressBits) - 1);
+      }
+    };
+    for (uint64_t i = 0; i < n; ++i) {
+      for (const Bucket* b = &buckets_[i];; b = &overflow_[b->next]) {
+        visit(*b, i);
+        if (b->next == 0) break;
+      }
+    }
+  }
+  // Gives back the memory of keys erased: the buckets resized to what the keys need.
+  void ShrinkToFit();
+
   // Calls fn(address) for every key's address.
   template <typename F>
   void ForEachAddress(F&& fn) const {
@@ -93,6 +112,9 @@ class HashIndex {
   static_assert(sizeof(Bucket) == kBucketBytes, "a bucket is one cache line");
 
   Where LocateHash(uint64_t h) const;
+  // The key of entry `slot` of bucket `b`, found in the chain of bucket `index` of `n`.
+  int64_t KeyOf(const Bucket& b, int slot, uint64_t index, uint64_t n) const;
+  uint64_t HashOf(const Bucket& b, int slot, uint64_t index, uint64_t n) const;
   uint64_t AlternateOffset(uint64_t fp) const;  // in [1, n): alternate = home + offset (mod n)
   // Finds the entry of `w`'s key: sets *bucket and *slot, returns false when absent.
   bool FindEntry(const Where& w, Bucket** bucket, int* slot, uint32_t* link_of_bucket, uint64_t* chain_home) const;

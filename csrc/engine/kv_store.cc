@@ -138,9 +138,11 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
       const HashIndex::Where where = ring[i % kAhead];
       if (i + kAhead < end) index_.Prefetch(ring[i % kAhead] = index_.Locate(keys[i + kAhead]));
       const uint8_t* value = vals + i * value_bytes_;
-      uint64_t slot = index_.Find(where);
+      const uint64_t address = index_.Find(where);
+      const uint64_t slot = SlotOf(address);
       if (slot != kNone && slot >= ReadOnlySlot()) {
         WriteRecord(RecordInMemory(slot), keys[i], 0, value);
+        if (IsDeletion(address)) index_.Upsert(keys[i], slot);  // its tombstone, live again
         ++in_place_updates_;
         ++changes_;
         continue;
@@ -158,33 +160,67 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
 Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   StallForCompaction();
-  WriterLock lock(&mu_);
-  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  *deleted = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint64_t slot = index_.Find(keys[i]);
-    if (slot == kNone) continue;
-    if (slot >= ReadOnlySlot()) {
-      // The record is not on disk yet: turn it into a tombstone where it lies.
-      uint8_t* rec = RecordInMemory(slot);
-      WriteRecord(rec, keys[i], kFlagTombstone, rec + sizeof(RecordHeader));
-      ++changes_;
-    } else {
+  std::unique_ptr<bool[]> in_base(new bool[n + 1]);
+  for (;;) {
+    // Which of the keys the log does not hold the base run does: read first, without the lock.
+    uint64_t generation;
+    MLKV_RETURN_IF_ERROR(ContainsOnce(keys, n, in_base.get(), /*log_too=*/false, &generation));
+    WriterLock lock(&mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    if (generation != base_generation_) continue;  // a merge moved rows meanwhile: read again
+    *deleted = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t address = index_.Find(keys[i]);
+      if (IsDeletion(address) || (address == kNone && !in_base[i])) continue;  // not there
       uint64_t tomb;
-      MLKV_RETURN_IF_ERROR(Append(keys[i], kFlagTombstone, nullptr, &tomb));
+      if (address != kNone && address >= ReadOnlySlot()) {
+        // The record is not on disk yet: turn it into a tombstone where it lies.
+        uint8_t* rec = RecordInMemory(address);
+        WriteRecord(rec, keys[i], kFlagTombstone, rec + sizeof(RecordHeader));
+        ++changes_;
+        tomb = address;
+      } else {
+        MLKV_RETURN_IF_ERROR(Append(keys[i], kFlagTombstone, nullptr, &tomb));
+      }
+      // A base row stays deleted by an index entry until the next merge drops it.
+      if (KeepsDeletion(keys[i])) {
+        deletions_indexed_ = true;
+        MoveLive(index_.Upsert(keys[i], tomb | kDeletionBit), tomb);
+      } else {
+        MoveLive(index_.Erase(keys[i]), kNone);
+      }
+      ++*deleted;
     }
-    MoveLive(index_.Erase(keys[i]), kNone);
-    ++*deleted;
+    return MaybeAutoCompactLocked();
   }
-  return MaybeAutoCompactLocked();
 }
 
 Status KVStore::Contains(const int64_t* keys, size_t n, bool* found) {
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
-  ReaderLock lock(&mu_);
-  if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  for (size_t i = 0; i < n; ++i) found[i] = index_.Find(keys[i]) != kNone;
-  return Status::OK();
+  uint64_t generation;
+  return ContainsOnce(keys, n, found, /*log_too=*/true, &generation);
+}
+
+Status KVStore::ContainsOnce(const int64_t* keys, size_t n, bool* found, bool log_too, uint64_t* generation) {
+  std::vector<size_t> unknown;
+  std::shared_ptr<const BaseRuns> base;
+  {
+    ReaderLock lock(&mu_);
+    if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+    *generation = base_generation_;
+    base = base_;
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t address = index_.Find(keys[i]);
+      found[i] = log_too && address != kNone && !IsDeletion(address);
+      if (address != kNone || !base) continue;
+      const BaseRun::Presence presence = base->PresenceOf(keys[i]);
+      found[i] = presence == BaseRun::Presence::kPresent;
+      if (presence == BaseRun::Presence::kMaybe) unknown.push_back(i);
+    }
+  }
+  if (unknown.empty()) return Status::OK();
+  std::vector<uint8_t> values(n * value_bytes_);
+  return ReadFromBase(*base, keys, unknown, values.data(), found);
 }
 
 Status KVStore::Close() {
@@ -263,6 +299,8 @@ Status KVStore::Destroy(const std::string& path) {
     if ((std::sscanf(name.c_str(), "segment-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "log") == 0) ||
         (std::sscanf(name.c_str(), "snapshot-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) ||
         (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) ||
+        (std::sscanf(name.c_str(), "base-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "runs") == 0) ||
+        (std::sscanf(name.c_str(), "run-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "run") == 0) ||
         name == "CHECKPOINT" || name == "CHECKPOINT.tmp" || name == "CHECKPOINT.previous") {
       doomed.push_back(name);
     }
@@ -284,18 +322,22 @@ Status KVStore::Destroy(const std::string& path) {
   return st;
 }
 
-uint64_t KVStore::Size() const {
-  ReaderLock lock(&mu_);
-  return index_.size();
-}
+Status KVStore::Size(uint64_t* rows) const { return CountRows(rows); }
 
-StoreStats KVStore::Stats() const {
+Status KVStore::Stats(StoreStats* stats) const {
+  StoreStats& s = *stats;
+  MLKV_RETURN_IF_ERROR(CountRows(&s.rows));
   ReaderLock lock(&mu_);
-  StoreStats s;
-  s.rows = index_.size();
   s.index_bytes = index_.MemoryBytes();
   s.log_memory_bytes = num_frames_ * page_bytes_;
-  s.memory_bytes = s.index_bytes + s.log_memory_bytes;
+  s.base_memory_bytes = base_ ? base_->memory_bytes() : 0;
+  s.memory_bytes = s.index_bytes + s.log_memory_bytes + s.base_memory_bytes;
+  s.base_rows = base_ ? base_->rows() : 0;
+  s.base_runs = base_ ? base_->runs().size() : 0;
+  s.base_disk_bytes = base_ ? base_->file_bytes() : 0;
+  s.base_reads = base_reads_;
+  s.base_merges = base_merges_;
+  s.base_rows_written = base_rows_written_;
   struct stat st;
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;
   if (slots_per_segment) {
@@ -310,6 +352,16 @@ StoreStats KVStore::Stats() const {
   }
   for (uint64_t image : {image_sequence_, previous_image_sequence_ != image_sequence_ ? previous_image_sequence_ : 0}) {
     if (image && stat(IndexImagePath(image).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
+  }
+  std::vector<uint64_t> runs;
+  for (const auto& [generation, ids] : base_runs_of_) {
+    if (stat(BasePath(generation).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
+    runs.insert(runs.end(), ids.begin(), ids.end());
+  }
+  std::sort(runs.begin(), runs.end());
+  runs.erase(std::unique(runs.begin(), runs.end()), runs.end());
+  for (uint64_t run : runs) {
+    if (stat(RunPath(run).c_str(), &st) == 0) s.disk_bytes += static_cast<uint64_t>(st.st_size);
   }
   s.memory_hits = memory_hits_;
   s.disk_reads = disk_reads_;
@@ -334,7 +386,7 @@ StoreStats KVStore::Stats() const {
   s.record_bytes = record_bytes_;
   s.direct_io = direct_io_;
   s.io_engine = reader_ ? reader_->name() : "";
-  return s;
+  return Status::OK();
 }
 
 }  // namespace mlkv

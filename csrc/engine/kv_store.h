@@ -5,7 +5,12 @@
 //   slots [head, read_only)  in memory and on disk; updates copy to the tail
 //   slots [read_only, tail)  in memory, updated in place
 //
-// A HashIndex maps each key to the slot of its latest record. docs/format.md
+// A HashIndex maps each key to the slot of its latest record. With an index budget, the index
+// holds only the keys the log holds: once it outgrows the budget, the live rows of the log's
+// written pages move into a base run (base_run.h: rows sorted by key, found by one block read with
+// no memory per row), which holds every other row; a key's record in the log supersedes its base
+// row, and a deletion of a base row stays in the index (as a tombstone's slot) until the next
+// move. docs/format.md
 // gives the on-disk format byte by byte. Every public method is safe to call
 // from several threads at once: readers share a lock and do their disk reads
 // outside it; writers hold it exclusively.
@@ -16,6 +21,7 @@
 #include <cstdint>
 #include <deque>
 #include <list>
+#include <map>
 #include <unordered_map>
 #include <memory>
 #include <mutex>
@@ -24,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "base_run.h"
 #include "hash_index.h"
 #include "io_reader.h"
 #include "log_flusher.h"
@@ -78,14 +85,25 @@ struct StoreOptions {
   bool cut_checkpoints = false;
   // Recover this checkpoint (the latest or the committed one kept beside it); 0 = the latest.
   uint64_t checkpoint_sequence = 0;
+  // Bytes the index may take: past them, the live rows of the log's written pages move into the
+  // base run (a compaction does the same), so memory stays bounded whatever the rows. 0: no
+  // bound; the index keeps every key (as FASTER's), and a store without a base run makes none.
+  uint64_t index_budget_bytes = 0;
 };
 
 struct StoreStats {
   uint64_t rows = 0;
-  uint64_t memory_bytes = 0;     // log pages + index
+  uint64_t memory_bytes = 0;     // log pages + index + the base run's fences
   uint64_t index_bytes = 0;
   uint64_t log_memory_bytes = 0;
-  uint64_t disk_bytes = 0;       // segment files + snapshot
+  uint64_t base_memory_bytes = 0;  // the base run's fences
+  uint64_t disk_bytes = 0;       // segment files + snapshot + base runs
+  uint64_t base_rows = 0;        // rows in the base run (the log may hold newer ones of some)
+  uint64_t base_runs = 0;        // the run files it is made of
+  uint64_t base_disk_bytes = 0;  // the base run's file
+  uint64_t base_reads = 0;       // blocks of the base run that gets read
+  uint64_t base_merges = 0;      // times the log's rows moved into a new base run
+  uint64_t base_rows_written = 0;  // rows merges wrote into runs (their I/O: moved rows and rows rewritten)
   uint64_t memory_hits = 0;      // rows a get found in memory
   uint64_t disk_reads = 0;       // blocks read from disk
   uint64_t disk_rows = 0;        // rows a get read from disk
@@ -167,14 +185,25 @@ class KVStore : public RowStore {
     ReaderLock lock(&mu_);
     return closed_;
   }
-  StoreStats Stats() const;
-  uint64_t Size() const;
+  // Both count the live rows: with a base run that may read it (CountRows).
+  Status Stats(StoreStats* stats) const;
+  Status Size(uint64_t* rows) const;
   uint32_t value_bytes() const override { return value_bytes_; }
   const std::string& path() const override { return path_; }
 
  private:
   static constexpr uint64_t kNone = HashIndex::kNoAddress;
   static constexpr size_t kDoorkeeperWords = 1 << 14;  // 1M bits
+  // An index entry of a deleted base row: its tombstone's slot with this bit (slots stay below it).
+  static constexpr uint64_t kDeletionBit = 1ull << 42;
+  static bool IsDeletion(uint64_t address) { return address != kNone && (address & kDeletionBit) != 0; }
+  static uint64_t SlotOf(uint64_t address) { return address == kNone ? kNone : address & ~kDeletionBit; }
+  // Index bytes a key is charged against index_budget_bytes: the bucket array at its fullest
+  // after growing (17 keys in 4 buckets, then twice the buckets).
+  static constexpr uint64_t kIndexBytesPerKey = 32;
+  // Scan cursors past the log: the base run's blocks, from this bit on (below kScanDone as an int64).
+  static constexpr uint64_t kScanBase = 1ull << 62;
+  static constexpr uint64_t kBaseSlot = kNone - 1;  // a get's mark: read this key from the base run
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
@@ -185,6 +214,9 @@ class KVStore : public RowStore {
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
   Status CreateFresh() EXCLUDES(checkpoint_mu_, mu_);
   Status CheckKeys(const int64_t* keys, size_t n) const;
+  // found[i]: the store holds keys[i] (log_too false: the base run holds it and the log has no
+  // record of it); the base run read without the lock; *generation the base run's it answered for.
+  Status ContainsOnce(const int64_t* keys, size_t n, bool* found, bool log_too, uint64_t* generation) EXCLUDES(mu_);
   void StopThreads() EXCLUDES(lookahead_mu_, compaction_state_mu_);
 
   // Recovery, in kv_store_recovery.cc.
@@ -210,6 +242,29 @@ class KVStore : public RowStore {
   // Disk reads outside the lock: fills the value bytes of each DiskRecord at
   // out + index * value_bytes, verifying keys and checksums.
   Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out) EXCLUDES(mu_);
+  // The keys at `wanted` (positions in `keys`) that the log does not hold, from the base run, outside
+  // the lock: sets found[i] and fills out + i * value_bytes for each one it holds.
+  Status ReadFromBase(const BaseRuns& base, const int64_t* keys, const std::vector<size_t>& wanted, uint8_t* out,
+                      bool* found) const EXCLUDES(mu_);
+  // ScanRows past the log: the rows of the base run's blocks from *cursor - kScanBase on that the log
+  // holds no record of.
+  Status ScanBaseRows(uint64_t* cursor, size_t max_rows, size_t first_row, std::vector<int64_t>* keys,
+                      std::vector<uint8_t>* values) EXCLUDES(mu_);
+  // Whether the base run may hold `key` (the log holding none of it): false when it surely does not.
+  bool BaseMayHold(int64_t key) const REQUIRES_SHARED(mu_) {
+    return base_ && base_->PresenceOf(key) != BaseRun::Presence::kAbsent;
+  }
+  // The index's keys whose record in the log is live (not a deletion of a base row): what a
+  // checkpoint records and recovery checks. A deletion stays in the index only where the base run may
+  // hold the key, which recovery judges by the run it opens: their number may differ, these may not.
+  uint64_t LiveLogKeysLocked() const REQUIRES_SHARED(mu_);
+  // Whether a deletion of `key` must stay in the index: the base run may hold the key, or the run a
+  // merge is writing may (it may be moving the very row deleted).
+  bool KeepsDeletion(int64_t key) const REQUIRES_SHARED(mu_) { return merging_ || BaseMayHold(key); }
+  // Live rows: the base run's, less those deleted since, plus the log's keys it does not hold. The
+  // keys whose presence the base's fences cannot tell are looked up (outside the lock), and the
+  // count kept until the store changes.
+  Status CountRows(uint64_t* rows) const EXCLUDES(mu_, rows_mu_);
 
   // Log geometry.
   uint64_t PageOf(uint64_t slot) const { return div_records_per_page_.Div(slot); }
@@ -256,6 +311,7 @@ class KVStore : public RowStore {
     bool previous_moves = false;  // that is the latest until now (committed), not the one kept before
     uint64_t sequence = 0, begin = 0, changes = 0;
     uint64_t image = 0, image_flushed = 0;  // the index image it names (0: none)
+    uint64_t base = 0;                      // the base run it names (0: none)
     std::string record;
     std::string previous_record;  // with previous_moves: the latest's record, for CHECKPOINT.previous
   };
@@ -306,9 +362,14 @@ class KVStore : public RowStore {
   static Status ReadCheckpointRecord(const std::string& file, std::string* record);
   // *renamed (when given) is set once `file` holds the record, even if the directory's sync after fails.
   Status WriteCheckpointRecord(const std::string& file, const std::string& record, bool* renamed = nullptr) const;
+  // A compaction or merge alone changes no row: with cut_checkpoints it waits for the owner's next
+  // checkpoint that has rows to take (a cut the owner just took stands).
   bool ChangedSinceCheckpointLocked() const REQUIRES_SHARED(mu_) {
-    return changes_ != checkpointed_changes_ || begin_ != checkpointed_begin_ || checkpoint_sequence_ == 0;
+    return changes_ != checkpointed_changes_ || checkpoint_sequence_ == 0 ||
+           (begin_ != checkpointed_begin_ && !options_.cut_checkpoints);
   }
+  // <path>/<stem>-<number, 10 digits>.<extension>: the store's numbered files.
+  std::string NumberedPath(const char* stem, uint64_t number, const char* extension) const;
   std::string SnapshotPath(uint64_t sequence) const;
   std::string IndexImagePath(uint64_t sequence) const;
   // The index checkpoint (index-<seq>.dat): recovery loads it and replays the log written after it
@@ -334,14 +395,53 @@ class KVStore : public RowStore {
     std::vector<uint8_t> values;  // whole records
   };
   Status SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) EXCLUDES(mu_);
+  // A page below the flushed one, read from its segment and every record verified, unlocked (such
+  // pages never change): a damaged key must not make a live row look dead.
+  Status ReadWrittenPage(uint64_t page, uint8_t* buffer) EXCLUDES(mu_);
   Status CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) EXCLUDES(mu_);
   void CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) EXCLUDES(mu_);
   Status CopyLiveRecords(LiveRecords* live) EXCLUDES(mu_);
-  bool CompactionDueLocked(double ratio) const REQUIRES_SHARED(mu_);  // on-disk log > ratio x live rows
+  // On-disk log > ratio x live rows, or the index over its budget (`stalling`: twice over).
+  bool CompactionDueLocked(double ratio, bool stalling = false) const REQUIRES_SHARED(mu_);
   void StallForCompaction() EXCLUDES(mu_, compaction_state_mu_);
   // After writes: queues a compaction (executor "mlkv-compact") when due.
   Status MaybeAutoCompactLocked() REQUIRES(mu_) EXCLUDES(compaction_state_mu_);
   void RunCompactions() EXCLUDES(compaction_mu_, mu_, compaction_state_mu_);  // the compaction task
+
+  // Base runs, in kv_store_base.cc. A merge moves the live rows (and deletions) of the log's
+  // pages below `end_slot` into base run generation + 1: the old run and the moved rows, streamed
+  // in key order into a new file; then, under a short exclusive lock, the moved keys leave the
+  // index and begin_ moves to end_slot. Sets *merged.
+  Status MergeIntoBase(uint64_t end_slot, bool* merged) REQUIRES(compaction_mu_) EXCLUDES(checkpoint_mu_, mu_);
+  // The merge's end, under the exclusive lock: with `written` OK, the moved keys leave the index,
+  // base becomes the store's and begin_ moves to end_page; else the files written go.
+  Status CommitMerge(const Status& written, uint64_t generation, uint64_t run_id, uint64_t end_page,
+                     const LiveRecords& moved, std::shared_ptr<const BaseRuns> base, ObsoleteFiles* obsolete,
+                     bool* merged) EXCLUDES(mu_);
+  // The live records of the log's pages [first_page, end_page), read unlocked: *live gets them.
+  Status CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecords* live) EXCLUDES(mu_);
+  // The next base: the old runs and a run of the moved rows when they all lie past the old runs'
+  // keys, else one run of the old runs' rows and the moved ones, merged. Writes the new run (number
+  // `run_id`) and the manifest of `generation`, and opens them into *out.
+  Status WriteBase(uint64_t generation, uint64_t run_id, const std::shared_ptr<const BaseRuns>& old_base,
+                   const LiveRecords& moved, std::vector<size_t>& order, std::shared_ptr<const BaseRuns>* out)
+      EXCLUDES(mu_);
+  bool IndexOverBudgetLocked(uint64_t times = 1) const REQUIRES_SHARED(mu_) {
+    return options_.index_budget_bytes > 0 && index_.size() * kIndexBytesPerKey > times * options_.index_budget_bytes;
+  }
+  // Rows added in key order add a run each merge: when kTailRunsPerLevel runs of one size (a level:
+  // 4096 rows, 4x that, ...) end the base, they are joined into one, as a binary counter carries, so a
+  // table written front to back keeps a few runs per level and copies each row once a level. Takes
+  // the numbers of the runs it writes from *next_id, below end_id.
+  Status JoinTailRuns(std::vector<std::shared_ptr<const BaseRun>>* runs, std::vector<uint64_t>* ids, uint64_t* next_id,
+                      uint64_t end_id) EXCLUDES(mu_);
+  std::string BasePath(uint64_t generation) const;  // the manifest base-<generation>.runs
+  std::string RunPath(uint64_t id) const;            // run-<id>.run
+  // Opens base `generation` (0: none) as base_, and records its runs.
+  Status OpenBase(uint64_t generation) REQUIRES(mu_);
+  // The runs of the bases a checkpoint may name, and the files of the others that may go.
+  // The base runs neither kept checkpoint nor the store names go (with a checkpoint's obsolete files).
+  void CollectObsoleteBases(ObsoleteFiles* obsolete) REQUIRES(mu_);
 
   // Background copies, in kv_store_copies.cc: a lookahead (keys to read) or a promotion (rows a
   // get already read, with their slots). Both end in ApplyCopies.
@@ -430,6 +530,28 @@ class KVStore : public RowStore {
   uint64_t in_place_updates_ GUARDED_BY(mu_) = 0, appends_ GUARDED_BY(mu_) = 0;
   uint64_t compactions_ GUARDED_BY(mu_) = 0, compacted_rows_ GUARDED_BY(mu_) = 0, checkpoints_ GUARDED_BY(mu_) = 0;
   bool recovered_from_index_image_ GUARDED_BY(mu_) = false;
+
+  // The base run (null: none yet) and its generation; the ones the latest and the previous
+  // checkpoint name stay on disk while those are kept.
+  std::shared_ptr<const BaseRuns> base_ GUARDED_BY(mu_);
+  uint64_t base_generation_ GUARDED_BY(mu_) = 0;
+  uint64_t checkpointed_base_ GUARDED_BY(mu_) = 0, previous_base_ GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> unnamed_bases_ GUARDED_BY(mu_);  // replaced bases a kept checkpoint may still name
+  std::map<uint64_t, std::vector<uint64_t>> base_runs_of_ GUARDED_BY(mu_);  // generation -> its run numbers
+  uint64_t next_run_id_ GUARDED_BY(mu_) = 1;
+  // The base a begun checkpoint names (0: none begun): a merge meanwhile must not remove it. Set
+  // under mu_ shared by the checkpoint's first half, read under mu_ exclusive by a merge's commit.
+  std::atomic<uint64_t> begun_base_{0};
+  uint64_t base_merges_ GUARDED_BY(mu_) = 0;
+  bool merging_ GUARDED_BY(mu_) = false;  // a merge is writing the next run
+  // The index has held a deletion (even with no base yet: one made while the first merge ran).
+  bool deletions_indexed_ GUARDED_BY(mu_) = false;
+  mutable std::atomic<uint64_t> base_reads_{0};
+  std::atomic<uint64_t> base_rows_written_{0};
+  // CountRows' last count, and the store's changes and base run it was taken at.
+  mutable Mutex rows_mu_;
+  mutable uint64_t counted_rows_ GUARDED_BY(rows_mu_) = 0;
+  mutable uint64_t counted_changes_ GUARDED_BY(rows_mu_) = ~0ull, counted_base_ GUARDED_BY(rows_mu_) = 0;
 
   std::condition_variable begun_cv_;  // with checkpoint_mu_: begun_ was finished
   BegunCheckpoint begun_ GUARDED_BY(checkpoint_mu_);  // its files belong to whoever finishes it

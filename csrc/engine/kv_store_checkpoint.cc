@@ -30,17 +30,14 @@
 
 namespace mlkv {
 
-std::string KVStore::IndexImagePath(uint64_t sequence) const {
+std::string KVStore::NumberedPath(const char* stem, uint64_t number, const char* extension) const {
   char name[64];
-  std::snprintf(name, sizeof(name), "/index-%010" PRIu64 ".dat", sequence);
+  std::snprintf(name, sizeof(name), "/%s-%010" PRIu64 ".%s", stem, number, extension);
   return path_ + name;
 }
 
-std::string KVStore::SnapshotPath(uint64_t sequence) const {
-  char name[64];
-  std::snprintf(name, sizeof(name), "/snapshot-%010" PRIu64 ".dat", sequence);
-  return path_ + name;
-}
+std::string KVStore::IndexImagePath(uint64_t sequence) const { return NumberedPath("index", sequence, "dat"); }
+std::string KVStore::SnapshotPath(uint64_t sequence) const { return NumberedPath("snapshot", sequence, "dat"); }
 
 Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out) {
   const HashIndex::ImageCounts counts = index_.Counts();
@@ -48,7 +45,7 @@ Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out
   IndexImageHeader header;
   std::memset(&header, 0, sizeof(header));
   std::memcpy(header.magic, kIndexImageMagic, 8);
-  header.format_version = kFormatVersion;
+  header.format_version = kIndexImageVersion;
   header.sequence = sequence;
   header.size = counts.size;
   header.buckets = counts.buckets;
@@ -212,6 +209,7 @@ bool KVStore::CommitBegunFiles(const BegunCheckpoint& begun, const Status& finis
 }
 
 void KVStore::DiscardBegunFiles(BegunCheckpoint* begun) {
+  begun_base_ = 0;
   for (int* fd : {&begun->snapshot_fd, &begun->image_fd}) {
     if (*fd >= 0) close(*fd);
     *fd = -1;
@@ -269,7 +267,8 @@ Status KVStore::BeginCheckpointFiles(BegunCheckpoint* out) {
   meta.begin = begin_;
   meta.flushed = ReadOnlySlot();
   meta.tail = tail_;
-  meta.rows = index_.size();
+  meta.rows = LiveLogKeysLocked();
+  meta.base = base_generation_;
   meta.image_age = image ? static_cast<uint32_t>(sequence - image) : kNoIndexImage;
   meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
   // With cuts the checkpoint kept beside the new one is the committed one: the latest, once its
@@ -284,6 +283,8 @@ Status KVStore::BeginCheckpointFiles(BegunCheckpoint* out) {
   written.changes = changes_;
   written.image = image;
   written.image_flushed = image_flushed;
+  written.base = base_generation_;
+  begun_base_ = base_generation_;
   written.record.assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
   return Status::OK();
 }
@@ -334,15 +335,21 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
   // latest takes its place, else the latest's (replaced: uncommitted, or nothing kept beside it).
   const uint64_t dropped = written.previous_moves ? previous_sequence_ : checkpoint_sequence_;
   const uint64_t old_latest = image_sequence_, old_previous = previous_image_sequence_;
+  unnamed_bases_.insert(unnamed_bases_.end(), {checkpointed_base_, previous_base_});  // may go now
   if (written.previous_moves) {
     previous_sequence_ = checkpoint_sequence_;
     previous_begin_ = checkpointed_begin_;
     previous_image_sequence_ = image_sequence_;
+    previous_base_ = checkpointed_base_;
   } else if (!written.kept_previous) {
     previous_sequence_ = written.sequence;
     previous_begin_ = written.begin;
     previous_image_sequence_ = written.image;
+    previous_base_ = written.base;
   }
+  checkpointed_base_ = written.base;
+  begun_base_ = 0;
+  CollectObsoleteBases(obsolete);
   checkpoint_sequence_ = written.sequence;  // never reused, even if what follows fails
   checkpoint_record_ = written.record;
   checkpointed_changes_ = written.changes;

@@ -24,7 +24,9 @@ Status KVStore::Compact() {
   return background;
 }
 
-bool KVStore::CompactionDueLocked(double ratio) const {
+bool KVStore::CompactionDueLocked(double ratio, bool stalling) const {
+  // The index past its budget (twice it, for a writer to wait): its written keys move into the base run.
+  if (IndexOverBudgetLocked(stalling ? 2 : 1) && flusher_.flushed_page() > PageOf(begin_)) return true;
   if (options_.compaction_ratio == 0.0) return false;
   const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
   if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
@@ -35,11 +37,11 @@ bool KVStore::CompactionDueLocked(double ratio) const {
 // compaction threshold a write waits for it (holding no lock), as an LSM
 // tree stalls writes, so disk use stays bounded.
 void KVStore::StallForCompaction() {
-  if (options_.compaction_ratio == 0.0) return;
+  if (options_.compaction_ratio == 0.0 && options_.index_budget_bytes == 0) return;
   for (int round = 0; round < 64; ++round) {
     {
       ReaderLock lock(&mu_);
-      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25)) return;
+      if (closed_ || !CompactionDueLocked(options_.compaction_ratio * 1.25, /*stalling=*/true)) return;
     }
     {
       WriterLock lock(&mu_);
@@ -153,27 +155,48 @@ Status KVStore::CopyLiveRecords(LiveRecords* live) {
 
 Status KVStore::CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) {
   constexpr size_t kChunkRows = 4096;
-  std::shared_ptr<SegmentFiles::File> file;
-  MLKV_RETURN_IF_ERROR(segments_.Open(segment, SegmentFiles::OpenMode::kMustExist, &file));
   AlignedBuffer page_buffer(page_bytes_);
   for (uint64_t page = segment * pages_per_segment_; page < (segment + 1) * pages_per_segment_; ++page) {
-    // Segment pages below read-only never change: read and verify them unlocked.
-    const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
-    MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, page_buffer.data, page_bytes_, offset, file->path));
+    MLKV_RETURN_IF_ERROR(ReadWrittenPage(page, page_buffer.data));
     const uint64_t first_slot = page * records_per_page_;
-    for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
-      // Verify before the liveness check: a damaged key must not make a live row look dead.
-      MLKV_RETURN_IF_ERROR(
-          VerifyRecord(page_buffer.data + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
-    }
     CollectLiveRecords(page_buffer.data, first_slot, live);
     if (live->keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(CopyLiveRecords(live));
   }
   return Status::OK();
 }
 
+Status KVStore::ReadWrittenPage(uint64_t page, uint8_t* buffer) {
+  std::shared_ptr<SegmentFiles::File> file;
+  MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(page), SegmentFiles::OpenMode::kMustExist, &file));
+  const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
+  MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, buffer, page_bytes_, offset, file->path));
+  const uint64_t first_slot = page * records_per_page_;
+  for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+    MLKV_RETURN_IF_ERROR(VerifyRecord(buffer + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
+  }
+  return Status::OK();
+}
+
 Status KVStore::CompactSegments(bool all, bool* compacted) {
   *compacted = false;
+  bool into_base, whole_log;
+  {
+    ReaderLock lock(&mu_);
+    into_base = options_.index_budget_bytes > 0 || base_;
+    whole_log = all || IndexOverBudgetLocked();
+  }
+  if (into_base) {  // the log's written pages into the base run: the merge is the compaction
+    uint64_t end_slot = ~0ull;
+    if (!whole_log) {
+      uint64_t first, end;
+      MLKV_RETURN_IF_ERROR(SegmentsToCompact(false, &first, &end));
+      end_slot = end * pages_per_segment_ * records_per_page_;
+    }
+    MLKV_RETURN_IF_ERROR(MergeIntoBase(end_slot, compacted));
+    if (!*compacted) return Status::OK();
+    return all || !options_.cut_checkpoints ? CheckpointConcurrently(nullptr, /*unless_owner_begun=*/!all)
+                                            : Status::OK();
+  }
   uint64_t first, end;
   MLKV_RETURN_IF_ERROR(SegmentsToCompact(all, &first, &end));
   if (end <= first) return Status::OK();

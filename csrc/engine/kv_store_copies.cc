@@ -125,7 +125,7 @@ Status KVStore::LookaheadBatch(const std::vector<int64_t>& keys) {
     const uint64_t head = HeadSlot();
     for (int64_t key : keys) {
       uint64_t slot = index_.Find(key);
-      if (slot == kNone || slot >= head) continue;
+      if (slot == kNone || IsDeletion(slot) || slot >= head) continue;  // rows of the base run are not looked ahead
       reads.push_back(DiskRecord{read_keys.size(), slot});
       read_keys.push_back(key);
     }

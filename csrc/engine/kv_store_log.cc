@@ -115,6 +115,8 @@ Status KVStore::VerifyRecord(const uint8_t* rec, const std::string& file, uint64
 }
 
 void KVStore::MoveLive(uint64_t old_slot, uint64_t new_slot) {
+  old_slot = SlotOf(old_slot);  // a deletion's tombstone counts where it lies
+  new_slot = SlotOf(new_slot);
   if (old_slot != kNone) --live_per_segment_[SegmentOfSlot(old_slot)];
   if (new_slot != kNone) {
     uint64_t s = SegmentOfSlot(new_slot);

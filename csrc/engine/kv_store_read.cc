@@ -38,6 +38,8 @@ Status KVStore::ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vecto
 
 Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found) {
   std::vector<DiskRecord> reads;
+  std::vector<size_t> from_base;  // keys the log holds no record of, that the base run may hold
+  std::shared_ptr<const BaseRuns> base;
   {
     ReaderLock lock(&mu_);
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
@@ -51,8 +53,10 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
     auto stage_locate = [&](size_t j)
                             REQUIRES_SHARED(mu_) { index_.Prefetch(where[j % (2 * kD)] = index_.Locate(keys[j])); };
     auto stage_find = [&](size_t j) REQUIRES_SHARED(mu_) {
-      const uint64_t slot = index_.Find(where[j % (2 * kD)]);
-      slot_of[j % (2 * kD)] = slot;
+      const uint64_t address = index_.Find(where[j % (2 * kD)]);
+      // A deleted base row reads as absent; a key the log does not hold, from the base run.
+      const uint64_t slot = IsDeletion(address) ? kNone : address;
+      slot_of[j % (2 * kD)] = address == kNone && BaseMayHold(keys[j]) ? kBaseSlot : slot;
       if (slot != kNone && slot >= head) {
         const uint8_t* rec = RecordInMemory(slot);
         for (uint32_t line = 0; line < record_bytes_ && line < 1024; line += 64) __builtin_prefetch(rec + line);
@@ -65,7 +69,9 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       if (i + kD < n) stage_find(i + kD);          // reads where[(i + kD) % 2kD]
       if (i + 2 * kD < n) stage_locate(i + 2 * kD);  // overwrites where[i % 2kD], no longer needed
       if (found) found[i] = slot != kNone;
-      if (slot == kNone) {
+      if (slot == kBaseSlot) {
+        from_base.push_back(i);
+      } else if (slot == kNone) {
         if (missing) missing->push_back(keys[i]);
       } else if (slot >= head) {
         std::memcpy(out + i * value_bytes_, RecordInMemory(slot) + sizeof(RecordHeader), value_bytes_);
@@ -75,11 +81,24 @@ Status KVStore::GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector
       }
     }
     memory_hits_ += hits;
-    if (missing && !missing->empty())
+    if (missing && !missing->empty() && from_base.empty())
       return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
+    if (!from_base.empty()) base = base_;
   }
   MLKV_RETURN_IF_ERROR(ReadFromDisk(keys, reads, out));
   if (options_.promote_hot_reads) QueuePromotions(keys, reads, out);
+  if (from_base.empty()) return Status::OK();
+  std::unique_ptr<bool[]> in_base(new bool[n]);
+  MLKV_RETURN_IF_ERROR(ReadFromBase(*base, keys, from_base, out, in_base.get()));
+  for (size_t i : from_base) {
+    if (found) found[i] = in_base[i];
+    if (in_base[i])
+      ++disk_rows_;
+    else if (missing)
+      missing->push_back(keys[i]);
+  }
+  if (missing && !missing->empty())
+    return Status::NotFound(std::to_string(missing->size()) + " keys not in store " + path_);
   return Status::OK();
 }
 
@@ -185,14 +204,16 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
   const uint64_t buffer_pages = std::max<uint64_t>(1, kReadBytes / page_bytes_);
   AlignedBuffer buffer(buffer_pages * page_bytes_);
   while (keys->size() - first_row < max_rows) {
+    if (*cursor >= kScanBase) return ScanBaseRows(cursor, max_rows, first_row, keys, values);
     uint64_t page, pages, segment;
     {
       ReaderLock lock(&mu_);
       if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
       *cursor = std::max(*cursor, begin_);  // compacted past: its rows are further on
+      const uint64_t log_done = base_ ? kScanBase : kScanDone;  // then the base run's rows
       if (*cursor >= tail_) {
-        *cursor = kScanDone;
-        return Status::OK();
+        *cursor = log_done;
+        continue;
       }
       page = PageOf(*cursor);
       if (page >= head_page_) {  // in memory: the rest of the log, under the lock
@@ -201,8 +222,8 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
           MLKV_RETURN_IF_ERROR(take_live(FrameOf(page), page, 1, tail_, path_ + " (memory)", 0));
           *cursor = (page + 1) * records_per_page_;
         }
-        if (*cursor >= tail_) *cursor = kScanDone;
-        return Status::OK();
+        if (*cursor >= tail_) *cursor = log_done;
+        continue;
       }
       // On disk: whole pages of one segment, up to the head, read below without the lock.
       segment = SegmentOfPage(page);
@@ -218,6 +239,38 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
     if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
     MLKV_RETURN_IF_ERROR(take_live(buffer.data, page, pages, tail_, file->path, offset));
     *cursor = (page + pages) * records_per_page_;
+  }
+  return Status::OK();
+}
+
+Status KVStore::ScanBaseRows(uint64_t* cursor, size_t max_rows, size_t first_row, std::vector<int64_t>* keys,
+                             std::vector<uint8_t>* values) {
+  std::vector<int64_t> run_keys;
+  std::vector<uint8_t> run_values;
+  while (*cursor != kScanDone && keys->size() - first_row < max_rows) {
+    std::shared_ptr<const BaseRuns> base;
+    {
+      ReaderLock lock(&mu_);
+      if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
+      base = base_;
+    }
+    const uint64_t block = *cursor - kScanBase;
+    if (!base || block >= base->blocks()) {
+      *cursor = kScanDone;
+      break;
+    }
+    run_keys.clear();
+    run_values.clear();
+    uint64_t next;
+    MLKV_RETURN_IF_ERROR(base->ReadBlocks(block, &run_keys, &run_values, &next));
+    ReaderLock lock(&mu_);
+    for (size_t j = 0; j < run_keys.size(); ++j) {
+      if (index_.Find(run_keys[j]) != kNone) continue;  // the log holds a newer row or its deletion
+      keys->push_back(run_keys[j]);
+      values->insert(values->end(), run_values.begin() + static_cast<std::ptrdiff_t>(j * value_bytes_),
+                     run_values.begin() + static_cast<std::ptrdiff_t>((j + 1) * value_bytes_));
+    }
+    *cursor = next >= base->blocks() ? kScanDone : kScanBase + next;
   }
   return Status::OK();
 }

@@ -43,7 +43,7 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
       reset = false;  // the log scan rebuilds it
     }
   }
-  if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kFormatVersion ||
+  if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kIndexImageVersion ||
                   header.sequence != sequence || (meta.image_age == 0 && header.size != meta.rows) || !reset)) {
     st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
   }
@@ -70,27 +70,41 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
     return st;
   }
   // Unchecked: ForEachAddress calls it while mu_ is held here, which the analysis cannot see through the template.
-  index_.ForEachAddress([&](uint64_t slot) NO_THREAD_SAFETY_ANALYSIS { MoveLive(HashIndex::kNoAddress, slot); });
+  index_.ForEachAddress([&](uint64_t slot) NO_THREAD_SAFETY_ANALYSIS {
+    MoveLive(HashIndex::kNoAddress, slot);
+    deletions_indexed_ = deletions_indexed_ || IsDeletion(slot);
+  });
   return Status::OK();
 }
 
 Status KVStore::ReadCheckpointRecord(const std::string& file, std::string* record) {
   CheckpointMeta meta;
+  std::memset(&meta, 0, sizeof(meta));
   int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::IOError("opening " + file + ": " + ErrnoText(errno));
   const uint64_t size = FileSize(fd);
-  Status st = size == sizeof(meta) ? ReadExactly(fd, &meta, sizeof(meta), 0, file)
-                                   : Status::Corruption(file + " has " + std::to_string(size) + " bytes, expected " +
-                                                        std::to_string(sizeof(meta)));
+  const bool v1 = size == kCheckpointV1Bytes;
+  Status st = size == sizeof(meta) || v1 ? ReadExactly(fd, &meta, size, 0, file)
+                                         : Status::Corruption(file + " has " + std::to_string(size) +
+                                                              " bytes, expected " + std::to_string(sizeof(meta)));
   close(fd);
   MLKV_RETURN_IF_ERROR(st);
-  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 ||
-      meta.crc != Crc32c(0, &meta, offsetof(CheckpointMeta, crc))) {
+  const size_t crc_at = v1 ? kCheckpointV1Bytes - sizeof(uint32_t) : offsetof(CheckpointMeta, crc);
+  uint32_t crc;
+  std::memcpy(&crc, reinterpret_cast<const uint8_t*>(&meta) + crc_at, sizeof(crc));
+  if (std::memcmp(meta.magic, kCheckpointMagic, 8) != 0 || crc != Crc32c(0, &meta, crc_at)) {
     return Status::Corruption(file + " fails its checksum");
   }
-  if (meta.format_version != kFormatVersion) {
+  if (meta.format_version != (v1 ? 1u : kFormatVersion)) {
     return Status::Corruption(file + " has format version " + std::to_string(meta.format_version) +
-                              ", this build reads version " + std::to_string(kFormatVersion));
+                              ", this build reads versions 1 and " + std::to_string(kFormatVersion));
+  }
+  if (v1) {  // version 2 with no base run: `base` sits where image_age was
+    std::memcpy(&meta.image_age, reinterpret_cast<const uint8_t*>(&meta) + kCheckpointV1ImageAge,
+                sizeof(meta.image_age));
+    meta.base = 0;
+    meta.format_version = kFormatVersion;
+    meta.crc = Crc32c(0, &meta, offsetof(CheckpointMeta, crc));
   }
   record->assign(reinterpret_cast<const char*>(&meta), sizeof(meta));
   return Status::OK();
@@ -116,7 +130,13 @@ Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end
     RecordHeader h;
     std::memcpy(&h, rec, sizeof(h));
     if (h.flags & kFlagTombstone) {
-      MoveLive(index_.Erase(h.key), HashIndex::kNoAddress);
+      // A deletion of a base row stays in the index until a merge drops the row.
+      if (BaseMayHold(h.key)) {
+        deletions_indexed_ = true;
+        MoveLive(index_.Upsert(h.key, slot | kDeletionBit), slot);
+      } else {
+        MoveLive(index_.Erase(h.key), HashIndex::kNoAddress);
+      }
     } else {
       MoveLive(index_.Upsert(h.key, slot), slot);
     }
@@ -205,9 +225,9 @@ Status KVStore::ReplaySnapshotPages(const CheckpointMeta& meta, uint64_t flushed
 }
 
 Status KVStore::CheckRecoveredIndex(const CheckpointMeta& meta) {
-  if (index_.size() != meta.rows) {
+  if (LiveLogKeysLocked() != meta.rows) {
     return Status::Corruption(
-        "recovered " + std::to_string(index_.size()) + " rows from " + path_ +
+        "recovered " + std::to_string(LiveLogKeysLocked()) + " rows from " + path_ +
         (recovered_from_index_image_ ? " (through " + IndexImagePath(image_sequence_) + ")" : "") +
         ", its CHECKPOINT says " + std::to_string(meta.rows));
   }
@@ -216,7 +236,7 @@ Status KVStore::CheckRecoveredIndex(const CheckpointMeta& meta) {
   // it: a slot below begin means the image is not this log's.
   bool stale = false;
   const uint64_t begin = begin_;
-  index_.ForEachAddress([&](uint64_t slot) { stale = stale || slot < begin; });
+  index_.ForEachAddress([&](uint64_t address) { stale = stale || SlotOf(address) < begin; });
   if (stale) {
     return Status::Corruption(IndexImagePath(image_sequence_) + " names rows below the log's first slot " +
                               std::to_string(begin_) + "; remove it to recover by a scan of the log");
@@ -230,6 +250,16 @@ Status KVStore::Recover() {
   MLKV_RETURN_IF_ERROR(ChooseCheckpoint(&meta, &older, &latest));
   WriterLock lock(&mu_);
   begin_ = meta.begin;
+  MLKV_RETURN_IF_ERROR(OpenBase(meta.base));  // before the log's deletions are replayed over it
+  checkpointed_base_ = meta.base;
+  previous_base_ = older.sequence < meta.sequence ? older.base : meta.base;
+  if (previous_base_ != meta.base && previous_base_ != 0) {  // its runs stay while it is kept
+    std::vector<uint64_t> ids;
+    MLKV_RETURN_IF_ERROR(ReadBaseManifest(BasePath(previous_base_), previous_base_, &ids));
+    for (uint64_t id : ids) next_run_id_ = std::max(next_run_id_, id + 1);
+    base_runs_of_[previous_base_] = std::move(ids);
+    unnamed_bases_.push_back(previous_base_);
+  }
   checkpoint_sequence_ = meta.sequence;
   checkpoint_record_ = latest;
   if (older.sequence < meta.sequence) {
@@ -288,6 +318,13 @@ void KVStore::RemoveLeftovers(uint64_t first_segment, uint64_t sequence, uint64_
       if (number != sequence && number != previous_sequence) doomed.push_back(name);
     } else if (std::sscanf(name.c_str(), "index-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "dat") == 0) {
       if (number != image_sequence_ && number != previous_image_sequence_) doomed.push_back(name);
+    } else if (std::sscanf(name.c_str(), "base-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "runs") == 0) {
+      if (!base_runs_of_.count(number)) doomed.push_back(name);  // a merge a crash cut short
+    } else if (std::sscanf(name.c_str(), "run-%llu.%7s", &number, tail) == 2 && std::strcmp(tail, "run") == 0) {
+      bool named = false;
+      for (const auto& [g, ids] : base_runs_of_)
+        named = named || std::find(ids.begin(), ids.end(), number) != ids.end();
+      if (!named) doomed.push_back(name);
     } else if (name == "CHECKPOINT.tmp") {
       doomed.push_back(name);
     }

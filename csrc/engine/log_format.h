@@ -11,7 +11,9 @@ namespace mlkv {
 
 constexpr uint16_t kRecordMagic = 0x4B56;  // "VK" little-endian
 constexpr uint16_t kFlagTombstone = 1;
-constexpr uint32_t kFormatVersion = 1;
+// 2: CHECKPOINT names a base run (96 bytes). A version-1 CHECKPOINT (88 bytes, no base run) is read
+// as version 2 with none.
+constexpr uint32_t kFormatVersion = 2;
 
 // Every record starts with this header; the value bytes follow.
 struct RecordHeader {
@@ -35,14 +37,18 @@ struct CheckpointMeta {
   uint64_t begin;    // first slot in the log
   uint64_t flushed;  // slots below are in segment files
   uint64_t tail;     // slots below are the log at the checkpoint
-  uint64_t rows;     // live keys, a cross-check for recovery
+  uint64_t rows;     // keys whose latest record in the log is live, a cross-check for recovery
+  uint64_t base;     // the base run the rows outside the log are in: base-<base>.run (0: none)
   // The index image recovery loads: index-<sequence - image_age>.dat, this checkpoint's own or an
   // earlier one's (the log after it is replayed); kNoIndexImage: none, the whole log is scanned.
   // Files written before images aged hold 0 here: their own image, when there is one.
   uint32_t image_age;
   uint32_t crc;      // CRC-32C of every byte before this field
 };
-static_assert(sizeof(CheckpointMeta) == 88, "checkpoint file is 88 bytes");
+static_assert(sizeof(CheckpointMeta) == 96, "checkpoint file is 96 bytes");
+// Version 1's CHECKPOINT: the same fields but `base`, 88 bytes.
+constexpr size_t kCheckpointV1Bytes = 88;
+constexpr size_t kCheckpointV1ImageAge = 80;
 constexpr char kCheckpointMagic[8] = {'M', 'L', 'K', 'V', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kNoIndexImage = ~0u;
 
@@ -78,5 +84,6 @@ static_assert(offsetof(IndexImageHeader, flushed) - offsetof(IndexImageHeader, s
                   (kIndexImageCheckedWords - 1) * sizeof(uint64_t),
               "the checked words lie side by side");
 constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
+constexpr uint32_t kIndexImageVersion = 1;
 
 }  // namespace mlkv

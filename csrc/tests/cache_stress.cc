@@ -21,6 +21,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "tests/expect.h"
 #include "cache/admission_policy.h"
 #include "cache/read_ahead_queue.h"
 #include "engine/task_pool.h"
@@ -31,26 +32,6 @@
 #include "cache/write_back_buffer.h"
 
 namespace {
-
-int failures = 0;  // under g_report_mu in the threads
-mlkv::Mutex g_report_mu;
-#define EXPECT(cond, ...)                                                        \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      mlkv::MutexLock report_lock(&g_report_mu);                                 \
-      ++failures;                                                                \
-      if (failures <= 20) {                                                      \
-        std::fprintf(stderr, "%s:%d: expected %s: ", __FILE__, __LINE__, #cond); \
-        std::fprintf(stderr, __VA_ARGS__);                                       \
-        std::fprintf(stderr, "\n");                                              \
-      }                                                                          \
-    }                                                                            \
-  } while (0)
-
-int Failures() {
-  mlkv::MutexLock lock(&g_report_mu);
-  return failures;
-}
 
 constexpr int64_t kRowWords = 6;
 constexpr uint32_t kStagedFetches = 8;  // as staging_area.cpp: fetches a staged row may wait
@@ -560,9 +541,9 @@ void ReadAheadQueueTest() {
 int main() {
   int passed = 0, failed = 0;
   auto run = [&](auto&& test) {
-    const int before = Failures();
+    const int before = mlkv_test::Failures();
     test();
-    (Failures() == before ? passed : failed) += 1;
+    (mlkv_test::Failures() == before ? passed : failed) += 1;
   };
   run(StagingTest);
   run(PolicyTest);

@@ -12,23 +12,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tests/expect.h"
 #include "engine/kv_store.h"
 
 using mlkv::KVStore;
 using mlkv::Status;
 
 namespace {
-
-int failures = 0;
-#define EXPECT(cond, ...)                                                      \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      ++failures;                                                              \
-      std::fprintf(stderr, "%s:%d: expected %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                       \
-      std::fprintf(stderr, "\n");                                              \
-    }                                                                          \
-  } while (0)
 
 constexpr uint32_t kDim = 8;
 
@@ -55,9 +45,11 @@ std::unique_ptr<KVStore> MustOpen(const std::string& path, const mlkv::StoreOpti
   return store;
 }
 
-void ModelTest(const std::string& path, uint32_t seed) {
+// index_budget_bytes: with one, the log's keys move into base runs as the test goes.
+void ModelTest(const std::string& path, uint32_t seed, uint64_t index_budget_bytes = 0) {
   std::mt19937_64 rng(seed);
   auto o = SmallOptions();
+  o.index_budget_bytes = index_budget_bytes;
   auto store = MustOpen(path, o);
   std::unordered_map<int64_t, std::vector<float>> model;
   int64_t version = 0;
@@ -106,17 +98,21 @@ void ModelTest(const std::string& path, uint32_t seed) {
       store.reset();
       store = MustOpen(path, o);
     }
-    EXPECT(store->Size() == model.size(), "size %llu vs %zu at step %d", (unsigned long long)store->Size(),
+    uint64_t size = 0;
+    EXPECT(store->Size(&size).ok() && size == model.size(), "size %llu vs %zu at step %d", (unsigned long long)size,
            model.size(), step);
   }
-  EXPECT(store->Stats().disk_rows > 0, "the disk path never ran");
+  mlkv::StoreStats stats;
+  EXPECT(store->Stats(&stats).ok() && stats.disk_rows > 0, "the disk path never ran");
+  EXPECT(index_budget_bytes == 0 || stats.base_merges > 0, "no base run was made");
   EXPECT(store->Close().ok(), "final close");
 }
 
 // `mutable_fraction` below the default leaves the flush task several read-only pages to write at once.
-void ConcurrencyTest(const std::string& path, double mutable_fraction) {
+void ConcurrencyTest(const std::string& path, double mutable_fraction, uint64_t index_budget_bytes = 0) {
   auto o = SmallOptions();
   o.mutable_fraction = mutable_fraction;
+  o.index_budget_bytes = index_budget_bytes;
   auto store = MustOpen(path, o);
   constexpr int64_t kKeys = 4000;
   std::vector<int64_t> all(kKeys);
@@ -202,8 +198,10 @@ int main(int argc, char** argv) {
   std::string dir = argc > 1 ? argv[1] : "/tmp/mlkv-stress";
   std::system(("rm -rf " + dir).c_str());
   for (uint32_t seed = 1; seed <= 3; ++seed) ModelTest(dir + "/model-" + std::to_string(seed), seed);
+  ModelTest(dir + "/model-base", 4, 16 << 10);
   ConcurrencyTest(dir + "/concurrency", 0.9);
   ConcurrencyTest(dir + "/concurrency-batched-flush", 0.5);
-  std::printf("%d passed, %d failed\n", failures == 0 ? 5 : 0, failures);
-  return failures == 0 ? 0 : 1;
+  ConcurrencyTest(dir + "/concurrency-base", 0.9, 16 << 10);
+  std::printf("%d passed, %d failed\n", mlkv_test::Failures() == 0 ? 7 : 0, mlkv_test::Failures());
+  return mlkv_test::Failures() == 0 ? 0 : 1;
 }

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mlkv_torch import DiskEmbeddingBag, optim
-from mlkv_torch.memory_budget import host_memory_for_all_rows, least_host_memory
+from mlkv_torch.memory_budget import host_memory_for_cache, least_host_memory
 from mlkv_torch.row_layout import row_bytes
 
 from conftest import rounding_tolerance
@@ -23,7 +23,7 @@ def row_bytes_of(optimizer, dim: int = DIM, itemsize: int = 4) -> int:
 def budget_for(cache_rows: int, optimizer, dim: int = DIM, itemsize: int = 4) -> int:
     """The smallest memory budget that holds a cache of `cache_rows` rows (with its index), the
     staging area and write-back buffer, and the store's smallest log: the disk path runs."""
-    return host_memory_for_all_rows(1, cache_rows, row_bytes_of(optimizer, dim, itemsize))
+    return host_memory_for_cache(1, NUM, row_bytes_of(optimizer, dim, itemsize), cache_rows)
 
 
 def make(tmp_path, name="t", cache_rows=0, device="cpu", **kwargs):

@@ -170,7 +170,7 @@ def test_stats_report_the_cache(tmp_path):
 
 def test_bad_cache_configuration(tmp_path):
     with pytest.raises(ValueError, match="store needs"):  # the logs and buffers fit, the cache asked for does not
-        DiskEmbeddingBag(NUM, DIM, path=tmp_path / "a", cache_rows=NUM, memory_budget_bytes=40 << 10)
+        DiskEmbeddingBag(NUM, DIM, path=tmp_path / "a", cache_rows=NUM, memory_budget_bytes=48 << 10)
     with pytest.raises(ValueError, match="cannot hold the stores' logs .* use at least"):
         DiskEmbeddingBag(NUM, DIM, path=tmp_path / "a", cache_rows=0, memory_budget_bytes=32 << 10)
     with pytest.raises(ValueError, match="cache_policy"):

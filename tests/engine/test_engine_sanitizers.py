@@ -5,7 +5,8 @@ Runs scripts/sanitize.sh, which builds csrc/engine and the cache's torch-free pa
 csrc/tests/store_stress.cc (random operation sequences against std::unordered_map, then concurrent
 readers, writers, lookahead and checkpoints) and csrc/tests/cache_stress.cc (the admission policy,
 slot index, staging area, write-back buffer and read-ahead queue driven from several threads against a
-reference model) and fails on any sanitizer report.
+reference model) and csrc/tests/base_run_test.cc (the store's sorted runs against std::map, damaged
+files), and fails on any sanitizer report.
 """
 import os
 import shutil
@@ -25,8 +26,9 @@ def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "5 passed, 0 failed" in output  # store_stress
+    assert "7 passed, 0 failed" in output  # store_stress
     assert "12 passed, 0 failed" in output  # cache_stress
+    assert "base_run: 6 passed, 0 failed" in output
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
 
 

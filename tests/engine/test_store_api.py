@@ -407,7 +407,7 @@ def test_fresh_store_files_and_close_idempotent(tmp_path):
     store = KVStore(str(path), DIM, **SMALL_OPTIONS)
     names = set(os.listdir(path))
     assert {"CHECKPOINT", "LOCK"} <= names
-    assert os.path.getsize(path / "CHECKPOINT") == 88
+    assert os.path.getsize(path / "CHECKPOINT") == 96
     assert store.stats()["checkpoints"] == 1
     assert "rows=0" in repr(store) and store.dim == DIM and store.dtype == torch.float32
     assert store.path == str(path)

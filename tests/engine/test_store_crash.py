@@ -64,8 +64,8 @@ CHILD_A_THEN_B = CHILD_PRELUDE + textwrap.dedent(
 # Checkpoint after every batch; prints the batch number once checkpoint() returned.
 CHILD_CHECKPOINT_LOOP = CHILD_PRELUDE + textwrap.dedent(
     """
-    ratio = float(sys.argv[2])
-    store = KVStore(path, DIM, **dict(SMALL_OPTIONS, compaction_ratio=ratio))
+    ratio, index_budget = float(sys.argv[2]), int(sys.argv[3])
+    store = KVStore(path, DIM, **dict(SMALL_OPTIONS, compaction_ratio=ratio, index_budget_bytes=index_budget))
     i = 0
     while True:
         i += 1
@@ -86,7 +86,7 @@ BATCH_SRC = textwrap.dedent(
         return put_keys, delete_keys
     """
 )
-CHILD_CHECKPOINT_LOOP = CHILD_CHECKPOINT_LOOP.replace("ratio = float", BATCH_SRC + "ratio = float", 1)
+CHILD_CHECKPOINT_LOOP = CHILD_CHECKPOINT_LOOP.replace("ratio, index_budget =", BATCH_SRC + "ratio, index_budget =", 1)
 exec(BATCH_SRC)  # defines batch(i) here too
 
 
@@ -190,18 +190,21 @@ def same(store: KVStore, model) -> bool:
     return torch.equal(store.get(torch.tensor(keys)), torch.stack([model[k] for k in keys]))
 
 
-@pytest.mark.parametrize("seed,ratio", [(1, 0.0), (2, 0.0), (3, 1.5)])
-def test_kill_during_checkpoint_loop(tmp_path, seed, ratio):
+# index_budget: the log's keys move into base runs (a merge, which checkpoints after it, as a compaction).
+@pytest.mark.parametrize("seed,ratio,index_budget", [(1, 0.0, 0), (2, 0.0, 0), (3, 1.5, 0), (4, 0.0, 8 << 10),
+                                                     (5, 1.5, 8 << 10)])
+def test_kill_during_checkpoint_loop(tmp_path, seed, ratio, index_budget):
     rng = random.Random(seed)
     path = str(tmp_path / "store")
-    child = Child(CHILD_CHECKPOINT_LOOP, path, str(ratio))
+    child = Child(CHILD_CHECKPOINT_LOOP, path, str(ratio), str(index_budget))
+    merges = ratio or index_budget
     lines = []
     try:
         for _ in range(rng.randrange(3, 25)):
             lines.append(child.read_line())
-        while ratio and int(lines[-1].split()[1]) == 0:  # on until an automatic compaction ran
+        while merges and int(lines[-1].split()[1]) == 0:  # on until an automatic compaction ran
             lines.append(child.read_line())
-        for _ in range(rng.randrange(0, 4) if ratio else 0):
+        for _ in range(rng.randrange(0, 4) if merges else 0):
             lines.append(child.read_line())
         time.sleep(rng.random() * 0.03)
     finally:
@@ -211,13 +214,13 @@ def test_kill_during_checkpoint_loop(tmp_path, seed, ratio):
     assert [p[0] for p in printed] == list(range(1, last + 1))
     checkpoints, after_put = states_after(last)
     allowed = {f"checkpoint {last}": checkpoints[last], f"checkpoint {last + 1}": checkpoints[last + 1]}
-    if ratio:
+    if merges:
         # An automatic compaction inside put(batch) checkpoints right after that put.
         allowed[f"put {last + 1}"] = after_put[last + 1]
     with KVStore(path, DIM, **dict(SMALL_OPTIONS, compaction_ratio=0)) as store:
         matches = [name for name, model in allowed.items() if same(store, model)]
         assert matches, f"reopened store ({len(store)} rows) matches none of {list(allowed)}"
-    if ratio:
+    if merges:
         assert printed[-1][1] > 0, "no compaction ran in the child: the test did not exercise it"
 
 

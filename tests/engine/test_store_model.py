@@ -44,10 +44,11 @@ class StoreMachine(RuleBasedStateMachine):
         direct_io=st.booleans(),
         mutable=st.sampled_from([0.9, 0.3]),
         page_bytes=st.sampled_from([0, 0, 8192]),
+        index_budget=st.sampled_from([0, 0, 8 << 10]),  # 8 KiB: the log's keys move to a base run often
     )
-    def open(self, ratio, engine, direct_io, mutable=0.9, page_bytes=0):
+    def open(self, ratio, engine, direct_io, mutable=0.9, page_bytes=0, index_budget=0):
         self.options = dict(SMALL_OPTIONS, compaction_ratio=ratio, io_engine=engine, direct_io=direct_io,
-                            mutable_fraction=mutable, page_bytes=page_bytes)
+                            mutable_fraction=mutable, page_bytes=page_bytes, index_budget_bytes=index_budget)
         self.store = KVStore(self.path, DIM, **self.options)
         self.page_bytes = self.store.stats()["page_bytes"]
 
@@ -154,11 +155,13 @@ class StoreMachine(RuleBasedStateMachine):
     def compact(self):
         self.store.compact()
 
-    @rule(pages=st.sampled_from([4, 8, 16]))
-    def reopen(self, pages):
-        # The page size is fixed at creation; the budget may change (at least 4 pages).
+    @rule(pages=st.sampled_from([4, 8, 16]), index_budget=st.sampled_from([None, 0, 8 << 10]))
+    def reopen(self, pages, index_budget=None):
+        # The page size is fixed at creation; the budget may change (at least 4 pages), and the index's.
         self.store.close()
         self.options["memory_budget_bytes"] = pages * self.page_bytes
+        if index_budget is not None:
+            self.options["index_budget_bytes"] = index_budget
         self.store = KVStore(self.path, DIM, **self.options)
         assert len(self.store) == len(self.model)
 

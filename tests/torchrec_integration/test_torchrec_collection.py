@@ -258,14 +258,16 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
         DiskEmbeddingBagCollection(configs, path=tmp_path / "tiny", memory_budget_bytes=least_small + least_wide - 1)
     DiskEmbeddingBagCollection(configs, path=tmp_path / "least", memory_budget_bytes=least_small + least_wide).close()
     for bag, tables_in_kernel in ((small, 2), (wide, 1)):
-        cache_rows, log_bytes, staging_rows, write_back_rows = split_host_memory(
+        cache_rows, log_bytes, staging_rows, write_back_rows, index_bytes = split_host_memory(
             bag.memory_budget_bytes, tables_in_kernel, sum(t.num_embeddings for t in bag._batch.tables),
             bag._batch.row_bytes, on_host=True)
         assert bag.cache_rows == cache_rows
         cache_bytes = cache_host_bytes(cache_rows, bag._batch.row_bytes)  # its rows and their index
         staging = buffer_host_bytes(staging_rows, 0, bag._batch.row_bytes)
         write_back = buffer_host_bytes(0, write_back_rows, bag._batch.row_bytes)
-        assert cache_bytes + staging + write_back + tables_in_kernel * log_bytes <= bag.memory_budget_bytes
+        indexes = tables_in_kernel * index_bytes
+        assert cache_bytes + staging + write_back + tables_in_kernel * log_bytes + indexes <= bag.memory_budget_bytes
+        assert 0 < indexes <= bag.memory_budget_bytes // 8  # the stores' indexes: an eighth at most
         assert bag.memory_budget_bytes // 16 < staging <= bag.memory_budget_bytes // 8
         assert bag.memory_budget_bytes // 64 < write_back <= bag.memory_budget_bytes // 32
         # the cache takes most of the rest: the logs an eighth, and what one more cache row would not fill

@@ -177,10 +177,10 @@ def test_the_bytes_charged_equal_the_bytes_opened_for_fixed_and_virtual_tables(p
 
 
 def test_a_small_tables_fraction_sets_its_cache(process_group, tmp_path):
-    # 64 KB of rows: its fraction, not a floor above it, decides what it caches.
+    # 128 KB of rows: its fraction, not a floor above it, decides what it caches.
     cached = {}
     for fraction in (0.05, 0.5, 1.0):
-        _, kernel, _ = _planned_and_opened(tmp_path / str(fraction), [table(rows=2000)], "table_wise", fraction)
+        _, kernel, _ = _planned_and_opened(tmp_path / str(fraction), [table(rows=4000)], "table_wise", fraction)
         (bag,) = kernel.bags
         cached[fraction] = bag.cache_rows
     assert cached[0.05] < cached[0.5] < cached[1.0], cached
