@@ -29,6 +29,9 @@ _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.fl
 # front of it takes the rows updated often, and with half its pages read-only the store's flush
 # writes several at a time (see KVStore::StartPage).
 _STORE_MUTABLE_FRACTION = 0.5
+# The keys a store's index holds at its least size (4096 buckets, 256 KiB) cost no more than that
+# fixed size: a smaller index budget would only merge more often, saving nothing.
+_LEAST_INDEX_BUDGET = 16384 * 32
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -271,7 +274,8 @@ class DiskTableBatch:
                     self.stores.append(KVStore(t.path, self.weight_words + self.state_dim, torch.float32, log_bytes,
                                                expected_rows=t.expected_rows or 0,
                                                mutable_fraction=_STORE_MUTABLE_FRACTION, cut_checkpoints=True,
-                                               checkpoint=checkpoint, index_budget_bytes=spec.memory.index_bytes))
+                                               checkpoint=checkpoint,
+                                               index_budget_bytes=max(spec.memory.index_bytes, _LEAST_INDEX_BUDGET)))
                 except ValueError as e:
                     if checkpoint is None:
                         raise

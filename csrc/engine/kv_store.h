@@ -16,6 +16,7 @@
 // outside it; writers hold it exclusively.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>

@@ -9,7 +9,6 @@
 #endif
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
