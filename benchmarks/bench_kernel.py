@@ -152,6 +152,7 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     for t in range(args.warmup):
         step(t)
     before = _counters(collection)
+    cpu_before = _thread_cpu()
     start = time.perf_counter()
     for t in range(args.warmup, len(batches)):
         step(t)
@@ -159,16 +160,23 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
         collection.flush()  # every update applied inside the timed window
     seconds = time.perf_counter() - start
     after = _counters(collection)
+    cpu_after = _thread_cpu()
     result: Dict[str, Any] = {"config": name, "seconds": seconds, "samples_per_s": args.batch * args.steps / seconds,
                               "losses": losses, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
                               "rss_at_start_mib": rss_at_start_mib,
-                              "threads": len(os.listdir("/proc/self/task"))}
+                              "threads": len(os.listdir("/proc/self/task")),
+                              "thread_cpu_s": {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()
+                                               if v - cpu_before.get(k, 0.0) >= 0.01}}
     if collection is not None:
         result.update(memory_of(collection))
         looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
         result.update(hit_rate=(after["hits"] - before["hits"]) / max(1, looked_up),
                       disk_reads_per_step=(after["disk_reads"] - before["disk_reads"]) / args.steps,
                       misses_per_step=(after["misses"] - before["misses"]) / args.steps,
+                      base_merges=after["base_merges"] - before["base_merges"],
+                      base_rows_written_per_step=(after["base_rows_written"]
+                                                  - before["base_rows_written"]) / args.steps,
+                      write_stalls=after["write_stalls"] - before["write_stalls"],
                       read_ahead_wait_ms_per_step=(after["read_ahead_wait_ms"]
                                                    - before["read_ahead_wait_ms"]) / args.steps,
                       step_ms=seconds / args.steps * 1e3)
@@ -221,6 +229,21 @@ def first_time_ids_per_step(batches, warmup: int) -> float:
     return new / max(1, len(batches) - warmup)
 
 
+def _thread_cpu() -> Dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, summed by thread name."""
+    out: Dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def _counters(collection) -> Dict[str, int]:
     if collection is None:
         return {}
@@ -229,6 +252,9 @@ def _counters(collection) -> Dict[str, int]:
     return {"hits": sum(s["cache_hits"] for s in stats.values()),
             "misses": sum(s["cache_misses"] for s in stats.values()),
             "disk_reads": sum(s["disk_reads"] for s in stats.values()),
+            "base_merges": sum(s.get("base_merges", 0) for s in stats.values()),
+            "base_rows_written": sum(s.get("base_rows_written", 0) for s in stats.values()),
+            "write_stalls": sum(s.get("write_stalls", 0) for s in stats.values()),
             "read_ahead_wait_ms": sum(stats[names[0]]["read_ahead_wait_ms"] for names in kernels_of(collection))}
 
 
@@ -304,6 +330,9 @@ def main(argv: List[str]) -> int:
                   "(and populated), "
                   f"{r['rss_at_start_mib']:,.0f} after: they and training added {growth:,.0f}, the budget + indexes + "
                   f"{growth - r['budget_mib'] - r['store_indexes_mib']:,.0f}")
+            print(f"{r['config']}, the stores' merges into base runs in the timed steps: {r['base_merges']}, "
+                  f"{r['base_rows_written_per_step']:,.0f} rows written a step; CPU seconds by thread: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["thread_cpu_s"].items(), key=lambda kv: -kv[1])))
     first_seen = first_time_ids_per_step(batches, args.warmup)
     print(f"first-time ids per timed step (an infinite cache's misses): {first_seen:,.0f}")
     for r in results:

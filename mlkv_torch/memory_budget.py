@@ -164,6 +164,19 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     return HostMemorySplit(cache_rows, max(log_floor, left // num_tables), staging_rows, write_back_rows, index_bytes)
 
 
+def index_budgets(index_bytes: int, table_rows: Sequence[int]) -> List[int]:
+    """Each table's store index budget (`KVStore(index_budget_bytes=)`): the tables' share
+    (`index_bytes` each, `split_host_memory`'s) divided in proportion to their rows, so a large
+    table merges no more often than a small one would; none below what an index holds at its least
+    size (a fixed cost: a smaller budget would only merge more often, saving nothing)."""
+    total_rows = max(1, sum(table_rows))
+    share = index_bytes * len(table_rows)
+    return [max(LEAST_INDEX_BUDGET, share * rows // total_rows) for rows in table_rows]
+
+
+# The keys a store's index holds at its least size (4096 buckets of 64 bytes, 256 KiB) at the 16
+# bytes a key KVStore charges.
+LEAST_INDEX_BUDGET = 16384 * 16
 _INDEX_SHARE = 8              # the stores' indexes: an eighth of the budget,
 _STAGING_SHARE = 8            # the staging area: an eighth of the budget,
 _WRITE_BACK_SHARE = 32        # the write-back buffer: a thirty-second,

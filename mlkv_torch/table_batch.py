@@ -17,7 +17,7 @@ from .cache_keys import cache_key, row_of, table_of
 from .checks import is_int
 from .cut import CutPart, check_cut
 from .disk_table import DiskTable, settle_reopened
-from .memory_budget import HostMemorySplit
+from .memory_budget import HostMemorySplit, index_budgets
 from .row_layout import RowLayout
 from .store import KVStore, RocksDBStore
 from .table_settings import BatchSettings
@@ -29,9 +29,6 @@ _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.fl
 # front of it takes the rows updated often, and with half its pages read-only the store's flush
 # writes several at a time (see KVStore::StartPage).
 _STORE_MUTABLE_FRACTION = 0.5
-# The keys a store's index holds at its least size (4096 buckets, 256 KiB) cost no more than that
-# fixed size: a smaller index budget would only merge more often, saving nothing.
-_LEAST_INDEX_BUDGET = 16384 * 32
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -262,6 +259,7 @@ class DiskTableBatch:
         self.anchors = [nn.Parameter(torch.empty(0, self.embedding_dim)) for _ in self.tables]
         at_cut = self._entries_at(cut) if cut is not None else None
         self.stores: List[Union[KVStore, RocksDBStore]] = []
+        index_budget = index_budgets(spec.memory.index_bytes, [t.num_embeddings for t in self.tables])
         try:
             for i, t in enumerate(self.tables):
                 if self.backend == "rocksdb":
@@ -275,7 +273,7 @@ class DiskTableBatch:
                                                expected_rows=t.expected_rows or 0,
                                                mutable_fraction=_STORE_MUTABLE_FRACTION, cut_checkpoints=True,
                                                checkpoint=checkpoint,
-                                               index_budget_bytes=max(spec.memory.index_bytes, _LEAST_INDEX_BUDGET)))
+                                               index_budget_bytes=index_budget[i]))
                 except ValueError as e:
                     if checkpoint is None:
                         raise

@@ -169,6 +169,7 @@ class Store : public RowStoreHandle {
     d["disk_bytes"] = s.disk_bytes;
     d["base_rows"] = s.base_rows;
     d["base_runs"] = s.base_runs;
+    d["base_overlays"] = s.base_overlays;
     d["base_disk_bytes"] = s.base_disk_bytes;
     d["base_reads"] = s.base_reads;
     d["base_merges"] = s.base_merges;

@@ -12,7 +12,9 @@
 namespace mlkv {
 namespace {
 
-constexpr uint32_t kBaseRunVersion = 1;
+constexpr uint32_t kBaseRunVersion = 2;  // 1: no deletions or filter (read as none)
+constexpr uint32_t kManifestVersion = 2;  // 1: runs alone, no overlays or count
+constexpr uint64_t kFilterHashes = 7;  // the best for 10 bits a key: ln 2 * 10
 constexpr uint64_t kWriteBufferBytes = 1ull << 20;  // blocks written at once
 constexpr uint64_t kCursorReadBytes = 4ull << 20;   // one sequential read of a cursor
 constexpr size_t kMaxBlocksPerRound = 4096;         // bounds a lookup's read buffer
@@ -41,11 +43,44 @@ std::vector<uint8_t> FenceSection(const std::vector<int64_t>& fences, const std:
   return bytes;
 }
 
+// splitmix64's finalizer: keys that differ in one bit land on unrelated filter bits.
+uint64_t MixKey(int64_t key) {
+  uint64_t z = static_cast<uint64_t>(key) + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+void AppendBytes(std::vector<uint8_t>* bytes, const void* data, size_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  bytes->insert(bytes->end(), p, p + n);
+}
+
 std::string BlockPlace(const std::string& path, uint64_t index, uint64_t block_bytes) {
   return path + ": block " + std::to_string(index) + " at byte offset " + std::to_string(index * block_bytes);
 }
 
 }  // namespace
+
+BloomFilter::BloomFilter(uint64_t keys)
+    : hashes_(kFilterHashes), words_(std::max<uint64_t>(1, (keys * kBitsPerKey + 63) / 64), 0) {}
+
+// Double hashing: probe i is h + i * step, about as few false yeses as independent hashes (Kirsch and
+// Mitzenmacher).
+void BloomFilter::Add(int64_t key) {
+  const uint64_t h = MixKey(key), bits = words_.size() * 64, step = 1 + (h >> 32) % (bits - 1);
+  for (uint64_t i = 0, bit = h % bits; i < hashes_; ++i, bit = (bit + step) % bits)
+    words_[bit / 64] |= 1ull << (bit % 64);
+}
+
+bool BloomFilter::MayHold(int64_t key) const {
+  if (words_.empty()) return true;
+  const uint64_t h = MixKey(key), bits = words_.size() * 64, step = 1 + (h >> 32) % (bits - 1);
+  for (uint64_t i = 0, bit = h % bits; i < hashes_; ++i, bit = (bit + step) % bits) {
+    if (!((words_[bit / 64] >> (bit % 64)) & 1)) return false;
+  }
+  return true;
+}
 
 uint64_t BaseBlockBytes(uint32_t value_bytes) {
   return RoundUp(sizeof(BaseBlockHeader) + sizeof(int64_t) + value_bytes, kBlockBytes);
@@ -53,22 +88,23 @@ uint64_t BaseBlockBytes(uint32_t value_bytes) {
 
 // ---- writing ---------------------------------------------------------------------------------------
 
-Status BaseRunWriter::Create(const std::string& path, uint32_t value_bytes, uint64_t generation,
+Status BaseRunWriter::Create(const std::string& path, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys,
                              std::unique_ptr<BaseRunWriter>* out) {
   if (value_bytes == 0) return Status::InvalidArgument("a base run's rows need at least one byte");
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::IOError("creating " + path + ": " + ErrnoText(errno));
-  out->reset(new BaseRunWriter(path, fd, value_bytes, generation));
+  out->reset(new BaseRunWriter(path, fd, value_bytes, generation, filter_keys));
   return Status::OK();
 }
 
-BaseRunWriter::BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation)
+BaseRunWriter::BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys)
     : path_(std::move(path)),
       fd_(fd),
       value_bytes_(value_bytes),
       generation_(generation),
       block_bytes_(BaseBlockBytes(value_bytes)),
-      rows_per_block_((block_bytes_ - sizeof(BaseBlockHeader)) / (sizeof(int64_t) + value_bytes)) {
+      rows_per_block_((block_bytes_ - sizeof(BaseBlockHeader)) / (sizeof(int64_t) + value_bytes)),
+      filter_(filter_keys ? BloomFilter(filter_keys) : BloomFilter()) {
   buffer_.assign(block_bytes_, 0);
 }
 
@@ -76,12 +112,25 @@ BaseRunWriter::~BaseRunWriter() {
   if (fd_ >= 0) close(fd_);
 }
 
-Status BaseRunWriter::Add(int64_t key, const uint8_t* value) {
+Status BaseRunWriter::CheckOrder(int64_t key) const {
   if (finished_) return Status::InvalidArgument(path_ + " is finished");
-  if (key <= last_key_) {
+  if (key <= last_entry_) {
     return Status::InvalidArgument("base run " + path_ + ": key " + std::to_string(key) + " after key " +
-                                   std::to_string(last_key_) + " (keys go in increasing order)");
+                                   std::to_string(last_entry_) + " (keys go in increasing order)");
   }
+  return Status::OK();
+}
+
+Status BaseRunWriter::AddDeletion(int64_t key) {
+  MLKV_RETURN_IF_ERROR(CheckOrder(key));
+  deletions_.push_back(key);
+  last_entry_ = key;
+  return Status::OK();
+}
+
+Status BaseRunWriter::Add(int64_t key, const uint8_t* value) {
+  MLKV_RETURN_IF_ERROR(CheckOrder(key));
+  if (!filter_.empty()) filter_.Add(key);
   if (rows_in_block_ == rows_per_block_) MLKV_RETURN_IF_ERROR(SealBlock());
   uint8_t* block = buffer_.data() + buffered_blocks_ * block_bytes_;
   if (rows_in_block_ == 0) {
@@ -96,7 +145,7 @@ Status BaseRunWriter::Add(int64_t key, const uint8_t* value) {
   std::memcpy(row + sizeof(key), value, value_bytes_);
   ++rows_in_block_;
   ++rows_;
-  last_key_ = key;
+  last_key_ = last_entry_ = key;
   return Status::OK();
 }
 
@@ -135,6 +184,12 @@ Status BaseRunWriter::Finish() {
   MLKV_RETURN_IF_ERROR(WriteBuffer());
   const uint64_t fence_offset = written_blocks_ * block_bytes_;
   std::vector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
+  const uint64_t deletions = deletions_.size(), hashes = filter_.hashes(), words = filter_.words().size();
+  AppendBytes(&section, &deletions, sizeof(deletions));
+  AppendBytes(&section, deletions_.data(), deletions * sizeof(int64_t));
+  AppendBytes(&section, &hashes, sizeof(hashes));
+  AppendBytes(&section, &words, sizeof(words));
+  AppendBytes(&section, filter_.words().data(), words * sizeof(uint64_t));
   const uint64_t fence_bytes = section.size();
   MLKV_RETURN_IF_ERROR(WriteFully(fd_, section.data(), fence_bytes, fence_offset, path_));
   BaseRunTrailer trailer{};
@@ -185,9 +240,9 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
     return Status::Corruption("base run " + path +
                               ": its trailer (the last 64 bytes) is damaged or the file truncated");
   }
-  if (trailer.format_version != kBaseRunVersion) {
+  if (trailer.format_version != 1 && trailer.format_version != kBaseRunVersion) {
     return Status::Corruption("base run " + path + " has format version " + std::to_string(trailer.format_version) +
-                              ", this build reads " + std::to_string(kBaseRunVersion));
+                              ", this build reads 1 to " + std::to_string(kBaseRunVersion));
   }
   if (trailer.generation != generation) {
     return Status::Corruption("base run " + path + " is run " + std::to_string(trailer.generation) + ", not " +
@@ -197,10 +252,11 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
     return Status::InvalidArgument("base run " + path + " holds rows of " + std::to_string(trailer.value_bytes) +
                                    " bytes, not " + std::to_string(value_bytes));
   }
-  const uint64_t fence_bytes = FenceSectionBytes(trailer.blocks);
+  const uint64_t fence_bytes =
+      run->file_bytes_ - sizeof(trailer) - std::min(trailer.fence_offset, run->file_bytes_ - sizeof(trailer));
   if (trailer.block_bytes != BaseBlockBytes(value_bytes) ||
       trailer.fence_offset != trailer.blocks * trailer.block_bytes ||
-      trailer.fence_offset + fence_bytes + sizeof(trailer) != run->file_bytes_) {
+      trailer.fence_offset + FenceSectionBytes(trailer.blocks) + sizeof(trailer) > run->file_bytes_) {
     return Status::Corruption("base run " + path + ": its trailer does not fit the file's " +
                               std::to_string(run->file_bytes_) + " bytes");
   }
@@ -212,15 +268,7 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
     return Status::Corruption("base run " + path + ": its fences (byte offset " + std::to_string(trailer.fence_offset) +
                               ") fail their checksum");
   }
-  run->fences_.resize(trailer.blocks);
-  run->gapless_.resize(BitmapWords(trailer.blocks));
-  const uint8_t* p = section.data();
-  if (trailer.blocks) {
-    std::memcpy(run->fences_.data(), p, trailer.blocks * sizeof(int64_t));
-    std::memcpy(run->gapless_.data(), p + trailer.blocks * sizeof(int64_t), run->gapless_.size() * sizeof(uint64_t));
-  }
-  p += trailer.blocks * sizeof(int64_t) + run->gapless_.size() * sizeof(uint64_t);
-  std::memcpy(&run->last_key_, p, sizeof(run->last_key_));
+  MLKV_RETURN_IF_ERROR(run->ParseFenceSection(section, trailer.blocks, trailer.format_version));
   if (direct_io) {  // blocks bypass the page cache, as the log's segments do: the budget is the bound
     const int direct = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
     if (direct >= 0) {
@@ -232,6 +280,36 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
   return Status::OK();
 }
 
+Status BaseRun::ParseFenceSection(const std::vector<uint8_t>& section, uint64_t blocks, uint32_t format_version) {
+  const uint8_t* p = section.data();
+  const uint8_t* const end = p + section.size();
+  auto take = [&](void* to, uint64_t n) {
+    if (static_cast<uint64_t>(end - p) < n) return false;
+    if (n) std::memcpy(to, p, n);
+    p += n;
+    return true;
+  };
+  fences_.resize(blocks);
+  gapless_.resize(BitmapWords(blocks));
+  bool whole = take(fences_.data(), blocks * sizeof(int64_t)) &&
+               take(gapless_.data(), gapless_.size() * sizeof(uint64_t)) && take(&last_key_, sizeof(last_key_));
+  if (whole && format_version >= 2) {
+    uint64_t deletions = 0, hashes = 0, words = 0;
+    whole = take(&deletions, sizeof(deletions)) && deletions <= section.size() / sizeof(int64_t);
+    if (whole) deletions_.resize(deletions);
+    whole = whole && take(deletions_.data(), deletions * sizeof(int64_t)) && take(&hashes, sizeof(hashes)) &&
+            take(&words, sizeof(words)) && words <= section.size() / sizeof(uint64_t);
+    std::vector<uint64_t> filter(whole ? words : 0);
+    whole = whole && take(filter.data(), words * sizeof(uint64_t)) && (words == 0) == (hashes == 0);
+    if (whole) filter_ = BloomFilter(hashes, std::move(filter));
+  }
+  if (!whole || p != end) {
+    return Status::Corruption("base run " + path_ + ": its fence section's parts do not fit its " +
+                              std::to_string(section.size()) + " bytes");
+  }
+  return Status::OK();
+}
+
 int64_t BaseRun::BlockOf(int64_t key) const {
   auto it = std::upper_bound(fences_.begin(), fences_.end(), key);
   return static_cast<int64_t>(it - fences_.begin()) - 1;
@@ -239,7 +317,7 @@ int64_t BaseRun::BlockOf(int64_t key) const {
 
 BaseRun::Presence BaseRun::PresenceOf(int64_t key) const {
   const int64_t block = BlockOf(key);
-  if (block < 0 || key > last_key_) return Presence::kAbsent;
+  if (block < 0 || key > last_key_ || !filter_.MayHold(key)) return Presence::kAbsent;
   if (key == fences_[block]) return Presence::kPresent;
   return (gapless_[block / 64] >> (block % 64)) & 1 ? Presence::kPresent : Presence::kMaybe;
 }
@@ -258,72 +336,58 @@ Status BaseRun::CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count)
 
 Status BaseRun::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                        uint64_t* blocks_read) const {
+  return LookupParts({{this, keys, n, out, found}}, reader, blocks_read);
+}
+
+Status BaseRun::LookupParts(const std::vector<Part>& parts, BlockReader* reader, uint64_t* blocks_read) {
   struct Want {
+    size_t part;
     int64_t block;
     size_t index;
   };
   std::vector<Want> wants;
-  wants.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    found[i] = false;
-    const int64_t block = BlockOf(keys[i]);
-    if (block >= 0) wants.push_back({block, i});
+  uint64_t block_bytes = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const Part& part = parts[p];
+    block_bytes = std::max(block_bytes, part.run->block_bytes_);
+    for (size_t i = 0; i < part.n; ++i) {
+      part.found[i] = false;
+      const int64_t block = part.run->BlockOf(part.keys[i]);
+      if (block >= 0) wants.push_back({p, block, i});
+    }
   }
-  std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) { return a.block < b.block; });
+  std::sort(wants.begin(), wants.end(),
+            [](const Want& a, const Want& b) { return a.part != b.part ? a.part < b.part : a.block < b.block; });
   const size_t max_blocks = std::min(wants.size(), kMaxBlocksPerRound);
-  AlignedBuffer buffer(max_blocks * block_bytes_);
-  if (max_blocks && !buffer.data) return Status::IOError("cannot allocate a read buffer for " + path_);
-  const size_t row_bytes = sizeof(int64_t) + value_bytes_;
+  AlignedBuffer buffer(max_blocks * block_bytes);
+  if (max_blocks && !buffer.data) return Status::IOError("cannot allocate a read buffer for a base lookup");
   std::vector<ReadRequest> requests;
   std::vector<size_t> first_want;  // per request: its first want
+  std::vector<size_t> indexes;     // the keys (of its part) a block was read for
   size_t pos = 0;
   while (pos < wants.size()) {
     requests.clear();
     first_want.clear();
     size_t end = pos;
     for (; end < wants.size(); ++end) {
-      if (end > pos && wants[end].block == wants[end - 1].block) continue;
+      if (end > pos && wants[end].part == wants[end - 1].part && wants[end].block == wants[end - 1].block) continue;
       if (requests.size() == max_blocks) break;
+      const BaseRun& run = *parts[wants[end].part].run;
       ReadRequest req;
-      req.fd = fd_;
-      req.offset = static_cast<uint64_t>(wants[end].block) * block_bytes_;
-      req.length = static_cast<uint32_t>(block_bytes_);
-      req.buffer = buffer.data + requests.size() * block_bytes_;
+      req.fd = run.fd_;
+      req.offset = static_cast<uint64_t>(wants[end].block) * run.block_bytes_;
+      req.length = static_cast<uint32_t>(run.block_bytes_);
+      req.buffer = buffer.data + requests.size() * block_bytes;
       requests.push_back(req);
       first_want.push_back(end);
     }
     MLKV_RETURN_IF_ERROR(reader->ReadAll(requests.data(), requests.size()));
     first_want.push_back(end);
     for (size_t r = 0; r < requests.size(); ++r) {
-      const ReadRequest& req = requests[r];
-      const uint64_t index = req.offset / block_bytes_;
-      if (req.result < 0) return Status::IOError("reading " + path_ + ": " + ErrnoText(static_cast<int>(-req.result)));
-      if (static_cast<uint64_t>(req.result) < req.length) {
-        return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " is truncated");
-      }
-      uint32_t count;
-      MLKV_RETURN_IF_ERROR(CheckBlock(req.buffer, index, &count));
-      const uint8_t* rows = req.buffer + sizeof(BaseBlockHeader);
-      auto key_at = [&](uint32_t j) {
-        int64_t k;
-        std::memcpy(&k, rows + j * row_bytes, sizeof(k));
-        return k;
-      };
-      for (size_t w = first_want[r]; w < first_want[r + 1]; ++w) {
-        const int64_t key = keys[wants[w].index];
-        uint32_t lo = 0, hi = count;  // the first row whose key is not below `key`
-        while (lo < hi) {
-          const uint32_t mid = (lo + hi) / 2;
-          if (key_at(mid) < key)
-            lo = mid + 1;
-          else
-            hi = mid;
-        }
-        if (lo < count && key_at(lo) == key) {
-          std::memcpy(out + wants[w].index * value_bytes_, rows + lo * row_bytes + sizeof(int64_t), value_bytes_);
-          found[wants[w].index] = true;
-        }
-      }
+      const Part& part = parts[wants[first_want[r]].part];
+      indexes.clear();
+      for (size_t w = first_want[r]; w < first_want[r + 1]; ++w) indexes.push_back(wants[w].index);
+      MLKV_RETURN_IF_ERROR(part.run->FindInBlock(requests[r], part, indexes));
     }
     if (blocks_read) *blocks_read += requests.size();
     pos = end;
@@ -331,12 +395,41 @@ Status BaseRun::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found,
   return Status::OK();
 }
 
-Status BaseRun::ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vector<uint8_t>* values,
-                           uint64_t* next) const {
-  const uint64_t total = fences_.size();
-  const uint64_t blocks =
-      std::min(std::max<uint64_t>(1, kCursorReadBytes / block_bytes_), total - std::min(first, total));
-  *next = first + blocks;
+Status BaseRun::FindInBlock(const ReadRequest& req, const Part& part, const std::vector<size_t>& indexes) const {
+  const uint64_t index = req.offset / block_bytes_;
+  if (req.result < 0) return Status::IOError("reading " + path_ + ": " + ErrnoText(static_cast<int>(-req.result)));
+  if (static_cast<uint64_t>(req.result) < req.length) {
+    return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " is truncated");
+  }
+  uint32_t count;
+  MLKV_RETURN_IF_ERROR(CheckBlock(req.buffer, index, &count));
+  const size_t row_bytes = sizeof(int64_t) + value_bytes_;
+  const uint8_t* rows = req.buffer + sizeof(BaseBlockHeader);
+  auto key_at = [&](uint32_t j) {
+    int64_t k;
+    std::memcpy(&k, rows + j * row_bytes, sizeof(k));
+    return k;
+  };
+  for (size_t i : indexes) {
+    const int64_t key = part.keys[i];
+    uint32_t lo = 0, hi = count;  // the first row whose key is not below `key`
+    while (lo < hi) {
+      const uint32_t mid = (lo + hi) / 2;
+      if (key_at(mid) < key)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    if (lo < count && key_at(lo) == key) {
+      std::memcpy(part.out + i * value_bytes_, rows + lo * row_bytes + sizeof(int64_t), value_bytes_);
+      part.found[i] = true;
+    }
+  }
+  return Status::OK();
+}
+
+Status BaseRun::AppendBlocks(uint64_t first, uint64_t blocks, std::vector<int64_t>* keys,
+                             std::vector<uint8_t>* values) const {
   if (blocks == 0) return Status::OK();
   AlignedBuffer buffer(blocks * block_bytes_);
   if (!buffer.data) return Status::IOError("cannot allocate a read buffer for " + path_);
@@ -357,10 +450,43 @@ Status BaseRun::ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vect
   return Status::OK();
 }
 
-// ---- the base: runs in key order ---------------------------------------------------------------
+Status BaseRun::ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vector<uint8_t>* values,
+                           uint64_t* next) const {
+  const uint64_t total = fences_.size();
+  const uint64_t blocks =
+      std::min(std::max<uint64_t>(1, kCursorReadBytes / block_bytes_), total - std::min(first, total));
+  *next = first + blocks;
+  return AppendBlocks(first, blocks, keys, values);
+}
 
-BaseRuns::BaseRuns(std::vector<std::shared_ptr<const BaseRun>> runs, std::vector<uint64_t> ids)
-    : runs_(std::move(runs)), ids_(std::move(ids)) {}
+Status BaseRun::ReadKeyRange(int64_t lo, int64_t hi, std::vector<int64_t>* keys, std::vector<uint8_t>* values) const {
+  if (fences_.empty() || lo > last_key_ || hi < fences_[0] || lo > hi) return Status::OK();
+  const uint64_t first = static_cast<uint64_t>(std::max<int64_t>(0, BlockOf(lo)));
+  const uint64_t end = static_cast<uint64_t>(BlockOf(hi)) + 1;
+  const uint64_t chunk = std::max<uint64_t>(1, kCursorReadBytes / block_bytes_);
+  std::vector<int64_t> block_keys;
+  std::vector<uint8_t> block_values;
+  for (uint64_t b = first; b < end; b += chunk) {
+    block_keys.clear();
+    block_values.clear();
+    MLKV_RETURN_IF_ERROR(AppendBlocks(b, std::min(chunk, end - b), &block_keys, &block_values));
+    for (size_t j = 0; j < block_keys.size(); ++j) {
+      if (block_keys[j] < lo || block_keys[j] > hi) continue;
+      keys->push_back(block_keys[j]);
+      values->insert(values->end(), block_values.begin() + static_cast<std::ptrdiff_t>(j * value_bytes_),
+                     block_values.begin() + static_cast<std::ptrdiff_t>((j + 1) * value_bytes_));
+    }
+  }
+  return Status::OK();
+}
+
+// ---- the base: a bottom of runs in key order, and overlays -----------------------------------------
+
+BaseRuns::BaseRuns(std::vector<std::shared_ptr<const BaseRun>> runs,
+                   std::vector<std::shared_ptr<const BaseRun>> overlays, BaseManifest manifest)
+    : runs_(std::move(runs)), overlays_(std::move(overlays)), manifest_(std::move(manifest)) {
+  if (manifest_.rows == kRowsUncounted) manifest_.rows = bottom_rows();  // format 1: the bottom alone
+}
 
 int64_t BaseRuns::RunOf(int64_t key) const {
   auto it = std::upper_bound(runs_.begin(), runs_.end(), key,
@@ -368,57 +494,162 @@ int64_t BaseRuns::RunOf(int64_t key) const {
   return static_cast<int64_t>(it - runs_.begin()) - 1;
 }
 
-BaseRun::Presence BaseRuns::PresenceOf(int64_t key) const {
+BaseRun::Presence BaseRuns::BottomPresenceOf(int64_t key) const {
   const int64_t run = RunOf(key);
   return run < 0 ? BaseRun::Presence::kAbsent : runs_[run]->PresenceOf(key);
 }
 
+BaseRun::Presence BaseRuns::PresenceOf(int64_t key) const {
+  using Presence = BaseRun::Presence;
+  bool maybe = false;  // a newer overlay may hold a row of it
+  for (auto it = overlays_.rbegin(); it != overlays_.rend(); ++it) {
+    if ((*it)->Deletes(key)) return maybe ? Presence::kMaybe : Presence::kAbsent;
+    const Presence presence = (*it)->PresenceOf(key);
+    if (presence == Presence::kPresent) return presence;
+    maybe = maybe || presence == Presence::kMaybe;
+  }
+  const Presence bottom = BottomPresenceOf(key);
+  return bottom == Presence::kAbsent && maybe ? Presence::kMaybe : bottom;
+}
+
 Status BaseRuns::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                         uint64_t* blocks_read) const {
-  if (runs_.size() == 1) return runs_[0]->Lookup(keys, n, out, found, reader, blocks_read);
-  std::vector<std::vector<size_t>> of_run(runs_.size());
+  // Each key asks one run a round: the newest overlay (below the ones it asked) that may hold it,
+  // unless a newer one deletes it; else the bottom's run of its range. A key an overlay's filter let
+  // through and the overlay does not hold (one in a hundred) asks again.
+  std::vector<size_t> left(n), next;
+  std::vector<size_t> below(n, overlays_.size());  // overlays a key has yet to ask: those under this
   for (size_t i = 0; i < n; ++i) {
     found[i] = false;
-    const int64_t run = RunOf(keys[i]);
-    if (run >= 0) of_run[run].push_back(i);
+    left[i] = i;
   }
-  for (size_t r = 0; r < runs_.size(); ++r) {
-    if (of_run[r].empty()) continue;
-    std::vector<int64_t> run_keys(of_run[r].size());
-    for (size_t j = 0; j < of_run[r].size(); ++j) run_keys[j] = keys[of_run[r][j]];
-    const uint32_t value_bytes = runs_[r]->value_bytes();
-    std::vector<uint8_t> values(run_keys.size() * value_bytes);
-    std::unique_ptr<bool[]> hit(new bool[run_keys.size()]);
-    MLKV_RETURN_IF_ERROR(
-        runs_[r]->Lookup(run_keys.data(), run_keys.size(), values.data(), hit.get(), reader, blocks_read));
-    for (size_t j = 0; j < of_run[r].size(); ++j) {
-      if (!hit[j]) continue;
-      found[of_run[r][j]] = true;
-      std::memcpy(out + of_run[r][j] * value_bytes, values.data() + j * value_bytes, value_bytes);
+  const size_t runs = overlays_.size() + runs_.size();  // overlays first, then the bottom's runs
+  struct Asked {
+    std::vector<size_t> indexes;
+    std::vector<int64_t> keys;
+    std::vector<uint8_t> values;
+    std::unique_ptr<bool[]> found;
+  };
+  while (!left.empty()) {
+    std::vector<Asked> asked(runs);
+    for (size_t i : left) {
+      size_t o = below[i];
+      bool deleted = false;
+      for (; o > 0; --o) {
+        const BaseRun& overlay = *overlays_[o - 1];
+        if ((deleted = overlay.Deletes(keys[i]))) break;
+        if (overlay.PresenceOf(keys[i]) != BaseRun::Presence::kAbsent) break;
+      }
+      if (deleted) continue;
+      const int64_t run = o > 0 ? static_cast<int64_t>(o - 1) : RunOf(keys[i]);
+      if (run < 0) continue;  // below the bottom's keys
+      below[i] = o > 0 ? o - 1 : 0;
+      asked[o > 0 ? run : overlays_.size() + run].indexes.push_back(i);
     }
+    std::vector<BaseRun::Part> parts;
+    for (size_t r = 0; r < runs; ++r) {
+      Asked& a = asked[r];
+      if (a.indexes.empty()) continue;
+      const BaseRun* run = r < overlays_.size() ? overlays_[r].get() : runs_[r - overlays_.size()].get();
+      for (size_t i : a.indexes) a.keys.push_back(keys[i]);
+      a.values.resize(a.keys.size() * run->value_bytes());
+      a.found.reset(new bool[a.keys.size()]);
+      parts.push_back({run, a.keys.data(), a.keys.size(), a.values.data(), a.found.get()});
+    }
+    MLKV_RETURN_IF_ERROR(BaseRun::LookupParts(parts, reader, blocks_read));
+    next.clear();
+    for (size_t r = 0; r < runs; ++r) {
+      const Asked& a = asked[r];
+      for (size_t j = 0; j < a.indexes.size(); ++j) {
+        const size_t i = a.indexes[j], value_bytes = a.values.size() / a.keys.size();
+        if (a.found[j]) {
+          found[i] = true;
+          std::memcpy(out + i * value_bytes, a.values.data() + j * value_bytes, value_bytes);
+        } else if (r < overlays_.size()) {
+          next.push_back(i);  // the filter let it through: the runs under this overlay
+        }
+      }
+    }
+    left.swap(next);
   }
   return Status::OK();
+}
+
+int64_t BaseRuns::FenceOf(uint64_t block) const {
+  for (const auto& run : runs_) {
+    if (block < run->blocks()) return run->fence(block);
+    block -= run->blocks();
+  }
+  return -1;
 }
 
 Status BaseRuns::ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vector<uint8_t>* values,
                             uint64_t* next) const {
   uint64_t before = 0;  // blocks of the runs before run r
+  *next = blocks();
+  std::vector<int64_t> bottom_keys;
+  std::vector<uint8_t> bottom_values;
   for (const auto& run : runs_) {
     if (first < before + run->blocks()) {
       uint64_t next_in_run;
-      MLKV_RETURN_IF_ERROR(run->ReadBlocks(first - before, keys, values, &next_in_run));
+      MLKV_RETURN_IF_ERROR(run->ReadBlocks(first - before, &bottom_keys, &bottom_values, &next_in_run));
       *next = before + next_in_run;
-      return Status::OK();
+      break;
     }
     before += run->blocks();
   }
-  *next = before;
+  if (overlays_.empty() || first >= *next) {
+    keys->insert(keys->end(), bottom_keys.begin(), bottom_keys.end());
+    values->insert(values->end(), bottom_values.begin(), bottom_values.end());
+    return Status::OK();
+  }
+  const int64_t lo = first == 0 ? 0 : FenceOf(first);
+  const int64_t hi = *next >= blocks() ? INT64_MAX : FenceOf(*next) - 1;
+  // Each key's newest entry: overlay i's (newest last) hides the bottom's (source 0) and older ones.
+  struct Entry {
+    int64_t key;
+    size_t source;
+    const uint8_t* value;  // null: a deletion
+  };
+  std::vector<Entry> entries;
+  const uint32_t value_bytes = overlays_.back()->value_bytes();
+  for (size_t j = 0; j < bottom_keys.size(); ++j)
+    entries.push_back({bottom_keys[j], 0, &bottom_values[j * value_bytes]});
+  std::vector<std::vector<int64_t>> overlay_keys(overlays_.size());
+  std::vector<std::vector<uint8_t>> overlay_values(overlays_.size());
+  for (size_t o = 0; o < overlays_.size(); ++o) {
+    MLKV_RETURN_IF_ERROR(overlays_[o]->ReadKeyRange(lo, hi, &overlay_keys[o], &overlay_values[o]));
+    for (size_t j = 0; j < overlay_keys[o].size(); ++j)
+      entries.push_back({overlay_keys[o][j], o + 1, &overlay_values[o][j * value_bytes]});
+    const auto& deleted = overlays_[o]->deletions();
+    for (auto it = std::lower_bound(deleted.begin(), deleted.end(), lo); it != deleted.end() && *it <= hi; ++it)
+      entries.push_back({*it, o + 1, nullptr});
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.key != b.key ? a.key < b.key : a.source > b.source; });
+  for (size_t j = 0; j < entries.size(); ++j) {
+    if ((j > 0 && entries[j].key == entries[j - 1].key) || !entries[j].value) continue;
+    keys->push_back(entries[j].key);
+    values->insert(values->end(), entries[j].value, entries[j].value + value_bytes);
+  }
   return Status::OK();
 }
 
-uint64_t BaseRuns::rows() const {
+std::vector<uint64_t> BaseRuns::all_ids() const {
+  std::vector<uint64_t> ids = manifest_.runs;
+  ids.insert(ids.end(), manifest_.overlays.begin(), manifest_.overlays.end());
+  return ids;
+}
+
+uint64_t BaseRuns::bottom_rows() const {
   uint64_t total = 0;
   for (const auto& run : runs_) total += run->rows();
+  return total;
+}
+
+uint64_t BaseRuns::overlay_entries() const {
+  uint64_t total = 0;
+  for (const auto& run : overlays_) total += run->entries();
   return total;
 }
 
@@ -429,46 +660,65 @@ uint64_t BaseRuns::blocks() const {
 }
 
 uint64_t BaseRuns::memory_bytes() const {
-  uint64_t total = runs_.capacity() * sizeof(runs_[0]) + ids_.capacity() * sizeof(uint64_t);
+  uint64_t total = (runs_.capacity() + overlays_.capacity()) * sizeof(runs_[0]) +
+                   (manifest_.runs.capacity() + manifest_.overlays.capacity()) * sizeof(uint64_t);
   for (const auto& run : runs_) total += run->memory_bytes() + sizeof(BaseRun);
+  for (const auto& run : overlays_) total += run->memory_bytes() + sizeof(BaseRun);
   return total;
 }
 
 uint64_t BaseRuns::file_bytes() const {
   uint64_t total = 0;
   for (const auto& run : runs_) total += run->file_bytes();
+  for (const auto& run : overlays_) total += run->file_bytes();
   return total;
 }
 
 namespace {
 
+// Format 1's header (32 bytes, the run numbers after it) begins as format 2's does.
 struct ManifestHeader {
   char magic[8];
   uint32_t format_version;
-  uint32_t count;
+  uint32_t count;  // runs of the bottom (format 1: all its runs)
   uint64_t generation;
-  uint32_t crc;  // CRC-32C of the header before this field, then of the run numbers
-  uint32_t reserved;
+  uint32_t crc;  // CRC-32C of the header before this field (format 1: of its first 24 bytes), then of the run numbers
+  uint32_t overlays;  // format 2
+  uint64_t rows;  // format 2
+  uint64_t reserved;
 };
-static_assert(sizeof(ManifestHeader) == 32, "a manifest header is 32 bytes");
+static_assert(sizeof(ManifestHeader) == 48, "a manifest header is 48 bytes");
+constexpr size_t kManifestV1HeaderBytes = 32;
 constexpr char kManifestMagic[8] = {'M', 'L', 'K', 'V', 'R', 'U', 'N', 'S'};
 
+size_t ManifestHeaderBytes(uint32_t format_version) {
+  return format_version == 1 ? kManifestV1HeaderBytes : sizeof(ManifestHeader);
+}
+
 uint32_t ManifestCrc(const ManifestHeader& header, const std::vector<uint64_t>& ids) {
-  return Crc32c(Crc32c(0, &header, offsetof(ManifestHeader, crc)), ids.data(), ids.size() * sizeof(uint64_t));
+  uint32_t crc = Crc32c(0, &header, offsetof(ManifestHeader, crc));
+  if (header.format_version >= 2) {
+    crc = Crc32c(crc, &header.overlays, sizeof(ManifestHeader) - offsetof(ManifestHeader, overlays));
+  }
+  return Crc32c(crc, ids.data(), ids.size() * sizeof(uint64_t));
 }
 
 }  // namespace
 
-Status WriteBaseManifest(const std::string& path, uint64_t generation, const std::vector<uint64_t>& ids) {
+Status WriteBaseManifest(const std::string& path, uint64_t generation, const BaseManifest& manifest) {
   ManifestHeader header{};
   std::memcpy(header.magic, kManifestMagic, sizeof(header.magic));
-  header.format_version = kBaseRunVersion;
-  header.count = static_cast<uint32_t>(ids.size());
+  header.format_version = kManifestVersion;
+  header.count = static_cast<uint32_t>(manifest.runs.size());
   header.generation = generation;
+  header.overlays = static_cast<uint32_t>(manifest.overlays.size());
+  header.rows = manifest.rows;
+  std::vector<uint64_t> ids = manifest.runs;
+  ids.insert(ids.end(), manifest.overlays.begin(), manifest.overlays.end());
   header.crc = ManifestCrc(header, ids);
-  std::vector<uint8_t> bytes(sizeof(header) + ids.size() * sizeof(uint64_t));
+  std::vector<uint8_t> bytes(sizeof(header));
   std::memcpy(bytes.data(), &header, sizeof(header));
-  if (!ids.empty()) std::memcpy(bytes.data() + sizeof(header), ids.data(), ids.size() * sizeof(uint64_t));
+  AppendBytes(&bytes, ids.data(), ids.size() * sizeof(uint64_t));
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::IOError("creating " + path + ": " + ErrnoText(errno));
   Status st = WriteFully(fd, bytes.data(), bytes.size(), 0, path);
@@ -477,7 +727,7 @@ Status WriteBaseManifest(const std::string& path, uint64_t generation, const std
   return st;
 }
 
-Status ReadBaseManifest(const std::string& path, uint64_t generation, std::vector<uint64_t>* ids) {
+Status ReadBaseManifest(const std::string& path, uint64_t generation, BaseManifest* manifest) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return Status::Corruption("base manifest " + path + " is missing");
@@ -485,21 +735,26 @@ Status ReadBaseManifest(const std::string& path, uint64_t generation, std::vecto
   }
   const uint64_t size = FileSize(fd);
   ManifestHeader header{};
-  Status st = size >= sizeof(header) ? ReadExactly(fd, &header, sizeof(header), 0, path)
-                                     : Status::Corruption("base manifest " + path + " is truncated");
-  if (st.ok() && (std::memcmp(header.magic, kManifestMagic, sizeof(header.magic)) != 0 ||
-                  size != sizeof(header) + uint64_t{header.count} * sizeof(uint64_t))) {
-    st = Status::Corruption("base manifest " + path + " is damaged or truncated");
+  const Status damaged = Status::Corruption("base manifest " + path + " is damaged or truncated");
+  Status st = size >= kManifestV1HeaderBytes ? ReadExactly(fd, &header, kManifestV1HeaderBytes, 0, path) : damaged;
+  const bool known = header.format_version == 1 || header.format_version == kManifestVersion;
+  if (st.ok() && (std::memcmp(header.magic, kManifestMagic, sizeof(header.magic)) != 0 || !known)) st = damaged;
+  const size_t header_bytes = ManifestHeaderBytes(header.format_version);
+  if (st.ok() && header.format_version >= 2) {
+    st = size >= header_bytes ? ReadExactly(fd, &header, header_bytes, 0, path) : damaged;
   }
-  if (st.ok()) {
-    ids->assign(header.count, 0);
-    if (header.count) st = ReadExactly(fd, ids->data(), header.count * sizeof(uint64_t), sizeof(header), path);
-  }
+  const uint64_t count = uint64_t{header.count} + (header.format_version >= 2 ? header.overlays : 0);
+  if (st.ok() && size != header_bytes + count * sizeof(uint64_t)) st = damaged;
+  std::vector<uint64_t> ids(st.ok() ? count : 0);
+  if (st.ok() && count) st = ReadExactly(fd, ids.data(), count * sizeof(uint64_t), header_bytes, path);
   close(fd);
   MLKV_RETURN_IF_ERROR(st);
-  if (header.crc != ManifestCrc(header, *ids) || header.generation != generation) {
+  if (header.crc != ManifestCrc(header, ids) || header.generation != generation) {
     return Status::Corruption("base manifest " + path + " fails its checksum or is another generation's");
   }
+  manifest->runs.assign(ids.begin(), ids.begin() + header.count);
+  manifest->overlays.assign(ids.begin() + header.count, ids.end());
+  manifest->rows = header.format_version >= 2 ? header.rows : kRowsUncounted;
   return Status::OK();
 }
 

@@ -9,15 +9,22 @@
 // a new one) and never changes after: a checkpoint names the run it needs, and a crash leaves only
 // files that are whole or unnamed.
 //
+// A young run (an overlay, BaseRuns) also holds the keys deleted since the runs under it were
+// written, and a Bloom filter of its rows' keys, both kept in memory: a key it does not hold costs
+// no read but one in a hundred.
+//
 // Layout (little-endian; docs/format.md):
 //   block i, at i * block_bytes: BaseBlockHeader, then `count` rows of (int64 key, value bytes) in
 //     increasing key order, zeros after them;
 //   the fence section, at fence_offset: one int64 per block, the first key of each; then a bitmap
 //     (uint64 words) of the blocks whose keys run without a gap to the next block's first key (to
-//     the run's last key for the last block); then the last key (int64);
+//     the run's last key for the last block); then the last key (int64); then (format 2) the
+//     deleted keys (uint64 count, int64 keys in increasing order) and the filter (uint64 hashes, 0
+//     for none; uint64 words; the words);
 //   BaseRunTrailer, the file's last 64 bytes.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -52,28 +59,55 @@ struct BaseRunTrailer {
 static_assert(sizeof(BaseRunTrailer) == 64, "a base run trailer is 64 bytes");
 constexpr char kBaseRunMagic[8] = {'M', 'L', 'K', 'V', 'B', 'A', 'S', 'E'};
 
+// A Bloom filter of keys: 10 bits and 7 probes a key, about one false yes in 120.
+class BloomFilter {
+ public:
+  static constexpr uint64_t kBitsPerKey = 10;
+
+  BloomFilter() = default;
+  explicit BloomFilter(uint64_t keys);
+  // From a file's words; an empty filter (no words) answers yes to every key.
+  BloomFilter(uint64_t hashes, std::vector<uint64_t> words) : hashes_(hashes), words_(std::move(words)) {}
+
+  void Add(int64_t key);
+  bool MayHold(int64_t key) const;
+  bool empty() const { return words_.empty(); }
+  uint64_t hashes() const { return hashes_; }
+  const std::vector<uint64_t>& words() const { return words_; }
+
+ private:
+  uint64_t hashes_ = 0;
+  std::vector<uint64_t> words_;
+};
+
 // The block size rows of `value_bytes` take: 4 KiB, or the multiple of it that holds one row.
 uint64_t BaseBlockBytes(uint32_t value_bytes);
 
-// Writes a run front to back. Rows go in strictly increasing key order; nothing is a run until
-// Finish has written the fences and trailer and synced the file.
+// Writes a run front to back. Rows and deletions go in strictly increasing key order; nothing is a
+// run until Finish has written the fences and trailer and synced the file.
 class BaseRunWriter {
  public:
-  // Creates (truncates) `path` for run number `generation`.
-  static Status Create(const std::string& path, uint32_t value_bytes, uint64_t generation,
+  // Creates (truncates) `path` for run number `generation`. `filter_keys`: the most rows it will
+  // hold, which size its Bloom filter (0: none).
+  static Status Create(const std::string& path, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys,
                        std::unique_ptr<BaseRunWriter>* out);
   ~BaseRunWriter();
   BaseRunWriter(const BaseRunWriter&) = delete;
   BaseRunWriter& operator=(const BaseRunWriter&) = delete;
 
-  // InvalidArgument when `key` is not above the last row's.
+  // InvalidArgument when `key` is not above the last row's or deletion's.
   Status Add(int64_t key, const uint8_t* value);
+  // The key is deleted: a run under this one may hold it, and no longer does.
+  Status AddDeletion(int64_t key);
   // The fences and trailer written, the file synced and closed.
   Status Finish();
   uint64_t rows() const { return rows_; }
+  // Rows and deletions.
+  uint64_t entries() const { return rows_ + deletions_.size(); }
 
  private:
-  BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation);
+  BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys);
+  Status CheckOrder(int64_t key) const;
   Status SealBlock();   // the block being filled: its header, into the write buffer
   void MarkGapless(bool gapless);  // the bit of the block before the last fence
   Status WriteBuffer();  // the buffer's whole blocks, to the file
@@ -87,7 +121,10 @@ class BaseRunWriter {
   std::vector<int64_t> fences_;
   std::vector<uint64_t> gapless_;  // the bitmap of blocks whose keys run without a gap
   bool block_gapless_ = true;      // the block being filled, so far
-  int64_t last_key_ = -1;
+  int64_t last_key_ = -1;          // the last row's
+  int64_t last_entry_ = -1;        // the last row's or deletion's
+  std::vector<int64_t> deletions_;
+  BloomFilter filter_;
   bool finished_ = false;
 };
 
@@ -108,6 +145,17 @@ class BaseRun {
   // Corruption naming the file and block for a block that fails its checksum or is misplaced.
   Status Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                 uint64_t* blocks_read = nullptr) const;
+  // One run's part of a lookup in several runs.
+  struct Part {
+    const BaseRun* run;
+    const int64_t* keys;
+    size_t n;
+    uint8_t* out;
+    bool* found;
+  };
+  // As Lookup, for each part in its run, the blocks of all the runs read together: a lookup that
+  // spans runs waits for one round of reads, not one a run.
+  static Status LookupParts(const std::vector<Part>& parts, BlockReader* reader, uint64_t* blocks_read);
 
   // Appends the rows of the blocks from `first` on, as many as one sequential read of a few MiB
   // takes, to `keys` and `values` (in key order); *next is the block after them (blocks() at the end).
@@ -128,20 +176,29 @@ class BaseRun {
     uint64_t next_block_ = 0;
   };
 
-  // Whether the run holds `key`, where the fences alone tell: kAbsent outside its keys' range,
-  // kPresent in a block whose keys run without a gap (a table's rows written in full), else kMaybe.
+  // Whether the run holds a row of `key`, where memory alone tells: kAbsent outside its keys'
+  // range or where the filter says no, kPresent in a block whose keys run without a gap (a table's
+  // rows written in full), else kMaybe.
   enum class Presence { kAbsent, kPresent, kMaybe };
   Presence PresenceOf(int64_t key) const;
+  // Whether the run deletes `key` (an overlay's deletion of a row under it).
+  bool Deletes(int64_t key) const { return std::binary_search(deletions_.begin(), deletions_.end(), key); }
+  // Appends the rows with keys in [lo, hi) to `keys` and `values`, in key order.
+  Status ReadKeyRange(int64_t lo, int64_t hi, std::vector<int64_t>* keys, std::vector<uint8_t>* values) const;
+  const std::vector<int64_t>& deletions() const { return deletions_; }
 
   uint64_t rows() const { return rows_; }
+  uint64_t entries() const { return rows_ + deletions_.size(); }  // rows and deletions
   uint64_t blocks() const { return fences_.size(); }
   int64_t first_key() const { return fences_.empty() ? -1 : fences_[0]; }
+  int64_t fence(uint64_t block) const { return fences_[block]; }
   int64_t last_key() const { return last_key_; }
   uint64_t file_bytes() const { return file_bytes_; }
   uint32_t value_bytes() const { return value_bytes_; }
-  // What a reader holds in memory: the fences and the bitmap.
+  // What a reader holds in memory: the fences, the bitmap, the deletions and the filter.
   uint64_t memory_bytes() const {
-    return fences_.capacity() * sizeof(int64_t) + gapless_.capacity() * sizeof(uint64_t);
+    return fences_.capacity() * sizeof(int64_t) + gapless_.capacity() * sizeof(uint64_t) +
+           deletions_.capacity() * sizeof(int64_t) + filter_.words().capacity() * sizeof(uint64_t);
   }
   const std::string& path() const { return path_; }
 
@@ -149,6 +206,12 @@ class BaseRun {
   BaseRun(std::string path, int fd, uint32_t value_bytes);
   // Checks block `index`'s checksum and place, in `data`; sets *count.
   Status CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count) const;
+  // Sets found and out for part.keys[i] of each i of `indexes` that the block `req` read holds.
+  Status FindInBlock(const ReadRequest& req, const Part& part, const std::vector<size_t>& indexes) const;
+  // Reads the fence section's bytes (after the trailer's checks) into the reader's memory.
+  Status ParseFenceSection(const std::vector<uint8_t>& section, uint64_t blocks, uint32_t format_version);
+  // Appends the rows of blocks [first, first + blocks) to `keys` and `values`.
+  Status AppendBlocks(uint64_t first, uint64_t blocks, std::vector<int64_t>* keys, std::vector<uint8_t>* values) const;
   // The block that would hold `key`, or -1 when the key is below the first row.
   int64_t BlockOf(int64_t key) const;
 
@@ -159,26 +222,46 @@ class BaseRun {
   std::vector<int64_t> fences_;
   std::vector<uint64_t> gapless_;
   int64_t last_key_ = -1;
+  std::vector<int64_t> deletions_;
+  BloomFilter filter_;
 };
 
-// The base of a store: runs with disjoint key ranges, in key order, named by a manifest
-// (base-<generation>.runs: the run numbers). A merge whose rows all lie past the last run's keys (a
-// table written in key order) adds a run and rewrites none.
+// What a base manifest (base-<generation>.runs) names: its runs and its count of rows.
+struct BaseManifest {
+  std::vector<uint64_t> runs;      // the bottom: runs with disjoint key ranges, in key order
+  std::vector<uint64_t> overlays;  // young runs over it, oldest first
+  uint64_t rows = 0;               // the live rows of the whole base
+};
+
+// The base of a store: a bottom of runs with disjoint key ranges, in key order, and overlays on it,
+// young runs of the rows (and deletions) merges moved since the bottom was written, each newer
+// than the ones before it. A merge whose rows all lie past the bottom's keys (a table written in
+// key order) adds a run to the bottom and rewrites none; another adds an overlay, whose Bloom
+// filter spares reads, until the overlays hold a share of the rows and a merge rewrites them all
+// into one bottom run.
 class BaseRuns {
  public:
-  BaseRuns(std::vector<std::shared_ptr<const BaseRun>> runs, std::vector<uint64_t> ids);
+  BaseRuns(std::vector<std::shared_ptr<const BaseRun>> runs, std::vector<std::shared_ptr<const BaseRun>> overlays,
+           BaseManifest manifest);
 
   BaseRun::Presence PresenceOf(int64_t key) const;
-  // As BaseRun::Lookup, over the runs.
+  // As BaseRun::Lookup, over the runs: an overlay's row or deletion hides the ones under it.
   Status Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                 uint64_t* blocks_read) const;
-  // As BaseRun::ReadBlocks, over the runs' blocks numbered one after another.
+  // The live rows of the bottom's blocks from `first` on, as many as one sequential read of a few
+  // MiB takes, with the overlays' rows and deletions of the keys between those blocks' fences (the
+  // first block's from the lowest key, the last's to the highest); *next is the block after them.
   Status ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vector<uint8_t>* values, uint64_t* next) const;
 
   const std::vector<std::shared_ptr<const BaseRun>>& runs() const { return runs_; }
-  const std::vector<uint64_t>& ids() const { return ids_; }
-  uint64_t rows() const;
-  uint64_t blocks() const;
+  const std::vector<std::shared_ptr<const BaseRun>>& overlays() const { return overlays_; }
+  const BaseManifest& manifest() const { return manifest_; }
+  // The run numbers of the bottom and the overlays.
+  std::vector<uint64_t> all_ids() const;
+  uint64_t rows() const { return manifest_.rows; }
+  uint64_t bottom_rows() const;
+  uint64_t overlay_entries() const;  // rows and deletions
+  uint64_t blocks() const;           // the bottom's
   uint64_t memory_bytes() const;
   uint64_t file_bytes() const;
   int64_t last_key() const { return runs_.empty() ? -1 : runs_.back()->last_key(); }
@@ -186,13 +269,18 @@ class BaseRuns {
  private:
   // The run that would hold `key` (-1: below the first run's keys).
   int64_t RunOf(int64_t key) const;
+  BaseRun::Presence BottomPresenceOf(int64_t key) const;
+  // The first key of the bottom's block `block` (counted across its runs).
+  int64_t FenceOf(uint64_t block) const;
 
-  std::vector<std::shared_ptr<const BaseRun>> runs_;
-  std::vector<uint64_t> ids_;
+  std::vector<std::shared_ptr<const BaseRun>> runs_, overlays_;
+  BaseManifest manifest_;
 };
 
-// base-<generation>.runs: the run numbers of a base, checked by a checksum.
-Status WriteBaseManifest(const std::string& path, uint64_t generation, const std::vector<uint64_t>& ids);
-Status ReadBaseManifest(const std::string& path, uint64_t generation, std::vector<uint64_t>* ids);
+// base-<generation>.runs: what a base is made of, checked by a checksum. A manifest of format 1
+// (no overlays, no count) reads with rows = kRowsUncounted.
+constexpr uint64_t kRowsUncounted = ~0ull;
+Status WriteBaseManifest(const std::string& path, uint64_t generation, const BaseManifest& manifest);
+Status ReadBaseManifest(const std::string& path, uint64_t generation, BaseManifest* manifest);
 
 }  // namespace mlkv

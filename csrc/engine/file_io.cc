@@ -14,7 +14,7 @@ namespace mlkv {
 std::string ErrnoText(int err) { return std::strerror(err); }
 
 AlignedBuffer::AlignedBuffer(size_t bytes) {
-  constexpr size_t kMapFrom = 256 << 10;
+  constexpr size_t kMapFrom = 8 << 20;
   if (bytes >= kMapFrom) {
     void* p = mmap(nullptr, RoundUp(bytes, kBlockBytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p != MAP_FAILED) {

@@ -17,9 +17,10 @@ inline uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
 
 std::string ErrnoText(int err);
 
-// Bytes aligned to kBlockBytes, freed with the buffer. Large ones are mapped and unmapped: a read
-// buffer of many MiB from the heap stays in the process once freed (malloc's arenas keep it), and
-// the memory budget is then no bound.
+// Bytes aligned to kBlockBytes, freed with the buffer. Those of 8 MiB or more are mapped and
+// unmapped: freed to the heap, malloc's arenas would keep them, outside the memory budget. Smaller
+// ones come from the heap, which a read made every step reuses: mapped, their pages would fault
+// in (zeroed) each time.
 struct AlignedBuffer {
   uint8_t* data = nullptr;
   explicit AlignedBuffer(size_t bytes);

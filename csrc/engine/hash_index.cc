@@ -155,8 +155,11 @@ uint64_t HashIndex::Upsert(int64_t key, uint64_t address) {
     return old;
   }
   if (size_ + 1 > buckets_.size() * kKeysPerBucket + buckets_.size() / 2) {
-    Resize(buckets_.size() * 2);
-    w = Locate(key);
+    const uint64_t grown = bucket_limit_ ? std::min(buckets_.size() * 2, bucket_limit_) : buckets_.size() * 2;
+    if (grown > buckets_.size()) {
+      Resize(grown);
+      w = Locate(key);
+    }
   }
   InsertNew(w, address);
   ++size_;

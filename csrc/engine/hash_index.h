@@ -50,6 +50,9 @@ class HashIndex {
   // Hints the CPU to load the buckets of a key (for batched lookups).
   void Prefetch(const Where& w) const;
 
+  // Growth stops at `buckets` (0: no limit); keys past them go to overflow buckets. A store with an
+  // index budget sets it so the array stays within the budget at its fullest.
+  void set_bucket_limit(uint64_t buckets) { bucket_limit_ = buckets; }
   uint64_t size() const { return size_; }
   uint64_t bucket_count() const { return buckets_.size(); }
   ~HashIndex();
@@ -144,6 +147,7 @@ class HashIndex {
   };
 
   uint64_t size_ = 0;
+  uint64_t bucket_limit_ = 0;
   BucketArray buckets_;
   std::vector<Bucket> overflow_;  // overflow_[0] unused: link 0 means none
   std::vector<uint32_t> free_overflow_;

@@ -35,7 +35,9 @@ KVStore::KVStore(const std::string& path, const StoreOptions& options)
       segments_(path),
       flusher_(&segments_),
       index_(options.expected_keys),
-      doorkeeper_(kDoorkeeperWords) {}
+      doorkeeper_(kDoorkeeperWords) {
+  if (options.index_budget_bytes) index_.set_bucket_limit(options.index_budget_bytes / HashIndex::kBucketBytes);
+}
 
 Status KVStore::Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out) {
   if (path.empty()) return Status::InvalidArgument("path is empty");
@@ -333,7 +335,8 @@ Status KVStore::Stats(StoreStats* stats) const {
   s.base_memory_bytes = base_ ? base_->memory_bytes() : 0;
   s.memory_bytes = s.index_bytes + s.log_memory_bytes + s.base_memory_bytes;
   s.base_rows = base_ ? base_->rows() : 0;
-  s.base_runs = base_ ? base_->runs().size() : 0;
+  s.base_runs = base_ ? base_->runs().size() + base_->overlays().size() : 0;
+  s.base_overlays = base_ ? base_->overlays().size() : 0;
   s.base_disk_bytes = base_ ? base_->file_bytes() : 0;
   s.base_reads = base_reads_;
   s.base_merges = base_merges_;

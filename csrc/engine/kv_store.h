@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "base_merge.h"
 #include "base_run.h"
 #include "hash_index.h"
 #include "io_reader.h"
@@ -101,6 +102,7 @@ struct StoreStats {
   uint64_t disk_bytes = 0;       // segment files + snapshot + base runs
   uint64_t base_rows = 0;        // rows in the base run (the log may hold newer ones of some)
   uint64_t base_runs = 0;        // the run files it is made of
+  uint64_t base_overlays = 0;    // of them, overlays (young runs over the bottom)
   uint64_t base_disk_bytes = 0;  // the base run's file
   uint64_t base_reads = 0;       // blocks of the base run that gets read
   uint64_t base_merges = 0;      // times the log's rows moved into a new base run
@@ -199,9 +201,10 @@ class KVStore : public RowStore {
   static constexpr uint64_t kDeletionBit = 1ull << 42;
   static bool IsDeletion(uint64_t address) { return address != kNone && (address & kDeletionBit) != 0; }
   static uint64_t SlotOf(uint64_t address) { return address == kNone ? kNone : address & ~kDeletionBit; }
-  // Index bytes a key is charged against index_budget_bytes: the bucket array at its fullest
-  // after growing (17 keys in 4 buckets, then twice the buckets).
-  static constexpr uint64_t kIndexBytesPerKey = 32;
+  // Index bytes a key is charged against index_budget_bytes: a 64-byte bucket's four keys. The
+  // bucket array grows no further than the budget (HashIndex::set_bucket_limit), so at this charge
+  // it is full when a merge is due.
+  static constexpr uint64_t kIndexBytesPerKey = 16;
   // Scan cursors past the log: the base run's blocks, from this bit on (below kScanDone as an int64).
   static constexpr uint64_t kScanBase = 1ull << 62;
   static constexpr uint64_t kBaseSlot = kNone - 1;  // a get's mark: read this key from the base run
@@ -421,14 +424,37 @@ class KVStore : public RowStore {
                      bool* merged) EXCLUDES(mu_);
   // The live records of the log's pages [first_page, end_page), read unlocked: *live gets them.
   Status CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecords* live) EXCLUDES(mu_);
-  // The next base: the old runs and a run of the moved rows when they all lie past the old runs'
-  // keys, else one run of the old runs' rows and the moved ones, merged. Writes the new run (number
-  // `run_id`) and the manifest of `generation`, and opens them into *out.
+  // The next base (base_run.h, BaseRuns): the old bottom and a run of the moved rows when they all
+  // lie past its keys; else the old base and an overlay of the moved rows and deletions, while the
+  // overlays stay within OverlayCapacity; else one bottom run of every row. Writes the runs
+  // (numbers from `run_id` on) and the manifest of `generation`, and opens them into *out.
   Status WriteBase(uint64_t generation, uint64_t run_id, const std::shared_ptr<const BaseRuns>& old_base,
                    const LiveRecords& moved, std::vector<size_t>& order, std::shared_ptr<const BaseRuns>* out)
       EXCLUDES(mu_);
+  struct BaseRunsParts {
+    std::vector<std::shared_ptr<const BaseRun>> runs, overlays;
+    BaseManifest manifest;
+  };
+  // The old base and an overlay of `moved` (in key order; a deletion only of a key the old base
+  // holds), the overlays joined as JoinOverlays does; the rows counted, reading the keys whose
+  // presence the fences and filters cannot tell.
+  Status AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry>& moved, uint64_t run_id, uint64_t end_id,
+                    BaseRunsParts* next) EXCLUDES(mu_);
+  // The entries the overlays may hold over a bottom of `bottom_rows`.
+  uint64_t OverlayCapacity(uint64_t bottom_rows) const;
+  // Writes run `id` from the sources' newest entries (deletions kept when `keep_deletions`) and
+  // opens it into *out (null when it holds nothing: no file stays).
+  Status WriteRun(uint64_t id, uint64_t filter_keys, const std::vector<EntrySource*>& newest_first, bool keep_deletions,
+                  std::shared_ptr<const BaseRun>* out) EXCLUDES(mu_);
+  // While the newest overlay holds half as many entries as the one before it or more, the two are
+  // joined into one (run numbers from *next_id, below end_id).
+  Status JoinOverlays(std::vector<std::shared_ptr<const BaseRun>>* overlays, std::vector<uint64_t>* ids,
+                      uint64_t* next_id, uint64_t end_id) EXCLUDES(mu_);
+  // Past `times` its budget: its keys at kIndexBytesPerKey, or (twice over, where writers wait) its
+  // memory, which keys past the full bucket array take in overflow buckets at a higher rate.
   bool IndexOverBudgetLocked(uint64_t times = 1) const REQUIRES_SHARED(mu_) {
-    return options_.index_budget_bytes > 0 && index_.size() * kIndexBytesPerKey > times * options_.index_budget_bytes;
+    const uint64_t budget = times * options_.index_budget_bytes;
+    return budget > 0 && (index_.size() * kIndexBytesPerKey > budget || (times > 1 && index_.MemoryBytes() > budget));
   }
   // Rows added in key order add a run each merge: when kTailRunsPerLevel runs of one size (a level:
   // 4096 rows, 4x that, ...) end the base, they are joined into one, as a binary counter carries, so a

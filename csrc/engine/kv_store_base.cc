@@ -13,6 +13,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "base_merge.h"
 #include "file_io.h"
 #include "log_format.h"
 
@@ -25,17 +26,19 @@ Status KVStore::OpenBase(uint64_t generation) {
   base_.reset();
   base_generation_ = generation;
   if (generation == 0) return Status::OK();
-  std::vector<uint64_t> ids;
-  MLKV_RETURN_IF_ERROR(ReadBaseManifest(BasePath(generation), generation, &ids));
-  std::vector<std::shared_ptr<const BaseRun>> runs;
-  for (uint64_t id : ids) {
-    std::unique_ptr<BaseRun> run;
-    MLKV_RETURN_IF_ERROR(BaseRun::Open(RunPath(id), value_bytes_, id, direct_io_, &run));
-    runs.push_back(std::move(run));
-    next_run_id_ = std::max(next_run_id_, id + 1);
+  BaseManifest manifest;
+  MLKV_RETURN_IF_ERROR(ReadBaseManifest(BasePath(generation), generation, &manifest));
+  std::vector<std::shared_ptr<const BaseRun>> runs, overlays;
+  for (const auto& [ids, opened] : {std::pair{&manifest.runs, &runs}, std::pair{&manifest.overlays, &overlays}}) {
+    for (uint64_t id : *ids) {
+      std::unique_ptr<BaseRun> run;
+      MLKV_RETURN_IF_ERROR(BaseRun::Open(RunPath(id), value_bytes_, id, direct_io_, &run));
+      opened->push_back(std::move(run));
+      next_run_id_ = std::max(next_run_id_, id + 1);
+    }
   }
-  base_runs_of_[generation] = ids;
-  base_ = std::make_shared<const BaseRuns>(std::move(runs), std::move(ids));
+  base_ = std::make_shared<const BaseRuns>(std::move(runs), std::move(overlays), std::move(manifest));
+  base_runs_of_[generation] = base_->all_ids();
   return Status::OK();
 }
 
@@ -146,6 +149,10 @@ namespace {
 constexpr size_t kTailRunsPerLevel = 4;     // runs of one size at the tail before they are joined
 constexpr uint64_t kRunLevelRows = 4096;    // the rows of a run at level 0, and 4x that a level up
 constexpr uint64_t kRunIdsPerMerge = 64;    // run numbers a merge takes: its run and the joined ones
+// Overlays hold at most a quarter of the bottom's rows: past that, rewriting the bottom costs at
+// most 4 rows written a row moved, and reads through the overlays stay few.
+constexpr uint64_t kBottomRowsPerOverlayEntry = 4;
+constexpr size_t kTrimAfterBytes = 16 << 20;  // a merge that moved this much returns it to the system
 
 int RunLevel(uint64_t rows) {
   int level = 0;
@@ -154,6 +161,33 @@ int RunLevel(uint64_t rows) {
 }
 
 }  // namespace
+
+uint64_t KVStore::OverlayCapacity(uint64_t bottom_rows) const {
+  uint64_t capacity = bottom_rows / kBottomRowsPerOverlayEntry;
+  // The overlays' filters take no more memory than the index's budget.
+  if (options_.index_budget_bytes) {
+    capacity = std::min(capacity, options_.index_budget_bytes * 8 / BloomFilter::kBitsPerKey);
+  }
+  return capacity;
+}
+
+Status KVStore::WriteRun(uint64_t id, uint64_t filter_keys, const std::vector<EntrySource*>& newest_first,
+                         bool keep_deletions, std::shared_ptr<const BaseRun>* out) {
+  out->reset();
+  std::unique_ptr<BaseRunWriter> writer;
+  MLKV_RETURN_IF_ERROR(BaseRunWriter::Create(RunPath(id), value_bytes_, id, filter_keys, &writer));
+  MLKV_RETURN_IF_ERROR(MergeEntries(newest_first, keep_deletions, writer.get()));
+  base_rows_written_ += writer->entries();
+  MLKV_RETURN_IF_ERROR(writer->Finish());
+  if (writer->entries() == 0) {
+    unlink(RunPath(id).c_str());  // nothing to hold (every row deleted, or none moved)
+    return Status::OK();
+  }
+  std::unique_ptr<BaseRun> run;
+  MLKV_RETURN_IF_ERROR(BaseRun::Open(RunPath(id), value_bytes_, id, direct_io_, &run));
+  *out = std::move(run);
+  return Status::OK();
+}
 
 Status KVStore::JoinTailRuns(std::vector<std::shared_ptr<const BaseRun>>* runs, std::vector<uint64_t>* ids,
                              uint64_t* next_id, uint64_t end_id) {
@@ -165,24 +199,9 @@ Status KVStore::JoinTailRuns(std::vector<std::shared_ptr<const BaseRun>>* runs, 
     if (same < kTailRunsPerLevel || *next_id == end_id) return Status::OK();
     // Disjoint and in key order: the runs' rows one after another are the joined run's.
     const uint64_t id = (*next_id)++;
-    std::unique_ptr<BaseRunWriter> writer;
-    MLKV_RETURN_IF_ERROR(BaseRunWriter::Create(RunPath(id), value_bytes_, id, &writer));
-    std::vector<int64_t> keys;
-    std::vector<uint8_t> values;
-    for (size_t r = n - same; r < n; ++r) {
-      BaseRun::Cursor cursor(*(*runs)[r]);
-      for (bool more = true; more;) {
-        keys.clear();
-        values.clear();
-        MLKV_RETURN_IF_ERROR(cursor.Next(&keys, &values, &more));
-        for (size_t j = 0; j < keys.size(); ++j)
-          MLKV_RETURN_IF_ERROR(writer->Add(keys[j], values.data() + j * value_bytes_));
-      }
-    }
-    base_rows_written_ += writer->rows();
-    MLKV_RETURN_IF_ERROR(writer->Finish());
-    std::unique_ptr<BaseRun> joined;
-    MLKV_RETURN_IF_ERROR(BaseRun::Open(RunPath(id), value_bytes_, id, direct_io_, &joined));
+    RunsSource tail({runs->end() - static_cast<std::ptrdiff_t>(same), runs->end()});
+    std::shared_ptr<const BaseRun> joined;
+    MLKV_RETURN_IF_ERROR(WriteRun(id, 0, {&tail}, /*keep_deletions=*/false, &joined));
     runs->resize(n - same);
     ids->resize(n - same);
     runs->push_back(std::move(joined));
@@ -190,63 +209,127 @@ Status KVStore::JoinTailRuns(std::vector<std::shared_ptr<const BaseRun>>* runs, 
   }
 }
 
+Status KVStore::JoinOverlays(std::vector<std::shared_ptr<const BaseRun>>* overlays, std::vector<uint64_t>* ids,
+                             uint64_t* next_id, uint64_t end_id) {
+  // As a binary counter carries: an overlay joins the one before it when it holds half as much or more.
+  while (overlays->size() >= 2 && *next_id != end_id) {
+    const size_t n = overlays->size();
+    const BaseRun& newer = *(*overlays)[n - 1];
+    const BaseRun& older = *(*overlays)[n - 2];
+    if (newer.entries() * 2 < older.entries()) return Status::OK();
+    const uint64_t id = (*next_id)++;
+    RunsSource newer_source({(*overlays)[n - 1]}), older_source({(*overlays)[n - 2]});
+    std::shared_ptr<const BaseRun> joined;
+    MLKV_RETURN_IF_ERROR(WriteRun(id, newer.rows() + older.rows(), {&newer_source, &older_source},
+                                  /*keep_deletions=*/true, &joined));
+    overlays->resize(n - 2);
+    ids->resize(n - 2);
+    if (joined) {
+      overlays->push_back(std::move(joined));
+      ids->push_back(id);
+    }
+  }
+  return Status::OK();
+}
+
+Status KVStore::AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry>& moved, uint64_t run_id,
+                           uint64_t end_id, BaseRunsParts* next) {
+  // Whether the base held each key before: a deletion of a key it did not hold needs no record,
+  // and the count of its rows changes by the keys it gains and loses.
+  std::vector<int64_t> keys(moved.size());
+  std::unique_ptr<bool[]> held(new bool[moved.size() + 1]);
+  std::vector<size_t> unknown;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    keys[i] = moved[i].key;
+    const BaseRun::Presence presence = old_base.PresenceOf(keys[i]);
+    held[i] = presence == BaseRun::Presence::kPresent;
+    if (presence == BaseRun::Presence::kMaybe) unknown.push_back(i);
+  }
+  if (!unknown.empty()) {  // read outside the gets' counters: the merge's I/O, not theirs
+    std::vector<int64_t> unknown_keys;
+    for (size_t i : unknown) unknown_keys.push_back(keys[i]);
+    std::vector<uint8_t> values(unknown.size() * value_bytes_);
+    std::unique_ptr<bool[]> found(new bool[unknown.size()]);
+    MLKV_RETURN_IF_ERROR(
+        old_base.Lookup(unknown_keys.data(), unknown.size(), values.data(), found.get(), reader_.get(), nullptr));
+    for (size_t j = 0; j < unknown.size(); ++j) held[unknown[j]] = found[j];
+  }
+  std::vector<BaseEntry> entries;
+  uint64_t rows = old_base.rows(), filter_keys = 0;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    const bool row = moved[i].value != nullptr;
+    if (!row && !held[i]) continue;
+    entries.push_back(moved[i]);
+    filter_keys += row;
+    rows += row && !held[i];
+    rows -= !row && held[i];
+  }
+  VectorSource source(entries);
+  std::shared_ptr<const BaseRun> run;
+  MLKV_RETURN_IF_ERROR(WriteRun(run_id, filter_keys, {&source}, /*keep_deletions=*/true, &run));
+  next->runs = old_base.runs();
+  next->overlays = old_base.overlays();
+  next->manifest.runs = old_base.manifest().runs;
+  next->manifest.overlays = old_base.manifest().overlays;
+  next->manifest.rows = rows;
+  if (run) {
+    next->overlays.push_back(std::move(run));
+    next->manifest.overlays.push_back(run_id);
+  }
+  uint64_t next_id = run_id + 1;
+  return JoinOverlays(&next->overlays, &next->manifest.overlays, &next_id, end_id);
+}
+
 Status KVStore::WriteBase(uint64_t generation, uint64_t run_id, const std::shared_ptr<const BaseRuns>& old_base,
                           const LiveRecords& moved, std::vector<size_t>& order, std::shared_ptr<const BaseRuns>* out) {
   const uint64_t end_id = run_id + kRunIdsPerMerge;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return moved.keys[a] < moved.keys[b]; });
-  // Rows written in key order (a table filled front to back) lie past the old runs: they add a run.
-  const bool append = !old_base || order.empty() || moved.keys[order.front()] > old_base->last_key();
-  std::unique_ptr<BaseRunWriter> writer;
-  MLKV_RETURN_IF_ERROR(BaseRunWriter::Create(RunPath(run_id), value_bytes_, run_id, &writer));
-  uint64_t next_id = run_id + 1;
-  auto add_moved = [&](size_t i) -> Status {
-    if (IsDeletion(moved.slots[i])) return Status::OK();  // the deletion drops the base row
-    return writer->Add(moved.keys[i], moved.values.data() + i * record_bytes_ + sizeof(RecordHeader));
-  };
-  size_t next = 0;  // the next moved row, in key order
-  if (old_base && !append) {
-    std::vector<int64_t> keys;
-    std::vector<uint8_t> values;
-    for (const auto& run : old_base->runs()) {
-      BaseRun::Cursor cursor(*run);
-      for (bool more = true; more;) {
-        keys.clear();
-        values.clear();
-        MLKV_RETURN_IF_ERROR(cursor.Next(&keys, &values, &more));
-        for (size_t j = 0; j < keys.size(); ++j) {
-          for (; next < order.size() && moved.keys[order[next]] < keys[j]; ++next) {
-            MLKV_RETURN_IF_ERROR(add_moved(order[next]));
-          }
-          if (next < order.size() && moved.keys[order[next]] == keys[j]) {  // the log's row supersedes it
-            MLKV_RETURN_IF_ERROR(add_moved(order[next++]));
-            continue;
-          }
-          MLKV_RETURN_IF_ERROR(writer->Add(keys[j], values.data() + j * value_bytes_));
-        }
-      }
+  std::vector<BaseEntry> entries;  // the moved rows and deletions, in key order
+  entries.reserve(order.size());
+  for (size_t i : order) {
+    const uint8_t* value = moved.values.data() + i * record_bytes_ + sizeof(RecordHeader);
+    entries.push_back({moved.keys[i], IsDeletion(moved.slots[i]) ? nullptr : value});
+  }
+  VectorSource moved_source(entries);
+  BaseRunsParts next;
+  const uint64_t old_rows = old_base ? old_base->rows() : 0;
+  std::shared_ptr<const BaseRun> run;
+  // Rows written in key order (a table filled front to back) lie past the bottom: they add a run.
+  if (!old_base || entries.empty() || (old_base->overlays().empty() && entries.front().key > old_base->last_key())) {
+    if (old_base) {
+      next.runs = old_base->runs();
+      next.overlays = old_base->overlays();
+      next.manifest = old_base->manifest();
+    }
+    MLKV_RETURN_IF_ERROR(WriteRun(run_id, 0, {&moved_source}, /*keep_deletions=*/false, &run));
+    next.manifest.rows = old_rows + (run ? run->rows() : 0);
+    if (run) {
+      next.runs.push_back(std::move(run));
+      next.manifest.runs.push_back(run_id);
+    }
+    uint64_t next_id = run_id + 1;
+    MLKV_RETURN_IF_ERROR(JoinTailRuns(&next.runs, &next.manifest.runs, &next_id, end_id));
+  } else if (old_base->bottom_rows() > 0 &&
+             old_base->overlay_entries() + entries.size() <= OverlayCapacity(old_base->bottom_rows())) {
+    MLKV_RETURN_IF_ERROR(AddOverlay(*old_base, entries, run_id, end_id, &next));
+  } else {  // the overlays are full: one bottom run of every row, newest first
+    std::vector<std::unique_ptr<RunsSource>> overlay_sources;
+    std::vector<EntrySource*> sources{&moved_source};
+    for (auto it = old_base->overlays().rbegin(); it != old_base->overlays().rend(); ++it) {
+      overlay_sources.push_back(std::make_unique<RunsSource>(std::vector<std::shared_ptr<const BaseRun>>{*it}));
+      sources.push_back(overlay_sources.back().get());
+    }
+    RunsSource bottom(old_base->runs());
+    sources.push_back(&bottom);
+    MLKV_RETURN_IF_ERROR(WriteRun(run_id, 0, sources, /*keep_deletions=*/false, &run));
+    next.manifest.rows = run ? run->rows() : 0;
+    if (run) {
+      next.runs.push_back(std::move(run));
+      next.manifest.runs.push_back(run_id);
     }
   }
-  for (; next < order.size(); ++next) MLKV_RETURN_IF_ERROR(add_moved(order[next]));
-  const bool empty = writer->rows() == 0;
-  base_rows_written_ += writer->rows();
-  MLKV_RETURN_IF_ERROR(writer->Finish());
-  std::vector<std::shared_ptr<const BaseRun>> runs;
-  std::vector<uint64_t> ids;
-  if (append && old_base) {
-    runs = old_base->runs();
-    ids = old_base->ids();
-  }
-  if (empty) {
-    unlink(RunPath(run_id).c_str());  // nothing left to hold (every row deleted, or none moved)
-  } else {
-    std::unique_ptr<BaseRun> run;
-    MLKV_RETURN_IF_ERROR(BaseRun::Open(RunPath(run_id), value_bytes_, run_id, direct_io_, &run));
-    runs.push_back(std::move(run));
-    ids.push_back(run_id);
-  }
-  if (append) MLKV_RETURN_IF_ERROR(JoinTailRuns(&runs, &ids, &next_id, end_id));
-  MLKV_RETURN_IF_ERROR(WriteBaseManifest(BasePath(generation), generation, ids));
-  *out = std::make_shared<const BaseRuns>(std::move(runs), std::move(ids));
+  MLKV_RETURN_IF_ERROR(WriteBaseManifest(BasePath(generation), generation, next.manifest));
+  *out = std::make_shared<const BaseRuns>(std::move(next.runs), std::move(next.overlays), std::move(next.manifest));
   return Status::OK();
 }
 
@@ -272,11 +355,16 @@ Status KVStore::MergeIntoBase(uint64_t end_slot, bool* merged) {
   std::iota(order.begin(), order.end(), 0);
   std::shared_ptr<const BaseRuns> base;
   if (st.ok()) st = WriteBase(generation, run_id, old_base, moved, order, &base);
+  // A merge that read the bottom through (rewrote it, or joined its runs) held chunks of it.
+  const bool read_bottom = base && old_base && !old_base->runs().empty() &&
+                           (base->runs().empty() || base->runs().front() != old_base->runs().front());
   ObsoleteFiles obsolete;
   MLKV_RETURN_IF_ERROR(CommitMerge(st, generation, run_id, end_page, moved, std::move(base), &obsolete, merged));
   RemoveObsoleteFiles(obsolete);  // the bases no checkpoint names, and their runs, outside the lock
 #ifdef __GLIBC__
-  malloc_trim(0);  // the merge's rows, freed: malloc's arenas would keep them, outside the budget
+  // What a big merge freed, malloc's arenas would keep, outside the budget. Not after every merge:
+  // trimming returns every thread's free pages, which the training thread then faults back in.
+  if (read_bottom || moved.values.size() >= kTrimAfterBytes) malloc_trim(0);
 #endif
   return Status::OK();
 }
@@ -298,7 +386,7 @@ Status KVStore::CommitMerge(const Status& written, uint64_t generation, uint64_t
     MoveLive(index_.Erase(moved.keys[i]), kNone);
   }
   if (base_) unnamed_bases_.push_back(base_generation_);
-  base_runs_of_[generation] = base->ids();
+  base_runs_of_[generation] = base->all_ids();
   base_ = std::move(base);
   base_generation_ = generation;
   const uint64_t slots_per_segment = pages_per_segment_ * records_per_page_;

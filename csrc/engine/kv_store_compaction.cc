@@ -30,7 +30,10 @@ bool KVStore::CompactionDueLocked(double ratio, bool stalling) const {
   if (options_.compaction_ratio == 0.0) return false;
   const uint64_t on_disk_slots = ReadOnlySlot() - begin_;
   if (on_disk_slots < 2 * pages_per_segment_ * records_per_page_) return false;
-  return static_cast<double>(on_disk_slots) > ratio * static_cast<double>(index_.size());
+  // Live rows are the base's too: a log that holds only the rows written since the last merge is
+  // short of them, and would merge (rewriting base runs) each time a few hot keys were rewritten.
+  const uint64_t live = index_.size() + (base_ ? base_->rows() : 0);
+  return static_cast<double>(on_disk_slots) > ratio * static_cast<double>(live);
 }
 
 // Writers can append faster than compaction reclaims; past 1.25x the

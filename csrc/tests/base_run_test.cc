@@ -1,6 +1,7 @@
 // Torch-free tests of BaseRun (csrc/engine/base_run.h), built and run under AddressSanitizer and
 // ThreadSanitizer by scripts/sanitize.sh: runs written and read back against std::map, a block
-// per key read once, the cursor's order, and damaged files refused by name.
+// per key read once, the cursor's order, damaged files refused by name, and overlays (rows and
+// deletions over a bottom, merged by base_merge.h) read, scanned and merged as the map says.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -14,7 +15,9 @@
 #include <vector>
 
 #include "tests/expect.h"
+#include "engine/base_merge.h"
 #include "engine/base_run.h"
+#include "engine/crc32c.h"
 
 using mlkv::BaseRun;
 using mlkv::BaseRunWriter;
@@ -34,7 +37,7 @@ std::vector<uint8_t> ValueOf(int64_t key, uint32_t value_bytes) {
 std::map<int64_t, std::vector<uint8_t>> WriteRun(const std::string& path, const std::vector<int64_t>& keys,
                                                  uint32_t value_bytes) {
   std::unique_ptr<BaseRunWriter> writer;
-  Status st = BaseRunWriter::Create(path, value_bytes, 1, &writer);
+  Status st = BaseRunWriter::Create(path, value_bytes, 1, 0, &writer);
   EXPECT(st.ok(), "create: %s", st.ToString().c_str());
   std::map<int64_t, std::vector<uint8_t>> model;
   for (int64_t key : keys) {
@@ -158,7 +161,7 @@ void EmptyAndOrderTest(const std::string& dir) {
     EXPECT(st.ok() && !found, "lookup in an empty run");
   }
   std::unique_ptr<BaseRunWriter> writer;
-  st = BaseRunWriter::Create(dir + "/order.run", 12, 1, &writer);
+  st = BaseRunWriter::Create(dir + "/order.run", 12, 1, 0, &writer);
   uint8_t value[12] = {};
   st = writer->Add(5, value);
   EXPECT(st.ok(), "first add");
@@ -223,6 +226,151 @@ void DamageTest(const std::string& dir) {
   ++passed;
 }
 
+// Crc32c (three streams at once on long inputs) against CRC-32C bit by bit, whole and in pieces.
+void CrcTest() {
+  auto bitwise = [](uint32_t crc, const uint8_t* p, size_t n) {
+    crc = ~crc;
+    for (size_t i = 0; i < n; ++i) {
+      crc ^= p[i];
+      for (int k = 0; k < 8; ++k) crc = (crc & 1) ? (crc >> 1) ^ 0x82F63B78u : crc >> 1;
+    }
+    return ~crc;
+  };
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> data(20000);
+  for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
+  size_t wrong = 0;
+  const char* check = "123456789";
+  wrong += mlkv::Crc32c(0, check, 9) != 0xE3069283u;  // the standard check value
+  for (size_t n : {size_t{0}, size_t{7}, size_t{4080}, size_t{4092}, size_t{4093}, size_t{8191}, size_t{20000}}) {
+    const size_t split = n / 3;
+    wrong += mlkv::Crc32c(0, data.data(), n) != bitwise(0, data.data(), n);
+    wrong +=
+        mlkv::Crc32c(mlkv::Crc32c(0, data.data(), split), data.data() + split, n - split) != bitwise(0, data.data(), n);
+  }
+  EXPECT(wrong == 0, "%zu checksums differ from CRC-32C's", wrong);
+  ++passed;
+}
+
+// No key added is ever denied, and about one in 120 of the others passes.
+void FilterTest() {
+  mlkv::BloomFilter filter(10000);
+  for (int64_t k = 0; k < 10000; ++k) filter.Add(k * 7);
+  size_t denied = 0, passed_wrongly = 0;
+  for (int64_t k = 0; k < 10000; ++k) denied += !filter.MayHold(k * 7);
+  for (int64_t k = 0; k < 100000; ++k) passed_wrongly += filter.MayHold(k * 7 + 3);
+  EXPECT(denied == 0, "%zu keys denied", denied);
+  EXPECT(passed_wrongly < 2000, "%zu of 100000 other keys passed", passed_wrongly);
+  ++passed;
+}
+
+using Model = std::map<int64_t, std::vector<uint8_t>>;
+
+// Writes `entries` (a value per key; an empty one a deletion) as run `id` from MergeEntries.
+std::shared_ptr<const BaseRun> WriteEntries(const std::string& path, uint64_t id,
+                                            const std::map<int64_t, std::vector<uint8_t>>& entries) {
+  std::vector<mlkv::BaseEntry> list;
+  for (const auto& [key, value] : entries) list.push_back({key, value.empty() ? nullptr : value.data()});
+  std::unique_ptr<BaseRunWriter> writer;
+  Status st = BaseRunWriter::Create(path, 20, id, entries.size(), &writer);
+  mlkv::VectorSource source(list);
+  if (st.ok()) st = mlkv::MergeEntries({&source}, true, writer.get());
+  if (st.ok()) st = writer->Finish();
+  std::unique_ptr<BaseRun> run;
+  if (st.ok()) st = BaseRun::Open(path, 20, id, false, &run);
+  EXPECT(st.ok(), "writing %s: %s", path.c_str(), st.ToString().c_str());
+  if (!st.ok()) std::exit(2);
+  return std::shared_ptr<const BaseRun>(std::move(run));
+}
+
+// Every key's answer from the base: lookups, presence, a scan, and a merge of it all into one run.
+void CheckBase(const mlkv::BaseRuns& base, const Model& model, int64_t end, const std::string& dir) {
+  std::vector<int64_t> keys;
+  for (int64_t k = 0; k < end; ++k) keys.push_back(k);
+  std::vector<uint8_t> out(keys.size() * 20);
+  std::unique_ptr<bool[]> found(new bool[keys.size()]);
+  auto reader = Reader();
+  Status st = base.Lookup(keys.data(), keys.size(), out.data(), found.get(), reader.get(), nullptr);
+  EXPECT(st.ok(), "lookup: %s", st.ToString().c_str());
+  size_t wrong = 0, wrong_presence = 0;
+  for (int64_t k : keys) {
+    auto it = model.find(k);
+    if (found[k] != (it != model.end()) || (found[k] && std::memcmp(out.data() + k * 20, it->second.data(), 20)))
+      ++wrong;
+    const BaseRun::Presence p = base.PresenceOf(k);
+    wrong_presence +=
+        (p == BaseRun::Presence::kPresent && !model.count(k)) || (p == BaseRun::Presence::kAbsent && model.count(k));
+  }
+  EXPECT(wrong == 0 && wrong_presence == 0, "%zu lookups, %zu presences wrong", wrong, wrong_presence);
+  Model scanned;
+  std::vector<int64_t> scan_keys;
+  std::vector<uint8_t> scan_values;
+  for (uint64_t block = 0; block < base.blocks();) {
+    scan_keys.clear();
+    scan_values.clear();
+    st = base.ReadBlocks(block, &scan_keys, &scan_values, &block);
+    EXPECT(st.ok(), "scan: %s", st.ToString().c_str());
+    for (size_t j = 0; j < scan_keys.size(); ++j) {
+      EXPECT(!scanned.count(scan_keys[j]), "key %lld scanned twice", static_cast<long long>(scan_keys[j]));
+      scanned[scan_keys[j]].assign(scan_values.begin() + j * 20, scan_values.begin() + (j + 1) * 20);
+    }
+  }
+  EXPECT(scanned == model, "the scan gave %zu rows for %zu", scanned.size(), model.size());
+  std::vector<std::unique_ptr<mlkv::RunsSource>> owned;
+  std::vector<mlkv::EntrySource*> sources;
+  for (auto it = base.overlays().rbegin(); it != base.overlays().rend(); ++it) {
+    owned.push_back(std::make_unique<mlkv::RunsSource>(std::vector<std::shared_ptr<const BaseRun>>{*it}));
+    sources.push_back(owned.back().get());
+  }
+  owned.push_back(std::make_unique<mlkv::RunsSource>(base.runs()));
+  sources.push_back(owned.back().get());
+  std::unique_ptr<BaseRunWriter> writer;
+  st = BaseRunWriter::Create(dir + "/merged.run", 20, 9, 0, &writer);
+  if (st.ok()) st = mlkv::MergeEntries(sources, false, writer.get());
+  if (st.ok()) st = writer->Finish();
+  std::unique_ptr<BaseRun> merged;
+  if (st.ok()) st = BaseRun::Open(dir + "/merged.run", 20, 9, false, &merged);
+  EXPECT(st.ok() && merged->rows() == model.size() && merged->deletions().empty(), "merged: %s", st.ToString().c_str());
+}
+
+// A bottom of two disjoint runs, and two overlays of rows and deletions over it (a key deleted in
+// the first written again in the second, a key deleted in the second that the first wrote).
+void OverlayTest(const std::string& dir) {
+  std::mt19937_64 rng(11);
+  Model model, low, high;
+  for (int64_t k = 0; k < 6000; ++k) (k < 3000 ? low : high)[k] = ValueOf(k, 20);
+  model.insert(low.begin(), low.end());
+  model.insert(high.begin(), high.end());
+  auto bottom_low = WriteEntries(dir + "/bottom-1.run", 1, low);
+  auto bottom_high = WriteEntries(dir + "/bottom-2.run", 2, high);
+  std::vector<std::shared_ptr<const BaseRun>> overlays;
+  for (uint64_t id = 3; id < 5; ++id) {
+    Model entries;
+    for (int i = 0; i < 900; ++i) {
+      const int64_t k = static_cast<int64_t>(rng() % 6500);
+      if (rng() % 3 == 0) {
+        entries[k] = {};
+        model.erase(k);
+      } else {
+        entries[k] = ValueOf(k * 1000 + static_cast<int64_t>(id), 20);
+        model[k] = entries[k];
+      }
+    }
+    overlays.push_back(WriteEntries(dir + "/overlay-" + std::to_string(id) + ".run", id, entries));
+  }
+  mlkv::BaseManifest manifest{{1, 2}, {3, 4}, model.size()};
+  mlkv::BaseRuns base({bottom_low, bottom_high}, overlays, manifest);
+  CheckBase(base, model, 6600, dir);
+  Status st = mlkv::WriteBaseManifest(dir + "/base-7.runs", 7, manifest);
+  mlkv::BaseManifest read;
+  if (st.ok()) st = mlkv::ReadBaseManifest(dir + "/base-7.runs", 7, &read);
+  EXPECT(st.ok() && read.runs == manifest.runs && read.overlays == manifest.overlays && read.rows == manifest.rows,
+         "the manifest read back: %s", st.ToString().c_str());
+  st = mlkv::ReadBaseManifest(dir + "/base-7.runs", 8, &read);
+  EXPECT(st.code() == Status::Code::kCorruption, "another generation's manifest: %s", st.ToString().c_str());
+  ++passed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -234,6 +382,9 @@ int main(int argc, char** argv) {
   GaplessTest(dir);
   EmptyAndOrderTest(dir);
   DamageTest(dir);
+  CrcTest();
+  FilterTest();
+  OverlayTest(dir);
   std::printf("base_run: %d passed, %d failed\n", mlkv_test::Failures() == 0 ? passed : 0, mlkv_test::Failures());
   return mlkv_test::Failures() == 0 ? 0 : 1;
 }

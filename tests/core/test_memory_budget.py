@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-from mlkv_torch.memory_budget import (MemoryBudgetError, host_memory_for_all_rows, least_host_memory,
-                                      shard_memory_budget, split_budget, split_host_memory)
+from mlkv_torch.memory_budget import (LEAST_INDEX_BUDGET, MemoryBudgetError, host_memory_for_all_rows,
+                                      index_budgets, least_host_memory, shard_memory_budget, split_budget,
+                                      split_host_memory)
 
 ROW = 64  # bytes of a row: 8 float32 weights and 8 of optimizer state
 
@@ -82,3 +83,14 @@ def test_shard_memory_budget_is_its_fraction_of_the_stored_bytes_at_least_what_o
         caches = [split_host_memory(shard_memory_budget(shard_rows, ROW, f), 1, shard_rows, ROW, True).cache_rows
                   for f in (0.05, 0.5, 1.0)]
         assert caches == sorted(caches) and caches[0] < caches[-1]
+
+
+def test_index_budgets_follow_the_rows_none_below_the_least_index():
+    each = 4 * LEAST_INDEX_BUDGET  # the tables' share, per table
+    rows = [1_000_000, 500_000, 100, 0]
+    budgets = index_budgets(each, rows)
+    share = each * len(rows)
+    assert budgets[0] == share * 1_000_000 // sum(rows) and budgets[1] == share * 500_000 // sum(rows)
+    assert budgets[2] == budgets[3] == LEAST_INDEX_BUDGET  # small tables: the least index, a fixed cost
+    assert sum(budgets[:2]) <= share
+    assert index_budgets(1, [10, 10]) == [LEAST_INDEX_BUDGET] * 2
