@@ -417,6 +417,8 @@ class KVStore : public RowStore {
   // in key order into a new file; then, under a short exclusive lock, the moved keys leave the
   // index and begin_ moves to end_slot. Sets *merged.
   Status MergeIntoBase(uint64_t end_slot, bool* merged) REQUIRES(compaction_mu_) EXCLUDES(checkpoint_mu_, mu_);
+  // Returns the heap's free memory to the system once it passes kMostFreeHeapBytes (after a merge).
+  static void ReturnFreeHeap();
   // The merge's end, under the exclusive lock: with `written` OK, the moved keys leave the index,
   // base becomes the store's and begin_ moves to end_page; else the files written go.
   Status CommitMerge(const Status& written, uint64_t generation, uint64_t run_id, uint64_t end_page,

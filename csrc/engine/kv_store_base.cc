@@ -152,7 +152,7 @@ constexpr uint64_t kRunIdsPerMerge = 64;    // run numbers a merge takes: its ru
 // Overlays hold at most a quarter of the bottom's rows: past that, rewriting the bottom costs at
 // most 4 rows written a row moved, and reads through the overlays stay few.
 constexpr uint64_t kBottomRowsPerOverlayEntry = 4;
-constexpr size_t kTrimAfterBytes = 16 << 20;  // a merge that moved this much returns it to the system
+constexpr size_t kMostFreeHeapBytes = 16 << 20;  // free heap memory past this goes back to the system after a merge
 
 int RunLevel(uint64_t rows) {
   int level = 0;
@@ -355,18 +355,24 @@ Status KVStore::MergeIntoBase(uint64_t end_slot, bool* merged) {
   std::iota(order.begin(), order.end(), 0);
   std::shared_ptr<const BaseRuns> base;
   if (st.ok()) st = WriteBase(generation, run_id, old_base, moved, order, &base);
-  // A merge that read the bottom through (rewrote it, or joined its runs) held chunks of it.
-  const bool read_bottom = base && old_base && !old_base->runs().empty() &&
-                           (base->runs().empty() || base->runs().front() != old_base->runs().front());
   ObsoleteFiles obsolete;
   MLKV_RETURN_IF_ERROR(CommitMerge(st, generation, run_id, end_page, moved, std::move(base), &obsolete, merged));
   RemoveObsoleteFiles(obsolete);  // the bases no checkpoint names, and their runs, outside the lock
-#ifdef __GLIBC__
-  // What a big merge freed, malloc's arenas would keep, outside the budget. Not after every merge:
-  // trimming returns every thread's free pages, which the training thread then faults back in.
-  if (read_bottom || moved.values.size() >= kTrimAfterBytes) malloc_trim(0);
-#endif
+  moved = LiveRecords();
+  std::vector<size_t>().swap(order);
+  ReturnFreeHeap();
   return Status::OK();
+}
+
+void KVStore::ReturnFreeHeap() {
+#ifdef __GLIBC__
+  // What merges free, malloc's arenas keep, outside the budget; but a trim returns every thread's
+  // free pages, which the training thread then faults back in: only once they add up.
+#if __GLIBC_PREREQ(2, 33)
+  if (mallinfo2().fordblks < kMostFreeHeapBytes) return;
+#endif
+  malloc_trim(0);
+#endif
 }
 
 Status KVStore::CommitMerge(const Status& written, uint64_t generation, uint64_t run_id, uint64_t end_page,
