@@ -62,8 +62,9 @@ std::string BlockPlace(const std::string& path, uint64_t index, uint64_t block_b
 
 }  // namespace
 
-BloomFilter::BloomFilter(uint64_t keys)
-    : hashes_(kFilterHashes), words_(std::max<uint64_t>(1, (keys * kBitsPerKey + 63) / 64), 0) {}
+BloomFilter::BloomFilter(const FilterSize& size)
+    : hashes_(std::clamp<uint64_t>((size.bits_per_key * 69 + 50) / 100, 1, kFilterHashes)),
+      words_(std::max<uint64_t>(1, (size.keys * std::min(size.bits_per_key, kBitsPerKey) + 63) / 64), 0) {}
 
 // Double hashing: probe i is h + i * step, about as few false yeses as independent hashes (Kirsch and
 // Mitzenmacher).
@@ -88,23 +89,24 @@ uint64_t BaseBlockBytes(uint32_t value_bytes) {
 
 // ---- writing ---------------------------------------------------------------------------------------
 
-Status BaseRunWriter::Create(const std::string& path, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys,
-                             std::unique_ptr<BaseRunWriter>* out) {
+Status BaseRunWriter::Create(const std::string& path, uint32_t value_bytes, uint64_t generation,
+                             const FilterSize& filter, std::unique_ptr<BaseRunWriter>* out) {
   if (value_bytes == 0) return Status::InvalidArgument("a base run's rows need at least one byte");
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::IOError("creating " + path + ": " + ErrnoText(errno));
-  out->reset(new BaseRunWriter(path, fd, value_bytes, generation, filter_keys));
+  out->reset(new BaseRunWriter(path, fd, value_bytes, generation, filter));
   return Status::OK();
 }
 
-BaseRunWriter::BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys)
+BaseRunWriter::BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation,
+                             const FilterSize& filter)
     : path_(std::move(path)),
       fd_(fd),
       value_bytes_(value_bytes),
       generation_(generation),
       block_bytes_(BaseBlockBytes(value_bytes)),
       rows_per_block_((block_bytes_ - sizeof(BaseBlockHeader)) / (sizeof(int64_t) + value_bytes)),
-      filter_(filter_keys ? BloomFilter(filter_keys) : BloomFilter()) {
+      filter_(filter.keys && filter.bits_per_key ? BloomFilter(filter) : BloomFilter()) {
   buffer_.assign(block_bytes_, 0);
 }
 
@@ -177,10 +179,18 @@ Status BaseRunWriter::WriteBuffer() {
   return Status::OK();
 }
 
+bool BaseRunWriter::AllGapless() const {
+  for (size_t block = 0; block < fences_.size(); ++block) {
+    if (!((gapless_[block / 64] >> (block % 64)) & 1)) return false;
+  }
+  return true;
+}
+
 Status BaseRunWriter::Finish() {
   if (finished_) return Status::InvalidArgument(path_ + " is finished");
   if (rows_in_block_ > 0) MLKV_RETURN_IF_ERROR(SealBlock());
   if (!fences_.empty()) MarkGapless(block_gapless_);
+  if (AllGapless()) filter_ = BloomFilter();  // the fences tell every key: a filter would only take memory
   MLKV_RETURN_IF_ERROR(WriteBuffer());
   const uint64_t fence_offset = written_blocks_ * block_bytes_;
   std::vector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
@@ -542,7 +552,8 @@ Status BaseRuns::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found
       }
       if (deleted) continue;
       const int64_t run = o > 0 ? static_cast<int64_t>(o - 1) : RunOf(keys[i]);
-      if (run < 0) continue;  // below the bottom's keys
+      // Below the bottom's keys, or not in its run's (what its fences and filter tell without a read).
+      if (run < 0 || (o == 0 && runs_[run]->PresenceOf(keys[i]) == BaseRun::Presence::kAbsent)) continue;
       below[i] = o > 0 ? o - 1 : 0;
       asked[o > 0 ? run : overlays_.size() + run].indexes.push_back(i);
     }

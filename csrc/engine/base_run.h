@@ -59,13 +59,20 @@ struct BaseRunTrailer {
 static_assert(sizeof(BaseRunTrailer) == 64, "a base run trailer is 64 bytes");
 constexpr char kBaseRunMagic[8] = {'M', 'L', 'K', 'V', 'B', 'A', 'S', 'E'};
 
-// A Bloom filter of keys: 10 bits and 7 probes a key, about one false yes in 120.
+// How a run's Bloom filter is sized: `keys` keys at `bits_per_key` (none when either is 0).
+struct FilterSize {
+  uint64_t keys = 0;
+  uint64_t bits_per_key = 10;
+};
+
+// A Bloom filter of keys: at 10 bits and 7 probes a key, about one false yes in 120; at fewer
+// bits, fewer probes (bits x ln 2) and more false yeses (5 bits: one in 10).
 class BloomFilter {
  public:
-  static constexpr uint64_t kBitsPerKey = 10;
+  static constexpr uint64_t kBitsPerKey = 10;  // the most a filter takes
 
   BloomFilter() = default;
-  explicit BloomFilter(uint64_t keys);
+  explicit BloomFilter(const FilterSize& size);
   // From a file's words; an empty filter (no words) answers yes to every key.
   BloomFilter(uint64_t hashes, std::vector<uint64_t> words) : hashes_(hashes), words_(std::move(words)) {}
 
@@ -87,9 +94,10 @@ uint64_t BaseBlockBytes(uint32_t value_bytes);
 // run until Finish has written the fences and trailer and synced the file.
 class BaseRunWriter {
  public:
-  // Creates (truncates) `path` for run number `generation`. `filter_keys`: the most rows it will
-  // hold, which size its Bloom filter (0: none).
-  static Status Create(const std::string& path, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys,
+  // Creates (truncates) `path` for run number `generation`. `filter`: its Bloom filter's size (for
+  // the most rows it will hold); a run whose blocks all run without a gap keeps none (its fences
+  // tell every key).
+  static Status Create(const std::string& path, uint32_t value_bytes, uint64_t generation, const FilterSize& filter,
                        std::unique_ptr<BaseRunWriter>* out);
   ~BaseRunWriter();
   BaseRunWriter(const BaseRunWriter&) = delete;
@@ -106,7 +114,8 @@ class BaseRunWriter {
   uint64_t entries() const { return rows_ + deletions_.size(); }
 
  private:
-  BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, uint64_t filter_keys);
+  BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, const FilterSize& filter);
+  bool AllGapless() const;  // every block sealed so far runs without a gap
   Status CheckOrder(int64_t key) const;
   Status SealBlock();   // the block being filled: its header, into the write buffer
   void MarkGapless(bool gapless);  // the bit of the block before the last fence

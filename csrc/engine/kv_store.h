@@ -442,12 +442,15 @@ class KVStore : public RowStore {
   // presence the fences and filters cannot tell.
   Status AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry>& moved, uint64_t run_id, uint64_t end_id,
                     BaseRunsParts* next) EXCLUDES(mu_);
+  // The filter of a bottom run of `run_rows` in a bottom of `bottom_rows`: 10 bits a key, fewer
+  // where the bottom's filters would take more than the index's budget.
+  FilterSize BottomFilter(uint64_t run_rows, uint64_t bottom_rows) const;
   // The entries the overlays may hold over a bottom of `bottom_rows`.
   uint64_t OverlayCapacity(uint64_t bottom_rows) const;
   // Writes run `id` from the sources' newest entries (deletions kept when `keep_deletions`) and
   // opens it into *out (null when it holds nothing: no file stays).
-  Status WriteRun(uint64_t id, uint64_t filter_keys, const std::vector<EntrySource*>& newest_first, bool keep_deletions,
-                  std::shared_ptr<const BaseRun>* out) EXCLUDES(mu_);
+  Status WriteRun(uint64_t id, const FilterSize& filter, const std::vector<EntrySource*>& newest_first,
+                  bool keep_deletions, std::shared_ptr<const BaseRun>* out) EXCLUDES(mu_);
   // While the newest overlay holds half as many entries as the one before it or more, the two are
   // joined into one (run numbers from *next_id, below end_id).
   Status JoinOverlays(std::vector<std::shared_ptr<const BaseRun>>* overlays, std::vector<uint64_t>* ids,

@@ -171,11 +171,20 @@ uint64_t KVStore::OverlayCapacity(uint64_t bottom_rows) const {
   return capacity;
 }
 
-Status KVStore::WriteRun(uint64_t id, uint64_t filter_keys, const std::vector<EntrySource*>& newest_first,
+FilterSize KVStore::BottomFilter(uint64_t run_rows, uint64_t bottom_rows) const {
+  // The bottom's filters take no more memory than the index's budget: fewer bits a key as it grows.
+  const uint64_t bits =
+      options_.index_budget_bytes
+          ? std::min(BloomFilter::kBitsPerKey, options_.index_budget_bytes * 8 / std::max<uint64_t>(1, bottom_rows))
+          : BloomFilter::kBitsPerKey;
+  return FilterSize{run_rows, bits};
+}
+
+Status KVStore::WriteRun(uint64_t id, const FilterSize& filter, const std::vector<EntrySource*>& newest_first,
                          bool keep_deletions, std::shared_ptr<const BaseRun>* out) {
   out->reset();
   std::unique_ptr<BaseRunWriter> writer;
-  MLKV_RETURN_IF_ERROR(BaseRunWriter::Create(RunPath(id), value_bytes_, id, filter_keys, &writer));
+  MLKV_RETURN_IF_ERROR(BaseRunWriter::Create(RunPath(id), value_bytes_, id, filter, &writer));
   MLKV_RETURN_IF_ERROR(MergeEntries(newest_first, keep_deletions, writer.get()));
   base_rows_written_ += writer->entries();
   MLKV_RETURN_IF_ERROR(writer->Finish());
@@ -191,6 +200,8 @@ Status KVStore::WriteRun(uint64_t id, uint64_t filter_keys, const std::vector<En
 
 Status KVStore::JoinTailRuns(std::vector<std::shared_ptr<const BaseRun>>* runs, std::vector<uint64_t>* ids,
                              uint64_t* next_id, uint64_t end_id) {
+  uint64_t bottom_rows = 0;
+  for (const auto& run : *runs) bottom_rows += run->rows();
   for (;;) {
     const size_t n = runs->size();
     const int level = n ? RunLevel(runs->back()->rows()) : 0;
@@ -200,8 +211,10 @@ Status KVStore::JoinTailRuns(std::vector<std::shared_ptr<const BaseRun>>* runs, 
     // Disjoint and in key order: the runs' rows one after another are the joined run's.
     const uint64_t id = (*next_id)++;
     RunsSource tail({runs->end() - static_cast<std::ptrdiff_t>(same), runs->end()});
+    uint64_t rows = 0;
+    for (size_t r = n - same; r < n; ++r) rows += (*runs)[r]->rows();
     std::shared_ptr<const BaseRun> joined;
-    MLKV_RETURN_IF_ERROR(WriteRun(id, 0, {&tail}, /*keep_deletions=*/false, &joined));
+    MLKV_RETURN_IF_ERROR(WriteRun(id, BottomFilter(rows, bottom_rows), {&tail}, /*keep_deletions=*/false, &joined));
     runs->resize(n - same);
     ids->resize(n - same);
     runs->push_back(std::move(joined));
@@ -220,7 +233,7 @@ Status KVStore::JoinOverlays(std::vector<std::shared_ptr<const BaseRun>>* overla
     const uint64_t id = (*next_id)++;
     RunsSource newer_source({(*overlays)[n - 1]}), older_source({(*overlays)[n - 2]});
     std::shared_ptr<const BaseRun> joined;
-    MLKV_RETURN_IF_ERROR(WriteRun(id, newer.rows() + older.rows(), {&newer_source, &older_source},
+    MLKV_RETURN_IF_ERROR(WriteRun(id, FilterSize{newer.rows() + older.rows()}, {&newer_source, &older_source},
                                   /*keep_deletions=*/true, &joined));
     overlays->resize(n - 2);
     ids->resize(n - 2);
@@ -266,7 +279,7 @@ Status KVStore::AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry
   }
   VectorSource source(entries);
   std::shared_ptr<const BaseRun> run;
-  MLKV_RETURN_IF_ERROR(WriteRun(run_id, filter_keys, {&source}, /*keep_deletions=*/true, &run));
+  MLKV_RETURN_IF_ERROR(WriteRun(run_id, FilterSize{filter_keys}, {&source}, /*keep_deletions=*/true, &run));
   next->runs = old_base.runs();
   next->overlays = old_base.overlays();
   next->manifest.runs = old_base.manifest().runs;
@@ -301,7 +314,9 @@ Status KVStore::WriteBase(uint64_t generation, uint64_t run_id, const std::share
       next.overlays = old_base->overlays();
       next.manifest = old_base->manifest();
     }
-    MLKV_RETURN_IF_ERROR(WriteRun(run_id, 0, {&moved_source}, /*keep_deletions=*/false, &run));
+    const uint64_t bottom_rows = (old_base ? old_base->bottom_rows() : 0) + entries.size();
+    MLKV_RETURN_IF_ERROR(WriteRun(run_id, BottomFilter(entries.size(), bottom_rows), {&moved_source},
+                                  /*keep_deletions=*/false, &run));
     next.manifest.rows = old_rows + (run ? run->rows() : 0);
     if (run) {
       next.runs.push_back(std::move(run));
@@ -321,7 +336,8 @@ Status KVStore::WriteBase(uint64_t generation, uint64_t run_id, const std::share
     }
     RunsSource bottom(old_base->runs());
     sources.push_back(&bottom);
-    MLKV_RETURN_IF_ERROR(WriteRun(run_id, 0, sources, /*keep_deletions=*/false, &run));
+    const uint64_t most_rows = old_base->bottom_rows() + old_base->overlay_entries() + entries.size();
+    MLKV_RETURN_IF_ERROR(WriteRun(run_id, BottomFilter(most_rows, most_rows), sources, /*keep_deletions=*/false, &run));
     next.manifest.rows = run ? run->rows() : 0;
     if (run) {
       next.runs.push_back(std::move(run));

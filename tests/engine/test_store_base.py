@@ -225,6 +225,24 @@ def test_random_writes_go_to_overlays_until_they_fill_then_one_bottom_run(tmp_pa
         assert_store_equals(store, model)
 
 
+def test_a_key_never_written_costs_no_read_but_a_filter_false_yes(tmp_path):
+    # Sparse keys (an unpopulated table's first touches): the fences cannot tell an absent key, the
+    # bottom's Bloom filter can, but for about one key in 120.
+    g = torch.Generator().manual_seed(4)
+    keys = torch.unique(torch.randint(0, 1 << 40, (20_000,), generator=g))
+    model = {}
+    with KVStore(str(tmp_path / "store"), DIM, **dict(BASE, promote_hot_reads=False)) as store:
+        put_model(store, model, keys, 1)
+        store.compact()
+        assert store.stats()["base_rows"] > 0.9 * len(keys)  # (the log keeps its pages in memory)
+        absent = torch.randint(0, 1 << 40, (5000,), generator=g)
+        absent = absent[~torch.isin(absent, keys)]
+        before = store.stats()["base_reads"]
+        assert not store.lookup(absent)[1].any() and not store.contains(absent).any()
+        assert store.stats()["base_reads"] - before < 0.03 * 2 * len(absent)
+        assert_store_equals(store, model)
+
+
 def a_closed_store_with_runs(tmp_path) -> str:
     """The path of a closed store whose 5000 rows are in base runs."""
     path = str(tmp_path / "store")
