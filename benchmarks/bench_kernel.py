@@ -19,7 +19,9 @@ Configurations, each from the same initial rows (mlkv_torch.initial_rows) and de
            how fast the store-to-model path reads when the compute does not hold the cores.
 `--configs` picks which run (memory always: it is the reference).
 Reported: samples/s and the ratio to memory, hit rate and store reads per step, peak RSS, and
-whether the losses equal the reference's at every step (they must: staleness 0).
+whether the losses equal the reference's at every step (they must: staleness 0); for disk
+configurations also the stores' merges into base runs and the rows they wrote, and the CPU seconds
+each thread (by name) spent in the timed steps.
 """
 from __future__ import annotations
 
