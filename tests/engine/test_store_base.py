@@ -312,3 +312,54 @@ def test_a_store_written_before_base_runs_opens(tmp_path):
     assert len(open(os.path.join(path, "CHECKPOINT"), "rb").read()) == 96
     with KVStore(path, DIM, **BASE) as store:
         assert_store_equals(store, model)
+
+
+def to_format_1(path: str) -> None:
+    """Rewrites the store's runs and manifests as format 1 (no deletions, no filters, no counts), as
+    the stores made before overlays hold; their runs must have neither."""
+    for name in run_files(path):
+        data = bytearray(open(os.path.join(path, name), "rb").read())
+        trailer = data[-64:]
+        fence_offset = struct.unpack_from("<Q", trailer, 48)[0]
+        section = data[fence_offset:-64]
+        assert section[-24:] == bytes(24), "the run holds deletions or a filter"
+        v1 = bytearray(trailer)
+        struct.pack_into("<I", v1, 8, 1)
+        struct.pack_into("<I", v1, 56, crc32c(bytes(section[:-24])))
+        struct.pack_into("<I", v1, 60, crc32c(bytes(v1[:60])))
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data[:fence_offset] + section[:-24] + v1)
+    for name in (n for n in os.listdir(path) if n.startswith("base-")):
+        data = open(os.path.join(path, name), "rb").read()
+        runs, generation, overlays = struct.unpack_from("<IQ", data, 12) + struct.unpack_from("<I", data, 28)
+        assert overlays == 0
+        ids = data[48:]
+        header = bytearray(data[:32])
+        struct.pack_into("<I", header, 8, 1)
+        struct.pack_into("<I", header, 24, crc32c(bytes(header[:24]) + ids))
+        struct.pack_into("<I", header, 28, 0)
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(bytes(header) + ids)
+
+
+def test_runs_and_manifests_of_format_1_open_and_merge_on(tmp_path):
+    path = str(tmp_path / "store")
+    model = {}
+    with KVStore(path, DIM, **BASE) as store:
+        for start in range(0, 8000, 2000):  # key order: bottom runs alone, written in full (no filters)
+            put_model(store, model, torch.arange(start, start + 2000), 1)
+        store.compact()
+        assert store.stats()["base_overlays"] == 0 and store.stats()["base_rows"] > 0
+    to_format_1(path)
+    with KVStore(path, DIM, **BASE) as store:
+        assert len(store) == len(model)
+        assert_store_equals(store, model)
+        put_model(store, model, torch.arange(3, 8000, 5), 2)  # among the old rows: an overlay of format 2
+        store.delete(torch.arange(0, 8000, 11))
+        for key in range(0, 8000, 11):
+            model.pop(key, None)
+        store.compact()
+        assert_store_equals(store, model)
+    with KVStore(path, DIM, **BASE) as store:
+        assert len(store) == len(model)
+        assert_store_equals(store, model)
