@@ -328,7 +328,7 @@ Status KVStore::Size(uint64_t* rows) const { return CountRows(rows); }
 
 Status KVStore::Stats(StoreStats* stats) const {
   StoreStats& s = *stats;
-  MLKV_RETURN_IF_ERROR(CountRows(&s.rows));
+  MLKV_RETURN_IF_ERROR(CountRows(&s.rows, /*read_unknown=*/false));
   ReaderLock lock(&mu_);
   s.index_bytes = index_.MemoryBytes();
   s.log_memory_bytes = num_frames_ * page_bytes_;

@@ -265,10 +265,11 @@ class KVStore : public RowStore {
   // Whether a deletion of `key` must stay in the index: the base run may hold the key, or the run a
   // merge is writing may (it may be moving the very row deleted).
   bool KeepsDeletion(int64_t key) const REQUIRES_SHARED(mu_) { return merging_ || BaseMayHold(key); }
-  // Live rows: the base run's, less those deleted since, plus the log's keys it does not hold. The
-  // keys whose presence the base's fences cannot tell are looked up (outside the lock), and the
-  // count kept until the store changes.
-  Status CountRows(uint64_t* rows) const EXCLUDES(mu_, rows_mu_);
+  // Live rows: the base's, less those deleted since, plus the log's keys it does not hold. The keys
+  // whose presence the base's fences and filters cannot tell are looked up (outside the lock), and
+  // the count kept until the store changes; without `read_unknown` (stats(), which monitoring calls
+  // often) they count as held by the base, as most are (rows read, then written back), with no read.
+  Status CountRows(uint64_t* rows, bool read_unknown = true) const EXCLUDES(mu_, rows_mu_);
 
   // Log geometry.
   uint64_t PageOf(uint64_t slot) const { return div_records_per_page_.Div(slot); }

@@ -169,7 +169,9 @@ class StoreMachine(RuleBasedStateMachine):
     def length_matches(self):
         if self.store is not None:
             assert len(self.store) == len(self.model)
-            assert self.store.stats()["rows"] == len(self.model)
+            stats = self.store.stats()
+            if stats["base_runs"] == 0:  # stats() counts from memory: exact where no base may hold a log key
+                assert stats["rows"] == len(self.model)
 
 
 StoreMachine.TestCase.settings = settings(
