@@ -646,12 +646,6 @@ Status BaseRuns::ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vec
   return Status::OK();
 }
 
-std::vector<uint64_t> BaseRuns::all_ids() const {
-  std::vector<uint64_t> ids = manifest_.runs;
-  ids.insert(ids.end(), manifest_.overlays.begin(), manifest_.overlays.end());
-  return ids;
-}
-
 uint64_t BaseRuns::bottom_rows() const {
   uint64_t total = 0;
   for (const auto& run : runs_) total += run->rows();
@@ -724,8 +718,7 @@ Status WriteBaseManifest(const std::string& path, uint64_t generation, const Bas
   header.generation = generation;
   header.overlays = static_cast<uint32_t>(manifest.overlays.size());
   header.rows = manifest.rows;
-  std::vector<uint64_t> ids = manifest.runs;
-  ids.insert(ids.end(), manifest.overlays.begin(), manifest.overlays.end());
+  const std::vector<uint64_t> ids = manifest.all_ids();
   header.crc = ManifestCrc(header, ids);
   std::vector<uint8_t> bytes(sizeof(header));
   std::memcpy(bytes.data(), &header, sizeof(header));

@@ -240,6 +240,13 @@ struct BaseManifest {
   std::vector<uint64_t> runs;      // the bottom: runs with disjoint key ranges, in key order
   std::vector<uint64_t> overlays;  // young runs over it, oldest first
   uint64_t rows = 0;               // the live rows of the whole base
+
+  // The run numbers of the bottom, then the overlays'.
+  std::vector<uint64_t> all_ids() const {
+    std::vector<uint64_t> ids = runs;
+    ids.insert(ids.end(), overlays.begin(), overlays.end());
+    return ids;
+  }
 };
 
 // The base of a store: a bottom of runs with disjoint key ranges, in key order, and overlays on it,
@@ -265,8 +272,7 @@ class BaseRuns {
   const std::vector<std::shared_ptr<const BaseRun>>& runs() const { return runs_; }
   const std::vector<std::shared_ptr<const BaseRun>>& overlays() const { return overlays_; }
   const BaseManifest& manifest() const { return manifest_; }
-  // The run numbers of the bottom and the overlays.
-  std::vector<uint64_t> all_ids() const;
+  std::vector<uint64_t> all_ids() const { return manifest_.all_ids(); }
   uint64_t rows() const { return manifest_.rows; }
   uint64_t bottom_rows() const;
   uint64_t overlay_entries() const;  // rows and deletions

@@ -256,8 +256,7 @@ Status KVStore::Recover() {
   if (previous_base_ != meta.base && previous_base_ != 0) {  // its runs stay while it is kept
     BaseManifest manifest;
     MLKV_RETURN_IF_ERROR(ReadBaseManifest(BasePath(previous_base_), previous_base_, &manifest));
-    std::vector<uint64_t> ids = manifest.runs;
-    ids.insert(ids.end(), manifest.overlays.begin(), manifest.overlays.end());
+    std::vector<uint64_t> ids = manifest.all_ids();
     for (uint64_t id : ids) next_run_id_ = std::max(next_run_id_, id + 1);
     base_runs_of_[previous_base_] = std::move(ids);
     unnamed_bases_.push_back(previous_base_);
