@@ -3,17 +3,14 @@
 // host and the slots (see embedding_cache.h).
 #include <algorithm>
 #include <cstring>
-#include <functional>
+#include <memory>
 
 #include "cache/embedding_cache.h"
-#include "engine/task_pool.h"
+#include "engine/read_rounds.h"
 
 namespace mlkv {
 
 namespace {
-
-// Rows of a store read from several tables above which the tables are read side by side.
-constexpr size_t kParallelReadRows = 2048;
 
 void ThrowIfError(const Status& st) {
   if (!st.ok()) throw StatusError(st);
@@ -31,31 +28,29 @@ void EmbeddingCache::ReadFromStore(const int64_t* keys, size_t n, float* out, bo
     for (int64_t& id : ids) id &= kIdMask;
     ThrowIfError(tables_[static_cast<size_t>(only)].store->Lookup(ids.data(), n, out, found.get()));
   } else {
-    // One batched read per table, into a buffer, then back to the batch's order (each table its
-    // own rows of `out`). A large batch reads its tables side by side: one table's batched read
-    // keeps only its own few reads in flight, and the disk (or the page cache) serves many more.
-    std::vector<Status> status(batches.size());
-    std::vector<std::function<void()>> reads;
+    // Each table's rows into a buffer of its own, then back to the batch's order; every table's
+    // disk reads go in the same rounds, so the batch waits for the disk once, not once a table.
+    std::vector<std::vector<float>> rows(batches.size());
+    std::vector<std::unique_ptr<bool[]>> table_found(batches.size());
+    std::vector<std::unique_ptr<RoundedLookup>> lookups;
+    std::vector<RoundedLookup*> rounds;
     for (size_t t = 0; t < batches.size(); ++t) {
-      if (batches[t].ids.empty()) continue;
-      reads.push_back([this, t, &batches, &status, out, &found] {
-        const TableBatch& b = batches[t];
-        std::vector<float> rows(b.ids.size() * static_cast<size_t>(row_words_));
-        std::unique_ptr<bool[]> table_found(new bool[b.ids.size()]);
-        status[t] = tables_[t].store->Lookup(b.ids.data(), b.ids.size(), rows.data(), table_found.get());
-        if (!status[t].ok()) return;
-        for (size_t k = 0; k < b.ids.size(); ++k) {
-          std::memcpy(out + b.positions[k] * row_words_, &rows[k * row_words_], row_words_ * sizeof(float));
-          found[b.positions[k]] = table_found[k];
-        }
-      });
+      const TableBatch& b = batches[t];
+      if (b.ids.empty()) continue;
+      rows[t].resize(b.ids.size() * static_cast<size_t>(row_words_));
+      table_found[t].reset(new bool[b.ids.size()]);
+      lookups.push_back(
+          tables_[t].store->StartLookup(b.ids.data(), b.ids.size(), rows[t].data(), table_found[t].get()));
+      rounds.push_back(lookups.back().get());
     }
-    if (n >= kParallelReadRows) {
-      TaskPool::Shared().RunAll(reads);
-    } else {
-      for (const auto& read : reads) read();
+    ThrowIfError(RunReadRounds(rounds));
+    for (size_t t = 0; t < batches.size(); ++t) {
+      const TableBatch& b = batches[t];
+      for (size_t k = 0; k < b.ids.size(); ++k) {
+        std::memcpy(out + b.positions[k] * row_words_, &rows[t][k * row_words_], row_words_ * sizeof(float));
+        found[b.positions[k]] = table_found[t][k];
+      }
     }
-    for (const Status& st : status) ThrowIfError(st);
   }
   std::vector<float> initial(static_cast<size_t>(opt_.dim));
   for (size_t i = 0; i < n; ++i) {

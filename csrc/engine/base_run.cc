@@ -56,6 +56,14 @@ void AppendBytes(std::vector<uint8_t>* bytes, const void* data, size_t n) {
   bytes->insert(bytes->end(), p, p + n);
 }
 
+// The run of `runs` (in key order) whose keys' range would hold `key`: -1 below the first run's.
+template <typename Runs>
+int64_t RunHolding(const Runs& runs, int64_t key) {
+  auto it =
+      std::upper_bound(runs.begin(), runs.end(), key, [](int64_t k, const auto& run) { return k < run->first_key(); });
+  return static_cast<int64_t>(it - runs.begin()) - 1;
+}
+
 std::string BlockPlace(const std::string& path, uint64_t index, uint64_t block_bytes) {
   return path + ": block " + std::to_string(index) + " at byte offset " + std::to_string(index * block_bytes);
 }
@@ -346,73 +354,21 @@ Status BaseRun::CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count)
 
 Status BaseRun::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                        uint64_t* blocks_read) const {
-  return LookupParts({{this, keys, n, out, found}}, reader, blocks_read);
-}
-
-Status BaseRun::LookupParts(const std::vector<Part>& parts, BlockReader* reader, uint64_t* blocks_read) {
-  struct Want {
-    size_t part;
-    int64_t block;
-    size_t index;
-  };
-  std::vector<Want> wants;
-  uint64_t block_bytes = 0;
-  for (size_t p = 0; p < parts.size(); ++p) {
-    const Part& part = parts[p];
-    block_bytes = std::max(block_bytes, part.run->block_bytes_);
-    for (size_t i = 0; i < part.n; ++i) {
-      part.found[i] = false;
-      const int64_t block = part.run->BlockOf(part.keys[i]);
-      if (block >= 0) wants.push_back({p, block, i});
-    }
-  }
-  std::sort(wants.begin(), wants.end(),
-            [](const Want& a, const Want& b) { return a.part != b.part ? a.part < b.part : a.block < b.block; });
-  const size_t max_blocks = std::min(wants.size(), kMaxBlocksPerRound);
-  AlignedBuffer buffer(max_blocks * block_bytes);
-  if (max_blocks && !buffer.data) return Status::IOError("cannot allocate a read buffer for a base lookup");
-  std::vector<ReadRequest> requests;
-  std::vector<size_t> first_want;  // per request: its first want
-  std::vector<size_t> indexes;     // the keys (of its part) a block was read for
-  size_t pos = 0;
-  while (pos < wants.size()) {
-    requests.clear();
-    first_want.clear();
-    size_t end = pos;
-    for (; end < wants.size(); ++end) {
-      if (end > pos && wants[end].part == wants[end - 1].part && wants[end].block == wants[end - 1].block) continue;
-      if (requests.size() == max_blocks) break;
-      const BaseRun& run = *parts[wants[end].part].run;
-      ReadRequest req;
-      req.fd = run.fd_;
-      req.offset = static_cast<uint64_t>(wants[end].block) * run.block_bytes_;
-      req.length = static_cast<uint32_t>(run.block_bytes_);
-      req.buffer = buffer.data + requests.size() * block_bytes;
-      requests.push_back(req);
-      first_want.push_back(end);
-    }
-    MLKV_RETURN_IF_ERROR(reader->ReadAll(requests.data(), requests.size()));
-    first_want.push_back(end);
-    for (size_t r = 0; r < requests.size(); ++r) {
-      const Part& part = parts[wants[first_want[r]].part];
-      indexes.clear();
-      for (size_t w = first_want[r]; w < first_want[r + 1]; ++w) indexes.push_back(wants[w].index);
-      MLKV_RETURN_IF_ERROR(part.run->FindInBlock(requests[r], part, indexes));
-    }
-    if (blocks_read) *blocks_read += requests.size();
-    pos = end;
-  }
+  BaseLookup lookup({this}, {}, keys, n, out, found, reader);
+  MLKV_RETURN_IF_ERROR(RunReadRounds({&lookup}));
+  if (blocks_read) *blocks_read += lookup.blocks_read();
   return Status::OK();
 }
 
-Status BaseRun::FindInBlock(const ReadRequest& req, const Part& part, const std::vector<size_t>& indexes) const {
+Status BaseRun::FindInBlock(const ReadRequest& req, const int64_t* keys, const size_t* indexes, size_t count,
+                            uint8_t* out, bool* found) const {
   const uint64_t index = req.offset / block_bytes_;
   if (req.result < 0) return Status::IOError("reading " + path_ + ": " + ErrnoText(static_cast<int>(-req.result)));
   if (static_cast<uint64_t>(req.result) < req.length) {
     return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " is truncated");
   }
-  uint32_t count;
-  MLKV_RETURN_IF_ERROR(CheckBlock(req.buffer, index, &count));
+  uint32_t rows_in_block;
+  MLKV_RETURN_IF_ERROR(CheckBlock(req.buffer, index, &rows_in_block));
   const size_t row_bytes = sizeof(int64_t) + value_bytes_;
   const uint8_t* rows = req.buffer + sizeof(BaseBlockHeader);
   auto key_at = [&](uint32_t j) {
@@ -420,9 +376,10 @@ Status BaseRun::FindInBlock(const ReadRequest& req, const Part& part, const std:
     std::memcpy(&k, rows + j * row_bytes, sizeof(k));
     return k;
   };
-  for (size_t i : indexes) {
-    const int64_t key = part.keys[i];
-    uint32_t lo = 0, hi = count;  // the first row whose key is not below `key`
+  for (size_t c = 0; c < count; ++c) {
+    const size_t i = indexes[c];
+    const int64_t key = keys[i];
+    uint32_t lo = 0, hi = rows_in_block;  // the first row whose key is not below `key`
     while (lo < hi) {
       const uint32_t mid = (lo + hi) / 2;
       if (key_at(mid) < key)
@@ -430,9 +387,9 @@ Status BaseRun::FindInBlock(const ReadRequest& req, const Part& part, const std:
       else
         hi = mid;
     }
-    if (lo < count && key_at(lo) == key) {
-      std::memcpy(part.out + i * value_bytes_, rows + lo * row_bytes + sizeof(int64_t), value_bytes_);
-      part.found[i] = true;
+    if (lo < rows_in_block && key_at(lo) == key) {
+      std::memcpy(out + i * value_bytes_, rows + lo * row_bytes + sizeof(int64_t), value_bytes_);
+      found[i] = true;
     }
   }
   return Status::OK();
@@ -498,14 +455,8 @@ BaseRuns::BaseRuns(std::vector<std::shared_ptr<const BaseRun>> runs,
   if (manifest_.rows == kRowsUncounted) manifest_.rows = bottom_rows();  // format 1: the bottom alone
 }
 
-int64_t BaseRuns::RunOf(int64_t key) const {
-  auto it = std::upper_bound(runs_.begin(), runs_.end(), key,
-                             [](int64_t k, const std::shared_ptr<const BaseRun>& run) { return k < run->first_key(); });
-  return static_cast<int64_t>(it - runs_.begin()) - 1;
-}
-
 BaseRun::Presence BaseRuns::BottomPresenceOf(int64_t key) const {
-  const int64_t run = RunOf(key);
+  const int64_t run = RunHolding(runs_, key);
   return run < 0 ? BaseRun::Presence::kAbsent : runs_[run]->PresenceOf(key);
 }
 
@@ -524,65 +475,115 @@ BaseRun::Presence BaseRuns::PresenceOf(int64_t key) const {
 
 Status BaseRuns::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                         uint64_t* blocks_read) const {
-  // Each key asks one run a round: the newest overlay (below the ones it asked) that may hold it,
-  // unless a newer one deletes it; else the bottom's run of its range. A key an overlay's filter let
-  // through and the overlay does not hold (one in a hundred) asks again.
-  std::vector<size_t> left(n), next;
-  std::vector<size_t> below(n, overlays_.size());  // overlays a key has yet to ask: those under this
+  std::unique_ptr<BaseLookup> lookup = StartLookup(keys, n, out, found, reader);
+  MLKV_RETURN_IF_ERROR(RunReadRounds({lookup.get()}));
+  if (blocks_read) *blocks_read += lookup->blocks_read();
+  return Status::OK();
+}
+
+std::unique_ptr<BaseLookup> BaseRuns::StartLookup(const int64_t* keys, size_t n, uint8_t* out, bool* found,
+                                                  BlockReader* reader) const {
+  std::vector<const BaseRun*> bottom, overlays;
+  for (const auto& run : runs_) bottom.push_back(run.get());
+  for (const auto& run : overlays_) overlays.push_back(run.get());
+  return std::make_unique<BaseLookup>(std::move(bottom), std::move(overlays), keys, n, out, found, reader);
+}
+
+// ---- a lookup in the runs, in read rounds ------------------------------------------------------------
+
+BaseLookup::BaseLookup(std::vector<const BaseRun*> bottom, std::vector<const BaseRun*> overlays, const int64_t* keys,
+                       size_t n, uint8_t* out, bool* found, BlockReader* reader)
+    : bottom_(std::move(bottom)),
+      runs_(overlays.rbegin(), overlays.rend()),
+      overlays_(overlays.size()),
+      keys_(keys),
+      out_(out),
+      found_(found),
+      reader_(reader),
+      left_(n),
+      from_(n, 0) {
+  runs_.insert(runs_.end(), bottom_.begin(), bottom_.end());
   for (size_t i = 0; i < n; ++i) {
-    found[i] = false;
-    left[i] = i;
+    found_[i] = false;
+    left_[i] = i;
   }
-  const size_t runs = overlays_.size() + runs_.size();  // overlays first, then the bottom's runs
-  struct Asked {
-    std::vector<size_t> indexes;
-    std::vector<int64_t> keys;
-    std::vector<uint8_t> values;
-    std::unique_ptr<bool[]> found;
-  };
-  while (!left.empty()) {
-    std::vector<Asked> asked(runs);
-    for (size_t i : left) {
-      size_t o = below[i];
-      bool deleted = false;
-      for (; o > 0; --o) {
-        const BaseRun& overlay = *overlays_[o - 1];
-        if ((deleted = overlay.Deletes(keys[i]))) break;
-        if (overlay.PresenceOf(keys[i]) != BaseRun::Presence::kAbsent) break;
-      }
-      if (deleted) continue;
-      const int64_t run = o > 0 ? static_cast<int64_t>(o - 1) : RunOf(keys[i]);
-      // Below the bottom's keys, or not in its run's (what its fences and filter tell without a read).
-      if (run < 0 || (o == 0 && runs_[run]->PresenceOf(keys[i]) == BaseRun::Presence::kAbsent)) continue;
-      below[i] = o > 0 ? o - 1 : 0;
-      asked[o > 0 ? run : overlays_.size() + run].indexes.push_back(i);
+}
+
+void BaseLookup::Route() {
+  wants_.clear();
+  next_want_ = 0;
+  for (size_t i : left_) {
+    const int64_t key = keys_[i];
+    size_t o = from_[i];
+    bool deleted = false;
+    for (; o < overlays_; ++o) {
+      if ((deleted = runs_[o]->Deletes(key))) break;
+      if (runs_[o]->PresenceOf(key) != BaseRun::Presence::kAbsent) break;
     }
-    std::vector<BaseRun::Part> parts;
-    for (size_t r = 0; r < runs; ++r) {
-      Asked& a = asked[r];
-      if (a.indexes.empty()) continue;
-      const BaseRun* run = r < overlays_.size() ? overlays_[r].get() : runs_[r - overlays_.size()].get();
-      for (size_t i : a.indexes) a.keys.push_back(keys[i]);
-      a.values.resize(a.keys.size() * run->value_bytes());
-      a.found.reset(new bool[a.keys.size()]);
-      parts.push_back({run, a.keys.data(), a.keys.size(), a.values.data(), a.found.get()});
+    if (deleted) continue;
+    size_t run = o;
+    if (o == overlays_) {  // the bottom's run of its range, unless its fences and filter rule the key out
+      const int64_t r = RunHolding(bottom_, key);
+      if (r < 0 || bottom_[r]->PresenceOf(key) == BaseRun::Presence::kAbsent) continue;
+      run = overlays_ + static_cast<size_t>(r);
     }
-    MLKV_RETURN_IF_ERROR(BaseRun::LookupParts(parts, reader, blocks_read));
-    next.clear();
-    for (size_t r = 0; r < runs; ++r) {
-      const Asked& a = asked[r];
-      for (size_t j = 0; j < a.indexes.size(); ++j) {
-        const size_t i = a.indexes[j], value_bytes = a.values.size() / a.keys.size();
-        if (a.found[j]) {
-          found[i] = true;
-          std::memcpy(out + i * value_bytes, a.values.data() + j * value_bytes, value_bytes);
-        } else if (r < overlays_.size()) {
-          next.push_back(i);  // the filter let it through: the runs under this overlay
-        }
-      }
-    }
-    left.swap(next);
+    from_[i] = o + 1;
+    const int64_t block = runs_[run]->BlockOf(key);
+    if (block >= 0) wants_.push_back({run, block, i});
   }
+  left_.clear();
+  std::sort(wants_.begin(), wants_.end(),
+            [](const Want& a, const Want& b) { return a.run != b.run ? a.run < b.run : a.block < b.block; });
+}
+
+Status BaseLookup::TakeResults(const ReadRequest* results, size_t n) {
+  std::vector<size_t> indexes;
+  for (size_t r = 0; r < n; ++r) {
+    const BaseRun& run = *runs_[wants_[first_want_[r]].run];
+    indexes.clear();
+    for (size_t w = first_want_[r]; w < first_want_[r + 1]; ++w) indexes.push_back(wants_[w].index);
+    MLKV_RETURN_IF_ERROR(run.FindInBlock(results[r], keys_, indexes.data(), indexes.size(), out_, found_));
+    for (size_t w = first_want_[r]; w < first_want_[r + 1]; ++w) {
+      // The filter let it through: the runs under this overlay.
+      if (!found_[wants_[w].index] && wants_[w].run < overlays_) left_.push_back(wants_[w].index);
+    }
+  }
+  blocks_read_ += n;
+  return Status::OK();
+}
+
+Status BaseLookup::Next(const ReadRequest* results, size_t n, size_t room, std::vector<ReadRequest>* wants,
+                        bool* done) {
+  MLKV_RETURN_IF_ERROR(TakeResults(results, n));
+  first_want_.clear();
+  if (next_want_ == wants_.size()) Route();  // this route's reads all taken: the keys asking again
+  // The blocks of the next wants, a block wanted by several keys once.
+  const size_t most = std::min(room, kMaxBlocksPerRound);
+  uint64_t block_bytes = 0;
+  for (const BaseRun* run : runs_) block_bytes = std::max(block_bytes, run->block_bytes_);
+  size_t blocks = 0;
+  for (size_t w = next_want_; w < wants_.size() && blocks <= most; ++w) {
+    blocks += w == next_want_ || wants_[w].run != wants_[w - 1].run || wants_[w].block != wants_[w - 1].block;
+  }
+  blocks = std::min(blocks, most);
+  buffer_.reset(blocks ? new AlignedBuffer(blocks * block_bytes) : nullptr);
+  if (blocks && !buffer_->data) return Status::IOError("cannot allocate a read buffer for a base lookup");
+  size_t w = next_want_;
+  for (; w < wants_.size(); ++w) {
+    if (w > next_want_ && wants_[w].run == wants_[w - 1].run && wants_[w].block == wants_[w - 1].block) continue;
+    if (first_want_.size() == blocks) break;
+    const BaseRun& run = *runs_[wants_[w].run];
+    ReadRequest req;
+    req.fd = run.fd_;
+    req.offset = static_cast<uint64_t>(wants_[w].block) * run.block_bytes_;
+    req.length = static_cast<uint32_t>(run.block_bytes_);
+    req.buffer = buffer_->data + first_want_.size() * block_bytes;
+    wants->push_back(req);
+    first_want_.push_back(w);
+  }
+  *done = first_want_.empty() && next_want_ == wants_.size() && left_.empty();
+  first_want_.push_back(w);
+  next_want_ = w;
   return Status::OK();
 }
 

@@ -33,9 +33,12 @@
 
 #include "file_io.h"
 #include "io_reader.h"
+#include "read_rounds.h"
 #include "status.h"
 
 namespace mlkv {
+
+class BaseLookup;
 
 struct BaseBlockHeader {
   uint32_t crc;          // CRC-32C of the block's bytes after this field
@@ -154,17 +157,6 @@ class BaseRun {
   // Corruption naming the file and block for a block that fails its checksum or is misplaced.
   Status Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                 uint64_t* blocks_read = nullptr) const;
-  // One run's part of a lookup in several runs.
-  struct Part {
-    const BaseRun* run;
-    const int64_t* keys;
-    size_t n;
-    uint8_t* out;
-    bool* found;
-  };
-  // As Lookup, for each part in its run, the blocks of all the runs read together: a lookup that
-  // spans runs waits for one round of reads, not one a run.
-  static Status LookupParts(const std::vector<Part>& parts, BlockReader* reader, uint64_t* blocks_read);
 
   // Appends the rows of the blocks from `first` on, as many as one sequential read of a few MiB
   // takes, to `keys` and `values` (in key order); *next is the block after them (blocks() at the end).
@@ -215,8 +207,11 @@ class BaseRun {
   BaseRun(std::string path, int fd, uint32_t value_bytes);
   // Checks block `index`'s checksum and place, in `data`; sets *count.
   Status CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count) const;
-  // Sets found and out for part.keys[i] of each i of `indexes` that the block `req` read holds.
-  Status FindInBlock(const ReadRequest& req, const Part& part, const std::vector<size_t>& indexes) const;
+  // Sets found[i] and out + i * value_bytes for each keys[i] (i of `indexes`) that the block `req`
+  // read holds.
+  Status FindInBlock(const ReadRequest& req, const int64_t* keys, const size_t* indexes, size_t count, uint8_t* out,
+                     bool* found) const;
+  friend class BaseLookup;
   // Reads the fence section's bytes (after the trailer's checks) into the reader's memory.
   Status ParseFenceSection(const std::vector<uint8_t>& section, uint64_t blocks, uint32_t format_version);
   // Appends the rows of blocks [first, first + blocks) to `keys` and `values`.
@@ -264,6 +259,9 @@ class BaseRuns {
   // As BaseRun::Lookup, over the runs: an overlay's row or deletion hides the ones under it.
   Status Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found, BlockReader* reader,
                 uint64_t* blocks_read) const;
+  // The same lookup, its reads in rounds it may share with others (RunReadRounds).
+  std::unique_ptr<BaseLookup> StartLookup(const int64_t* keys, size_t n, uint8_t* out, bool* found,
+                                          BlockReader* reader) const;
   // The live rows of the bottom's blocks from `first` on, as many as one sequential read of a few
   // MiB takes, with the overlays' rows and deletions of the keys between those blocks' fences (the
   // first block's from the lowest key, the last's to the highest); *next is the block after them.
@@ -282,14 +280,52 @@ class BaseRuns {
   int64_t last_key() const { return runs_.empty() ? -1 : runs_.back()->last_key(); }
 
  private:
-  // The run that would hold `key` (-1: below the first run's keys).
-  int64_t RunOf(int64_t key) const;
   BaseRun::Presence BottomPresenceOf(int64_t key) const;
   // The first key of the bottom's block `block` (counted across its runs).
   int64_t FenceOf(uint64_t block) const;
 
   std::vector<std::shared_ptr<const BaseRun>> runs_, overlays_;
   BaseManifest manifest_;
+};
+
+// A lookup in a base's runs (the bottom's, in key order, and overlays, oldest first), in read rounds:
+// each key asks one run a round, the newest overlay (below those it asked) that may hold it, unless
+// a newer one deletes it, else the bottom's run of its range; a key an overlay's filter let through
+// that the overlay does not hold (one in a hundred) asks again the next round. Fills out +
+// i * value_bytes and sets found[i] for each key the base holds. The runs outlive the lookup.
+class BaseLookup : public RoundedLookup {
+ public:
+  BaseLookup(std::vector<const BaseRun*> bottom, std::vector<const BaseRun*> overlays, const int64_t* keys, size_t n,
+             uint8_t* out, bool* found, BlockReader* reader);
+  Status Next(const ReadRequest* results, size_t n, size_t room, std::vector<ReadRequest>* wants, bool* done) override;
+  BlockReader* reader() const override { return reader_; }
+  uint64_t blocks_read() const { return blocks_read_; }
+
+ private:
+  struct Want {
+    size_t run;  // in runs_: overlays first, newest first, then the bottom's
+    int64_t block;
+    size_t index;  // of the key
+  };
+  // The keys in left_ to the run each asks next (wants_, in run and block order); clears left_.
+  void Route();
+  // Takes the results of the blocks asked last round: rows found, keys to ask again (left_).
+  Status TakeResults(const ReadRequest* results, size_t n);
+
+  const std::vector<const BaseRun*> bottom_;
+  std::vector<const BaseRun*> runs_;  // the overlays, newest first, then the bottom's
+  const size_t overlays_;
+  const int64_t* keys_;
+  uint8_t* out_;
+  bool* found_;
+  BlockReader* reader_;
+  std::vector<size_t> left_;    // keys to route
+  std::vector<size_t> from_;    // per key: the first overlay (in runs_) it has yet to ask
+  std::vector<Want> wants_;     // this route's reads
+  size_t next_want_ = 0;        // the first not yet asked
+  std::vector<size_t> first_want_;  // per block asked last round: its first want; then the end
+  std::unique_ptr<AlignedBuffer> buffer_;
+  uint64_t blocks_read_ = 0;
 };
 
 // base-<generation>.runs: what a base is made of, checked by a checksum. A manifest of format 1

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include "thread_annotations.h"
 #include "thread_name.h"
@@ -372,27 +373,36 @@ bool InMemoryFileSystem(const std::string& path) {
 }
 
 Status BlockReader::Create(IoEngine engine, uint32_t depth, uint32_t threads, bool in_memory,
-                           std::unique_ptr<BlockReader>* out) {
+                           std::shared_ptr<BlockReader>* out) {
   if (depth == 0 || depth > 4096)
     return Status::InvalidArgument("io_depth must be in [1, 4096], got " + std::to_string(depth));
   if (engine == IoEngine::kAuto) {
     engine = in_memory ? IoEngine::kPread : UringAvailable() ? IoEngine::kUring : IoEngine::kThreads;
   }
+  if (engine == IoEngine::kUring && !UringAvailable())
+    return Status::InvalidArgument("io_engine='uring' requested but this kernel refuses io_uring_setup");
+  if (engine == IoEngine::kThreads && (threads == 0 || threads > 1024))
+    return Status::InvalidArgument("io_threads must be in [1, 1024], got " + std::to_string(threads));
+  // One reader per engine and setting, shared by the stores that ask for it: the lookups of several
+  // stores (a batch's tables) then go to the disk together (RunReadRounds).
+  static Mutex mu;  // guards readers
+  static std::map<std::tuple<IoEngine, uint32_t, uint32_t>, std::weak_ptr<BlockReader>> readers;
+  const auto setting =
+      std::make_tuple(engine, engine == IoEngine::kUring ? depth : 0u, engine == IoEngine::kThreads ? threads : 0u);
+  MutexLock lock(&mu);
+  if ((*out = readers[setting].lock())) return Status::OK();
   if (engine == IoEngine::kPread) {
     out->reset(new CallerReader());
   } else if (engine == IoEngine::kUring) {
-    if (!UringAvailable())
-      return Status::InvalidArgument("io_engine='uring' requested but this kernel refuses io_uring_setup");
     out->reset(new UringReader(depth));
   } else {
-    if (threads == 0 || threads > 1024)
-      return Status::InvalidArgument("io_threads must be in [1, 1024], got " + std::to_string(threads));
     try {
       out->reset(new SharedPoolReader(SharedPoolReader::PoolOf(threads)));
     } catch (const std::exception& e) {
       return Status::IOError(std::string("starting ") + std::to_string(threads) + " I/O threads: " + e.what());
     }
   }
+  readers[setting] = *out;
   return Status::OK();
 }
 

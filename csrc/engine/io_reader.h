@@ -30,9 +30,10 @@ enum class IoEngine { kAuto = 0, kUring = 1, kThreads = 2, kPread = 3 };
 class BlockReader {
  public:
   // `depth`: reads in flight per call; `threads`: workers for kThreads. kAuto picks kPread for
-  // files in memory (`in_memory`), else io_uring where the kernel allows it, else kThreads.
+  // files in memory (`in_memory`), else io_uring where the kernel allows it, else kThreads. Callers
+  // asking for the same engine and setting share one reader.
   static Status Create(IoEngine engine, uint32_t depth, uint32_t threads, bool in_memory,
-                       std::unique_ptr<BlockReader>* out);
+                       std::shared_ptr<BlockReader>* out);
   virtual ~BlockReader() = default;
   // Reads every request; sets each `result`. Returns an error only when the
   // engine itself fails; per-request errors are left in `result`.

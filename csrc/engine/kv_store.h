@@ -150,6 +150,7 @@ class KVStore : public RowStore {
   Status Get(const int64_t* keys, size_t n, void* values, std::vector<int64_t>* missing);
   // Like Get, but absent keys are no error: found[i] says which rows were filled.
   Status Lookup(const int64_t* keys, size_t n, void* values, bool* found) override;
+  std::unique_ptr<RoundedLookup> StartLookup(const int64_t* keys, size_t n, void* values, bool* found) override;
   Status Contains(const int64_t* keys, size_t n, bool* found);
   Status Delete(const int64_t* keys, size_t n, uint64_t* deleted) override;
   // Queues the rows for a background copy from disk to memory; returns at once.
@@ -207,7 +208,6 @@ class KVStore : public RowStore {
   static constexpr uint64_t kIndexBytesPerKey = 16;
   // Scan cursors past the log: the base run's blocks, from this bit on (below kScanDone as an int64).
   static constexpr uint64_t kScanBase = 1ull << 62;
-  static constexpr uint64_t kBaseSlot = kNone - 1;  // a get's mark: read this key from the base run
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
@@ -242,9 +242,13 @@ class KVStore : public RowStore {
   // (Get); without, they are only marked false in `found` (Lookup; null when n == 0).
   Status ReadRows(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found)
       EXCLUDES(mu_);
-  Status GetOnce(const int64_t* keys, size_t n, uint8_t* out, std::vector<int64_t>* missing, bool* found) EXCLUDES(mu_);
-  // Disk reads outside the lock: fills the value bytes of each DiskRecord at
+  // A get in read rounds (kv_store_read.cc): the index under the shared lock, then the log's records
+  // on disk and the base's blocks in the same rounds, outside it.
+  class RowLookup;
+  // The log's records on disk of a get, read in rounds: fills the value bytes of each DiskRecord at
   // out + index * value_bytes, verifying keys and checksums.
+  class LogReads;
+  // Disk reads outside the lock, on their own: LogReads' rounds.
   Status ReadFromDisk(const int64_t* keys, std::vector<DiskRecord>& reads, uint8_t* out) EXCLUDES(mu_);
   // The keys at `wanted` (positions in `keys`) that the log does not hold, from the base run, outside
   // the lock: sets found[i] and fills out + i * value_bytes for each one it holds.
@@ -530,7 +534,7 @@ class KVStore : public RowStore {
   uint8_t* frames_ = nullptr;  // num_frames_ pages, mapped anonymously
   uint64_t frames_mapped_bytes_ = 0;
   void* frames_mapping_ = nullptr;
-  std::unique_ptr<BlockReader> reader_;  // set at open
+  std::shared_ptr<BlockReader> reader_;  // set at open
   HashIndex index_ GUARDED_BY(mu_);
   uint64_t begin_ GUARDED_BY(mu_) = 0;      // first slot still in the log
   uint64_t head_page_ GUARDED_BY(mu_) = 0;  // first page in memory

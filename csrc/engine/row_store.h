@@ -6,8 +6,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
+#include "read_rounds.h"
 #include "status.h"
 
 namespace mlkv {
@@ -19,6 +21,13 @@ class RowStore {
   virtual Status Put(const int64_t* keys, size_t n, const void* values) = 0;
   // Fills the rows of keys present; found[i] says which (absent keys are no error).
   virtual Status Lookup(const int64_t* keys, size_t n, void* values, bool* found) = 0;
+  // Lookup, its disk reads in rounds shared with other lookups (RunReadRounds: a batch of many
+  // tables waits for the disk once); the arrays outlive it. By default Lookup, whole, at its first
+  // round.
+  virtual std::unique_ptr<RoundedLookup> StartLookup(const int64_t* keys, size_t n, void* values, bool* found) {
+    auto lookup = [this, keys, n, values, found] { return Lookup(keys, n, values, found); };
+    return std::make_unique<ImmediateLookup<decltype(lookup)>>(lookup);
+  }
   // Removes the rows of `keys` (absent keys are no error); *deleted counts the rows removed.
   virtual Status Delete(const int64_t* keys, size_t n, uint64_t* deleted) = 0;
   // Makes every row put so far durable; *sequence (when given) names the checkpoint, 0 when the

@@ -50,8 +50,8 @@ std::map<int64_t, std::vector<uint8_t>> WriteRun(const std::string& path, const 
   return model;
 }
 
-std::unique_ptr<mlkv::BlockReader> Reader() {
-  std::unique_ptr<mlkv::BlockReader> reader;
+std::shared_ptr<mlkv::BlockReader> Reader() {
+  std::shared_ptr<mlkv::BlockReader> reader;
   Status st = mlkv::BlockReader::Create(mlkv::IoEngine::kThreads, 16, 4, false, &reader);
   if (!st.ok()) std::exit(2);
   return reader;
@@ -363,15 +363,16 @@ void CheckBase(const mlkv::BaseRuns& base, const Model& model, int64_t end, cons
 }
 
 // A bottom of two disjoint runs, and two overlays of rows and deletions over it (a key deleted in
-// the first written again in the second, a key deleted in the second that the first wrote).
-void OverlayTest(const std::string& dir) {
+// the first written again in the second, a key deleted in the second that the first wrote), its
+// files named from `prefix`; *model: its rows.
+mlkv::BaseRuns OverlaidBase(const std::string& prefix, Model* model) {
   std::mt19937_64 rng(11);
-  Model model, low, high;
+  Model low, high;
   for (int64_t k = 0; k < 6000; ++k) (k < 3000 ? low : high)[k] = ValueOf(k, 20);
-  model.insert(low.begin(), low.end());
-  model.insert(high.begin(), high.end());
-  auto bottom_low = WriteEntries(dir + "/bottom-1.run", 1, low);
-  auto bottom_high = WriteEntries(dir + "/bottom-2.run", 2, high);
+  model->insert(low.begin(), low.end());
+  model->insert(high.begin(), high.end());
+  auto bottom_low = WriteEntries(prefix + "-bottom-1.run", 1, low);
+  auto bottom_high = WriteEntries(prefix + "-bottom-2.run", 2, high);
   std::vector<std::shared_ptr<const BaseRun>> overlays;
   for (uint64_t id = 3; id < 5; ++id) {
     Model entries;
@@ -379,16 +380,21 @@ void OverlayTest(const std::string& dir) {
       const int64_t k = static_cast<int64_t>(rng() % 6500);
       if (rng() % 3 == 0) {
         entries[k] = {};
-        model.erase(k);
+        model->erase(k);
       } else {
         entries[k] = ValueOf(k * 1000 + static_cast<int64_t>(id), 20);
-        model[k] = entries[k];
+        (*model)[k] = entries[k];
       }
     }
-    overlays.push_back(WriteEntries(dir + "/overlay-" + std::to_string(id) + ".run", id, entries));
+    overlays.push_back(WriteEntries(prefix + "-overlay-" + std::to_string(id) + ".run", id, entries));
   }
-  mlkv::BaseManifest manifest{{1, 2}, {3, 4}, model.size()};
-  mlkv::BaseRuns base({bottom_low, bottom_high}, overlays, manifest);
+  return mlkv::BaseRuns({bottom_low, bottom_high}, overlays, mlkv::BaseManifest{{1, 2}, {3, 4}, model->size()});
+}
+
+void OverlayTest(const std::string& dir) {
+  Model model;
+  const mlkv::BaseRuns base = OverlaidBase(dir + "/overlaid", &model);
+  const mlkv::BaseManifest& manifest = base.manifest();
   CheckBase(base, model, 6600, dir);
   Status st = mlkv::WriteBaseManifest(dir + "/base-7.runs", 7, manifest);
   mlkv::BaseManifest read;
@@ -397,6 +403,70 @@ void OverlayTest(const std::string& dir) {
          "the manifest read back: %s", st.ToString().c_str());
   st = mlkv::ReadBaseManifest(dir + "/base-7.runs", 8, &read);
   EXPECT(st.code() == Status::Code::kCorruption, "another generation's manifest: %s", st.ToString().c_str());
+  ++passed;
+}
+
+// Lookups that share read rounds (RunReadRounds) get what each would alone: rows of one 4 KiB block
+// each, so three lookups of every key need more reads than a round holds (rounds fill, then go on),
+// beside a lookup in a base with overlays (a second round for its filters' false yeses) and one
+// reading nothing.
+void RoundsTest(const std::string& dir) {
+  constexpr uint32_t kValueBytes = 4072;  // one row a block
+  Model rows;
+  for (int64_t k = 0; k < 2000; ++k) rows[k * 3] = ValueOf(k * 3, kValueBytes);
+  std::unique_ptr<BaseRunWriter> writer;
+  Status st = BaseRunWriter::Create(dir + "/rounds.run", kValueBytes, 20, mlkv::FilterSize{rows.size()}, &writer);
+  for (const auto& [key, value] : rows)
+    if (st.ok()) st = writer->Add(key, value.data());
+  if (st.ok()) st = writer->Finish();
+  std::unique_ptr<BaseRun> run;
+  if (st.ok()) st = BaseRun::Open(dir + "/rounds.run", kValueBytes, 20, false, &run);
+  EXPECT(st.ok(), "writing the run: %s", st.ToString().c_str());
+  if (!st.ok()) return;
+  const mlkv::BaseRuns base({std::shared_ptr<const BaseRun>(std::move(run))}, {}, mlkv::BaseManifest{{20}, {}, 2000});
+  auto reader = Reader();
+  constexpr int kLookups = 3;
+  std::vector<int64_t> keys;  // every key, those between them (absent) and beyond
+  for (int64_t k = 6100; k >= 0; --k) keys.push_back(k);
+  std::vector<std::vector<uint8_t>> out(kLookups, std::vector<uint8_t>(keys.size() * kValueBytes));
+  std::vector<std::unique_ptr<bool[]>> found;
+  std::vector<std::unique_ptr<mlkv::BaseLookup>> lookups;
+  std::vector<mlkv::RoundedLookup*> rounds;
+  for (int l = 0; l < kLookups; ++l) {
+    found.emplace_back(new bool[keys.size()]);
+    lookups.push_back(base.StartLookup(keys.data(), keys.size(), out[l].data(), found[l].get(), reader.get()));
+    rounds.push_back(lookups.back().get());
+  }
+  // The overlay test's base, and a lookup of no keys, in the same rounds.
+  Model model;
+  const mlkv::BaseRuns overlaid = OverlaidBase(dir + "/rounds", &model);
+  std::vector<int64_t> overlaid_keys;
+  for (int64_t k = 0; k < 6600; ++k) overlaid_keys.push_back(k);
+  std::vector<uint8_t> overlaid_out(overlaid_keys.size() * 20);
+  std::unique_ptr<bool[]> overlaid_found(new bool[overlaid_keys.size()]);
+  auto overlaid_lookup = overlaid.StartLookup(overlaid_keys.data(), overlaid_keys.size(), overlaid_out.data(),
+                                              overlaid_found.get(), reader.get());
+  rounds.push_back(overlaid_lookup.get());
+  auto none = base.StartLookup(nullptr, 0, nullptr, nullptr, reader.get());
+  rounds.push_back(none.get());
+  st = mlkv::RunReadRounds(rounds);
+  EXPECT(st.ok(), "the rounds: %s", st.ToString().c_str());
+  size_t wrong = 0;
+  for (int l = 0; l < kLookups; ++l) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = rows.find(keys[i]);
+      wrong += found[l][i] != (it != rows.end()) ||
+               (found[l][i] && std::memcmp(out[l].data() + i * kValueBytes, it->second.data(), kValueBytes));
+    }
+    wrong += lookups[l]->blocks_read() != rows.size();  // a block a row, each read once
+  }
+  for (int64_t k : overlaid_keys) {
+    auto it = model.find(k);
+    wrong += overlaid_found[k] != (it != model.end()) ||
+             (overlaid_found[k] && std::memcmp(overlaid_out.data() + k * 20, it->second.data(), 20));
+  }
+  EXPECT(wrong == 0 && kLookups * rows.size() > mlkv::kMaxReadsPerRound,
+         "%zu answers of lookups in shared rounds wrong", wrong);
   ++passed;
 }
 
@@ -415,6 +485,7 @@ int main(int argc, char** argv) {
   CrcTest();
   FilterTest();
   OverlayTest(dir);
+  RoundsTest(dir);
   std::printf("base_run: %d passed, %d failed\n", mlkv_test::Failures() == 0 ? passed : 0, mlkv_test::Failures());
   return mlkv_test::Failures() == 0 ? 0 : 1;
 }

@@ -24,7 +24,6 @@
 #include "tests/expect.h"
 #include "cache/admission_policy.h"
 #include "cache/read_ahead_queue.h"
-#include "engine/task_pool.h"
 #include "engine/thread_annotations.h"
 #include "cache/slot_index.h"
 #include "cache/slot_transfer.h"
@@ -456,34 +455,6 @@ void TransferTest() {
   for (std::thread& t : threads) t.join();
 }
 
-// TaskPool (the tables of a batch read side by side): every task of every call runs once, before
-// its call returns, with calls made from several threads at once; on a pool of 3 workers whatever
-// the machine (the process's own has none on 2 cores).
-void TaskPoolTest() {
-  static mlkv::TaskPool* pool = new mlkv::TaskPool(3);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([t] {
-      for (int round = 0; round < 300; ++round) {
-        const int n = 1 + (round * 7 + t) % 40;
-        std::vector<std::atomic<int>> ran(static_cast<size_t>(n));
-        std::vector<std::function<void()>> tasks;
-        for (int i = 0; i < n; ++i) {
-          tasks.push_back([&ran, i] {
-            std::this_thread::sleep_for(std::chrono::microseconds(20));  // a call that returned early shows
-            ++ran[static_cast<size_t>(i)];
-          });
-        }
-        pool->RunAll(tasks);
-        for (int i = 0; i < n; ++i)
-          EXPECT(ran[static_cast<size_t>(i)] == 1, "task %d of %d ran %d times", i, n,
-                 ran[static_cast<size_t>(i)].load());
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
 // The read-ahead queue between producers that queue in sequence order (as the cache does, under a
 // lock of theirs), its thread and waiters: every request arrives once and in order, a wait for a
 // sequence ends only once it is done, and Stop ends the thread and every wait.
@@ -555,7 +526,6 @@ int main() {
   run([] { ConcurrencyTest(mlkv::CachePolicy::kLru); });
   run(PinTest);
   run(TransferTest);
-  run(TaskPoolTest);
   run(ReadAheadQueueTest);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
