@@ -2,6 +2,7 @@
 // key -> staging entry, key -> pending updates, ...).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -17,21 +18,31 @@ inline size_t PowerOfTwoAtLeast(size_t n) {
   return p;
 }
 
-// The bucket where the probe for `id` starts in a map of mask + 1 buckets. The cache's copy of
-// its key -> slot map in device memory (device_index.h) probes alike.
-MLKV_HOST_DEVICE inline uint64_t IdMapHome(int64_t id, uint64_t mask) {
-  return SplitMix64(static_cast<uint64_t>(id)) & mask;
+// The bucket where the probe for `id` starts in a map of `buckets` buckets (any number: the hash
+// scaled to it, Lemire's multiply-shift), and the one after `bucket`. The cache's copy of its key
+// -> slot map in device memory (device_index.h) probes alike.
+MLKV_HOST_DEVICE inline uint64_t IdMapHome(int64_t id, uint64_t buckets) {
+  const uint64_t hash = SplitMix64(static_cast<uint64_t>(id));
+#ifdef __CUDA_ARCH__
+  return __umul64hi(hash, buckets);
+#else
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(hash) * buckets) >> 64);
+#endif
+}
+MLKV_HOST_DEVICE inline uint64_t IdMapNext(uint64_t bucket, uint64_t buckets) {
+  return bucket + 1 == buckets ? 0 : bucket + 1;
 }
 
 // Open-addressing map from non-negative int64 ids to int32 values; linear
 // probing with backward-shift deletion (no tombstones), at most three quarters full: a lookup
 // probes about 2.5 buckets for a present id, 8.5 for an absent one, and the cache's index, the
-// largest, takes 16-32 bytes a row rather than 24-48.
+// largest, takes 16 bytes a row rather than 24. Its buckets are as many as that bound needs, not
+// a power of two (which would take up to twice the memory at some sizes).
 class IdMap {
  public:
   explicit IdMap(size_t expected = 16);
   // Buckets a map made for `expected` ids starts with, and the bytes of one (its memory).
-  static size_t BucketsFor(size_t expected) { return PowerOfTwoAtLeast((expected * 4 + 2) / 3); }
+  static size_t BucketsFor(size_t expected) { return std::max<size_t>(16, (expected * 4 + 2) / 3); }
   static bool Overfull(size_t ids, size_t buckets) { return ids * 4 > buckets * 3; }
   static constexpr size_t kBucketBytes = sizeof(int64_t) + sizeof(int32_t);
   static size_t BytesFor(size_t expected) { return BucketsFor(expected) * kBucketBytes; }
@@ -56,7 +67,8 @@ class IdMap {
   }
 
  private:
-  size_t Home(int64_t id) const { return static_cast<size_t>(IdMapHome(id, mask_)); }
+  size_t Home(int64_t id) const { return static_cast<size_t>(IdMapHome(id, ids_.size())); }
+  size_t After(size_t bucket) const { return static_cast<size_t>(IdMapNext(bucket, ids_.size())); }
   void Set(size_t bucket, int64_t id, int32_t value) {
     ids_[bucket] = id;
     values_[bucket] = value;
@@ -65,7 +77,7 @@ class IdMap {
   void Grow();
   std::vector<int64_t> ids_;  // -1: empty
   std::vector<int32_t> values_;
-  size_t mask_ = 0, size_ = 0;
+  size_t size_ = 0;
   std::vector<int64_t>* changed_ = nullptr;
   bool* regrown_ = nullptr;
 };

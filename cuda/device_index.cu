@@ -42,7 +42,7 @@ __global__ void BatchKeysKernel(const int64_t* values, int64_t n, const int64_t*
 
 // Slot of each key (-1: not cached), probing as IdMap does; misses count in counters[1], hits of
 // table t in counters[2 + t] (summed per block first).
-__global__ void FindSlotsKernel(const int64_t* bucket_ids, const int32_t* bucket_slots, uint64_t mask,
+__global__ void FindSlotsKernel(const int64_t* bucket_ids, const int32_t* bucket_slots, uint64_t buckets,
                                 const int64_t* keys, int64_t n, int table_shift, int64_t tables, int32_t* slots,
                                 Counter* counters) {
   __shared__ unsigned int block_hits[kSharedTables];
@@ -55,7 +55,7 @@ __global__ void FindSlotsKernel(const int64_t* bucket_ids, const int32_t* bucket
   if (i < n) {
     const int64_t key = keys[i];
     int32_t slot = -1;
-    for (uint64_t b = IdMapHome(key, mask);; b = (b + 1) & mask) {
+    for (uint64_t b = IdMapHome(key, buckets);; b = IdMapNext(b, buckets)) {
       const int64_t at = bucket_ids[b];
       if (at == key) {
         slot = bucket_slots[b];
@@ -94,7 +94,7 @@ cudaError_t LaunchBatchKeys(const BatchKeysArgs& a, cudaStream_t stream) {
 
 cudaError_t LaunchFindSlots(const FindSlotsArgs& a, cudaStream_t stream) {
   if (a.n == 0) return cudaSuccess;
-  FindSlotsKernel<<<BlocksFor(a.n), kThreads, 0, stream>>>(a.bucket_ids, a.bucket_slots, a.mask, a.keys, a.n,
+  FindSlotsKernel<<<BlocksFor(a.n), kThreads, 0, stream>>>(a.bucket_ids, a.bucket_slots, a.buckets, a.keys, a.n,
                                                            a.table_shift, a.tables, a.slots,
                                                            reinterpret_cast<Counter*>(a.counters));
   return cudaGetLastError();

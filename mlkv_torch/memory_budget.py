@@ -186,7 +186,7 @@ _BUFFER_MIN_ROWS = 64         # and at least this many rows
 
 def _most_rows_within(limit_bytes: int, low: int, high: int, bytes_of: Callable[[int], int]) -> int:
     """The most rows in [low, high] whose `bytes_of` fits `limit_bytes` (`low` when none does):
-    bytes grow with the rows, in steps where an index doubles, so it is searched, not divided."""
+    bytes grow with the rows, in steps where a sketch doubles, so it is searched, not divided."""
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if bytes_of(middle) <= limit_bytes else (low, middle - 1)

@@ -52,6 +52,7 @@ assert b"LaunchSlotUpdate" in names, "the CUDA kernels are not in the build"
 print(f"[build_cuda] imports without a GPU (cuda available: {torch.cuda.is_available()}); CUDA kernels linked")
 EOF
 # The core's tests (torch alone: no torchrec in this venv); the CUDA twins skip without a GPU.
-(cd "$work" && "$OLDPWD/$py" -m pytest -q -p no:cacheprovider tests/core/test_disk_embedding_bag.py \
+# PYTHONPATH: the tests' worker processes import the package from the build (this venv has none installed).
+(cd "$work" && PYTHONPATH="$PWD" "$OLDPWD/$py" -m pytest -q -p no:cacheprovider tests/core/test_disk_embedding_bag.py \
   tests/core/test_embedding_cache.py tests/core/test_table_snapshot.py tests/core/test_optim.py \
   tests/core/test_initial_rows_and_lookup.py tests/core/test_table_batch.py tests/core/test_threads_per_process.py)

@@ -43,12 +43,12 @@ struct BatchKeysArgs {
 
 cudaError_t LaunchBatchKeys(const BatchKeysArgs& args, cudaStream_t stream);
 
-// Slots of `n` keys in a copy of an IdMap (bucket_ids, bucket_slots; mask + 1 buckets), -1 for a
+// Slots of `n` keys in a copy of an IdMap (bucket_ids, bucket_slots; `buckets` of them), -1 for a
 // key not in it. Misses add to counters[1], hits of table t to counters[2 + t].
 struct FindSlotsArgs {
   const int64_t* bucket_ids;
   const int32_t* bucket_slots;
-  uint64_t mask;
+  uint64_t buckets;
   const int64_t* keys;
   int64_t n;
   int table_shift;

@@ -98,7 +98,7 @@ torch::Tensor DeviceIndex::FindSlots(const torch::Tensor& keys, const torch::Ten
   torch::Tensor slots = torch::empty({keys.numel()}, torch::TensorOptions().dtype(torch::kInt32).device(device_));
   const FindSlotsArgs args{bucket_ids_.data_ptr<int64_t>(),
                            bucket_slots_.data_ptr<int32_t>(),
-                           static_cast<uint64_t>(bucket_ids_.numel() - 1),
+                           static_cast<uint64_t>(bucket_ids_.numel()),
                            keys.data_ptr<int64_t>(),
                            keys.numel(),
                            table_shift_,

@@ -29,6 +29,7 @@
 #include "cache/slot_transfer.h"
 #include "cache/staging_area.h"
 #include "cache/write_back_buffer.h"
+#include "id_map.h"
 
 namespace {
 
@@ -455,6 +456,41 @@ void TransferTest() {
   for (std::thread& t : threads) t.join();
 }
 
+// IdMap against std::unordered_map: inserts, finds and erases at sizes whose bucket counts are no
+// power of two (probes that wrap past the last bucket, backward shifts across it), growth, and a
+// map sized for its ids (the cache's) never growing.
+void IdMapTest() {
+  std::mt19937_64 rng(21);
+  for (size_t expected : {size_t{1}, size_t{17}, size_t{100}, size_t{1000}, size_t{4097}}) {
+    mlkv::IdMap map(expected);
+    const size_t buckets = map.buckets();
+    std::unordered_map<int64_t, int32_t> model;
+    size_t wrong = 0;
+    for (int op = 0; op < 20000; ++op) {
+      const int64_t id = static_cast<int64_t>(rng() % (3 * expected + 5));
+      if (rng() % 3 == 0) {
+        map.Erase(id);
+        model.erase(id);
+      } else if (model.size() < expected || model.count(id)) {
+        const int32_t value = static_cast<int32_t>(rng() % 1000000);
+        const int32_t stored = map.Insert(id, value);
+        wrong += stored != model.emplace(id, value).first->second;
+      }
+      if (op % 97 == 0) {
+        for (int64_t k = 0; k < static_cast<int64_t>(3 * expected + 5); ++k) {
+          auto it = model.find(k);
+          wrong += map.Find(k) != (it == model.end() ? -1 : it->second);
+        }
+      }
+    }
+    EXPECT(wrong == 0 && map.size() == model.size() && map.buckets() == buckets,
+           "IdMap for %zu ids: %zu answers wrong, %zu ids for %zu, %zu buckets (made with %zu)", expected, wrong,
+           map.size(), model.size(), map.buckets(), buckets);
+    for (int64_t k = 0; k < static_cast<int64_t>(buckets); ++k) map.Insert(k + 1000000, 1);  // grows
+    EXPECT(map.buckets() > buckets && map.Find(1000000) == 1, "IdMap for %zu ids did not grow", expected);
+  }
+}
+
 // The read-ahead queue between producers that queue in sequence order (as the cache does, under a
 // lock of theirs), its thread and waiters: every request arrives once and in order, a wait for a
 // sequence ends only once it is done, and Stop ends the thread and every wait.
@@ -527,6 +563,7 @@ int main() {
   run(PinTest);
   run(TransferTest);
   run(ReadAheadQueueTest);
+  run(IdMapTest);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -27,7 +27,7 @@ def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "7 passed, 0 failed" in output  # store_stress
-    assert "11 passed, 0 failed" in output  # cache_stress
+    assert "12 passed, 0 failed" in output  # cache_stress
     assert "base_run: 11 passed, 0 failed" in output
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
 
