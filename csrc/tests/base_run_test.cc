@@ -409,8 +409,8 @@ void OverlayTest(const std::string& dir) {
 // Lookups that share read rounds (RunReadRounds) get what each would alone: rows of one 4 KiB block
 // each, so three lookups of every key need more reads than a round holds (rounds fill, then go on),
 // beside a lookup in a base with overlays (a second round for its filters' false yeses) and one
-// reading nothing.
-void RoundsTest(const std::string& dir) {
+// reading nothing; through `engine`'s reader (io_uring: reads started, then taken lookup by lookup).
+void RoundsWith(const std::string& dir, mlkv::IoEngine engine) {
   constexpr uint32_t kValueBytes = 4072;  // one row a block
   Model rows;
   for (int64_t k = 0; k < 2000; ++k) rows[k * 3] = ValueOf(k * 3, kValueBytes);
@@ -424,7 +424,10 @@ void RoundsTest(const std::string& dir) {
   EXPECT(st.ok(), "writing the run: %s", st.ToString().c_str());
   if (!st.ok()) return;
   const mlkv::BaseRuns base({std::shared_ptr<const BaseRun>(std::move(run))}, {}, mlkv::BaseManifest{{20}, {}, 2000});
-  auto reader = Reader();
+  std::shared_ptr<mlkv::BlockReader> reader;
+  st = mlkv::BlockReader::Create(engine, 64, 4, false, &reader);
+  EXPECT(st.ok(), "a reader: %s", st.ToString().c_str());
+  if (!st.ok()) return;
   constexpr int kLookups = 3;
   std::vector<int64_t> keys;  // every key, those between them (absent) and beyond
   for (int64_t k = 6100; k >= 0; --k) keys.push_back(k);
@@ -467,6 +470,11 @@ void RoundsTest(const std::string& dir) {
   }
   EXPECT(wrong == 0 && kLookups * rows.size() > mlkv::kMaxReadsPerRound,
          "%zu answers of lookups in shared rounds wrong", wrong);
+}
+
+void RoundsTest(const std::string& dir) {
+  RoundsWith(dir, mlkv::IoEngine::kThreads);
+  if (mlkv::UringAvailable()) RoundsWith(dir, mlkv::IoEngine::kUring);
   ++passed;
 }
 
