@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -155,6 +155,7 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
         step(t)
     before = _counters(collection)
     cpu_before = _thread_cpu()
+    disk_before = _device_reads(args.storage)
     start = time.perf_counter()
     for t in range(args.warmup, len(batches)):
         step(t)
@@ -163,12 +164,13 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     seconds = time.perf_counter() - start
     after = _counters(collection)
     cpu_after = _thread_cpu()
+    disk_after = _device_reads(args.storage)
     result: Dict[str, Any] = {"config": name, "seconds": seconds, "samples_per_s": args.batch * args.steps / seconds,
                               "losses": losses, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
                               "rss_at_start_mib": rss_at_start_mib,
                               "threads": len(os.listdir("/proc/self/task")),
-                              "thread_cpu_s": {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()
-                                               if v - cpu_before.get(k, 0.0) >= 0.01}}
+                              "thread_cpu_s": _since(cpu_before, cpu_after, 0),
+                              "thread_core_wait_s": _since(cpu_before, cpu_after, 1)}
     if collection is not None:
         result.update(memory_of(collection))
         looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
@@ -182,6 +184,9 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
                       read_ahead_wait_ms_per_step=(after["read_ahead_wait_ms"]
                                                    - before["read_ahead_wait_ms"]) / args.steps,
                       step_ms=seconds / args.steps * 1e3)
+        if disk_before and disk_after:  # the whole device's, other processes' reads included
+            result.update(device_reads_per_step=(disk_after[0] - disk_before[0]) / args.steps,
+                          device_read_merges_per_step=(disk_after[1] - disk_before[1]) / args.steps)
     return result
 
 
@@ -231,19 +236,42 @@ def first_time_ids_per_step(batches, warmup: int) -> float:
     return new / max(1, len(batches) - warmup)
 
 
-def _thread_cpu() -> Dict[str, float]:
-    """CPU seconds (user + system) of this process's threads so far, summed by thread name."""
-    out: Dict[str, float] = {}
+def _thread_cpu() -> Dict[str, Tuple[float, float]]:
+    """Seconds this process's threads have run so far and waited, runnable, for a core (the
+    scheduler's run-queue wait: on 2 cores the read-ahead can be ready and still not run), summed by
+    thread name."""
+    out: Dict[str, Tuple[float, float]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ran_ns, waited_ns = (int(v) for v in f.read().split()[:2])
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        ran, waited = out.get(name, (0.0, 0.0))
+        out[name] = (ran + ran_ns / 1e9, waited + waited_ns / 1e9)
     return out
+
+
+def _device_reads(path: str) -> Tuple[int, int]:
+    """The block device under `path`: reads it has completed and reads the kernel merged into a
+    neighbour before sending (this disk is bound by operations, so merged reads are free); () where
+    the file system has no block device (tmpfs)."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            fields = f.read().split()
+    except OSError:
+        return ()
+    return int(fields[0]), int(fields[1])
+
+
+def _since(before: Dict[str, Tuple[float, float]], after: Dict[str, Tuple[float, float]],
+           field: int) -> Dict[str, float]:
+    """Seconds of `field` (0: ran, 1: waited for a core) each thread name added between two reads."""
+    since = {k: v[field] - before.get(k, (0.0, 0.0))[field] for k, v in after.items()}
+    return {k: round(v, 2) for k, v in sorted(since.items(), key=lambda kv: -kv[1]) if v >= 0.01}
 
 
 def _counters(collection) -> Dict[str, int]:
@@ -273,6 +301,7 @@ def main(argv: List[str]) -> int:
     table_bytes = total_rows * args.dim * 4
     batches = dlrm_batches(rows, args.batch, args.zipf, 0, args.warmup + args.steps)
     storage = args.dir or tempfile.mkdtemp(prefix="bench-kernel-")
+    args.storage = storage
     rendezvous = os.path.join(storage, ".process_group")
     os.makedirs(storage, exist_ok=True)
     dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
@@ -334,7 +363,13 @@ def main(argv: List[str]) -> int:
                   f"{growth - r['budget_mib'] - r['store_indexes_mib']:,.0f}")
             print(f"{r['config']}, the stores' merges into base runs in the timed steps: {r['base_merges']}, "
                   f"{r['base_rows_written_per_step']:,.0f} rows written a step; CPU seconds by thread: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["thread_cpu_s"].items(), key=lambda kv: -kv[1])))
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["thread_cpu_s"].items())
+                  + "; seconds waiting for a core: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                 r["thread_core_wait_s"].items()))
+            if "device_reads_per_step" in r:
+                print(f"{r['config']}, the device's reads a step: {r['device_reads_per_step']:,.0f} sent, "
+                      f"{r['device_read_merges_per_step']:,.0f} merged into a neighbour; the training thread waited "
+                      f"{r['read_ahead_wait_ms_per_step']:.1f} ms a step for the read-ahead")
     first_seen = first_time_ids_per_step(batches, args.warmup)
     print(f"first-time ids per timed step (an infinite cache's misses): {first_seen:,.0f}")
     for r in results:

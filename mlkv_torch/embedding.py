@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import _C
 from . import optim as optim_lib
 from .checks import is_int
 from .cut import PendingCut, read_cut
@@ -443,6 +444,9 @@ class DiskEmbeddingBag(nn.Module):
             weights, state = self.export_rows(ids, include_state=True)
             self.import_rows(ids, weights, state)
         self._batch.flush()
+        # Once, after the pass: trimming during training would give back the training thread's
+        # free pages too, which it would then fault in again every step.
+        _C.return_free_heap()
         return self.num_embeddings
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:

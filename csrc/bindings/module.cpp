@@ -3,6 +3,9 @@
 // first, with friendlier messages); engine calls run with the GIL released, and a non-OK Status
 // becomes a typed Python exception (errors.h).
 #include <torch/extension.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "bindings/bindings.h"
 #include "bindings/errors.h"
@@ -18,6 +21,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_rocksdb") = false;
 #endif
   m.def("uring_available", &mlkv::UringAvailable, "Whether this kernel allows io_uring.");
+  m.def(
+      "return_free_heap",
+      [] {
+#ifdef __GLIBC__
+        pybind11::gil_scoped_release released;
+        malloc_trim(0);
+#endif
+      },
+      "Gives malloc's free pages back to the system (glibc; elsewhere nothing): after a bulk pass "
+      "(populate) whose chunks the heap would otherwise keep, outside the budget.");
   m.def(
       "_arm_fault_for_testing",
       [](const std::string& point, int pass) {

@@ -3,7 +3,7 @@
 namespace mlkv {
 
 Status VectorSource::Advance(bool* more) {
-  *more = next_ < entries_.size();
+  *more = next_ < n_;
   if (*more) entry_ = entries_[next_++];
   return Status::OK();
 }

@@ -29,14 +29,17 @@ class EntrySource {
   BaseEntry entry_{-1, nullptr};
 };
 
-// Entries held in memory (the log's moved rows, sorted by key); the vector must outlive it.
+// Entries held in memory (the log's moved rows, sorted by key); the array must outlive it.
 class VectorSource : public EntrySource {
  public:
-  explicit VectorSource(const std::vector<BaseEntry>& entries) : entries_(entries) {}
+  VectorSource(const BaseEntry* entries, size_t n) : entries_(entries), n_(n) {}
+  template <typename Vector>
+  explicit VectorSource(const Vector& entries) : VectorSource(entries.data(), entries.size()) {}
   Status Advance(bool* more) override;
 
  private:
-  const std::vector<BaseEntry>& entries_;
+  const BaseEntry* entries_;
+  size_t n_;
   size_t next_ = 0;
 };
 

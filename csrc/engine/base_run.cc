@@ -30,9 +30,9 @@ uint64_t FenceSectionBytes(uint64_t blocks) {
 }
 
 // The fences, the gapless bitmap and the last key, as the file holds them.
-std::vector<uint8_t> FenceSection(const std::vector<int64_t>& fences, const std::vector<uint64_t>& gapless,
-                                  int64_t last_key) {
-  std::vector<uint8_t> bytes(FenceSectionBytes(fences.size()));
+MappedVector<uint8_t> FenceSection(const MappedVector<int64_t>& fences, const MappedVector<uint64_t>& gapless,
+                                   int64_t last_key) {
+  MappedVector<uint8_t> bytes(FenceSectionBytes(fences.size()));
   uint8_t* p = bytes.data();
   if (!fences.empty()) {  // (memcpy of an empty vector's null data is undefined)
     std::memcpy(p, fences.data(), fences.size() * sizeof(int64_t));
@@ -51,7 +51,8 @@ uint64_t MixKey(int64_t key) {
   return z ^ (z >> 31);
 }
 
-void AppendBytes(std::vector<uint8_t>* bytes, const void* data, size_t n) {
+template <typename Bytes>
+void AppendBytes(Bytes* bytes, const void* data, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   bytes->insert(bytes->end(), p, p + n);
 }
@@ -201,7 +202,7 @@ Status BaseRunWriter::Finish() {
   if (AllGapless()) filter_ = BloomFilter();  // the fences tell every key: a filter would only take memory
   MLKV_RETURN_IF_ERROR(WriteBuffer());
   const uint64_t fence_offset = written_blocks_ * block_bytes_;
-  std::vector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
+  MappedVector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
   const uint64_t deletions = deletions_.size(), hashes = filter_.hashes(), words = filter_.words().size();
   AppendBytes(&section, &deletions, sizeof(deletions));
   AppendBytes(&section, deletions_.data(), deletions * sizeof(int64_t));
@@ -280,7 +281,7 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
   }
   run->block_bytes_ = trailer.block_bytes;
   run->rows_ = trailer.rows;
-  std::vector<uint8_t> section(fence_bytes);
+  MappedVector<uint8_t> section(fence_bytes);
   MLKV_RETURN_IF_ERROR(ReadExactly(fd, section.data(), fence_bytes, trailer.fence_offset, path));
   if (Crc32c(0, section.data(), fence_bytes) != trailer.fence_crc) {
     return Status::Corruption("base run " + path + ": its fences (byte offset " + std::to_string(trailer.fence_offset) +
@@ -298,7 +299,7 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
   return Status::OK();
 }
 
-Status BaseRun::ParseFenceSection(const std::vector<uint8_t>& section, uint64_t blocks, uint32_t format_version) {
+Status BaseRun::ParseFenceSection(const MappedVector<uint8_t>& section, uint64_t blocks, uint32_t format_version) {
   const uint8_t* p = section.data();
   const uint8_t* const end = p + section.size();
   auto take = [&](void* to, uint64_t n) {
@@ -317,7 +318,7 @@ Status BaseRun::ParseFenceSection(const std::vector<uint8_t>& section, uint64_t 
     if (whole) deletions_.resize(deletions);
     whole = whole && take(deletions_.data(), deletions * sizeof(int64_t)) && take(&hashes, sizeof(hashes)) &&
             take(&words, sizeof(words)) && words <= section.size() / sizeof(uint64_t);
-    std::vector<uint64_t> filter(whole ? words : 0);
+    MappedVector<uint64_t> filter(whole ? words : 0);
     whole = whole && take(filter.data(), words * sizeof(uint64_t)) && (words == 0) == (hashes == 0);
     if (whole) filter_ = BloomFilter(hashes, std::move(filter));
   }

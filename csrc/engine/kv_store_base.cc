@@ -4,9 +4,6 @@
 #include "kv_store.h"
 
 #include <unistd.h>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -133,6 +130,14 @@ Status KVStore::CountRows(uint64_t* rows, bool read_unknown) const {
 
 Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecords* live) {
   AlignedBuffer page_buffer(page_bytes_);
+  {
+    // Room for every row the pages could hold, mapped once: only what is written becomes resident.
+    ReaderLock lock(&mu_);
+    const uint64_t most = std::min<uint64_t>((end_page - first_page) * records_per_page_, index_.size());
+    live->keys.reserve(most);
+    live->slots.reserve(most);
+    live->values.reserve(most * record_bytes_);
+  }
   for (uint64_t page = first_page; page < end_page; ++page) {
     MLKV_RETURN_IF_ERROR(ReadWrittenPage(page, page_buffer.data));
     const uint64_t first_slot = page * records_per_page_;
@@ -160,7 +165,6 @@ constexpr uint64_t kRunIdsPerMerge = 64;    // run numbers a merge takes: its ru
 // Overlays hold at most a quarter of the bottom's rows: past that, rewriting the bottom costs at
 // most 4 rows written a row moved, and reads through the overlays stay few.
 constexpr uint64_t kBottomRowsPerOverlayEntry = 4;
-constexpr size_t kMostFreeHeapBytes = 16 << 20;  // free heap memory past this goes back to the system after a merge
 
 int RunLevel(uint64_t rows) {
   int level = 0;
@@ -253,7 +257,7 @@ Status KVStore::JoinOverlays(std::vector<std::shared_ptr<const BaseRun>>* overla
   return Status::OK();
 }
 
-Status KVStore::AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry>& moved, uint64_t run_id,
+Status KVStore::AddOverlay(const BaseRuns& old_base, const MappedVector<BaseEntry>& moved, uint64_t run_id,
                            uint64_t end_id, BaseRunsParts* next) {
   // Whether the base held each key before: a deletion of a key it did not hold needs no record,
   // and the count of its rows changes by the keys it gains and loses.
@@ -302,10 +306,10 @@ Status KVStore::AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry
 }
 
 Status KVStore::WriteBase(uint64_t generation, uint64_t run_id, const std::shared_ptr<const BaseRuns>& old_base,
-                          const LiveRecords& moved, std::vector<size_t>& order, std::shared_ptr<const BaseRuns>* out) {
+                          const LiveRecords& moved, MappedVector<size_t>& order, std::shared_ptr<const BaseRuns>* out) {
   const uint64_t end_id = run_id + kRunIdsPerMerge;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return moved.keys[a] < moved.keys[b]; });
-  std::vector<BaseEntry> entries;  // the moved rows and deletions, in key order
+  MappedVector<BaseEntry> entries;  // the moved rows and deletions, in key order
   entries.reserve(order.size());
   for (size_t i : order) {
     const uint8_t* value = moved.values.data() + i * record_bytes_ + sizeof(RecordHeader);
@@ -375,28 +379,14 @@ Status KVStore::MergeIntoBase(uint64_t end_slot, bool* merged) {
   }
   LiveRecords moved;
   Status st = CollectLogRows(first_page, end_page, &moved);
-  std::vector<size_t> order(moved.keys.size());
+  MappedVector<size_t> order(moved.keys.size());
   std::iota(order.begin(), order.end(), 0);
   std::shared_ptr<const BaseRuns> base;
   if (st.ok()) st = WriteBase(generation, run_id, old_base, moved, order, &base);
   ObsoleteFiles obsolete;
   MLKV_RETURN_IF_ERROR(CommitMerge(st, generation, run_id, end_page, moved, std::move(base), &obsolete, merged));
   RemoveObsoleteFiles(obsolete);  // the bases no checkpoint names, and their runs, outside the lock
-  moved = LiveRecords();
-  std::vector<size_t>().swap(order);
-  ReturnFreeHeap();
   return Status::OK();
-}
-
-void KVStore::ReturnFreeHeap() {
-#ifdef __GLIBC__
-  // What merges free, malloc's arenas keep, outside the budget; but a trim returns every thread's
-  // free pages, which the training thread then faults back in: only once they add up.
-#if __GLIBC_PREREQ(2, 33)
-  if (mallinfo2().fordblks < kMostFreeHeapBytes) return;
-#endif
-  malloc_trim(0);
-#endif
 }
 
 Status KVStore::CommitMerge(const Status& written, uint64_t generation, uint64_t run_id, uint64_t end_page,

@@ -1,5 +1,9 @@
 """DiskEmbeddingBag against torch.nn.EmbeddingBag and the matching torch optimizer, staleness 0:
 modes x per_sample_weights x optimizers x cache sizes x devices (CUDA skips without a GPU)."""
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -333,6 +337,32 @@ def test_populate_writes_every_row_and_changes_none(tmp_path, backend):
     fresh_before = emb.stats()["fresh_rows"]
     emb.export_rows(torch.arange(NUM))
     assert emb.stats()["fresh_rows"] == fresh_before, "after populate no row is generated: all come from the store"
+
+
+def test_populate_leaves_the_process_within_its_budget(tmp_path):
+    # In a fresh process: a suite's earlier tests leave free heap that a populate would reuse unseen.
+    # 2M rows of 68 bytes (136 MiB on disk) through a 4 MiB budget: the chunks a populate passes and
+    # what its merges free must not stay with the process (they did: +117 MiB).
+    script = textwrap.dedent(f"""
+        import torch
+        from mlkv_torch import DiskEmbeddingBag, optim
+
+        def anon():
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+        emb = DiskEmbeddingBag(2_000_000, 16, path={str(tmp_path / "t")!r}, optimizer=optim.RowWiseAdagrad(lr=0.1),
+                               memory_budget_bytes=4 << 20, seed=1)
+        before = anon()
+        emb.populate()
+        print((anon() - before) >> 20, emb.stats()["base_merges"])
+        emb.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown_mib, merges = (int(v) for v in out.stdout.split())
+    assert merges > 0, "the rows must have gone through merges into the base"
+    assert grown_mib < 4 + 32, f"populate left {grown_mib} MiB of anonymous memory (budget 4 MiB)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
