@@ -105,6 +105,10 @@ constexpr int64_t kIdMask = (int64_t{1} << kTableShift) - 1;
 inline int64_t TableKey(int64_t table, int64_t id) { return (table << kTableShift) | id; }
 inline int64_t TableOf(int64_t key) { return key >> kTableShift; }
 
+// How many ids ahead a loop over a batch prefetches the cache's index buckets: enough to cover a
+// miss to memory behind the probes between.
+constexpr int64_t kPrefetchAhead = 8;
+
 // One table of a cache: its store, the initial values of its rows never written, its size.
 struct CacheTable {
   std::string name;  // named in errors

@@ -173,6 +173,7 @@ EmbeddingCache::FetchedBatch EmbeddingCache::FindCached(const int64_t* key, int6
   FetchedBatch batch;
   batch.source.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) slot_index_.Prefetch(key[i + kPrefetchAhead]);
     const int32_t s = slot_index_.Find(key[i]);
     TableCounters& counters = table_stats_[static_cast<size_t>(TableOf(key[i]))];
     if (s >= 0) {

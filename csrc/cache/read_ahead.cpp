@@ -80,6 +80,7 @@ int32_t EmbeddingCache::QueueReadAhead(const torch::Tensor& keys, uint64_t finge
     }
     if (batch && !into_slots) batch->settled = true;  // its lookup fetches
     for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) slot_index_.Prefetch(key[i + kPrefetchAhead]);
       const int32_t slot = slot_index_.Find(key[i]);
       if (slot >= 0) {
         if (into_slots) {

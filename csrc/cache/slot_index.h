@@ -19,6 +19,7 @@ class SlotIndex {
   static size_t HostBytes(int64_t capacity);
 
   int32_t Find(int64_t key) const { return slot_of_.Find(key); }  // -1: not cached
+  void Prefetch(int64_t key) const { slot_of_.Prefetch(key); }
   int64_t key(int32_t slot) const { return slot_key_[slot]; }
   bool dirty(int32_t slot) const { return slot_dirty_[slot] != 0; }
   const std::vector<uint8_t>& dirty_bits() const { return slot_dirty_; }
