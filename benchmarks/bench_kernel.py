@@ -155,7 +155,7 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
         step(t)
     before = _counters(collection)
     cpu_before = _thread_cpu()
-    disk_before = _device_reads(args.storage)
+    disk_before = _device_io(args.storage)
     start = time.perf_counter()
     for t in range(args.warmup, len(batches)):
         step(t)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
     seconds = time.perf_counter() - start
     after = _counters(collection)
     cpu_after = _thread_cpu()
-    disk_after = _device_reads(args.storage)
+    disk_after = _device_io(args.storage)
     result: Dict[str, Any] = {"config": name, "seconds": seconds, "samples_per_s": args.batch * args.steps / seconds,
                               "losses": losses, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
                               "rss_at_start_mib": rss_at_start_mib,
@@ -185,8 +185,10 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
                                                    - before["read_ahead_wait_ms"]) / args.steps,
                       step_ms=seconds / args.steps * 1e3)
         if disk_before and disk_after:  # the whole device's, other processes' reads included
-            result.update(device_reads_per_step=(disk_after[0] - disk_before[0]) / args.steps,
-                          device_read_merges_per_step=(disk_after[1] - disk_before[1]) / args.steps)
+            per_step = [(a - b) / args.steps for a, b in zip(disk_after, disk_before)]
+            result.update(device_reads_per_step=per_step[0], device_read_merges_per_step=per_step[1],
+                          device_read_kib_per_step=per_step[2], device_writes_per_step=per_step[3],
+                          device_write_kib_per_step=per_step[4])
     return result
 
 
@@ -254,17 +256,17 @@ def _thread_cpu() -> Dict[str, Tuple[float, float]]:
     return out
 
 
-def _device_reads(path: str) -> Tuple[int, int]:
-    """The block device under `path`: reads it has completed and reads the kernel merged into a
-    neighbour before sending (this disk is bound by operations, so merged reads are free); () where
-    the file system has no block device (tmpfs)."""
+def _device_io(path: str) -> Tuple[int, ...]:
+    """The block device under `path`: reads it has completed, reads the kernel merged into a
+    neighbour before sending (this disk is bound by operations, so merged reads are free), KiB
+    read, writes completed and KiB written; () where the file system has no block device (tmpfs)."""
     st = os.stat(path)
     try:
         with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
             fields = f.read().split()
     except OSError:
         return ()
-    return int(fields[0]), int(fields[1])
+    return (int(fields[0]), int(fields[1]), int(fields[2]) // 2, int(fields[4]), int(fields[6]) // 2)
 
 
 def _since(before: Dict[str, Tuple[float, float]], after: Dict[str, Tuple[float, float]],
@@ -368,7 +370,9 @@ def main(argv: List[str]) -> int:
                                                                  r["thread_core_wait_s"].items()))
             if "device_reads_per_step" in r:
                 print(f"{r['config']}, the device's reads a step: {r['device_reads_per_step']:,.0f} sent, "
-                      f"{r['device_read_merges_per_step']:,.0f} merged into a neighbour; the training thread waited "
+                      f"{r['device_read_merges_per_step']:,.0f} merged into a neighbour, "
+                      f"{r['device_read_kib_per_step']:,.0f} KiB; writes {r['device_writes_per_step']:,.0f}, "
+                      f"{r['device_write_kib_per_step']:,.0f} KiB; the training thread waited "
                       f"{r['read_ahead_wait_ms_per_step']:.1f} ms a step for the read-ahead")
     first_seen = first_time_ids_per_step(batches, args.warmup)
     print(f"first-time ids per timed step (an infinite cache's misses): {first_seen:,.0f}")

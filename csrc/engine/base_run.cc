@@ -12,7 +12,7 @@
 namespace mlkv {
 namespace {
 
-constexpr uint32_t kBaseRunVersion = 2;  // 1: no deletions or filter (read as none)
+// Format 1: no deletions or filter (read as none); 2: no per-row checksums.
 constexpr uint32_t kManifestVersion = 2;  // 1: runs alone, no overlays or count
 constexpr uint64_t kFilterHashes = 7;  // the best for 10 bits a key: ln 2 * 10
 constexpr uint64_t kWriteBufferBytes = 1ull << 20;  // blocks written at once
@@ -21,6 +21,11 @@ constexpr size_t kMaxBlocksPerRound = 4096;         // bounds a lookup's read bu
 
 uint32_t BlockCrc(const uint8_t* block, uint64_t block_bytes) {
   return Crc32c(0, block + sizeof(uint32_t), block_bytes - sizeof(uint32_t));
+}
+
+// A row's checksum binds it to its block: a row read from the wrong place fails.
+uint32_t RowCrc(uint64_t block_index, const uint8_t* row, uint64_t row_bytes) {
+  return Crc32c(Crc32c(0, &block_index, sizeof(block_index)), row, row_bytes);
 }
 
 uint64_t BitmapWords(uint64_t blocks) { return (blocks + 63) / 64; }
@@ -92,31 +97,38 @@ bool BloomFilter::MayHold(int64_t key) const {
   return true;
 }
 
-uint64_t BaseBlockBytes(uint32_t value_bytes) {
-  return RoundUp(sizeof(BaseBlockHeader) + sizeof(int64_t) + value_bytes, kBlockBytes);
+BaseBlockLayout::BaseBlockLayout(uint32_t value_bytes, uint32_t format_version)
+    : row_checksums(format_version >= 3), value_bytes(value_bytes) {
+  const uint64_t row_cost = row_bytes() + (row_checksums ? sizeof(uint32_t) : 0);
+  block_bytes = RoundUp(sizeof(BaseBlockHeader) + row_cost, kBlockBytes);
+  rows_per_block = (block_bytes - sizeof(BaseBlockHeader)) / row_cost;
 }
 
 // ---- writing ---------------------------------------------------------------------------------------
 
 Status BaseRunWriter::Create(const std::string& path, uint32_t value_bytes, uint64_t generation,
-                             const FilterSize& filter, std::unique_ptr<BaseRunWriter>* out) {
+                             const FilterSize& filter, std::unique_ptr<BaseRunWriter>* out, uint32_t format_version) {
   if (value_bytes == 0) return Status::InvalidArgument("a base run's rows need at least one byte");
+  if (format_version != 2 && format_version != kBaseRunFormat) {
+    return Status::InvalidArgument("base run " + path + ": this build writes formats 2 and " +
+                                   std::to_string(kBaseRunFormat) + ", not " + std::to_string(format_version));
+  }
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::IOError("creating " + path + ": " + ErrnoText(errno));
-  out->reset(new BaseRunWriter(path, fd, value_bytes, generation, filter));
+  out->reset(new BaseRunWriter(path, fd, value_bytes, generation, filter, format_version));
   return Status::OK();
 }
 
 BaseRunWriter::BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation,
-                             const FilterSize& filter)
+                             const FilterSize& filter, uint32_t format_version)
     : path_(std::move(path)),
       fd_(fd),
       value_bytes_(value_bytes),
+      format_version_(format_version),
       generation_(generation),
-      block_bytes_(BaseBlockBytes(value_bytes)),
-      rows_per_block_((block_bytes_ - sizeof(BaseBlockHeader)) / (sizeof(int64_t) + value_bytes)),
+      layout_(value_bytes, format_version),
       filter_(filter.keys && filter.bits_per_key ? BloomFilter(filter) : BloomFilter()) {
-  buffer_.assign(block_bytes_, 0);
+  buffer_.assign(layout_.block_bytes, 0);
 }
 
 BaseRunWriter::~BaseRunWriter() {
@@ -142,8 +154,8 @@ Status BaseRunWriter::AddDeletion(int64_t key) {
 Status BaseRunWriter::Add(int64_t key, const uint8_t* value) {
   MLKV_RETURN_IF_ERROR(CheckOrder(key));
   if (!filter_.empty()) filter_.Add(key);
-  if (rows_in_block_ == rows_per_block_) MLKV_RETURN_IF_ERROR(SealBlock());
-  uint8_t* block = buffer_.data() + buffered_blocks_ * block_bytes_;
+  if (rows_in_block_ == layout_.rows_per_block) MLKV_RETURN_IF_ERROR(SealBlock());
+  uint8_t* block = buffer_.data() + buffered_blocks_ * layout_.block_bytes;
   if (rows_in_block_ == 0) {
     if (!fences_.empty()) MarkGapless(block_gapless_ && key == last_key_ + 1);
     fences_.push_back(key);
@@ -151,9 +163,13 @@ Status BaseRunWriter::Add(int64_t key, const uint8_t* value) {
   } else {
     block_gapless_ = block_gapless_ && key == last_key_ + 1;
   }
-  uint8_t* row = block + sizeof(BaseBlockHeader) + rows_in_block_ * (sizeof(int64_t) + value_bytes_);
+  uint8_t* row = block + sizeof(BaseBlockHeader) + rows_in_block_ * layout_.row_bytes();
   std::memcpy(row, &key, sizeof(key));
   std::memcpy(row + sizeof(key), value, value_bytes_);
+  if (layout_.row_checksums) {
+    const uint32_t crc = RowCrc(written_blocks_ + buffered_blocks_, row, layout_.row_bytes());
+    std::memcpy(block + layout_.row_crc_offset() + rows_in_block_ * sizeof(crc), &crc, sizeof(crc));
+  }
   ++rows_in_block_;
   ++rows_;
   last_key_ = last_entry_ = key;
@@ -161,16 +177,17 @@ Status BaseRunWriter::Add(int64_t key, const uint8_t* value) {
 }
 
 Status BaseRunWriter::SealBlock() {
-  uint8_t* block = buffer_.data() + buffered_blocks_ * block_bytes_;
+  const uint64_t block_bytes = layout_.block_bytes;
+  uint8_t* block = buffer_.data() + buffered_blocks_ * block_bytes;
   BaseBlockHeader header{0, static_cast<uint32_t>(rows_in_block_), written_blocks_ + buffered_blocks_};
   std::memcpy(block, &header, sizeof(header));
-  header.crc = BlockCrc(block, block_bytes_);
+  header.crc = BlockCrc(block, block_bytes);
   std::memcpy(block, &header.crc, sizeof(header.crc));
   ++buffered_blocks_;
   rows_in_block_ = 0;
-  if (buffered_blocks_ * block_bytes_ >= kWriteBufferBytes) MLKV_RETURN_IF_ERROR(WriteBuffer());
-  buffer_.resize((buffered_blocks_ + 1) * block_bytes_);
-  std::fill(buffer_.begin() + static_cast<ptrdiff_t>(buffered_blocks_ * block_bytes_), buffer_.end(), 0);
+  if (buffered_blocks_ * block_bytes >= kWriteBufferBytes) MLKV_RETURN_IF_ERROR(WriteBuffer());
+  buffer_.resize((buffered_blocks_ + 1) * block_bytes);
+  std::fill(buffer_.begin() + static_cast<ptrdiff_t>(buffered_blocks_ * block_bytes), buffer_.end(), 0);
   return Status::OK();
 }
 
@@ -181,8 +198,9 @@ void BaseRunWriter::MarkGapless(bool gapless) {
 }
 
 Status BaseRunWriter::WriteBuffer() {
+  const uint64_t block_bytes = layout_.block_bytes;
   MLKV_RETURN_IF_ERROR(
-      WriteFully(fd_, buffer_.data(), buffered_blocks_ * block_bytes_, written_blocks_ * block_bytes_, path_));
+      WriteFully(fd_, buffer_.data(), buffered_blocks_ * block_bytes, written_blocks_ * block_bytes, path_));
   written_blocks_ += buffered_blocks_;
   buffered_blocks_ = 0;
   return Status::OK();
@@ -201,7 +219,7 @@ Status BaseRunWriter::Finish() {
   if (!fences_.empty()) MarkGapless(block_gapless_);
   if (AllGapless()) filter_ = BloomFilter();  // the fences tell every key: a filter would only take memory
   MLKV_RETURN_IF_ERROR(WriteBuffer());
-  const uint64_t fence_offset = written_blocks_ * block_bytes_;
+  const uint64_t fence_offset = written_blocks_ * layout_.block_bytes;
   MappedVector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
   const uint64_t deletions = deletions_.size(), hashes = filter_.hashes(), words = filter_.words().size();
   AppendBytes(&section, &deletions, sizeof(deletions));
@@ -213,10 +231,10 @@ Status BaseRunWriter::Finish() {
   MLKV_RETURN_IF_ERROR(WriteFully(fd_, section.data(), fence_bytes, fence_offset, path_));
   BaseRunTrailer trailer{};
   std::memcpy(trailer.magic, kBaseRunMagic, sizeof(trailer.magic));
-  trailer.format_version = kBaseRunVersion;
+  trailer.format_version = format_version_;
   trailer.value_bytes = value_bytes_;
   trailer.generation = generation_;
-  trailer.block_bytes = block_bytes_;
+  trailer.block_bytes = layout_.block_bytes;
   trailer.rows = rows_;
   trailer.blocks = written_blocks_;
   trailer.fence_offset = fence_offset;
@@ -234,7 +252,7 @@ Status BaseRunWriter::Finish() {
 // ---- reading ---------------------------------------------------------------------------------------
 
 BaseRun::BaseRun(std::string path, int fd, uint32_t value_bytes)
-    : path_(std::move(path)), fd_(fd), value_bytes_(value_bytes) {}
+    : path_(std::move(path)), fd_(fd), value_bytes_(value_bytes), layout_(value_bytes, kBaseRunFormat) {}
 
 BaseRun::~BaseRun() {
   if (fd_ >= 0) close(fd_);
@@ -259,9 +277,9 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
     return Status::Corruption("base run " + path +
                               ": its trailer (the last 64 bytes) is damaged or the file truncated");
   }
-  if (trailer.format_version != 1 && trailer.format_version != kBaseRunVersion) {
+  if (trailer.format_version < 1 || trailer.format_version > kBaseRunFormat) {
     return Status::Corruption("base run " + path + " has format version " + std::to_string(trailer.format_version) +
-                              ", this build reads 1 to " + std::to_string(kBaseRunVersion));
+                              ", this build reads 1 to " + std::to_string(kBaseRunFormat));
   }
   if (trailer.generation != generation) {
     return Status::Corruption("base run " + path + " is run " + std::to_string(trailer.generation) + ", not " +
@@ -273,8 +291,8 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
   }
   const uint64_t fence_bytes =
       run->file_bytes_ - sizeof(trailer) - std::min(trailer.fence_offset, run->file_bytes_ - sizeof(trailer));
-  if (trailer.block_bytes != BaseBlockBytes(value_bytes) ||
-      trailer.fence_offset != trailer.blocks * trailer.block_bytes ||
+  run->layout_ = BaseBlockLayout(value_bytes, trailer.format_version);
+  if (trailer.block_bytes != run->layout_.block_bytes || trailer.fence_offset != trailer.blocks * trailer.block_bytes ||
       trailer.fence_offset + FenceSectionBytes(trailer.blocks) + sizeof(trailer) > run->file_bytes_) {
     return Status::Corruption("base run " + path + ": its trailer does not fit the file's " +
                               std::to_string(run->file_bytes_) + " bytes");
@@ -344,9 +362,8 @@ BaseRun::Presence BaseRun::PresenceOf(int64_t key) const {
 Status BaseRun::CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count) const {
   BaseBlockHeader header;
   std::memcpy(&header, data, sizeof(header));
-  const uint64_t rows_per_block = (block_bytes_ - sizeof(BaseBlockHeader)) / (sizeof(int64_t) + value_bytes_);
   if (header.crc != BlockCrc(data, block_bytes_) || header.block_index != index || header.count == 0 ||
-      header.count > rows_per_block) {
+      header.count > layout_.rows_per_block) {
     return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " fails its checksum");
   }
   *count = header.count;
@@ -361,6 +378,13 @@ Status BaseRun::Lookup(const int64_t* keys, size_t n, uint8_t* out, bool* found,
   return Status::OK();
 }
 
+uint32_t BaseRun::UncheckedCount(const uint8_t* data, uint64_t index) const {
+  BaseBlockHeader header;
+  std::memcpy(&header, data, sizeof(header));
+  const bool plausible = header.block_index == index && header.count > 0 && header.count <= layout_.rows_per_block;
+  return plausible ? header.count : 0;
+}
+
 Status BaseRun::FindInBlock(const ReadRequest& req, const int64_t* keys, const size_t* indexes, size_t count,
                             uint8_t* out, bool* found) const {
   const uint64_t index = req.offset / block_bytes_;
@@ -368,9 +392,17 @@ Status BaseRun::FindInBlock(const ReadRequest& req, const int64_t* keys, const s
   if (static_cast<uint64_t>(req.result) < req.length) {
     return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " is truncated");
   }
-  uint32_t rows_in_block;
-  MLKV_RETURN_IF_ERROR(CheckBlock(req.buffer, index, &rows_in_block));
-  const size_t row_bytes = sizeof(int64_t) + value_bytes_;
+  // With per-row checksums a row taken is checked alone; the whole block only where a key is not
+  // found or a row fails (then the block's checksum tells damage from a row the run does not hold).
+  uint32_t rows_in_block = layout_.row_checksums ? UncheckedCount(req.buffer, index) : 0;
+  bool block_checked = false;
+  auto check_block = [&]() {
+    if (block_checked) return Status::OK();
+    block_checked = true;
+    return CheckBlock(req.buffer, index, &rows_in_block);
+  };
+  if (rows_in_block == 0) MLKV_RETURN_IF_ERROR(check_block());
+  const size_t row_bytes = layout_.row_bytes();
   const uint8_t* rows = req.buffer + sizeof(BaseBlockHeader);
   auto key_at = [&](uint32_t j) {
     int64_t k;
@@ -389,11 +421,24 @@ Status BaseRun::FindInBlock(const ReadRequest& req, const int64_t* keys, const s
         hi = mid;
     }
     if (lo < rows_in_block && key_at(lo) == key) {
+      if (!block_checked && !RowIntact(req.buffer, index, lo)) {
+        MLKV_RETURN_IF_ERROR(check_block());
+        return Status::Corruption(BlockPlace(path_, index, block_bytes_) + ": row " + std::to_string(lo) +
+                                  " fails its checksum");
+      }
       std::memcpy(out + i * value_bytes_, rows + lo * row_bytes + sizeof(int64_t), value_bytes_);
       found[i] = true;
+    } else {
+      MLKV_RETURN_IF_ERROR(check_block());  // the keys searched were the block's own
     }
   }
   return Status::OK();
+}
+
+bool BaseRun::RowIntact(const uint8_t* block, uint64_t index, uint32_t row) const {
+  uint32_t crc;
+  std::memcpy(&crc, block + layout_.row_crc_offset() + row * sizeof(crc), sizeof(crc));
+  return crc == RowCrc(index, block + sizeof(BaseBlockHeader) + row * layout_.row_bytes(), layout_.row_bytes());
 }
 
 Status BaseRun::AppendBlocks(uint64_t first, uint64_t blocks, std::vector<int64_t>* keys,

@@ -15,7 +15,8 @@
 //
 // Layout (little-endian; docs/format.md):
 //   block i, at i * block_bytes: BaseBlockHeader, then `count` rows of (int64 key, value bytes) in
-//     increasing key order, zeros after them;
+//     increasing key order, zeros after them; (format 3) the block's last 4 * rows_per_block bytes
+//     a CRC-32C per row;
 //   the fence section, at fence_offset: one int64 per block, the first key of each; then a bitmap
 //     (uint64 words) of the blocks whose keys run without a gap to the next block's first key (to
 //     the run's last key for the last block); then the last key (int64); then (format 2) the
@@ -91,8 +92,24 @@ class BloomFilter {
   MappedVector<uint64_t> words_;
 };
 
-// The block size rows of `value_bytes` take: 4 KiB, or the multiple of it that holds one row.
-uint64_t BaseBlockBytes(uint32_t value_bytes);
+// The run format BaseRunWriter writes; BaseRun reads 1 to this.
+constexpr uint32_t kBaseRunFormat = 3;
+
+// Where a block's parts lie, by the run's format. From format 3 a block ends with a CRC-32C of each
+// row (its block index, key and value), so a lookup checks the row it takes instead of the whole
+// block: the block comes from the disk by DMA, and checking all of it reads 4 KiB from memory for
+// one row.
+struct BaseBlockLayout {
+  // Rows of `value_bytes`: blocks of 4 KiB, or the multiple of it that holds one row.
+  BaseBlockLayout(uint32_t value_bytes, uint32_t format_version);
+  uint64_t block_bytes, rows_per_block;
+  bool row_checksums;
+  uint64_t row_bytes() const { return sizeof(int64_t) + value_bytes; }
+  uint64_t row_crc_offset() const { return block_bytes - rows_per_block * sizeof(uint32_t); }
+
+ private:
+  uint32_t value_bytes;
+};
 
 // Writes a run front to back. Rows and deletions go in strictly increasing key order; nothing is a
 // run until Finish has written the fences and trailer and synced the file.
@@ -101,8 +118,9 @@ class BaseRunWriter {
   // Creates (truncates) `path` for run number `generation`. `filter`: its Bloom filter's size (for
   // the most rows it will hold); a run whose blocks all run without a gap keeps none (its fences
   // tell every key).
+  // `format_version`: kBaseRunFormat, or 2 (what builds before per-row checksums wrote).
   static Status Create(const std::string& path, uint32_t value_bytes, uint64_t generation, const FilterSize& filter,
-                       std::unique_ptr<BaseRunWriter>* out);
+                       std::unique_ptr<BaseRunWriter>* out, uint32_t format_version = kBaseRunFormat);
   ~BaseRunWriter();
   BaseRunWriter(const BaseRunWriter&) = delete;
   BaseRunWriter& operator=(const BaseRunWriter&) = delete;
@@ -118,7 +136,8 @@ class BaseRunWriter {
   uint64_t entries() const { return rows_ + deletions_.size(); }
 
  private:
-  BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, const FilterSize& filter);
+  BaseRunWriter(std::string path, int fd, uint32_t value_bytes, uint64_t generation, const FilterSize& filter,
+                uint32_t format_version);
   bool AllGapless() const;  // every block sealed so far runs without a gap
   Status CheckOrder(int64_t key) const;
   Status SealBlock();   // the block being filled: its header, into the write buffer
@@ -127,8 +146,9 @@ class BaseRunWriter {
 
   const std::string path_;
   int fd_;
-  const uint32_t value_bytes_;
-  const uint64_t generation_, block_bytes_, rows_per_block_;
+  const uint32_t value_bytes_, format_version_;
+  const uint64_t generation_;
+  const BaseBlockLayout layout_;
   MappedVector<uint8_t> buffer_;  // whole blocks not yet written, then the one being filled
   uint64_t buffered_blocks_ = 0, written_blocks_ = 0, rows_in_block_ = 0, rows_ = 0;
   MappedVector<int64_t> fences_;
@@ -208,6 +228,11 @@ class BaseRun {
   BaseRun(std::string path, int fd, uint32_t value_bytes);
   // Checks block `index`'s checksum and place, in `data`; sets *count.
   Status CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count) const;
+  // Block `index`'s row count where its header tells it in range and the block is in its place;
+  // 0 where not (its checksum then says whether the block is damaged).
+  uint32_t UncheckedCount(const uint8_t* data, uint64_t index) const;
+  // Whether row `row` of block `index` (format 3) matches its checksum.
+  bool RowIntact(const uint8_t* block, uint64_t index, uint32_t row) const;
   // Sets found[i] and out + i * value_bytes for each keys[i] (i of `indexes`) that the block `req`
   // read holds.
   Status FindInBlock(const ReadRequest& req, const int64_t* keys, const size_t* indexes, size_t count, uint8_t* out,
@@ -223,6 +248,7 @@ class BaseRun {
   const std::string path_;
   int fd_;
   const uint32_t value_bytes_;
+  BaseBlockLayout layout_;  // by the file's format
   uint64_t block_bytes_ = 0, rows_ = 0, file_bytes_ = 0;
   MappedVector<int64_t> fences_;
   MappedVector<uint64_t> gapless_;

@@ -33,11 +33,11 @@ std::vector<uint8_t> ValueOf(int64_t key, uint32_t value_bytes) {
   return v;
 }
 
-// Writes the keys (sorted) as a run; returns the model.
+// Writes the keys (sorted) as a run of `format`; returns the model.
 std::map<int64_t, std::vector<uint8_t>> WriteRun(const std::string& path, const std::vector<int64_t>& keys,
-                                                 uint32_t value_bytes) {
+                                                 uint32_t value_bytes, uint32_t format = mlkv::kBaseRunFormat) {
   std::unique_ptr<BaseRunWriter> writer;
-  Status st = BaseRunWriter::Create(path, value_bytes, 1, mlkv::FilterSize{}, &writer);
+  Status st = BaseRunWriter::Create(path, value_bytes, 1, mlkv::FilterSize{}, &writer, format);
   EXPECT(st.ok(), "create: %s", st.ToString().c_str());
   std::map<int64_t, std::vector<uint8_t>> model;
   for (int64_t key : keys) {
@@ -58,13 +58,15 @@ std::shared_ptr<mlkv::BlockReader> Reader() {
 }
 
 // Every key, and keys around them, looked up against the model; the cursor gives every row in order.
-void ReadBackTest(const std::string& dir, uint32_t value_bytes, size_t rows, uint32_t seed) {
+// Runs of format 2 (no per-row checksums, as builds before them wrote) read as well.
+void ReadBackTest(const std::string& dir, uint32_t value_bytes, size_t rows, uint32_t seed,
+                  uint32_t format = mlkv::kBaseRunFormat) {
   std::mt19937_64 rng(seed);
   std::vector<int64_t> keys;
   int64_t key = static_cast<int64_t>(rng() % 5);
   for (size_t i = 0; i < rows; ++i, key += 1 + static_cast<int64_t>(rng() % 3)) keys.push_back(key);
   const std::string path = dir + "/run-" + std::to_string(value_bytes) + ".run";
-  auto model = WriteRun(path, keys, value_bytes);
+  auto model = WriteRun(path, keys, value_bytes, format);
   std::unique_ptr<BaseRun> run;
   Status st = BaseRun::Open(path, value_bytes, 1, true, &run);
   EXPECT(st.ok(), "open: %s", st.ToString().c_str());
@@ -141,7 +143,7 @@ void GaplessTest(const std::string& dir) {
   if (!st.ok()) return;
   size_t maybe = 0;
   for (int64_t k = 100; k < 5100; ++k) maybe += run->PresenceOf(k) == BaseRun::Presence::kMaybe;
-  const size_t rows_per_block = (4096 - 16) / (8 + 32);
+  const size_t rows_per_block = mlkv::BaseBlockLayout(32, mlkv::kBaseRunFormat).rows_per_block;
   EXPECT(maybe > 0 && maybe < rows_per_block + 1, "%zu keys unknown: those of the block with the gap", maybe);
   ++passed;
 }
@@ -210,15 +212,18 @@ void FlipByte(const std::string& path, uint64_t offset) {
   close(fd);
 }
 
-// A flipped byte in a block fails the lookups that read it, naming the block; the fences' and the
-// trailer's fail the open; a truncated file too.
-void DamageTest(const std::string& dir) {
+// A flipped byte in a block's row fails the lookups that take that row, naming the block (in
+// format 2 every lookup in the block: its checksum is the block's alone); from format 3 a lookup
+// takes an intact row of the block (checked alone), and a key the block does not hold fails (the
+// whole block checked). The fences' and the trailer's fail the open; a truncated file too.
+void DamageTest(const std::string& dir, uint32_t format) {
   const uint32_t value_bytes = 64;
   std::vector<int64_t> keys;
   for (int64_t k = 0; k < 2000; ++k) keys.push_back(k * 2);
-  const std::string path = dir + "/damaged.run";
-  WriteRun(path, keys, value_bytes);
-  FlipByte(path, 3 * 4096 + 100);  // inside block 3
+  const std::string path = dir + "/damaged-" + std::to_string(format) + ".run";
+  WriteRun(path, keys, value_bytes, format);
+  const mlkv::BaseBlockLayout layout(value_bytes, format);
+  FlipByte(path, 3 * 4096 + 16 + layout.row_bytes() + 20);  // inside block 3's row 1
   std::unique_ptr<BaseRun> run;
   Status st = BaseRun::Open(path, value_bytes, 1, true, &run);
   EXPECT(st.ok(), "open: %s", st.ToString().c_str());
@@ -226,15 +231,33 @@ void DamageTest(const std::string& dir) {
   auto reader = Reader();
   uint8_t out[64];
   bool found = false;
-  int64_t fine = 0;
-  st = run->Lookup(&fine, 1, out, &found, reader.get());
+  auto lookup = [&](int64_t key) { return run->Lookup(&key, 1, out, &found, reader.get()); };
+  auto names_block_3 = [&](const Status& s) {
+    return s.code() == Status::Code::kCorruption && s.message().find("block 3") != std::string::npos &&
+           s.message().find(path) != std::string::npos;
+  };
+  st = lookup(0);
   EXPECT(st.ok() && found, "a key of an undamaged block: %s", st.ToString().c_str());
-  const uint64_t rows_per_block = (4096 - 16) / (8 + value_bytes);
-  int64_t in_block_3 = static_cast<int64_t>(3 * rows_per_block + 1) * 2;
-  st = run->Lookup(&in_block_3, 1, out, &found, reader.get());
-  EXPECT(st.code() == Status::Code::kCorruption && st.message().find("block 3") != std::string::npos &&
-             st.message().find(path) != std::string::npos,
-         "a key of the damaged block: %s", st.ToString().c_str());
+  const int64_t first_of_block_3 = static_cast<int64_t>(3 * layout.rows_per_block) * 2;
+  st = lookup(first_of_block_3 + 2);  // row 1
+  EXPECT(names_block_3(st), "the damaged row: %s", st.ToString().c_str());
+  st = lookup(first_of_block_3 + 4);  // row 2, intact
+  if (format >= 3) {
+    EXPECT(st.ok() && found && std::memcmp(out, ValueOf(first_of_block_3 + 4, value_bytes).data(), value_bytes) == 0,
+           "an intact row of the damaged block: %s", st.ToString().c_str());
+  } else {
+    EXPECT(names_block_3(st), "another row of the damaged block: %s", st.ToString().c_str());
+  }
+  st = lookup(first_of_block_3 + 5);  // not in the run: the block's keys must be its own to say so
+  EXPECT(names_block_3(st), "a key the damaged block does not hold: %s", st.ToString().c_str());
+  if (format >= 3) {  // a row's checksum damaged: the row is not taken
+    FlipByte(path, 3 * 4096 + 16 + layout.row_bytes() + 20);
+    FlipByte(path, 3 * 4096 + layout.row_crc_offset() + 2 * 4 + 1);  // row 2's
+    st = lookup(first_of_block_3 + 4);
+    EXPECT(names_block_3(st), "a row whose checksum is damaged: %s", st.ToString().c_str());
+    st = lookup(first_of_block_3 + 2);
+    EXPECT(st.ok() && found, "the row before it, intact again: %s", st.ToString().c_str());
+  }
   const uint64_t size = [&] {
     const int fd = open(path.c_str(), O_RDONLY);
     const off_t end = lseek(fd, 0, SEEK_END);
@@ -411,7 +434,7 @@ void OverlayTest(const std::string& dir) {
 // beside a lookup in a base with overlays (a second round for its filters' false yeses) and one
 // reading nothing; through `engine`'s reader (io_uring: reads started, then taken lookup by lookup).
 void RoundsWith(const std::string& dir, mlkv::IoEngine engine) {
-  constexpr uint32_t kValueBytes = 4072;  // one row a block
+  constexpr uint32_t kValueBytes = 4068;  // one row (and its checksum) a block
   Model rows;
   for (int64_t k = 0; k < 2000; ++k) rows[k * 3] = ValueOf(k * 3, kValueBytes);
   std::unique_ptr<BaseRunWriter> writer;
@@ -485,11 +508,14 @@ int main(int argc, char** argv) {
   std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
   ReadBackTest(dir, 68, 20000, 1);    // many rows a block
   ReadBackTest(dir, 5000, 300, 2);    // a row wider than 4 KiB: 8 KiB blocks
-  ReadBackTest(dir, 4072, 100, 3);    // exactly one row a 4 KiB block
+  ReadBackTest(dir, 4068, 100, 3);    // exactly one row (and its checksum) a 4 KiB block
+  ReadBackTest(dir, 68, 20000, 4, 2);  // format 2: no per-row checksums
+  ReadBackTest(dir, 4072, 100, 5, 2);
   GaplessTest(dir);
   FilterKeptWhereFencesCannotTellTest(dir);
   EmptyAndOrderTest(dir);
-  DamageTest(dir);
+  DamageTest(dir, 2);
+  DamageTest(dir, mlkv::kBaseRunFormat);
   CrcTest();
   FilterTest();
   OverlayTest(dir);

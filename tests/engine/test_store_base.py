@@ -256,19 +256,24 @@ def a_closed_store_with_runs(tmp_path) -> str:
     return path
 
 
-def test_a_damaged_block_of_the_run_is_named_and_no_row_is_served_from_it(tmp_path):
+ROW_BYTES = 8 + DIM * 4  # a base run's row: int64 key, then the value
+ROWS_PER_BLOCK = (4096 - 16) // (ROW_BYTES + 4)  # each with its checksum at the block's end (format 3)
+
+
+def test_a_damaged_row_of_the_run_is_named_and_not_served(tmp_path):
     path = a_closed_store_with_runs(tmp_path)
     run = first_run(path)
-    with open(run, "r+b") as f:  # a byte of block 2's rows
-        f.seek(2 * 4096 + 200)
+    with open(run, "r+b") as f:  # a byte of block 2's row 3's value
+        offset = 2 * 4096 + 16 + 3 * ROW_BYTES + 12
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(2 * 4096 + 200)
+        f.seek(offset)
         f.write(bytes([byte[0] ^ 0x10]))
-    rows_per_block = (4096 - 16) // (8 + DIM * 4)
     with KVStore(path, DIM, **BASE) as store:
-        assert torch.equal(store.get(torch.tensor([0, 4999])), rows_for(torch.tensor([0, 4999]), 1))
+        intact = torch.tensor([0, 4999, 2 * ROWS_PER_BLOCK + 4])  # the last one in the damaged block
+        assert torch.equal(store.get(intact), rows_for(intact, 1))
         with pytest.raises(CorruptionError, match=r"run-.*\.run: block 2 .*checksum"):
-            store.get(torch.tensor([2 * rows_per_block + 3]))
+            store.get(torch.tensor([2 * ROWS_PER_BLOCK + 3]))
 
 
 def test_a_missing_or_truncated_run_is_refused_by_name(tmp_path):
@@ -286,12 +291,23 @@ def test_a_missing_or_truncated_run_is_refused_by_name(tmp_path):
         KVStore(path, DIM, **BASE)
 
 
+def _crc32c_table() -> list:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
 def crc32c(data: bytes) -> int:
     crc = 0xFFFFFFFF
     for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
 
 
@@ -319,20 +335,22 @@ def test_a_store_written_before_base_runs_opens(tmp_path):
 
 
 def to_format_1(path: str) -> None:
-    """Rewrites the store's runs and manifests as format 1 (no deletions, no filters, no counts), as
-    the stores made before overlays hold; their runs must have neither."""
+    """Rewrites the store's runs and manifests as format 1 (no deletions, no filters, no counts, no
+    per-row checksums), as the stores made before overlays hold; their runs must have neither."""
     for name in run_files(path):
-        data = bytearray(open(os.path.join(path, name), "rb").read())
+        data = open(os.path.join(path, name), "rb").read()
         trailer = data[-64:]
-        fence_offset = struct.unpack_from("<Q", trailer, 48)[0]
-        section = data[fence_offset:-64]
-        assert section[-24:] == bytes(24), "the run holds deletions or a filter"
-        v1 = bytearray(trailer)
-        struct.pack_into("<I", v1, 8, 1)
-        struct.pack_into("<I", v1, 56, crc32c(bytes(section[:-24])))
-        struct.pack_into("<I", v1, 60, crc32c(bytes(v1[:60])))
+        value_bytes = struct.unpack_from("<I", trailer, 12)[0]
+        block_bytes, _, blocks, fence_offset = struct.unpack_from("<QQQQ", trailer, 24)
+        assert data[fence_offset:-64][-24:] == bytes(24), "the run holds deletions or a filter"
+        row_bytes = 8 + value_bytes
+        rows = []
+        for b in range(blocks):
+            count = struct.unpack_from("<I", data, b * block_bytes + 4)[0]
+            start = b * block_bytes + 16
+            rows += [data[start + j * row_bytes:start + (j + 1) * row_bytes] for j in range(count)]
         with open(os.path.join(path, name), "wb") as f:
-            f.write(data[:fence_offset] + section[:-24] + v1)
+            f.write(format_1_run(rows, row_bytes, trailer))
     for name in (n for n in os.listdir(path) if n.startswith("base-")):
         data = open(os.path.join(path, name), "rb").read()
         runs, generation, overlays = struct.unpack_from("<IQ", data, 12) + struct.unpack_from("<I", data, 28)
@@ -344,6 +362,31 @@ def to_format_1(path: str) -> None:
         struct.pack_into("<I", header, 28, 0)
         with open(os.path.join(path, name), "wb") as f:
             f.write(bytes(header) + ids)
+
+
+def format_1_run(rows: list, row_bytes: int, trailer: bytes) -> bytes:
+    """A run file of format 1 holding `rows` (key, then value; in key order): blocks whose checksum
+    is the block's alone, as many rows a block as fit, fences, their gapless bits and the last key."""
+    block_bytes = (16 + row_bytes + 4095) // 4096 * 4096
+    per_block = (block_bytes - 16) // row_bytes
+    keys = [struct.unpack_from("<q", row)[0] for row in rows]
+    out, fences, gapless = bytearray(), [], []
+    for index, first in enumerate(range(0, len(rows), per_block)):
+        body = struct.pack("<IQ", len(rows[first:first + per_block]), index) + b"".join(rows[first:first + per_block])
+        body += bytes(block_bytes - 4 - len(body))
+        out += struct.pack("<I", crc32c(body)) + body
+        fences.append(keys[first])
+        block_keys = keys[first:first + per_block + 1]  # and the next block's first
+        gapless.append(all(b == a + 1 for a, b in zip(block_keys, block_keys[1:])))
+    words = [sum(1 << (i % 64) for i in range(w * 64, min(len(gapless), w * 64 + 64)) if gapless[i])
+             for w in range((len(gapless) + 63) // 64)]
+    section = struct.pack(f"<{len(fences)}q{len(words)}Qq", *fences, *words, keys[-1])
+    v1 = bytearray(trailer)
+    struct.pack_into("<I", v1, 8, 1)
+    struct.pack_into("<QQQQ", v1, 24, block_bytes, len(rows), len(fences), len(out))
+    struct.pack_into("<I", v1, 56, crc32c(section))
+    struct.pack_into("<I", v1, 60, crc32c(bytes(v1[:60])))
+    return bytes(out + section + v1)
 
 
 def test_runs_and_manifests_of_format_1_open_and_merge_on(tmp_path):
