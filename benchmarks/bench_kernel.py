@@ -181,6 +181,11 @@ def run(args: argparse.Namespace, name: str, model, opt, collection, batches, de
                       base_rows_written_per_step=(after["base_rows_written"]
                                                   - before["base_rows_written"]) / args.steps,
                       write_stalls=after["write_stalls"] - before["write_stalls"],
+                      write_back_wait_ms_per_step=(after["write_back_wait_ms"]
+                                                   - before["write_back_wait_ms"]) / args.steps,
+                      store_reads_per_step=(after["store_reads"] - before["store_reads"]) / args.steps,
+                      read_ahead_dropped_per_step=(after["read_ahead_dropped"]
+                                                   - before["read_ahead_dropped"]) / args.steps,
                       read_ahead_wait_ms_per_step=(after["read_ahead_wait_ms"]
                                                    - before["read_ahead_wait_ms"]) / args.steps,
                       step_ms=seconds / args.steps * 1e3)
@@ -287,7 +292,10 @@ def _counters(collection) -> Dict[str, int]:
             "base_merges": sum(s.get("base_merges", 0) for s in stats.values()),
             "base_rows_written": sum(s.get("base_rows_written", 0) for s in stats.values()),
             "write_stalls": sum(s.get("write_stalls", 0) for s in stats.values()),
-            "read_ahead_wait_ms": sum(stats[names[0]]["read_ahead_wait_ms"] for names in kernels_of(collection))}
+            "read_ahead_wait_ms": sum(stats[names[0]]["read_ahead_wait_ms"] for names in kernels_of(collection)),
+            "write_back_wait_ms": sum(stats[names[0]]["write_back_wait_ms"] for names in kernels_of(collection)),
+            "store_reads": sum(stats[names[0]]["store_reads"] for names in kernels_of(collection)),
+            "read_ahead_dropped": sum(stats[names[0]]["read_ahead_dropped_rows"] for names in kernels_of(collection))}
 
 
 def main(argv: List[str]) -> int:
@@ -373,7 +381,10 @@ def main(argv: List[str]) -> int:
                       f"{r['device_read_merges_per_step']:,.0f} merged into a neighbour, "
                       f"{r['device_read_kib_per_step']:,.0f} KiB; writes {r['device_writes_per_step']:,.0f}, "
                       f"{r['device_write_kib_per_step']:,.0f} KiB; the training thread waited "
-                      f"{r['read_ahead_wait_ms_per_step']:.1f} ms a step for the read-ahead")
+                      f"{r['read_ahead_wait_ms_per_step']:.1f} ms a step for the read-ahead, "
+                      f"{r['write_back_wait_ms_per_step']:.1f} ms for room in the write-back buffer, and read "
+                      f"{r['store_reads_per_step']:,.0f} rows a step from the stores itself (the read-ahead "
+                      f"dropped {r['read_ahead_dropped_per_step']:,.0f})")
     first_seen = first_time_ids_per_step(batches, args.warmup)
     print(f"first-time ids per timed step (an infinite cache's misses): {first_seen:,.0f}")
     for r in results:

@@ -33,8 +33,7 @@ class EntrySource {
 class VectorSource : public EntrySource {
  public:
   VectorSource(const BaseEntry* entries, size_t n) : entries_(entries), n_(n) {}
-  template <typename Vector>
-  explicit VectorSource(const Vector& entries) : VectorSource(entries.data(), entries.size()) {}
+  explicit VectorSource(const std::vector<BaseEntry>& entries) : VectorSource(entries.data(), entries.size()) {}
   Status Advance(bool* more) override;
 
  private:

@@ -35,9 +35,9 @@ uint64_t FenceSectionBytes(uint64_t blocks) {
 }
 
 // The fences, the gapless bitmap and the last key, as the file holds them.
-MappedVector<uint8_t> FenceSection(const MappedVector<int64_t>& fences, const MappedVector<uint64_t>& gapless,
-                                   int64_t last_key) {
-  MappedVector<uint8_t> bytes(FenceSectionBytes(fences.size()));
+std::vector<uint8_t> FenceSection(const std::vector<int64_t>& fences, const std::vector<uint64_t>& gapless,
+                                  int64_t last_key) {
+  std::vector<uint8_t> bytes(FenceSectionBytes(fences.size()));
   uint8_t* p = bytes.data();
   if (!fences.empty()) {  // (memcpy of an empty vector's null data is undefined)
     std::memcpy(p, fences.data(), fences.size() * sizeof(int64_t));
@@ -220,7 +220,7 @@ Status BaseRunWriter::Finish() {
   if (AllGapless()) filter_ = BloomFilter();  // the fences tell every key: a filter would only take memory
   MLKV_RETURN_IF_ERROR(WriteBuffer());
   const uint64_t fence_offset = written_blocks_ * layout_.block_bytes;
-  MappedVector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
+  std::vector<uint8_t> section = FenceSection(fences_, gapless_, last_key_);
   const uint64_t deletions = deletions_.size(), hashes = filter_.hashes(), words = filter_.words().size();
   AppendBytes(&section, &deletions, sizeof(deletions));
   AppendBytes(&section, deletions_.data(), deletions * sizeof(int64_t));
@@ -299,7 +299,7 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
   }
   run->block_bytes_ = trailer.block_bytes;
   run->rows_ = trailer.rows;
-  MappedVector<uint8_t> section(fence_bytes);
+  std::vector<uint8_t> section(fence_bytes);
   MLKV_RETURN_IF_ERROR(ReadExactly(fd, section.data(), fence_bytes, trailer.fence_offset, path));
   if (Crc32c(0, section.data(), fence_bytes) != trailer.fence_crc) {
     return Status::Corruption("base run " + path + ": its fences (byte offset " + std::to_string(trailer.fence_offset) +
@@ -317,7 +317,7 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
   return Status::OK();
 }
 
-Status BaseRun::ParseFenceSection(const MappedVector<uint8_t>& section, uint64_t blocks, uint32_t format_version) {
+Status BaseRun::ParseFenceSection(const std::vector<uint8_t>& section, uint64_t blocks, uint32_t format_version) {
   const uint8_t* p = section.data();
   const uint8_t* const end = p + section.size();
   auto take = [&](void* to, uint64_t n) {
@@ -336,7 +336,7 @@ Status BaseRun::ParseFenceSection(const MappedVector<uint8_t>& section, uint64_t
     if (whole) deletions_.resize(deletions);
     whole = whole && take(deletions_.data(), deletions * sizeof(int64_t)) && take(&hashes, sizeof(hashes)) &&
             take(&words, sizeof(words)) && words <= section.size() / sizeof(uint64_t);
-    MappedVector<uint64_t> filter(whole ? words : 0);
+    std::vector<uint64_t> filter(whole ? words : 0);
     whole = whole && take(filter.data(), words * sizeof(uint64_t)) && (words == 0) == (hashes == 0);
     if (whole) filter_ = BloomFilter(hashes, std::move(filter));
   }

@@ -34,7 +34,6 @@
 
 #include "file_io.h"
 #include "io_reader.h"
-#include "mapped_vector.h"
 #include "read_rounds.h"
 #include "status.h"
 
@@ -79,17 +78,17 @@ class BloomFilter {
   BloomFilter() = default;
   explicit BloomFilter(const FilterSize& size);
   // From a file's words; an empty filter (no words) answers yes to every key.
-  BloomFilter(uint64_t hashes, MappedVector<uint64_t> words) : hashes_(hashes), words_(std::move(words)) {}
+  BloomFilter(uint64_t hashes, std::vector<uint64_t> words) : hashes_(hashes), words_(std::move(words)) {}
 
   void Add(int64_t key);
   bool MayHold(int64_t key) const;
   bool empty() const { return words_.empty(); }
   uint64_t hashes() const { return hashes_; }
-  const MappedVector<uint64_t>& words() const { return words_; }
+  const std::vector<uint64_t>& words() const { return words_; }
 
  private:
   uint64_t hashes_ = 0;
-  MappedVector<uint64_t> words_;
+  std::vector<uint64_t> words_;
 };
 
 // The run format BaseRunWriter writes; BaseRun reads 1 to this.
@@ -149,10 +148,10 @@ class BaseRunWriter {
   const uint32_t value_bytes_, format_version_;
   const uint64_t generation_;
   const BaseBlockLayout layout_;
-  MappedVector<uint8_t> buffer_;  // whole blocks not yet written, then the one being filled
+  std::vector<uint8_t> buffer_;  // whole blocks not yet written, then the one being filled
   uint64_t buffered_blocks_ = 0, written_blocks_ = 0, rows_in_block_ = 0, rows_ = 0;
-  MappedVector<int64_t> fences_;
-  MappedVector<uint64_t> gapless_;  // the bitmap of blocks whose keys run without a gap
+  std::vector<int64_t> fences_;
+  std::vector<uint64_t> gapless_;  // the bitmap of blocks whose keys run without a gap
   bool block_gapless_ = true;      // the block being filled, so far
   int64_t last_key_ = -1;          // the last row's
   int64_t last_entry_ = -1;        // the last row's or deletion's
@@ -239,7 +238,7 @@ class BaseRun {
                      bool* found) const;
   friend class BaseLookup;
   // Reads the fence section's bytes (after the trailer's checks) into the reader's memory.
-  Status ParseFenceSection(const MappedVector<uint8_t>& section, uint64_t blocks, uint32_t format_version);
+  Status ParseFenceSection(const std::vector<uint8_t>& section, uint64_t blocks, uint32_t format_version);
   // Appends the rows of blocks [first, first + blocks) to `keys` and `values`.
   Status AppendBlocks(uint64_t first, uint64_t blocks, std::vector<int64_t>* keys, std::vector<uint8_t>* values) const;
   // The block that would hold `key`, or -1 when the key is below the first row.
@@ -250,8 +249,8 @@ class BaseRun {
   const uint32_t value_bytes_;
   BaseBlockLayout layout_;  // by the file's format
   uint64_t block_bytes_ = 0, rows_ = 0, file_bytes_ = 0;
-  MappedVector<int64_t> fences_;
-  MappedVector<uint64_t> gapless_;
+  std::vector<int64_t> fences_;
+  std::vector<uint64_t> gapless_;
   int64_t last_key_ = -1;
   std::vector<int64_t> deletions_;
   BloomFilter filter_;

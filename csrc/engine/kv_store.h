@@ -36,7 +36,6 @@
 #include "hash_index.h"
 #include "io_reader.h"
 #include "log_flusher.h"
-#include "mapped_vector.h"
 #include "row_store.h"
 #include "segment_files.h"
 #include "status.h"
@@ -400,9 +399,9 @@ class KVStore : public RowStore {
   // Its steps: the segments [*first, *end) it compacts; the live records of a segment, read
   // unlocked and copied to the log a chunk at a time (CopyLiveRecords, under a short exclusive lock).
   struct LiveRecords {
-    MappedVector<int64_t> keys;
-    MappedVector<uint64_t> slots;
-    MappedVector<uint8_t> values;  // whole records
+    std::vector<int64_t> keys;
+    std::vector<uint64_t> slots;
+    std::vector<uint8_t> values;  // whole records
   };
   Status SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) EXCLUDES(mu_);
   // A page below the flushed one, read from its segment and every record verified, unlocked (such
@@ -435,7 +434,7 @@ class KVStore : public RowStore {
   // overlays stay within OverlayCapacity; else one bottom run of every row. Writes the runs
   // (numbers from `run_id` on) and the manifest of `generation`, and opens them into *out.
   Status WriteBase(uint64_t generation, uint64_t run_id, const std::shared_ptr<const BaseRuns>& old_base,
-                   const LiveRecords& moved, MappedVector<size_t>& order, std::shared_ptr<const BaseRuns>* out)
+                   const LiveRecords& moved, std::vector<size_t>& order, std::shared_ptr<const BaseRuns>* out)
       EXCLUDES(mu_);
   struct BaseRunsParts {
     std::vector<std::shared_ptr<const BaseRun>> runs, overlays;
@@ -444,7 +443,7 @@ class KVStore : public RowStore {
   // The old base and an overlay of `moved` (in key order; a deletion only of a key the old base
   // holds), the overlays joined as JoinOverlays does; the rows counted, reading the keys whose
   // presence the fences and filters cannot tell.
-  Status AddOverlay(const BaseRuns& old_base, const MappedVector<BaseEntry>& moved, uint64_t run_id, uint64_t end_id,
+  Status AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry>& moved, uint64_t run_id, uint64_t end_id,
                     BaseRunsParts* next) EXCLUDES(mu_);
   // The filter of a bottom run of `run_rows` in a bottom of `bottom_rows`: 10 bits a key, fewer
   // where the bottom's filters would take more than the index's budget.

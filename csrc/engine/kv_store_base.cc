@@ -131,7 +131,7 @@ Status KVStore::CountRows(uint64_t* rows, bool read_unknown) const {
 Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecords* live) {
   AlignedBuffer page_buffer(page_bytes_);
   {
-    // Room for every row the pages could hold, mapped once: only what is written becomes resident.
+    // Room for every row the pages could hold, reserved once: malloc reuses the last merge's.
     ReaderLock lock(&mu_);
     const uint64_t most = std::min<uint64_t>((end_page - first_page) * records_per_page_, index_.size());
     live->keys.reserve(most);
@@ -257,7 +257,7 @@ Status KVStore::JoinOverlays(std::vector<std::shared_ptr<const BaseRun>>* overla
   return Status::OK();
 }
 
-Status KVStore::AddOverlay(const BaseRuns& old_base, const MappedVector<BaseEntry>& moved, uint64_t run_id,
+Status KVStore::AddOverlay(const BaseRuns& old_base, const std::vector<BaseEntry>& moved, uint64_t run_id,
                            uint64_t end_id, BaseRunsParts* next) {
   // Whether the base held each key before: a deletion of a key it did not hold needs no record,
   // and the count of its rows changes by the keys it gains and loses.
@@ -306,10 +306,10 @@ Status KVStore::AddOverlay(const BaseRuns& old_base, const MappedVector<BaseEntr
 }
 
 Status KVStore::WriteBase(uint64_t generation, uint64_t run_id, const std::shared_ptr<const BaseRuns>& old_base,
-                          const LiveRecords& moved, MappedVector<size_t>& order, std::shared_ptr<const BaseRuns>* out) {
+                          const LiveRecords& moved, std::vector<size_t>& order, std::shared_ptr<const BaseRuns>* out) {
   const uint64_t end_id = run_id + kRunIdsPerMerge;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return moved.keys[a] < moved.keys[b]; });
-  MappedVector<BaseEntry> entries;  // the moved rows and deletions, in key order
+  std::vector<BaseEntry> entries;  // the moved rows and deletions, in key order
   entries.reserve(order.size());
   for (size_t i : order) {
     const uint8_t* value = moved.values.data() + i * record_bytes_ + sizeof(RecordHeader);
@@ -379,7 +379,7 @@ Status KVStore::MergeIntoBase(uint64_t end_slot, bool* merged) {
   }
   LiveRecords moved;
   Status st = CollectLogRows(first_page, end_page, &moved);
-  MappedVector<size_t> order(moved.keys.size());
+  std::vector<size_t> order(moved.keys.size());
   std::iota(order.begin(), order.end(), 0);
   std::shared_ptr<const BaseRuns> base;
   if (st.ok()) st = WriteBase(generation, run_id, old_base, moved, order, &base);
