@@ -1,4 +1,4 @@
-"""`python -m mlkv_torch.train CONFIG [dotted.key=value ...] [--resume]`."""
+"""`python -m mlkv_torch.train CONFIG [dotted.key=value ...] [--resume | --overwrite]`."""
 import os
 import sys
 

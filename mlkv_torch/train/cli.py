@@ -59,7 +59,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlkv_torch.train", description=description)
     parser.add_argument("config", help="the experiment's YAML file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=200")
-    parser.add_argument("--resume", action="store_true", help="continue from output_dir's latest checkpoint")
+    again = parser.add_mutually_exclusive_group()  # what to do with a run output_dir already holds
+    again.add_argument("--resume", action="store_true", help="continue from output_dir's latest checkpoint")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start over: remove the tables, checkpoints and metrics an earlier run left first")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_intermixed_args(argv)  # overrides and options in any order
     try:
@@ -72,8 +75,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # gloo even on a CUDA host: the runner keeps the model, the plan and the collectives on the
         # CPU (NCCL would refuse their CPU tensors).
         _join_process_group()
-    resume = args.resume
+    resume, overwrite = args.resume, args.overwrite
     if distributed and not resume and elastic.restart_of_this_job(config):
+        overwrite = False  # this job's own tables and checkpoints: continued or dropped below
         resume = os.path.exists(os.path.join(config.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER))
         if not resume:
             elastic.drop_failed_attempt(config, dist.get_rank())
@@ -83,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   file=sys.stderr, flush=True)
     finished = False
     try:
-        summary = run(config, resume=resume, progress=not args.no_progress)
+        summary = run(config, resume=resume, progress=not args.no_progress, overwrite=overwrite)
         finished = True
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

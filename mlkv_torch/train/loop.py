@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from ..config import ConfigError, ExperimentConfig
 from ..ranks import all_gather_objects
 from ..wire import EmbeddingTraffic
-from . import checkpoints, elastic
+from . import checkpoints, elastic, outputs
 from .experiment import Experiment, torch_threads
 
 
@@ -37,8 +38,12 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
-def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -> Dict[str, Any]:
+def run(config: ExperimentConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
+        ) -> Dict[str, Any]:
     """Runs one experiment; returns the summary (also written to output_dir/summary.json).
+    `resume` continues the run output_dir holds from its last checkpoint; `overwrite` removes what
+    an earlier run left there first (`outputs.remove_earlier_run`); without either, such a run is
+    refused (ConfigError).
 
     Storage kind `memory` uses TorchRec's fused in-memory kernels, which come through
     DistributedModelParallel: in one process, a one-process gloo group is made for it.
@@ -53,22 +58,27 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True) -
     threads = torch.get_num_threads()
     torch.set_num_threads(torch_threads(config))
     try:
-        return _run(config, resume, progress)
+        return _run(config, resume, progress, overwrite)
     finally:
         torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
 
 
-def _run(config: ExperimentConfig, resume: bool, progress: bool) -> Dict[str, Any]:
+def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool) -> Dict[str, Any]:
     from ..pipeline import LookaheadPipeline
 
+    if overwrite:
+        _start_over(config)
     experiment = _open_experiment(config, resume)
     populate_s = _populate(experiment, config, resume)
     start_step = 0
     if resume:
         if not os.path.exists(experiment.checkpoint_path()):
-            raise ConfigError(f"--resume: no checkpoint at {experiment.checkpoint_path()}")
+            every = ("train.checkpoint_every is not set" if config.train.checkpoint_every is None
+                     else f"one every train.checkpoint_every={config.train.checkpoint_every} steps")
+            raise ConfigError(f"--resume: output_dir {config.output_dir!r} holds no checkpoint to continue from "
+                              f"({every}); start over with --overwrite")
         start_step = experiment.load()
     pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
                                  device=experiment.device if experiment.device.type != "cpu" else None)
@@ -92,14 +102,27 @@ def _open_experiment(config: ExperimentConfig, resume: bool) -> Experiment:
         raise ConfigError(f"output_dir {config.output_dir!r} cannot be created: {e.strerror or e}") from e
     try:
         experiment = Experiment(config, resume)
-    except FileExistsError as e:  # an earlier run's tables: say first how the runner continues from them
-        raise ConfigError(f"output_dir {config.output_dir!r} already holds an earlier run's tables: continue it with "
-                          f"--resume, or choose another output_dir (or storage.path). In detail: {e}") from e
+    except FileExistsError as e:  # an earlier run's tables: the runner's two ways on, in one line
+        raise ConfigError(f"output_dir {config.output_dir!r} holds an earlier run's tables: continue it with "
+                          f"--resume, or start over with --overwrite") from e
     if experiment.distributed and experiment.is_main:
         elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
     if experiment.world_size > 1 and experiment.source.row_order is not None:
         print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", flush=True)
     return experiment
+
+
+def _start_over(config: ExperimentConfig) -> None:
+    """`--overwrite`: what an earlier run left goes before this one makes its tables (under
+    torchrun rank 0 removes it while the others wait)."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed or dist.get_rank() == 0:
+        removed = outputs.remove_earlier_run(config)
+        if removed:
+            print(f"[train] --overwrite: removed the earlier run's {removed} tables, checkpoints and files",
+                  file=sys.stderr, flush=True)
+    if distributed:
+        dist.barrier()
 
 
 def _populate(experiment: Experiment, config: ExperimentConfig, resume: bool) -> float:

@@ -155,10 +155,45 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
     made = run(cfg, resume=True, progress=False)
     assert made["steps"] == 6 and made["auc"] == pytest.approx(finished["auc"], abs=1e-6)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["auc"] == made["auc"]
-    # Not resumed: the tables are refused, the way on named first.
-    with pytest.raises(ConfigError,
-                       match=r"^output_dir .* already holds an earlier run's tables: continue it with --resume"):
+    # Neither resumed nor started over: refused in one line that names both ways on.
+    with pytest.raises(ConfigError, match=r"^output_dir '.*' holds an earlier run's tables: continue it with --resume, "
+                                          r"or start over with --overwrite$"):
         run(cfg, progress=False)
+
+
+def test_overwrite_starts_over_and_removes_only_what_a_run_made(tmp_path):
+    out = tmp_path / "r"
+    cfg = load_config(QUICKSTART, [f"output_dir={out}", *SMALL, "train.steps=6", "train.checkpoint_every=3",
+                                   "train.log_every=1", "eval.every=1000"])
+    first = run(cfg, progress=False)
+    assert (out / "checkpoint.pt").exists() and (out / "tables" / "CUT.json").exists()
+    (out / "notes.txt").write_text("the user's")
+    (out / "tables" / "scratch").mkdir()  # not a table: no TABLE.json
+    again = run(cfg, progress=False, overwrite=True)
+    assert again["auc"] == pytest.approx(first["auc"], abs=1e-6)  # from the initial rows, as the first run
+    logged = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert logged == list(range(1, 7))  # the first run's records gone, not appended to
+    assert (out / "notes.txt").read_text() == "the user's" and (out / "tables" / "scratch").is_dir()
+    done = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), "--resume", "--overwrite"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and "not allowed with argument" in done.stderr
+
+
+def test_overwrite_under_torchrun_removes_each_ranks_tables_and_cut(tmp_path):
+    from mlkv_torch.train import outputs
+
+    storage = tmp_path / "nvme"  # storage.path given: the user's directory, which stays
+    cfg = load_config(QUICKSTART, [f"output_dir={tmp_path / 'r'}", f"storage.path={storage}"])
+    for rank in (0, 1):
+        (storage / f"rank{rank}" / "t_cat_0").mkdir(parents=True)
+        (storage / f"rank{rank}" / "t_cat_0" / "TABLE.json").write_text("{}")
+        (storage / f"rank{rank}" / "CUT.json").write_text("{}")
+    (storage / "other").mkdir()
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "checkpoint-8").mkdir()
+    (tmp_path / "r" / "checkpoint.latest").write_text("checkpoint-8")
+    assert outputs.remove_earlier_run(cfg) == 6
+    assert sorted(os.listdir(storage)) == ["other"] and os.listdir(tmp_path / "r") == []
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -212,7 +247,8 @@ def test_missing_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
     cfg = load_config(QUICKSTART, [f"output_dir={tmp_path / 'r'}", *SMALL])
-    with pytest.raises(ConfigError, match="--resume: no checkpoint at"):
+    with pytest.raises(ConfigError, match=r"--resume: output_dir '.*' holds no checkpoint to continue from "
+                                          r"\(train\.checkpoint_every is not set\); start over with --overwrite$"):
         run(cfg, resume=True, progress=False)
     done = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(tmp_path / "nope.yaml")],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
