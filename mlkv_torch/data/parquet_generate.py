@@ -123,14 +123,18 @@ def generate(out_dir: str, rows: int, files: int = 1, row_group_rows: int = _BLO
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (2 on any error, reported on stderr)."""
+    paragraphs = __doc__.split("\n\n")  # what it makes, the usage, the columns
     parser = argparse.ArgumentParser(prog="python -m mlkv_torch.data.parquet_generate",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("out", metavar="OUT_DIR")
-    parser.add_argument("--rows", type=int, required=True)
-    parser.add_argument("--files", type=int, default=1)
-    parser.add_argument("--row-group-rows", type=int, default=_BLOCK_ROWS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--unused-columns", type=int, default=DEFAULT_UNUSED)
+                                     description=" ".join(paragraphs[0].split()),
+                                     epilog=" ".join(paragraphs[2].split()))
+    parser.add_argument("out", metavar="OUT_DIR", help="the directory the Parquet files go to (made if missing)")
+    parser.add_argument("--rows", type=int, required=True, help="rows in all, dealt out over the files")
+    parser.add_argument("--files", type=int, default=1, help="Parquet files to write (default 1)")
+    parser.add_argument("--row-group-rows", type=int, default=_BLOCK_ROWS,
+                        help=f"rows of each row group (default {_BLOCK_ROWS})")
+    parser.add_argument("--seed", type=int, default=0, help="the planted model's and the draws' seed (default 0)")
+    parser.add_argument("--unused-columns", type=int, default=DEFAULT_UNUSED,
+                        help=f"columns no model reads, after the others (default {DEFAULT_UNUSED})")
     parser.add_argument("--held-out", action="store_true", help="rows to evaluate on: the same model, other draws")
     args = parser.parse_args(argv)
     try:

@@ -96,10 +96,16 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool
 
 def _open_experiment(config: ExperimentConfig, resume: bool) -> Experiment:
     """The run's experiment, its output directory made; an earlier run's tables named as such."""
-    try:
-        os.makedirs(config.output_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"output_dir {config.output_dir!r} cannot be created: {e.strerror or e}") from e
+    places = [("output_dir", config.output_dir)]
+    if config.storage.kind != "memory":
+        places.append(("storage.path" if config.storage.path else "output_dir's tables", config.tables_path))
+    for key, path in places:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{key} {path!r} cannot be created: {e.strerror or e}") from e
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key} {path!r} is not writable")
     try:
         experiment = Experiment(config, resume)
     except FileExistsError as e:  # an earlier run's tables: the runner's two ways on, in one line
@@ -108,7 +114,7 @@ def _open_experiment(config: ExperimentConfig, resume: bool) -> Experiment:
     if experiment.distributed and experiment.is_main:
         elastic.record_job(config)  # a restart of this job by torchrun may continue or drop these tables
     if experiment.world_size > 1 and experiment.source.row_order is not None:
-        print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", flush=True)
+        print(f"[data] {experiment.source.row_order.describe_share(experiment.rank)}", file=sys.stderr, flush=True)
     return experiment
 
 
@@ -136,7 +142,7 @@ def _populate(experiment: Experiment, config: ExperimentConfig, resume: bool) ->
     populate_s = time.perf_counter() - began
     if experiment.is_main:
         print(f"[train] wrote {rows:,} rows{' (rank 0)' if experiment.distributed else ''} to the stores "
-              f"before training in {populate_s:.1f} s", flush=True)
+              f"before training in {populate_s:.1f} s", file=sys.stderr, flush=True)
     return populate_s
 
 
@@ -306,7 +312,7 @@ def _summary(experiment: Experiment, config: ExperimentConfig, training: _Traini
         short = summary["input"]
         if short["workers_needed"] > short["cpu_budget"] and summary["input_wait_share"] > 0.01:
             print(_too_few_input_workers(config, short["workers_needed"], short["cpu_budget"],
-                                         summary["input_wait_share"]), flush=True)
+                                         summary["input_wait_share"]), file=sys.stderr, flush=True)
     experiment.collection.close()
     return summary
 

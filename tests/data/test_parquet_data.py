@@ -371,3 +371,17 @@ def test_a_torchrec_npy_day_with_negative_int32_values_becomes_parquet_of_the_va
     ids = batch.sparse_features.values().view(26, 8).T
     assert ids[0, :3].tolist() == [(2**32 - 1) % 1000, 2**31 % 1000, 7]
     assert ids.tolist() == (sparse.astype(np.int64) % (1 << 32) % 1000).tolist()
+
+
+def test_the_generators_help_says_what_it_makes_and_every_option(capsys):
+    from mlkv_torch.data.parquet_generate import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "written as a wide table, more columns than a model reads (as production logs are)." in text
+    assert "Columns: `label` (int8 clicks)" in text  # the layout a config must declare
+    for option in ("OUT_DIR", "--rows ROWS", "--files FILES", "--row-group-rows ROW_GROUP_ROWS", "--seed SEED",
+                   "--unused-columns UNUSED_COLUMNS"):
+        after = text.split(option, 2)[-1].split()  # the option's line in the list: its help follows it
+        assert after and not after[0].startswith("-") and after[0] != "options:", f"{option} has no help"

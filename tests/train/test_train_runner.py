@@ -27,6 +27,7 @@ def test_quickstart_runs_from_the_command_line(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert json.loads(done.stdout) == summary  # stdout is the summary alone: diagnostics go to stderr
     for key in ("samples_per_s", "auc", "logloss", "steps", "peak_rss_bytes", "disk_bytes"):
         assert key in summary, key
     assert summary["steps"] == 12 and summary["samples_per_s"] > 0 and summary["disk_bytes"] > 0
@@ -215,10 +216,14 @@ def test_config_errors_name_the_key(tmp_path, overrides, message):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", *overrides])
 
 
-def test_an_output_dir_that_cannot_be_made_is_a_config_error(tmp_path):
+def test_an_output_dir_or_storage_path_that_cannot_be_made_is_a_config_error(tmp_path):
     (tmp_path / "a-file").write_text("")
     config = load_config(QUICKSTART, [f"output_dir={tmp_path / 'a-file' / 'run'}", *SMALL])
     with pytest.raises(ConfigError, match=r"output_dir '.*a-file/run' cannot be created: Not a directory"):
+        run(config, progress=False)
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path / 'run'}", f"storage.path={tmp_path / 'a-file' / 't'}",
+                                      *SMALL])
+    with pytest.raises(ConfigError, match=r"^storage\.path '.*a-file/t' cannot be created: Not a directory$"):
         run(config, progress=False)
 
 
@@ -277,7 +282,10 @@ COMMS = ["storage.comms.forward=fp16", "storage.comms.backward=bf16"]
 def whole_on_two_ranks(tmp_path_factory) -> Path:
     """12 steps under torchrun, uninterrupted."""
     out = tmp_path_factory.mktemp("torchrun") / "whole"
-    _torchrun(out, 12, "storage.populate=true", *COMMS)  # populating changes no result
+    done = _torchrun(out, 12, "storage.populate=true", *COMMS)  # populating changes no result
+    # stdout is rank 0's summary alone; what the ranks say on the way goes to stderr.
+    assert json.loads(done.stdout) == json.loads((out / "summary.json").read_text())
+    assert "[train] wrote" in done.stderr
     return out
 
 
