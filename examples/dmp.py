@@ -20,8 +20,10 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from mlkv_torch import remove_tables
 from mlkv_torch.ranks import exit_without_finalizing
 from mlkv_torch.torchrec import DISK_KERNEL, DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
+from mlkv_torch.torchrec.kernel import rank_storage_dir
 
 DIM, BATCH, STEPS = 16, 256, 60
 ROWS = {"t0": 2_000_000, "t1": 1_000_000, "t2": 1_000, "t3": 500}  # two large tables, two small ones
@@ -38,6 +40,7 @@ def batch(g: torch.Generator):
 
 def main(storage: str) -> None:
     dist.init_process_group("gloo")
+    remove_tables(rank_storage_dir(storage, dist.get_rank()))  # this rank's from an earlier run: start afresh
     torch.manual_seed(0)  # the same dense layers on every rank
     tables = [EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f_{t}"])
               for t, n in ROWS.items()]
@@ -77,7 +80,11 @@ def main(storage: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="mlkv-example-dmp-"))
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlkv-example-dmp-") as folder:  # this rank's, removed at its end
+            main(folder)
     # Without Python's teardown, where torch's gloo threads, still freeing the last backward's
     # allreduce, can abort the process (pytorch#190489; mlkv_torch.ranks says how).
     exit_without_finalizing(0)

@@ -11,7 +11,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from mlkv_torch import optim
+from mlkv_torch import optim, remove_tables
 from mlkv_torch.torchrec import DiskEmbeddingBagCollection
 
 ROWS, DIM, BATCH, STEPS = 100_000, 16, 256, 60
@@ -27,6 +27,7 @@ def batch(g: torch.Generator, tables):
 
 
 def main(storage: str) -> None:
+    remove_tables(storage)  # an earlier run's: each run starts from the initial rows
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
               for i in range(4)]
@@ -55,4 +56,8 @@ def main(storage: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="mlkv-example-"))
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlkv-example-") as folder:  # removed when the example ends
+            main(folder)

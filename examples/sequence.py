@@ -12,7 +12,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from mlkv_torch import optim
+from mlkv_torch import optim, remove_tables
 from mlkv_torch.torchrec import DiskEmbeddingCollection
 
 ITEMS, DIM, BATCH, STEPS, HISTORY = 1_000_000, 16, 256, 80, 8
@@ -53,6 +53,7 @@ class ClickModel(torch.nn.Module):
 
 
 def main(storage: str) -> None:
+    remove_tables(storage)  # an earlier run's: each run starts from the initial rows
     torch.manual_seed(0)
     items = EmbeddingConfig(name="item", embedding_dim=DIM, num_embeddings=ITEMS,
                             feature_names=["history", "candidate"])
@@ -80,4 +81,8 @@ def main(storage: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="mlkv-example-sequence-"))
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlkv-example-sequence-") as folder:  # removed when the example ends
+            main(folder)

@@ -12,7 +12,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import CountTimestampMixedEvictionPolicy, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from mlkv_torch import optim
+from mlkv_torch import optim, remove_tables
 from mlkv_torch.torchrec import DiskEmbeddingBagCollection
 from mlkv_torch.virtual_tables import VirtualTableOptions
 
@@ -35,6 +35,7 @@ def batch(g: torch.Generator, step: int, tables):
 
 
 def main(storage: str) -> None:
+    remove_tables(storage)  # an earlier run's: each run starts from the initial rows
     torch.manual_seed(0)
     # TorchRec's own config of a virtual table: 2**40 ids; a rank keeps at most 3000 of them, evicting
     # those looked up in fewer than 2 batches (counts decayed by 0.9 a round) and unseen for 10 minutes.
@@ -69,4 +70,8 @@ def main(storage: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="mlkv-example-"))
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlkv-example-") as folder:  # removed when the example ends
+            main(folder)

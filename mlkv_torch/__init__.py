@@ -8,8 +8,10 @@ from .embedding import DiskEmbeddingBag
 from .memory_budget import MemoryBudgetError
 from .pipeline import LookaheadPipeline
 from .store import CorruptionError, KVStore, RocksDBStore, initial_rows
+from .table_files import remove_tables
 from .table_settings import DiskTableSettings
 
 __all__ = ["KVStore", "RocksDBStore", "CorruptionError", "DiskEmbeddingBag", "DiskTableSettings", "MemoryBudgetError",
+           "remove_tables",
            "LookaheadPipeline", "initial_rows", "optim"]
 __version__ = "0.1.0"

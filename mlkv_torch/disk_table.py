@@ -124,8 +124,8 @@ def settle_reopened(tables: Sequence[DiskTable], stores: Sequence[Union[KVStore,
             for t, store, h in zip(tables, stores, holds) if h]
     if held and not reopen:  # a second run of a script would otherwise continue silently from the first's rows
         raise FileExistsError(f"{'; '.join(held)}: the directory holds rows and optimizer state from an earlier run. "
-                              f"Pass reopen=True to continue from them, or remove the directory to start from "
-                              f"initial rows")
+                              f"Pass reopen=True to continue from them, or remove them (mlkv_torch.remove_tables) "
+                              f"to start from initial rows")
     settled = []
     for t, record, h in zip(tables, records, holds):
         if record is not None and (h or reopen):

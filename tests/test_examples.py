@@ -1,6 +1,7 @@
 """The examples a new user starts from (examples/, shown in the README) run and learn: one process,
 a sequence model, virtual tables of raw ids, and DistributedModelParallel under torchrun with 2
 processes."""
+import os
 import re
 import subprocess
 import sys
@@ -19,12 +20,14 @@ def _losses(output: str):
     return float(found.group(1)), float(found.group(2))
 
 
-def test_one_process_example_trains(tmp_path):
-    done = subprocess.run([sys.executable, str(EXAMPLES / "one_process.py"), str(tmp_path / "tables")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    first, last = _losses(done.stdout)
-    assert last < first / 2, done.stdout
+def test_one_process_example_trains_and_reruns_in_its_folder(tmp_path):
+    runs = [subprocess.run([sys.executable, str(EXAMPLES / "one_process.py"), str(tmp_path / "tables")],
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-4000:]
+    first, last = _losses(runs[0].stdout)
+    assert last < first / 2, runs[0].stdout
+    assert runs[1].stdout == runs[0].stdout  # the second run started over from the initial rows
 
 
 def test_sequence_example_trains_with_its_item_table_on_disk(tmp_path):
@@ -36,10 +39,11 @@ def test_sequence_example_trains_with_its_item_table_on_disk(tmp_path):
     assert (tmp_path / "tables" / "item").is_dir()
 
 
-def test_virtual_tables_example_trains_evicts_and_exports(tmp_path):
-    done = subprocess.run([sys.executable, str(EXAMPLES / "virtual_tables.py"), str(tmp_path / "tables")],
-                          capture_output=True, text=True, timeout=300)
+def test_virtual_tables_example_trains_evicts_and_exports_and_leaves_no_temporary_tables(tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "virtual_tables.py")],  # no folder: a temporary one
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-4000:]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("mlkv-example-")]
     first, last = _losses(done.stdout)
     assert last < 0.7 * first, done.stdout  # new items keep arriving: less to learn than one_process's
     found = re.search(r"(\d+) live ids, (\d+) evicted, (\d+) rows exported", done.stdout)
@@ -83,3 +87,12 @@ def test_the_parquet_transforms_example_makes_its_features(monkeypatch):
     buckets = RowGroupTransform("parquet_transforms:bucketized",
                                 args={"column": "x", "boundaries": [0.0, 1.0], "into": "a"}).load()(table)
     assert buckets.column_names == ["a", "b", "x"] and buckets.column("a").to_pylist() == [1, 0, 2, 0]
+
+
+def test_the_store_demo_runs_and_removes_its_temporary_store(tmp_path):
+    demo = Path(__file__).resolve().parents[1] / "scripts" / "quickstart.py"
+    done = subprocess.run([sys.executable, str(demo), "--rows", "200000"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "reopened: 199,990 rows recovered" in done.stdout and done.stdout.endswith("quickstart done\n")
+    assert os.listdir(tmp_path) == []
