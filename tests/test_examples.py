@@ -96,3 +96,20 @@ def test_the_store_demo_runs_and_removes_its_temporary_store(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "reopened: 199,990 rows recovered" in done.stdout and done.stdout.endswith("quickstart done\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_the_run_plot_draws_each_metric_on_its_whole_scale_with_the_ceiling(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from plot_run import figure
+
+    records = [{"step": s, "loss": 0.4 - s / 1e4, "samples_per_s": 5e4, "hit_rate": 0.6} for s in (10, 20, 30)]
+    records += [{"step": 30, "eval_auc": 0.881, "eval_oracle_auc": 0.915}, {"step": 20, "eval_auc": 0.879}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loss, auc, rate, hits = figure([str(tmp_path)]).axes
+    assert auc.get_ylim() == (0.5, 1.0) and hits.get_ylim() == (0.0, 1.0) and rate.get_ylim()[0] == 0
+    drawn, ceiling = auc.get_lines()
+    assert list(drawn.get_ydata()) == [0.879, 0.881]  # as logged, in step order
+    assert ceiling.get_linestyle() == "--" and list(ceiling.get_ydata()) == [0.915]
+    assert ceiling.get_color() == drawn.get_color() and len(hits.get_lines()) == 1
