@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, load_config
 from . import checkpoints, elastic
+from .quiet import quiet_known_warnings
 from .loop import run
 
 RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
@@ -65,6 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        help="start over: remove the tables, checkpoints and metrics an earlier run left first")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_intermixed_args(argv)  # overrides and options in any order
+    quiet_known_warnings()
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:

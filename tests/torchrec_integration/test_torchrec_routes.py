@@ -126,6 +126,35 @@ def test_fused_params_without_an_optimizer_train_as_torchrec_fused_tables(proces
     assert (rows["disk"] - start).abs().max() > 0.05  # lr 0.1, not 0.01: a step of each row's gradient
 
 
+def test_torchrecs_data_parallel_tables_train_as_embedding_bags_despite_fbgemms_autograd_warning(process_group):
+    """The runner's plans replicate small tables (data_parallel, TorchRec's dense kernel), whose
+    backward passes through fbgemm's dense_embedding_codegen_lookup_function, an op without an
+    autograd kernel of its own: torch warns that this "may lead to silently incorrect behavior".
+    It does not here: the rows step as torch.nn.EmbeddingBag's under the same SGD."""
+    dmp = one_process_dmp([table()], EmbeddingBagCollectionSharder(), "data_parallel", kernel="dense")
+    assert dmp.plan.plan[""]["t"].sharding_type == "data_parallel"
+    (name, weight), = [(n, p) for n, p in dmp.named_parameters() if n.endswith("t.weight")]
+    reference = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    start = initial_rows(torch.arange(ROWS), DIM, seed=table_seed(0, "t"), num_embeddings=ROWS)
+    with torch.no_grad():
+        weight.copy_(start)
+        reference.weight.copy_(start)
+    ours, theirs = torch.optim.SGD([weight], lr=LR), torch.optim.SGD(reference.parameters(), lr=LR)
+    scale = torch.linspace(-1, 1, DIM)
+    for step in range(3):
+        kjt = batch(seed=step)
+        with pytest.warns(UserWarning, match="dense_embedding_codegen_lookup_function: an autograd kernel was not "
+                                             "registered"):
+            (dmp(kjt).values() * scale).sum().backward()
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), kjt.lengths().cumsum(0)[:-1]])
+        (reference(kjt.values(), offsets) * scale).sum().backward()
+        for optimizer in (ours, theirs):
+            optimizer.step()
+            optimizer.zero_grad()
+    assert (weight.detach() - start).abs().max() > 0.05  # trained: a step of lr 0.1
+    torch.testing.assert_close(weight.detach(), reference.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
 # ---- one budget: what the planner charges is what the kernel opens -----------------------------------
 def _planned_and_opened(tmp_path, tables, sharding, fraction, optimizer=optim.SGD(lr=LR), in_backward=None,
                         **sharder_args):

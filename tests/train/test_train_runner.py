@@ -286,6 +286,9 @@ def whole_on_two_ranks(tmp_path_factory) -> Path:
     # stdout is rank 0's summary alone; what the ranks say on the way goes to stderr.
     assert json.loads(done.stdout) == json.loads((out / "summary.json").read_text())
     assert "[train] wrote" in done.stderr
+    # TorchRec's and torch's messages for every replicated table, harmless for these models (mlkv_torch/train/quiet.py).
+    for noise in ("caching params will be ignored", "Sharding spec not found", "an autograd kernel was not registered"):
+        assert noise not in done.stderr, noise
     return out
 
 

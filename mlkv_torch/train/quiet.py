@@ -1,0 +1,36 @@
+"""The runner's output without the warnings that TorchRec and torch print for every run of its
+models, where they are known to be harmless: each filter matches one message, and says why it may
+go. Library users' own scripts keep them (the filters are the runner's, installed by its main)."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+# TorchRec logs it for every replicated table, whether or not caching parameters were given; the
+# runner gives none (torchrec/distributed/utils.py, add_params_from_parameter_sharding).
+_CACHING_IGNORED = "Sharding Type is data_parallel, caching params will be ignored"
+# TorchRec's plan check logs it for every replicated table: such a table has no sharding spec, by
+# design (torchrec/distributed/planner/planners.py, _validate_sharding_plan).
+_NO_SHARDING_SPEC = "Sharding spec not found for "
+# The replicated tables' backward passes through fbgemm's dense lookup, which has no autograd
+# kernel of its own; its rows step as torch.nn.EmbeddingBag's do (tests/torchrec_integration/
+# test_torchrec_routes.py, test_torchrecs_data_parallel_tables_train_as_embedding_bags_...).
+_DENSE_LOOKUP_AUTOGRAD = r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered"
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self._starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self._starts)
+
+
+def quiet_known_warnings() -> None:
+    """Installs the runner's filters (once per process is enough; again changes nothing)."""
+    for name, message in (("torchrec.distributed.utils", _CACHING_IGNORED), ("root", _NO_SHARDING_SPEC)):
+        logger = logging.getLogger() if name == "root" else logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(message))
+    warnings.filterwarnings("ignore", message=_DENSE_LOOKUP_AUTOGRAD, category=UserWarning)
