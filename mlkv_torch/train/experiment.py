@@ -141,7 +141,8 @@ class Experiment:
         """Under torchrun: DistributedModelParallel; DiskAwarePlanner puts on disk the tables that do not
         fit `memory_budget_bytes` per rank (storage kind memory: none)."""
         from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner.types import ParameterConstraints, PlannerError, Topology
+        from torchrec.distributed.planner.types import (KernelConfig, ParameterConstraints, PlannerError,
+                                                       TopologyFactory, TrainerConfig)
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -170,8 +171,9 @@ class Experiment:
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
-        topology = Topology(world_size=dist.get_world_size(), compute_device="cpu", ddr_cap=int(ddr_cap),
-                            ssd_cap=1 << 42)
+        topology = TopologyFactory.create_topology(  # TorchRec's way: it warns about a Topology made directly
+            TrainerConfig(world_size=dist.get_world_size(), ddr_cap_bytes=int(ddr_cap), ssd_cap_bytes=1 << 42),
+            kernel_config=KernelConfig(compute_device="cpu"))
         constraints = {t.name: ParameterConstraints(sharding_types=list(storage.sharding_types)) for t in tables}
         planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, constraints=constraints,
                                    debug=False)

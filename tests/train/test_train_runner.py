@@ -289,6 +289,7 @@ def whole_on_two_ranks(tmp_path_factory) -> Path:
     # TorchRec's and torch's messages for every replicated table, harmless for these models (mlkv_torch/train/quiet.py).
     for noise in ("caching params will be ignored", "Sharding spec not found", "an autograd kernel was not registered"):
         assert noise not in done.stderr, noise
+    assert "The topology was constructed directly" not in done.stderr  # made by TorchRec's TopologyFactory
     return out
 
 
