@@ -12,8 +12,9 @@ from ..config import ExperimentConfig
 from ..table_files import remove_tables
 from . import checkpoints, elastic
 
-_RUN_FILES = ("metrics.jsonl", "summary.json", ".process_group", elastic.JOB_RECORD,
-              checkpoints.ONE_PROCESS_CHECKPOINT, checkpoints.SHARDED_CHECKPOINT_POINTER)
+# Not .process_group: a one-process run's own process group may be using it (run() renews it).
+_RUN_FILES = ("metrics.jsonl", "summary.json", elastic.JOB_RECORD, checkpoints.ONE_PROCESS_CHECKPOINT,
+              checkpoints.SHARDED_CHECKPOINT_POINTER)
 _RUN_DIRECTORIES = re.compile(rf"tensorboard|{checkpoints.CHECKPOINT_DIRECTORY.pattern}")
 
 

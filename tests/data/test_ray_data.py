@@ -264,6 +264,6 @@ def test_the_runner_asks_for_more_actors_when_ray_makes_batches_too_slowly(local
                                         "train.log_every=16", "eval.every=48", "eval.batches=1",
                                         f"data.parquet.transform={slow}"]), progress=False)
     assert summary["input"]["workers_needed"] > summary["input"]["cpu_budget"] == 1, summary["input"]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # diagnostics go to stderr: stdout is the summary alone
     assert "the input needs" in out and "ask for more actors (data.ray.actors)" in out
     assert "give it more cores" not in out
