@@ -297,7 +297,6 @@ Status BaseRun::Open(const std::string& path, uint32_t value_bytes, uint64_t gen
     return Status::Corruption("base run " + path + ": its trailer does not fit the file's " +
                               std::to_string(run->file_bytes_) + " bytes");
   }
-  run->block_bytes_ = trailer.block_bytes;
   run->rows_ = trailer.rows;
   std::vector<uint8_t> section(fence_bytes);
   MLKV_RETURN_IF_ERROR(ReadExactly(fd, section.data(), fence_bytes, trailer.fence_offset, path));
@@ -362,9 +361,9 @@ BaseRun::Presence BaseRun::PresenceOf(int64_t key) const {
 Status BaseRun::CheckBlock(const uint8_t* data, uint64_t index, uint32_t* count) const {
   BaseBlockHeader header;
   std::memcpy(&header, data, sizeof(header));
-  if (header.crc != BlockCrc(data, block_bytes_) || header.block_index != index || header.count == 0 ||
+  if (header.crc != BlockCrc(data, layout_.block_bytes) || header.block_index != index || header.count == 0 ||
       header.count > layout_.rows_per_block) {
-    return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " fails its checksum");
+    return Status::Corruption(BlockPlace(path_, index, layout_.block_bytes) + " fails its checksum");
   }
   *count = header.count;
   return Status::OK();
@@ -387,10 +386,10 @@ uint32_t BaseRun::UncheckedCount(const uint8_t* data, uint64_t index) const {
 
 Status BaseRun::FindInBlock(const ReadRequest& req, const int64_t* keys, const size_t* indexes, size_t count,
                             uint8_t* out, bool* found) const {
-  const uint64_t index = req.offset / block_bytes_;
+  const uint64_t index = req.offset / layout_.block_bytes;
   if (req.result < 0) return Status::IOError("reading " + path_ + ": " + ErrnoText(static_cast<int>(-req.result)));
   if (static_cast<uint64_t>(req.result) < req.length) {
-    return Status::Corruption(BlockPlace(path_, index, block_bytes_) + " is truncated");
+    return Status::Corruption(BlockPlace(path_, index, layout_.block_bytes) + " is truncated");
   }
   // With per-row checksums a row taken is checked alone; the whole block only where a key is not
   // found or a row fails (then the block's checksum tells damage from a row the run does not hold).
@@ -423,7 +422,7 @@ Status BaseRun::FindInBlock(const ReadRequest& req, const int64_t* keys, const s
     if (lo < rows_in_block && key_at(lo) == key) {
       if (!block_checked && !RowIntact(req.buffer, index, lo)) {
         MLKV_RETURN_IF_ERROR(check_block());
-        return Status::Corruption(BlockPlace(path_, index, block_bytes_) + ": row " + std::to_string(lo) +
+        return Status::Corruption(BlockPlace(path_, index, layout_.block_bytes) + ": row " + std::to_string(lo) +
                                   " fails its checksum");
       }
       std::memcpy(out + i * value_bytes_, rows + lo * row_bytes + sizeof(int64_t), value_bytes_);
@@ -444,12 +443,12 @@ bool BaseRun::RowIntact(const uint8_t* block, uint64_t index, uint32_t row) cons
 Status BaseRun::AppendBlocks(uint64_t first, uint64_t blocks, std::vector<int64_t>* keys,
                              std::vector<uint8_t>* values) const {
   if (blocks == 0) return Status::OK();
-  AlignedBuffer buffer(blocks * block_bytes_);
+  AlignedBuffer buffer(blocks * layout_.block_bytes);
   if (!buffer.data) return Status::IOError("cannot allocate a read buffer for " + path_);
-  MLKV_RETURN_IF_ERROR(ReadExactly(fd_, buffer.data, blocks * block_bytes_, first * block_bytes_, path_));
+  MLKV_RETURN_IF_ERROR(ReadExactly(fd_, buffer.data, blocks * layout_.block_bytes, first * layout_.block_bytes, path_));
   const size_t row_bytes = sizeof(int64_t) + value_bytes_;
   for (uint64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = buffer.data + b * block_bytes_;
+    const uint8_t* block = buffer.data + b * layout_.block_bytes;
     uint32_t count;
     MLKV_RETURN_IF_ERROR(CheckBlock(block, first + b, &count));
     for (uint32_t j = 0; j < count; ++j) {
@@ -467,7 +466,7 @@ Status BaseRun::ReadBlocks(uint64_t first, std::vector<int64_t>* keys, std::vect
                            uint64_t* next) const {
   const uint64_t total = fences_.size();
   const uint64_t blocks =
-      std::min(std::max<uint64_t>(1, kCursorReadBytes / block_bytes_), total - std::min(first, total));
+      std::min(std::max<uint64_t>(1, kCursorReadBytes / layout_.block_bytes), total - std::min(first, total));
   *next = first + blocks;
   return AppendBlocks(first, blocks, keys, values);
 }
@@ -476,7 +475,7 @@ Status BaseRun::ReadKeyRange(int64_t lo, int64_t hi, std::vector<int64_t>* keys,
   if (fences_.empty() || lo > last_key_ || hi < fences_[0] || lo > hi) return Status::OK();
   const uint64_t first = static_cast<uint64_t>(std::max<int64_t>(0, BlockOf(lo)));
   const uint64_t end = static_cast<uint64_t>(BlockOf(hi)) + 1;
-  const uint64_t chunk = std::max<uint64_t>(1, kCursorReadBytes / block_bytes_);
+  const uint64_t chunk = std::max<uint64_t>(1, kCursorReadBytes / layout_.block_bytes);
   std::vector<int64_t> block_keys;
   std::vector<uint8_t> block_values;
   for (uint64_t b = first; b < end; b += chunk) {
@@ -606,7 +605,7 @@ Status BaseLookup::Next(const ReadRequest* results, size_t n, size_t room, std::
   // The blocks of the next wants, a block wanted by several keys once.
   const size_t most = std::min(room, kMaxBlocksPerRound);
   uint64_t block_bytes = 0;
-  for (const BaseRun* run : runs_) block_bytes = std::max(block_bytes, run->block_bytes_);
+  for (const BaseRun* run : runs_) block_bytes = std::max(block_bytes, run->layout_.block_bytes);
   size_t blocks = 0;
   for (size_t w = next_want_; w < wants_.size() && blocks <= most; ++w) {
     blocks += w == next_want_ || wants_[w].run != wants_[w - 1].run || wants_[w].block != wants_[w - 1].block;
@@ -621,8 +620,8 @@ Status BaseLookup::Next(const ReadRequest* results, size_t n, size_t room, std::
     const BaseRun& run = *runs_[wants_[w].run];
     ReadRequest req;
     req.fd = run.fd_;
-    req.offset = static_cast<uint64_t>(wants_[w].block) * run.block_bytes_;
-    req.length = static_cast<uint32_t>(run.block_bytes_);
+    req.offset = static_cast<uint64_t>(wants_[w].block) * run.layout_.block_bytes;
+    req.length = static_cast<uint32_t>(run.layout_.block_bytes);
     req.buffer = buffer_->data + first_want_.size() * block_bytes;
     wants->push_back(req);
     first_want_.push_back(w);

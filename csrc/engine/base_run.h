@@ -248,7 +248,7 @@ class BaseRun {
   int fd_;
   const uint32_t value_bytes_;
   BaseBlockLayout layout_;  // by the file's format
-  uint64_t block_bytes_ = 0, rows_ = 0, file_bytes_ = 0;
+  uint64_t rows_ = 0, file_bytes_ = 0;
   std::vector<int64_t> fences_;
   std::vector<uint64_t> gapless_;
   int64_t last_key_ = -1;

@@ -19,18 +19,18 @@ _DENSE_LOOKUP_AUTOGRAD = r"fbgemm::dense_embedding_codegen_lookup_function: an a
 
 
 class _DropMessages(logging.Filter):
-    def __init__(self, *starts: str) -> None:
+    def __init__(self, start: str) -> None:
         super().__init__()
-        self._starts = starts
+        self._start = start
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self._starts)
+        return not record.getMessage().startswith(self._start)
 
 
 def quiet_known_warnings() -> None:
     """Installs the runner's filters (once per process is enough; again changes nothing)."""
-    for name, message in (("torchrec.distributed.utils", _CACHING_IGNORED), ("root", _NO_SHARDING_SPEC)):
-        logger = logging.getLogger() if name == "root" else logging.getLogger(name)
+    for name, message in (("torchrec.distributed.utils", _CACHING_IGNORED), (None, _NO_SHARDING_SPEC)):  # None: root
+        logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages(message))
     warnings.filterwarnings("ignore", message=_DENSE_LOOKUP_AUTOGRAD, category=UserWarning)
