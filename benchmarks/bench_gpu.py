@@ -294,6 +294,7 @@ def main(argv: List[str]) -> int:
             prof = profile_steps(ref, batches, profiled, device, out_dir, f"reference-{opt_name}")
             results.append(dict(config=f"reference {opt_name}", samples_per_s=reference_rate[opt_name], ratio=1.0,
                                 **prof))
+            log(f"reference {opt_name}: {reference_rate[opt_name]:,.0f} samples/s")
             del ref
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -329,6 +330,12 @@ def main(argv: List[str]) -> int:
                                 roofline_samples_per_s=roofline, of_roofline=rate / roofline if roofline else None,
                                 populate_s=populate_s, loss_max_rel_diff=worst,
                                 losses_equal=worst < (1e-5 if device.type == "cpu" else 1e-3), **prof))
+            r = results[-1]
+            # Each configuration's figures as it ends, so a run cut short by its time limit keeps them.
+            log(f"{label}: {r['samples_per_s']:,.0f} samples/s ({r['ratio']:.3f}x), hit rate {r['hit_rate']:.3f}, "
+                f"populated in {populate_s:.1f} s, losses equal {r['losses_equal']}")
+            write_json_report(args.out, dict(args=vars(args), gpu=gpu, torch=torch.__version__,
+                                             date=str(datetime.date.today()), results=results, lines=log.lines))
             disk.close()
             shutil.rmtree(path, ignore_errors=True)
             if device.type == "cuda":

@@ -47,7 +47,7 @@ if has quick || has tests; then
 fi
 if has bench; then
   echo "[gpu_check] bench at $(( $(date +%s) - start )) s"
-  timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT/gpu.json" "$@" 2>&1 | grep -v USDT | tee "$OUT/bench.log" | tail -30
+  timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT/gpu.json" "$@" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has train; then
