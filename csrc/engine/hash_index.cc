@@ -222,13 +222,20 @@ uint32_t HashIndex::NewOverflowBucket() {
 }
 
 uint64_t HashIndex::Erase(int64_t key) {
-  Where w = Locate(key);
+  uint64_t old = kNoAddress;
+  EraseIf(Locate(key), kNoAddress, &old);
+  return old;
+}
+
+bool HashIndex::EraseIf(const Where& located, uint64_t expected, uint64_t* erased) {
+  const Where w = located.buckets == buckets_.size() ? located : LocateHash(located.hash);
   Bucket* b;
   int slot;
   uint32_t link;
   uint64_t home;
-  if (!FindEntry(w, &b, &slot, &link, &home)) return kNoAddress;
-  uint64_t old = (b->lo[slot] & kAddrMask) - 1;
+  if (!FindEntry(w, &b, &slot, &link, &home)) return false;
+  const uint64_t old = (b->lo[slot] & kAddrMask) - 1;
+  if (expected != kNoAddress && old != expected) return false;
   b->lo[slot] = 0;
   b->hi[slot] = 0;
   --size_;
@@ -239,7 +246,8 @@ uint64_t HashIndex::Erase(int64_t key) {
     prev->next = b->next;
     free_overflow_.push_back(link);
   }
-  return old;
+  if (erased) *erased = old;
+  return true;
 }
 
 HashIndex::ImageCounts HashIndex::Counts() const {

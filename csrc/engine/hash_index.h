@@ -47,8 +47,24 @@ class HashIndex {
   bool UpdateIf(int64_t key, uint64_t expected, uint64_t address);
   // Removes `key`; returns its address or kNoAddress when it was absent.
   uint64_t Erase(int64_t key);
+  // Removes the key `w` locates when its address is `expected` (any address: kNoAddress); true when
+  // it did, its address then in *erased (may be null). One lookup, where Find then Erase take two.
+  bool EraseIf(const Where& w, uint64_t expected, uint64_t* erased = nullptr);
   // Hints the CPU to load the buckets of a key (for batched lookups).
   void Prefetch(const Where& w) const;
+  // Calls fn(i, Locate(key_of(i))) for i in [0, n) in order, the buckets of the keys a few places on
+  // loaded meanwhile: lookups of many random keys overlap their cache misses.
+  template <typename KeyOf, typename F>
+  void ForEachLocated(size_t n, KeyOf&& key_of, F&& fn) const {
+    constexpr size_t kAhead = 8;
+    Where ahead[kAhead];
+    for (size_t i = 0; i < n && i < kAhead; ++i) Prefetch(ahead[i] = Locate(key_of(i)));
+    for (size_t i = 0; i < n; ++i) {
+      const Where w = ahead[i % kAhead];
+      if (i + kAhead < n) Prefetch(ahead[i % kAhead] = Locate(key_of(i + kAhead)));
+      fn(i, w);
+    }
+  }
 
   // Growth stops at `buckets` (0: no limit); keys past them go to overflow buckets. A store with an
   // index budget sets it so the array stays within the budget at its fullest.

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <list>
 #include <map>
@@ -280,6 +281,12 @@ class KVStore : public RowStore {
   uint64_t SegmentOfPage(uint64_t page) const { return page / pages_per_segment_; }
   uint64_t SegmentOfSlot(uint64_t slot) const { return SegmentOfPage(PageOf(slot)); }
   uint64_t OffsetInPage(uint64_t slot) const;
+  // The key of the record at `slot` of a page read into `page`.
+  int64_t KeyInPage(const uint8_t* page, uint64_t slot) const {
+    int64_t key;
+    std::memcpy(&key, page + OffsetInPage(slot), sizeof(key));  // a record begins with its key
+    return key;
+  }
   uint8_t* FrameOf(uint64_t page) const { return frames_ + div_num_frames_.Mod(page) * page_bytes_; }
   uint8_t* RecordInMemory(uint64_t slot) const { return FrameOf(PageOf(slot)) + OffsetInPage(slot); }
   uint64_t HeadSlot() const REQUIRES_SHARED(mu_) { return head_page_ * records_per_page_; }

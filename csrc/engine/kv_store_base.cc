@@ -141,18 +141,21 @@ Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecor
   for (uint64_t page = first_page; page < end_page; ++page) {
     MLKV_RETURN_IF_ERROR(ReadWrittenPage(page, page_buffer.data));
     const uint64_t first_slot = page * records_per_page_;
+    auto key_at = [&](size_t i) { return KeyInPage(page_buffer.data, first_slot + i); };
     ReaderLock lock(&mu_);
-    for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
-      const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
-      RecordHeader h;
-      std::memcpy(&h, rec, sizeof(h));
-      // Live: the index names this record (a deletion names its tombstone with the bit).
-      const uint64_t address = (h.flags & kFlagTombstone) ? slot | kDeletionBit : slot;
-      if (index_.Find(h.key) != address) continue;
-      live->keys.push_back(h.key);
-      live->slots.push_back(address);
-      live->values.insert(live->values.end(), rec, rec + record_bytes_);
-    }
+    index_.ForEachLocated(records_per_page_, key_at,
+                          [&](size_t i, const HashIndex::Where& w) NO_THREAD_SAFETY_ANALYSIS {
+                            const uint64_t slot = first_slot + i;
+                            const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
+                            RecordHeader h;
+                            std::memcpy(&h, rec, sizeof(h));
+                            // Live: the index names this record (a deletion names its tombstone with the bit).
+                            const uint64_t address = (h.flags & kFlagTombstone) ? slot | kDeletionBit : slot;
+                            if (index_.Find(w) != address) return;
+                            live->keys.push_back(h.key);
+                            live->slots.push_back(address);
+                            live->values.insert(live->values.end(), rec, rec + record_bytes_);
+                          });
   }
   return Status::OK();
 }
@@ -400,11 +403,13 @@ Status KVStore::CommitMerge(const Status& written, uint64_t generation, uint64_t
     return written;
   }
   if (closed_) return Status::InvalidArgument("store at " + path_ + " is closed");
-  for (size_t i = 0; i < moved.keys.size(); ++i) {
-    // A key written or deleted since has a newer record, which supersedes what moved.
-    if (index_.Find(moved.keys[i]) != moved.slots[i]) continue;
-    MoveLive(index_.Erase(moved.keys[i]), kNone);
-  }
+  // (The analysis cannot see that the lambda runs under this function's lock.)
+  index_.ForEachLocated(
+      moved.keys.size(), [&](size_t i) { return moved.keys[i]; },
+      [&](size_t i, const HashIndex::Where& w) NO_THREAD_SAFETY_ANALYSIS {
+        // A key written or deleted since has a newer record, which supersedes what moved.
+        if (index_.EraseIf(w, moved.slots[i])) MoveLive(moved.slots[i], kNone);
+      });
   if (base_) unnamed_bases_.push_back(base_generation_);
   base_runs_of_[generation] = base->all_ids();
   base_ = std::move(base);

@@ -120,28 +120,19 @@ Status KVStore::SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) {
 
 void KVStore::CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) {
   ReaderLock lock(&mu_);
-  constexpr uint64_t kAhead = 8;  // prefetch the index ahead: these lookups are random
-  auto key_at = [&](uint64_t slot) {
-    int64_t key;
-    std::memcpy(&key, page + OffsetInPage(slot), sizeof(key));
-    return key;
-  };
-  HashIndex::Where ring[kAhead];
-  const uint64_t end_slot = first_slot + records_per_page_;
-  for (uint64_t s = first_slot; s < std::min(end_slot, first_slot + kAhead); ++s) {
-    index_.Prefetch(ring[s % kAhead] = index_.Locate(key_at(s)));
-  }
-  for (uint64_t slot = first_slot; slot < end_slot; ++slot) {
-    const HashIndex::Where where = ring[slot % kAhead];
-    if (slot + kAhead < end_slot) index_.Prefetch(ring[slot % kAhead] = index_.Locate(key_at(slot + kAhead)));
-    const uint8_t* rec = page + OffsetInPage(slot);
-    RecordHeader h;
-    std::memcpy(&h, rec, sizeof(h));
-    if ((h.flags & kFlagTombstone) || index_.Find(where) != slot) continue;  // superseded or deleted
-    live->keys.push_back(h.key);
-    live->slots.push_back(slot);
-    live->values.insert(live->values.end(), rec, rec + record_bytes_);
-  }
+  auto key_at = [&](size_t i) { return KeyInPage(page, first_slot + i); };
+  index_.ForEachLocated(records_per_page_, key_at,
+                        [&](size_t i, const HashIndex::Where& where) NO_THREAD_SAFETY_ANALYSIS {
+                          const uint64_t slot = first_slot + i;
+                          const uint8_t* rec = page + OffsetInPage(slot);
+                          RecordHeader h;
+                          std::memcpy(&h, rec, sizeof(h));
+                          if ((h.flags & kFlagTombstone) || index_.Find(where) != slot)
+                            return;  // superseded or deleted
+                          live->keys.push_back(h.key);
+                          live->slots.push_back(slot);
+                          live->values.insert(live->values.end(), rec, rec + record_bytes_);
+                        });
 }
 
 Status KVStore::CopyLiveRecords(LiveRecords* live) {

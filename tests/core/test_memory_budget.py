@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from mlkv_torch.memory_budget import (LEAST_INDEX_BUDGET, MemoryBudgetError, host_memory_for_all_rows,
+from mlkv_torch.memory_budget import (LEAST_INDEX_BUDGET, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,
+                                      host_memory_for_all_rows,
                                       index_budgets, least_host_memory, shard_memory_budget, split_budget,
                                       split_host_memory)
 
@@ -85,12 +86,22 @@ def test_shard_memory_budget_is_its_fraction_of_the_stored_bytes_at_least_what_o
         assert caches == sorted(caches) and caches[0] < caches[-1]
 
 
-def test_index_budgets_follow_the_rows_none_below_the_least_index():
-    each = 4 * LEAST_INDEX_BUDGET  # the tables' share, per table
+def test_index_budgets_are_the_least_index_and_the_share_beyond_it_by_rows():
+    each = 4 * LEAST_INDEX_BUDGET  # the tables' share beyond their least indexes, per table
     rows = [1_000_000, 500_000, 100, 0]
-    budgets = index_budgets(each, rows)
     share = each * len(rows)
-    assert budgets[0] == share * 1_000_000 // sum(rows) and budgets[1] == share * 500_000 // sum(rows)
-    assert budgets[2] == budgets[3] == LEAST_INDEX_BUDGET  # small tables: the least index, a fixed cost
-    assert sum(budgets[:2]) <= share
-    assert index_budgets(1, [10, 10]) == [LEAST_INDEX_BUDGET] * 2
+    assert index_budgets(each, rows) == [LEAST_INDEX_BUDGET + share * r // sum(rows) for r in rows]
+    assert index_budgets(each, rows)[3] == LEAST_INDEX_BUDGET  # a table without rows: the least index, a fixed cost
+    assert index_budgets(0, [10, 10]) == [LEAST_INDEX_BUDGET] * 2
+
+
+@pytest.mark.parametrize("budget", [12 << 20, 1 << 30])
+def test_the_budget_holds_its_parts_charging_indexes_only_beyond_their_least_size(budget):
+    tables, rows = 26, 3_000_000
+    split = split_host_memory(budget, tables, rows, ROW, True)
+    # An eighth of the budget for the indexes, the least of each (a fixed cost) beside it.
+    assert split.index_bytes == max(0, budget // (8 * tables) - LEAST_INDEX_BUDGET)
+    assert (split.index_bytes == 0) == (budget == 12 << 20)
+    parts = (cache_host_bytes(split.cache_rows, ROW) + buffer_host_bytes(split.staging_rows, split.write_back_rows, ROW)
+             + tables * (split.index_bytes + split.log_bytes))
+    assert budget - tables <= parts <= budget  # the logs take what is left, divided among the tables
