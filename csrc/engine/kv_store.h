@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <unordered_map>
@@ -411,9 +412,15 @@ class KVStore : public RowStore {
     std::vector<uint8_t> values;  // whole records
   };
   Status SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) EXCLUDES(mu_);
-  // A page below the flushed one, read from its segment and every record verified, unlocked (such
-  // pages never change): a damaged key must not make a live row look dead.
-  Status ReadWrittenPage(uint64_t page, uint8_t* buffer) EXCLUDES(mu_);
+  // Pages below the flushed one, `count` of one segment from `first_page`, read in one read and
+  // every record verified, unlocked (such pages never change): a damaged key must not make a live
+  // row look dead.
+  Status ReadWrittenPages(uint64_t first_page, uint64_t count, uint8_t* buffer) EXCLUDES(mu_);
+  // Calls each(page, its bytes) for the written pages [first_page, end_page) in order, read a
+  // segment's run of pages at a time: a merge's pages would otherwise be as many small reads,
+  // queued behind the read-ahead's on the same disk.
+  Status ForEachWrittenPage(uint64_t first_page, uint64_t end_page,
+                            const std::function<Status(uint64_t page, const uint8_t* data)>& each) EXCLUDES(mu_);
   Status CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) EXCLUDES(mu_);
   void CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) EXCLUDES(mu_);
   Status CopyLiveRecords(LiveRecords* live) EXCLUDES(mu_);

@@ -129,7 +129,6 @@ Status KVStore::CountRows(uint64_t* rows, bool read_unknown) const {
 }
 
 Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecords* live) {
-  AlignedBuffer page_buffer(page_bytes_);
   {
     // Room for every row the pages could hold, reserved once: malloc reuses the last merge's.
     ReaderLock lock(&mu_);
@@ -138,15 +137,14 @@ Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecor
     live->slots.reserve(most);
     live->values.reserve(most * record_bytes_);
   }
-  for (uint64_t page = first_page; page < end_page; ++page) {
-    MLKV_RETURN_IF_ERROR(ReadWrittenPage(page, page_buffer.data));
+  return ForEachWrittenPage(first_page, end_page, [&](uint64_t page, const uint8_t* data) {
     const uint64_t first_slot = page * records_per_page_;
-    auto key_at = [&](size_t i) { return KeyInPage(page_buffer.data, first_slot + i); };
+    auto key_at = [&](size_t i) { return KeyInPage(data, first_slot + i); };
     ReaderLock lock(&mu_);
     index_.ForEachLocated(records_per_page_, key_at,
                           [&](size_t i, const HashIndex::Where& w) NO_THREAD_SAFETY_ANALYSIS {
                             const uint64_t slot = first_slot + i;
-                            const uint8_t* rec = page_buffer.data + OffsetInPage(slot);
+                            const uint8_t* rec = data + OffsetInPage(slot);
                             RecordHeader h;
                             std::memcpy(&h, rec, sizeof(h));
                             // Live: the index names this record (a deletion names its tombstone with the bit).
@@ -156,8 +154,8 @@ Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecor
                             live->slots.push_back(address);
                             live->values.insert(live->values.end(), rec, rec + record_bytes_);
                           });
-  }
-  return Status::OK();
+    return Status::OK();
+  });
 }
 
 namespace {

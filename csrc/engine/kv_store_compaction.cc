@@ -149,24 +149,39 @@ Status KVStore::CopyLiveRecords(LiveRecords* live) {
 
 Status KVStore::CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) {
   constexpr size_t kChunkRows = 4096;
-  AlignedBuffer page_buffer(page_bytes_);
-  for (uint64_t page = segment * pages_per_segment_; page < (segment + 1) * pages_per_segment_; ++page) {
-    MLKV_RETURN_IF_ERROR(ReadWrittenPage(page, page_buffer.data));
-    const uint64_t first_slot = page * records_per_page_;
-    CollectLiveRecords(page_buffer.data, first_slot, live);
-    if (live->keys.size() >= kChunkRows) MLKV_RETURN_IF_ERROR(CopyLiveRecords(live));
+  return ForEachWrittenPage(segment * pages_per_segment_, (segment + 1) * pages_per_segment_,
+                            [&](uint64_t page, const uint8_t* data) {
+                              CollectLiveRecords(data, page * records_per_page_, live);
+                              return live->keys.size() >= kChunkRows ? CopyLiveRecords(live) : Status::OK();
+                            });
+}
+
+Status KVStore::ForEachWrittenPage(uint64_t first_page, uint64_t end_page,
+                                   const std::function<Status(uint64_t page, const uint8_t* data)>& each) {
+  constexpr uint64_t kReadBytes = 1 << 20;
+  const uint64_t most = std::max<uint64_t>(1, std::min(kReadBytes / page_bytes_, end_page - first_page));
+  AlignedBuffer buffer(most * page_bytes_);
+  for (uint64_t page = first_page; page < end_page;) {
+    const uint64_t segment_end = (SegmentOfPage(page) + 1) * pages_per_segment_;
+    const uint64_t count = std::min({most, end_page - page, segment_end - page});
+    MLKV_RETURN_IF_ERROR(ReadWrittenPages(page, count, buffer.data));
+    for (uint64_t p = 0; p < count; ++p) MLKV_RETURN_IF_ERROR(each(page + p, buffer.data + p * page_bytes_));
+    page += count;
   }
   return Status::OK();
 }
 
-Status KVStore::ReadWrittenPage(uint64_t page, uint8_t* buffer) {
+Status KVStore::ReadWrittenPages(uint64_t first_page, uint64_t count, uint8_t* buffer) {
   std::shared_ptr<SegmentFiles::File> file;
-  MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(page), SegmentFiles::OpenMode::kMustExist, &file));
-  const uint64_t offset = (page % pages_per_segment_) * page_bytes_;
-  MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, buffer, page_bytes_, offset, file->path));
-  const uint64_t first_slot = page * records_per_page_;
-  for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
-    MLKV_RETURN_IF_ERROR(VerifyRecord(buffer + OffsetInPage(slot), file->path, offset + OffsetInPage(slot)));
+  MLKV_RETURN_IF_ERROR(segments_.Open(SegmentOfPage(first_page), SegmentFiles::OpenMode::kMustExist, &file));
+  const uint64_t offset = (first_page % pages_per_segment_) * page_bytes_;
+  MLKV_RETURN_IF_ERROR(ReadExactly(file->fd, buffer, count * page_bytes_, offset, file->path));
+  for (uint64_t p = 0; p < count; ++p) {
+    const uint64_t first_slot = (first_page + p) * records_per_page_;
+    for (uint64_t slot = first_slot; slot < first_slot + records_per_page_; ++slot) {
+      const uint64_t at = p * page_bytes_ + OffsetInPage(slot);
+      MLKV_RETURN_IF_ERROR(VerifyRecord(buffer + at, file->path, offset + at));
+    }
   }
   return Status::OK();
 }

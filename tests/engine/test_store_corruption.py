@@ -240,8 +240,10 @@ def test_truncated_segment_detected_by_get_while_open(tmp_path):
         store.close()
 
 
+# Slot 41 is in its segment's first page, 300 in its last: compaction reads a segment's pages in one read.
+@pytest.mark.parametrize("slot", [41, 300])
 @pytest.mark.parametrize("field,offset_in_record", [("key", 0), ("magic", 12), ("value", 20)])
-def test_compact_detects_corrupt_live_record(tmp_path, field, offset_in_record):
+def test_compact_detects_corrupt_live_record(tmp_path, field, offset_in_record, slot):
     """compact() must not drop a live row whose on-disk record is corrupt.
 
     It should raise CorruptionError naming the segment and leave the files as
@@ -249,7 +251,7 @@ def test_compact_detects_corrupt_live_record(tmp_path, field, offset_in_record):
     """
     path = str(tmp_path / "store")
     store, model, stats = build(path, close=False)
-    name, offset = record_location(stats, 41)
+    name, offset = record_location(stats, slot)
     flip(os.path.join(path, name), offset + offset_in_record)
     try:
         with pytest.raises(CorruptionError, match=name):
