@@ -11,7 +11,7 @@ py=${PYTHON:-.venv/bin/python}
 comparisons=(tests/core/test_optim.py tests/core/test_table_batch_exact.py
   tests/torchrec_integration/test_torchrec_collection.py tests/core/test_disk_embedding_bag.py tests/core/test_table_batch.py
   tests/torchrec_integration/test_model_zoo.py tests/torchrec_integration/test_torchrec_sequence.py)
-"$py" -m pytest -q tests "$@"
+"$py" -m pytest -q --durations=20 tests "$@"
 capabilities=(default avx2)
 grep -q avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)
 for capability in "${capabilities[@]}"; do
