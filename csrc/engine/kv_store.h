@@ -422,7 +422,9 @@ class KVStore : public RowStore {
   Status ForEachWrittenPage(uint64_t first_page, uint64_t end_page,
                             const std::function<Status(uint64_t page, const uint8_t* data)>& each) EXCLUDES(mu_);
   Status CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) EXCLUDES(mu_);
-  void CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) EXCLUDES(mu_);
+  // The records of a page read into `page` that the index names (deletions too: `with_deletions`).
+  void CollectLiveRecords(const uint8_t* page, uint64_t first_slot, bool with_deletions, LiveRecords* live)
+      EXCLUDES(mu_);
   Status CopyLiveRecords(LiveRecords* live) EXCLUDES(mu_);
   // On-disk log > ratio x live rows, or the index over its budget (`stalling`: twice over).
   bool CompactionDueLocked(double ratio, bool stalling = false) const REQUIRES_SHARED(mu_);

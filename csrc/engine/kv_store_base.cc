@@ -138,22 +138,7 @@ Status KVStore::CollectLogRows(uint64_t first_page, uint64_t end_page, LiveRecor
     live->values.reserve(most * record_bytes_);
   }
   return ForEachWrittenPage(first_page, end_page, [&](uint64_t page, const uint8_t* data) {
-    const uint64_t first_slot = page * records_per_page_;
-    auto key_at = [&](size_t i) { return KeyInPage(data, first_slot + i); };
-    ReaderLock lock(&mu_);
-    index_.ForEachLocated(records_per_page_, key_at,
-                          [&](size_t i, const HashIndex::Where& w) NO_THREAD_SAFETY_ANALYSIS {
-                            const uint64_t slot = first_slot + i;
-                            const uint8_t* rec = data + OffsetInPage(slot);
-                            RecordHeader h;
-                            std::memcpy(&h, rec, sizeof(h));
-                            // Live: the index names this record (a deletion names its tombstone with the bit).
-                            const uint64_t address = (h.flags & kFlagTombstone) ? slot | kDeletionBit : slot;
-                            if (index_.Find(w) != address) return;
-                            live->keys.push_back(h.key);
-                            live->slots.push_back(address);
-                            live->values.insert(live->values.end(), rec, rec + record_bytes_);
-                          });
+    CollectLiveRecords(data, page * records_per_page_, /*with_deletions=*/true, live);
     return Status::OK();
   });
 }

@@ -118,7 +118,7 @@ Status KVStore::SegmentsToCompact(bool all, uint64_t* first, uint64_t* end) {
   return Status::OK();
 }
 
-void KVStore::CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveRecords* live) {
+void KVStore::CollectLiveRecords(const uint8_t* page, uint64_t first_slot, bool with_deletions, LiveRecords* live) {
   ReaderLock lock(&mu_);
   auto key_at = [&](size_t i) { return KeyInPage(page, first_slot + i); };
   index_.ForEachLocated(records_per_page_, key_at,
@@ -127,10 +127,13 @@ void KVStore::CollectLiveRecords(const uint8_t* page, uint64_t first_slot, LiveR
                           const uint8_t* rec = page + OffsetInPage(slot);
                           RecordHeader h;
                           std::memcpy(&h, rec, sizeof(h));
-                          if ((h.flags & kFlagTombstone) || index_.Find(where) != slot)
-                            return;  // superseded or deleted
+                          const bool deletion = (h.flags & kFlagTombstone) != 0;
+                          if (deletion && !with_deletions) return;
+                          // Live: the index names this record (a deletion names its tombstone with the bit).
+                          const uint64_t address = deletion ? slot | kDeletionBit : slot;
+                          if (index_.Find(where) != address) return;  // superseded
                           live->keys.push_back(h.key);
-                          live->slots.push_back(slot);
+                          live->slots.push_back(address);
                           live->values.insert(live->values.end(), rec, rec + record_bytes_);
                         });
 }
@@ -151,7 +154,7 @@ Status KVStore::CopyLiveRecordsOfSegment(uint64_t segment, LiveRecords* live) {
   constexpr size_t kChunkRows = 4096;
   return ForEachWrittenPage(segment * pages_per_segment_, (segment + 1) * pages_per_segment_,
                             [&](uint64_t page, const uint8_t* data) {
-                              CollectLiveRecords(data, page * records_per_page_, live);
+                              CollectLiveRecords(data, page * records_per_page_, /*with_deletions=*/false, live);
                               return live->keys.size() >= kChunkRows ? CopyLiveRecords(live) : Status::OK();
                             });
 }
