@@ -63,7 +63,7 @@ class DiskTable:
         first_column: the table holds columns [first_column, first_column + dim) of a wider
             table (a column shard); its initial rows are that slice of the wider table's.
         expected_rows: pre-sizes the store's index for this many rows; by default it starts at
-            its least (256 KiB) and grows with the rows written, whatever num_embeddings.
+            a bucket (64 bytes) and grows with the rows written, whatever num_embeddings.
         init: how rows never written start: ("uniform", low, high) or ("normal", mean, std);
             default TorchRec's ("uniform", -sqrt(1/num_embeddings), sqrt(1/num_embeddings)).
         seed_drawn: `seed` was drawn (``seed=None``), not chosen: a reopened table keeps the

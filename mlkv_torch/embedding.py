@@ -182,7 +182,7 @@ class DiskEmbeddingBag(nn.Module):
             table's directory: a reopened table keeps its own.
         include_last_offset: as in nn.EmbeddingBag.
         expected_rows: pre-sizes the store's index for this many rows; by default it starts at
-            its least (256 KiB) and grows with the rows written, whatever num_embeddings.
+            a bucket (64 bytes) and grows with the rows written, whatever num_embeddings.
         cache_policy: "lfu" (frequency-based admission, the default) or "lru".
         first_column: this table holds columns [first_column, first_column +
             embedding_dim) of a wider table (a column shard); its initial rows

@@ -30,7 +30,7 @@ class HostMemorySplit(NamedTuple):
     log_bytes: int        # each table's store log in memory
     staging_rows: int     # rows of the staging area: rows read ahead, rows kept out of the cache
     write_back_rows: int  # rows the write-back buffer holds before a fetch waits for the writer
-    index_bytes: int = 0  # each store's index beyond its least size (`index_budgets`): past it, rows go to its base run
+    index_bytes: int = 0  # each table's index beyond its allowance (`index_budgets`): past it, rows go to its base run
 
 
 class LayoutDemand(NamedTuple):
@@ -108,10 +108,10 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     """The budget rule of a table batch: one budget bounds the cache, the staging area, the
     write-back buffer and the stores' in-memory logs together.
 
-    The stores' indexes take their share first: an eighth of the budget, of which each index's
-    least size (256 KiB: a fixed cost of each table, as its store's other constants) is beside the
-    budget, so only what the indexes get beyond it is charged, and a small budget's cache loses
-    nothing to indexes that could not be smaller. Past its size a store moves the log's rows into
+    The stores' indexes take their share first: an eighth of the budget, of which each table's
+    index allowance (256 KiB: a fixed cost of each table, as its store's other constants) is beside
+    the budget, so only what the indexes get beyond it is charged, and a small budget's cache loses
+    nothing to them; the tables pool what they get (`index_budgets`). Past its size a store moves the log's rows into
     its base run, so its memory stays bounded whatever the rows it holds.
 
     The staging area holds what a look-ahead reads for the batches ahead (and rows the policy kept
@@ -137,7 +137,7 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
                                         lambda r: buffer_host_bytes(0, r, row_bytes))
     # Not capped by the rows: the planner and the kernel count a table's rows differently (a
     # virtual table's), and both must come to the same split.
-    index_bytes = max(0, memory_budget_bytes // (_INDEX_SHARE * num_tables) - LEAST_INDEX_BUDGET)
+    index_bytes = max(0, memory_budget_bytes // (_INDEX_SHARE * num_tables) - INDEX_ALLOWANCE)
     buffers = buffer_host_bytes(staging_rows, write_back_rows, row_bytes) + num_tables * index_bytes
     store_floor = max(_STORE_MIN_BYTES, store_min_bytes)
     log_floor = max(store_floor, memory_budget_bytes // (8 * num_tables))
@@ -166,18 +166,27 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
 
 
 def index_budgets(index_bytes: int, table_rows: Sequence[int]) -> List[int]:
-    """Each table's store index budget (`KVStore(index_budget_bytes=)`): what an index holds at its
-    least size (a fixed cost: a smaller budget would only merge more often, saving nothing), and the
-    tables' share beyond it (`index_bytes` each, `split_host_memory`'s) in proportion to their rows,
-    so a large table merges no more often than a small one would."""
-    total_rows = max(1, sum(table_rows))
-    share = index_bytes * len(table_rows)
-    return [LEAST_INDEX_BUDGET + share * rows // total_rows for rows in table_rows]
+    """Each table's store index budget (`KVStore(index_budget_bytes=)`). The tables' indexes share
+    one pool: each table's allowance beside the budget (`INDEX_ALLOWANCE`, a fixed cost of a table)
+    and its share beyond it (`index_bytes` each, `split_host_memory`'s). No table gets more than an
+    index of all its rows takes (its store's `key_limit` bounds its keys), and the pool is split
+    evenly among the rest: a small table never merges and leaves what it does not need to the
+    large ones."""
+    budgets = [0] * len(table_rows)
+    left = len(table_rows) * (INDEX_ALLOWANCE + index_bytes)
+    by_need = sorted(range(len(table_rows)), key=lambda i: table_rows[i])
+    for done, i in enumerate(by_need):  # the smallest first: each takes its need, at most an even share
+        budgets[i] = max(INDEX_BYTES_PER_KEY, min(max(1, table_rows[i]) * INDEX_BYTES_PER_KEY,
+                                                  left // (len(table_rows) - done)))
+        left -= budgets[i]
+    return budgets
 
 
-# The keys a store's index holds at its least size (4096 buckets of 64 bytes, 256 KiB) at the 16
-# bytes a key KVStore charges.
-LEAST_INDEX_BUDGET = 16384 * 16
+# Index bytes a key is charged (KVStore's: a 64-byte bucket's four keys).
+INDEX_BYTES_PER_KEY = 16
+# Each table's index allowance beside the budget: what an index of 63-bit keys holds at its least
+# size (4096 buckets of 64 bytes); the tables pool their allowances (`index_budgets`).
+INDEX_ALLOWANCE = 16384 * INDEX_BYTES_PER_KEY
 _INDEX_SHARE = 8              # the stores' indexes: an eighth of the budget,
 _STAGING_SHARE = 8            # the staging area: an eighth of the budget,
 _WRITE_BACK_SHARE = 32        # the write-back buffer: a thirty-second,

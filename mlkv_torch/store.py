@@ -193,8 +193,8 @@ class KVStore(_RowStore):
         dtype: torch.float32, torch.float16 or torch.bfloat16.
         memory_budget_bytes: bytes of log pages held in memory (the index is extra).
         expected_rows: pre-sizes the hash index (16 bytes a row); by default it starts at its least
-            (256 KiB) and grows with the rows.
-        index_budget_bytes: bytes the hash index may take (at 32 a key). Past them, the rows of the
+            (256 KiB, or with key_limit what its keys can fill) and grows with the rows.
+        index_budget_bytes: bytes the hash index may take (at 16 a key). Past them, the rows of the
             log's written pages move into the base run, a file of rows sorted by key that a get
             reads with one 4 KiB read and no memory per row, so the store's memory stays bounded
             however many rows it holds. 0 (the default): no bound; the index keeps every key.
@@ -223,6 +223,10 @@ class KVStore(_RowStore):
             returned): the latest or, with cut_checkpoints, the committed one
             kept beside it; ValueError names the ones the store has. Default:
             the latest.
+        key_limit: keys are below this (an embedding table's rows); 0 (the default): any
+            non-negative int64. The index then hashes only the bits such keys have, so a table of
+            few rows takes as little index memory as its keys fill; a key at or past the limit is
+            refused (ValueError). Reopen a store with the key_limit it was written with.
 
     Example::
 
@@ -251,13 +255,14 @@ class KVStore(_RowStore):
         cut_checkpoints: bool = False,
         checkpoint: Optional[int] = None,
         index_budget_bytes: int = 0,
+        key_limit: int = 0,
     ) -> None:
         self._open(path, dim, dtype, memory_budget_bytes)
         if checkpoint is not None and (not is_int(checkpoint) or checkpoint <= 0):
             raise ValueError(f"checkpoint must be a positive int (a number checkpoint() returned), got {checkpoint!r}")
         for name, value in (("expected_rows", expected_rows), ("segment_bytes", segment_bytes),
                             ("page_bytes", page_bytes), ("index_budget_bytes", index_budget_bytes),
-                            ("io_depth", io_depth), ("io_threads", io_threads)):
+                            ("key_limit", key_limit), ("io_depth", io_depth), ("io_threads", io_threads)):
             if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if io_engine not in _IO_ENGINES:
@@ -265,7 +270,7 @@ class KVStore(_RowStore):
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
                                bool(direct_io), float(compaction_ratio), bool(promote_hot_reads),
-                               bool(cut_checkpoints), int(checkpoint or 0), index_budget_bytes)
+                               bool(cut_checkpoints), int(checkpoint or 0), index_budget_bytes, key_limit)
         self._closed = False
 
     def get(self, keys: KeysLike, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -273,7 +273,7 @@ class DiskTableBatch:
                                                expected_rows=t.expected_rows or 0,
                                                mutable_fraction=_STORE_MUTABLE_FRACTION, cut_checkpoints=True,
                                                checkpoint=checkpoint,
-                                               index_budget_bytes=index_budget[i]))
+                                               index_budget_bytes=index_budget[i], key_limit=t.num_embeddings))
                 except ValueError as e:
                     if checkpoint is None:
                         raise

@@ -10,7 +10,7 @@ import importlib.util
 import inspect
 import os
 import sys
-from typing import Dict, Iterable
+from typing import Dict, Iterable, List
 
 import pytest
 import torch
@@ -55,6 +55,27 @@ def rows_for(keys: torch.Tensor, tag: int, dim: int = DIM, dtype: torch.dtype = 
     keys = torch.as_tensor(keys, dtype=torch.int64)
     base = keys.to(torch.float64).unsqueeze(1) * 64 + torch.arange(dim, dtype=torch.float64) + tag * 1e6
     return base.to(dtype)
+
+
+def _crc32c_table() -> List[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), as the store's files are checked: to write files of older formats."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
 
 
 def assert_store_equals(store: KVStore, model: Dict[int, torch.Tensor]) -> None:

@@ -11,24 +11,14 @@
 namespace mlkv {
 namespace {
 
-constexpr uint64_t kMask63 = (1ull << 63) - 1;
 constexpr uint64_t kAddrMask = (1ull << 44) - 1;
 constexpr int kFpLoBits = 20;
 constexpr uint64_t kFpLoMask = (1ull << kFpLoBits) - 1;
 constexpr uint32_t kAlternateBit = 1u << 31;
-constexpr uint64_t kMinBuckets = 4096;   // fingerprints then fit in 51 bits
+constexpr int kFingerprintBits = 51;     // 20 in lo, 31 in hi
 constexpr uint64_t kKeysPerBucket = 4;   // growth threshold (plus a half), on average; sizing aims at 4.25
 constexpr uint64_t kMul1 = 0xff51afd7ed558ccdull;
 constexpr uint64_t kMul2 = 0xc4ceb9fe1a85ec53ull;
-
-// Each step is a bijection of [0, 2^63): odd multiply mod 2^63 and xor-shift.
-uint64_t Mix(uint64_t x) {
-  x = (x * kMul1) & kMask63;
-  x ^= x >> 31;
-  x = (x * kMul2) & kMask63;
-  x ^= x >> 29;
-  return x;
-}
 
 // The inverse of an odd number mod 2^64 (so mod 2^63 too), by Newton's iteration.
 constexpr uint64_t InverseOf(uint64_t odd) {
@@ -37,22 +27,42 @@ constexpr uint64_t InverseOf(uint64_t odd) {
   return inv;
 }
 
-uint64_t UndoXorShift(uint64_t y, int shift) {
+uint64_t UndoXorShift(uint64_t y, int shift, int bits) {
+  if (shift == 0) return y;
   uint64_t x = y;
-  for (int done = shift; done < 63; done += shift) x = y ^ (x >> shift);
+  for (int done = shift; done < bits; done += shift) x = y ^ (x >> shift);
   return x;
-}
-
-uint64_t Unmix(uint64_t x) {
-  x = UndoXorShift(x, 29);
-  x = (x * InverseOf(kMul2)) & kMask63;
-  x = UndoXorShift(x, 31);
-  return (x * InverseOf(kMul1)) & kMask63;
 }
 
 bool Occupied(uint64_t lo) { return (lo & kAddrMask) != 0; }
 
 }  // namespace
+
+// At 63 bits the shifts are 31 and 29: the mix of indexes written before keys had a limit.
+HashIndex::Mixer::Mixer(int key_bits)
+    : bits(key_bits), mask(~0ull >> (64 - key_bits)), shift1(key_bits / 2), shift2(key_bits * 29 / 63) {}
+
+uint64_t HashIndex::Mixer::Mix(uint64_t x) const {
+  x = (x * kMul1) & mask;
+  if (shift1) x ^= x >> shift1;
+  x = (x * kMul2) & mask;
+  if (shift2) x ^= x >> shift2;
+  return x;
+}
+
+uint64_t HashIndex::Mixer::Unmix(uint64_t x) const {
+  x = UndoXorShift(x, shift2, bits);
+  x = (x * InverseOf(kMul2)) & mask;
+  x = UndoXorShift(x, shift1, bits);
+  return (x * InverseOf(kMul1)) & mask;
+}
+
+int HashIndex::KeyBitsBelow(uint64_t key_limit) {
+  if (key_limit == 0 || key_limit > (1ull << kMaxKeyBits)) return kMaxKeyBits;
+  int bits = 1;
+  while (bits < kMaxKeyBits && (1ull << bits) < key_limit) ++bits;
+  return bits;
+}
 
 HashIndex::BucketArray::BucketArray(uint64_t n) : size_(n) {
   constexpr uint64_t kHuge = 2ull << 20;
@@ -73,7 +83,10 @@ void HashIndex::BucketArray::swap(BucketArray& other) {
   std::swap(bytes_, other.bytes_);
 }
 
-HashIndex::HashIndex(uint64_t expected_keys) : buckets_(std::max(kMinBuckets, expected_keys * 4 / 17 + 1)) {
+HashIndex::HashIndex(uint64_t expected_keys, int key_bits)
+    : mix_(key_bits),
+      min_buckets_(key_bits > kFingerprintBits ? 1ull << (key_bits - kFingerprintBits) : 1),
+      buckets_(std::max(min_buckets_, std::min(expected_keys, mix_.mask) * 4 / 17 + 1)) {
   overflow_.resize(1);
 }
 
@@ -104,7 +117,7 @@ HashIndex::Where HashIndex::LocateHash(uint64_t h) const {
   return w;
 }
 
-HashIndex::Where HashIndex::Locate(int64_t key) const { return LocateHash(Mix(static_cast<uint64_t>(key))); }
+HashIndex::Where HashIndex::Locate(int64_t key) const { return LocateHash(mix_.Mix(static_cast<uint64_t>(key))); }
 
 void HashIndex::Prefetch(const Where& w) const {
   __builtin_prefetch(&buckets_[w.home]);
@@ -263,7 +276,7 @@ std::vector<HashIndex::Region> HashIndex::Regions() const {
 bool HashIndex::Reset(const ImageCounts& counts, std::vector<Region>* regions) {
   // A bucket count is a power of two times nothing in particular: any count >= the minimum is
   // valid; the overflow list holds its unused bucket 0, and every free link points into it.
-  if (counts.buckets < kMinBuckets || counts.buckets > kMaxBuckets || counts.overflow < 1 ||
+  if (counts.buckets < min_buckets_ || counts.buckets > kMaxBuckets || counts.overflow < 1 ||
       counts.overflow > kMaxOverflowBuckets || counts.free >= counts.overflow ||
       counts.size > (counts.buckets + counts.overflow) * kSlotsPerBucket) {
     return false;
@@ -288,11 +301,11 @@ uint64_t HashIndex::HashOf(const Bucket& b, int slot, uint64_t index, uint64_t n
 }
 
 int64_t HashIndex::KeyOf(const Bucket& b, int slot, uint64_t index, uint64_t n) const {
-  return static_cast<int64_t>(Unmix(HashOf(b, slot, index, n)));
+  return static_cast<int64_t>(mix_.Unmix(HashOf(b, slot, index, n)));
 }
 
 void HashIndex::ShrinkToFit() {
-  const uint64_t needed = std::max(kMinBuckets, size_ * 4 / 17 + 1);
+  const uint64_t needed = std::max(min_buckets_, size_ * 4 / 17 + 1);
   if (needed * 2 <= buckets_.size() || free_overflow_.size() > 64) Resize(needed);
   overflow_.shrink_to_fit();
   free_overflow_.shrink_to_fit();

@@ -1,8 +1,9 @@
 // HashIndex: key -> log address, in 64-byte buckets of five 12-byte entries
 // plus an overflow link (FASTER's bucket layout, adapted).
 //
-// Keys are non-negative int64 and go through a bijective 63-bit mix h. With
-// n buckets, a key's home bucket is h % n and its fingerprint h / n, so
+// Keys are non-negative int64 below 2^key_bits and go through a bijective
+// mix h of key_bits bits. With n buckets, a key's home bucket is h % n and its
+// fingerprint h / n (at most 51 bits: n is at least 2^(key_bits - 51)), so
 // (bucket, fingerprint) identifies the key exactly: lookups, upserts and
 // deletes never read a record to compare keys, and growing rebuilds h from the
 // entry alone. Each key may also live in one alternate bucket (two-choice
@@ -27,8 +28,13 @@ class HashIndex {
   static constexpr uint64_t kMaxBuckets = 1ull << 40, kMaxOverflowBuckets = 1ull << 32;
   static constexpr uint64_t kMaxExpectedKeys = kMaxBuckets / 4 * 17 - 17;
 
-  // Sized so that `expected_keys` fit at four keys per bucket.
-  explicit HashIndex(uint64_t expected_keys);
+  static constexpr int kMaxKeyBits = 63;
+  // The fewest key bits that hold every key below `key_limit` (0: any non-negative int64).
+  static int KeyBitsBelow(uint64_t key_limit);
+
+  // Sized so that `expected_keys` fit at four keys per bucket. Keys must be below 2^key_bits: a
+  // table of few rows then needs as few buckets as its keys fill.
+  explicit HashIndex(uint64_t expected_keys, int key_bits = kMaxKeyBits);
 
   struct Where {  // the two buckets of a key and its packed fingerprint
     uint64_t hash, buckets;  // to redo the rest if the index has grown since
@@ -71,6 +77,7 @@ class HashIndex {
   void set_bucket_limit(uint64_t buckets) { bucket_limit_ = buckets; }
   uint64_t size() const { return size_; }
   uint64_t bucket_count() const { return buckets_.size(); }
+  int key_bits() const { return mix_.bits; }
   ~HashIndex();
   HashIndex(const HashIndex&) = delete;
   HashIndex& operator=(const HashIndex&) = delete;
@@ -130,6 +137,16 @@ class HashIndex {
   };
   static_assert(sizeof(Bucket) == kBucketBytes, "a bucket is one cache line");
 
+  // A bijection of [0, 2^bits): odd multiplies and xor-shifts (a shift of 0 is left out).
+  struct Mixer {
+    int bits;
+    uint64_t mask;
+    int shift1, shift2;
+    explicit Mixer(int key_bits);
+    uint64_t Mix(uint64_t x) const;
+    uint64_t Unmix(uint64_t x) const;
+  };
+
   Where LocateHash(uint64_t h) const;
   // The key of entry `slot` of bucket `b`, found in the chain of bucket `index` of `n`.
   int64_t KeyOf(const Bucket& b, int slot, uint64_t index, uint64_t n) const;
@@ -162,6 +179,8 @@ class HashIndex {
     uint64_t size_ = 0, bytes_ = 0;
   };
 
+  Mixer mix_;
+  uint64_t min_buckets_;  // fingerprints (h / buckets) then fit in their 51 bits
   uint64_t size_ = 0;
   uint64_t bucket_limit_ = 0;
   BucketArray buckets_;

@@ -34,9 +34,11 @@ KVStore::KVStore(const std::string& path, const StoreOptions& options)
       options_(options),
       segments_(path),
       flusher_(&segments_),
-      index_(options.expected_keys),
+      index_(options.expected_keys, HashIndex::KeyBitsBelow(options.key_limit)),
       doorkeeper_(kDoorkeeperWords) {
-  if (options.index_budget_bytes) index_.set_bucket_limit(options.index_budget_bytes / HashIndex::kBucketBytes);
+  if (options.index_budget_bytes) {
+    index_.set_bucket_limit(std::max<uint64_t>(1, options.index_budget_bytes / HashIndex::kBucketBytes));
+  }
 }
 
 Status KVStore::Open(const std::string& path, const StoreOptions& options, std::unique_ptr<KVStore>* out) {
@@ -48,6 +50,9 @@ Status KVStore::Open(const std::string& path, const StoreOptions& options, std::
   if (options.expected_keys > HashIndex::kMaxExpectedKeys) {  // its index could not be sized
     return Status::InvalidArgument("expected_rows must be at most " + std::to_string(HashIndex::kMaxExpectedKeys) +
                                    ", got " + std::to_string(options.expected_keys));
+  }
+  if (options.key_limit > (1ull << HashIndex::kMaxKeyBits)) {
+    return Status::InvalidArgument("key_limit must be at most 2^63, got " + std::to_string(options.key_limit));
   }
   if (!(options.mutable_fraction > 0.0 && options.mutable_fraction < 1.0)) {
     return Status::InvalidArgument("mutable_fraction must be in (0, 1)");
@@ -113,13 +118,18 @@ Status KVStore::CreateFresh() {
 }
 
 Status KVStore::CheckKeys(const int64_t* keys, size_t n) const {
+  const uint64_t limit = options_.key_limit ? options_.key_limit : 1ull << HashIndex::kMaxKeyBits;
   for (size_t i = 0; i < n; ++i) {
-    if (keys[i] < 0) {
-      return Status::InvalidArgument("keys must be non-negative; keys[" + std::to_string(i) +
-                                     "] = " + std::to_string(keys[i]));
+    if (keys[i] < 0 || static_cast<uint64_t>(keys[i]) >= limit) {
+      return Status::InvalidArgument(KeyRangeText() + "; keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]));
     }
   }
   return Status::OK();
+}
+
+std::string KVStore::KeyRangeText() const {
+  return options_.key_limit ? "keys must be in [0, " + std::to_string(options_.key_limit) + ") (the store's key_limit)"
+                            : "keys must be non-negative";
 }
 
 Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {

@@ -93,6 +93,9 @@ struct StoreOptions {
   // base run (a compaction does the same), so memory stays bounded whatever the rows. 0: no
   // bound; the index keeps every key (as FASTER's), and a store without a base run makes none.
   uint64_t index_budget_bytes = 0;
+  // Keys are below this (an embedding table's rows; 0: any non-negative int64). The index then
+  // hashes only the bits such keys have, so a table of few rows takes as little index as its keys.
+  uint64_t key_limit = 0;
 };
 
 struct StoreStats {
@@ -220,6 +223,7 @@ class KVStore : public RowStore {
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
   Status CreateFresh() EXCLUDES(checkpoint_mu_, mu_);
   Status CheckKeys(const int64_t* keys, size_t n) const;
+  std::string KeyRangeText() const;  // the keys the store takes, for its errors
   // found[i]: the store holds keys[i] (log_too false: the base run holds it and the log has no
   // record of it); the base run read without the lock; *generation the base run's it answered for.
   Status ContainsOnce(const int64_t* keys, size_t n, bool* found, bool log_too, uint64_t* generation) EXCLUDES(mu_);

@@ -52,6 +52,7 @@ Status KVStore::WriteIndexImage(uint64_t sequence, uint64_t flushed, int* fd_out
   header.overflow = counts.overflow;
   header.free = counts.free;
   header.flushed = flushed;
+  header.key_bits = static_cast<uint64_t>(index_.key_bits());
   uint32_t crc = Crc32c(0, &header.sequence, kIndexImageCheckedWords * sizeof(uint64_t));
   for (const auto& r : regions) crc = Crc32c(crc, r.data, r.bytes);
   header.crc = crc;

@@ -18,6 +18,23 @@
 
 namespace mlkv {
 
+namespace {
+
+// An image's header, version 1's (64 bytes, its keys of 63 bits) read into version 2's; *bytes: its size.
+Status ReadIndexImageHeader(int fd, const std::string& file, IndexImageHeader* header, uint64_t* bytes) {
+  std::memset(header, 0, sizeof(*header));
+  *bytes = kIndexImageV1Bytes;
+  MLKV_RETURN_IF_ERROR(ReadExactly(fd, header, kIndexImageV1Bytes, 0, file));
+  if (header->format_version == 1) {
+    header->key_bits = HashIndex::kMaxKeyBits;
+    return Status::OK();
+  }
+  *bytes = sizeof(*header);
+  return ReadExactly(fd, header, sizeof(*header), 0, file);
+}
+
+}  // namespace
+
 // Any failure leaves the index empty, for the caller to rebuild from the log.
 Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
   const uint64_t sequence = IndexImageOf(meta);
@@ -26,29 +43,36 @@ Status KVStore::LoadIndexImage(const CheckpointMeta& meta, uint64_t* flushed) {
   if (fd < 0) return Status::NotFound(file);
   const HashIndex::ImageCounts empty{0, index_.Counts().buckets, 1, 0};
   IndexImageHeader header;
-  Status st = ReadExactly(fd, &header, sizeof(header), 0, file);
+  uint64_t header_bytes = 0;
+  Status st = ReadIndexImageHeader(fd, file, &header, &header_bytes);
+  const bool v1 = header_bytes == kIndexImageV1Bytes;
   std::vector<HashIndex::Region> regions;
   // The counts size the index before the checksum can be checked: the file must hold exactly the
   // regions they name, so a damaged count is refused here, not allocated.
   const bool sized = st.ok() && header.buckets <= HashIndex::kMaxBuckets &&
                      header.overflow <= HashIndex::kMaxOverflowBuckets &&
                      header.free <= HashIndex::kMaxOverflowBuckets &&
-                     FileSize(fd) == sizeof(header) + (header.buckets + header.overflow) * HashIndex::kBucketBytes +
+                     FileSize(fd) == header_bytes + (header.buckets + header.overflow) * HashIndex::kBucketBytes +
                                          header.free * sizeof(uint32_t);
+  // An index of another key width (the store opened with another key_limit) places keys elsewhere.
+  const bool same_keys = header.key_bits == static_cast<uint64_t>(index_.key_bits());
   bool reset = false;
-  if (st.ok() && sized) {
+  if (st.ok() && sized && same_keys) {
     try {
       reset = index_.Reset({header.size, header.buckets, header.overflow, header.free}, &regions);
     } catch (const std::bad_alloc&) {
       reset = false;  // the log scan rebuilds it
     }
   }
-  if (st.ok() && (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || header.format_version != kIndexImageVersion ||
-                  header.sequence != sequence || (meta.image_age == 0 && header.size != meta.rows) || !reset)) {
-    st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence));
+  if (st.ok() &&
+      (std::memcmp(header.magic, kIndexImageMagic, 8) != 0 || (!v1 && header.format_version != kIndexImageVersion) ||
+       header.sequence != sequence || (meta.image_age == 0 && header.size != meta.rows) || !reset)) {
+    st = Status::Corruption(file + " is not the index of checkpoint " + std::to_string(sequence) +
+                            (same_keys ? "" : " for keys below 2^" + std::to_string(index_.key_bits())));
   }
-  uint32_t crc = st.ok() ? Crc32c(0, &header.sequence, kIndexImageCheckedWords * sizeof(uint64_t)) : 0;
-  uint64_t offset = sizeof(header);
+  const size_t checked_words = v1 ? kIndexImageCheckedWords - 1 : kIndexImageCheckedWords;
+  uint32_t crc = st.ok() ? Crc32c(0, &header.sequence, checked_words * sizeof(uint64_t)) : 0;
+  uint64_t offset = header_bytes;
   for (const auto& r : regions) {
     if (!st.ok()) break;
     st = ReadExactly(fd, r.data, r.bytes, offset, file);
@@ -129,6 +153,10 @@ Status KVStore::ScanSlots(const uint8_t* page, uint64_t first_slot, uint64_t end
     MLKV_RETURN_IF_ERROR(VerifyRecord(rec, file_name, file_base_offset + OffsetInPage(slot)));
     RecordHeader h;
     std::memcpy(&h, rec, sizeof(h));
+    if (options_.key_limit && static_cast<uint64_t>(h.key) >= options_.key_limit) {  // its index cannot hold it
+      return Status::InvalidArgument(path_ + " holds key " + std::to_string(h.key) + ", but " + KeyRangeText() +
+                                     ": open it with the key_limit it was written with");
+    }
     if (h.flags & kFlagTombstone) {
       // A deletion of a base row stays in the index until a merge drops the row.
       if (BaseMayHold(h.key)) {

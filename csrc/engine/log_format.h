@@ -63,27 +63,30 @@ inline uint64_t CheckpointSequenceOf(const std::string& record) {
   return meta.sequence;
 }
 
-// The index-<seq>.dat file's header; the index's regions follow, from byte 64.
+// The index-<seq>.dat file's header; the index's regions follow it.
 struct IndexImageHeader {
   char magic[8];
   uint32_t format_version;
-  uint32_t crc;       // CRC-32C of the words from `sequence` to `flushed`, then of every region's bytes
+  uint32_t crc;       // CRC-32C of the words from `sequence` to `key_bits`, then of every region's bytes
   uint64_t sequence;  // the checkpoint it belongs to
   uint64_t size, buckets, overflow, free;  // HashIndex::ImageCounts
   // Log slots below were on disk when the image was taken, never to change; the records from here
   // on (in the mutable region then, or written since) are replayed over the image. 0 in images
   // written before images aged, which only their own checkpoint loads.
   uint64_t flushed;
+  uint64_t key_bits;  // the index's hash width (HashIndex::key_bits): an index of other keys cannot load it
 };
-static_assert(sizeof(IndexImageHeader) == 64, "index image header is 64 bytes");
-// The header's words its checksum covers: sequence, the counts and flushed (a later checkpoint's
-// replay starts at flushed). An image whose checksum does not match is not trusted: the log is
-// scanned instead.
-constexpr size_t kIndexImageCheckedWords = 6;
-static_assert(offsetof(IndexImageHeader, flushed) - offsetof(IndexImageHeader, sequence) ==
+static_assert(sizeof(IndexImageHeader) == 72, "index image header is 72 bytes");
+// The header's words its checksum covers: sequence, the counts, flushed (a later checkpoint's
+// replay starts at flushed) and key_bits. An image whose checksum does not match is not trusted:
+// the log is scanned instead.
+constexpr size_t kIndexImageCheckedWords = 7;
+static_assert(offsetof(IndexImageHeader, key_bits) - offsetof(IndexImageHeader, sequence) ==
                   (kIndexImageCheckedWords - 1) * sizeof(uint64_t),
               "the checked words lie side by side");
 constexpr char kIndexImageMagic[8] = {'M', 'L', 'K', 'V', 'I', 'N', 'D', 'X'};
-constexpr uint32_t kIndexImageVersion = 1;
+constexpr uint32_t kIndexImageVersion = 2;
+// Version 1's header: the same fields but key_bits (its keys had 63), 64 bytes, one word less checked.
+constexpr size_t kIndexImageV1Bytes = 64;
 
 }  // namespace mlkv

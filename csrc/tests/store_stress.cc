@@ -45,11 +45,13 @@ std::unique_ptr<KVStore> MustOpen(const std::string& path, const mlkv::StoreOpti
   return store;
 }
 
-// index_budget_bytes: with one, the log's keys move into base runs as the test goes.
-void ModelTest(const std::string& path, uint32_t seed, uint64_t index_budget_bytes = 0) {
+// index_budget_bytes: with one, the log's keys move into base runs as the test goes. key_limit: the
+// index hashes 12-bit keys (the test's keys lie below 3000).
+void ModelTest(const std::string& path, uint32_t seed, uint64_t index_budget_bytes = 0, uint64_t key_limit = 0) {
   std::mt19937_64 rng(seed);
   auto o = SmallOptions();
   o.index_budget_bytes = index_budget_bytes;
+  o.key_limit = key_limit;
   auto store = MustOpen(path, o);
   std::unordered_map<int64_t, std::vector<float>> model;
   int64_t version = 0;
@@ -199,9 +201,10 @@ int main(int argc, char** argv) {
   std::system(("rm -rf " + dir).c_str());
   for (uint32_t seed = 1; seed <= 3; ++seed) ModelTest(dir + "/model-" + std::to_string(seed), seed);
   ModelTest(dir + "/model-base", 4, 16 << 10);
+  ModelTest(dir + "/model-key-limit", 4, 16 << 10, 3000);
   ConcurrencyTest(dir + "/concurrency", 0.9);
   ConcurrencyTest(dir + "/concurrency-batched-flush", 0.5);
   ConcurrencyTest(dir + "/concurrency-base", 0.9, 16 << 10);
-  std::printf("%d passed, %d failed\n", mlkv_test::Failures() == 0 ? 7 : 0, mlkv_test::Failures());
+  std::printf("%d passed, %d failed\n", mlkv_test::Failures() == 0 ? 8 : 0, mlkv_test::Failures());
   return mlkv_test::Failures() == 0 ? 0 : 1;
 }

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from mlkv_torch.memory_budget import (LEAST_INDEX_BUDGET, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,
-                                      host_memory_for_all_rows,
-                                      index_budgets, least_host_memory, shard_memory_budget, split_budget,
-                                      split_host_memory)
+from mlkv_torch.data import CRITEO_KAGGLE_CARDINALITIES
+from mlkv_torch.memory_budget import (INDEX_ALLOWANCE, INDEX_BYTES_PER_KEY, MemoryBudgetError, buffer_host_bytes,
+                                      cache_host_bytes, host_memory_for_all_rows, index_budgets, least_host_memory,
+                                      shard_memory_budget, split_budget, split_host_memory)
 
 ROW = 64  # bytes of a row: 8 float32 weights and 8 of optimizer state
 
@@ -86,21 +86,32 @@ def test_shard_memory_budget_is_its_fraction_of_the_stored_bytes_at_least_what_o
         assert caches == sorted(caches) and caches[0] < caches[-1]
 
 
-def test_index_budgets_are_the_least_index_and_the_share_beyond_it_by_rows():
-    each = 4 * LEAST_INDEX_BUDGET  # the tables' share beyond their least indexes, per table
-    rows = [1_000_000, 500_000, 100, 0]
-    share = each * len(rows)
-    assert index_budgets(each, rows) == [LEAST_INDEX_BUDGET + share * r // sum(rows) for r in rows]
-    assert index_budgets(each, rows)[3] == LEAST_INDEX_BUDGET  # a table without rows: the least index, a fixed cost
-    assert index_budgets(0, [10, 10]) == [LEAST_INDEX_BUDGET] * 2
+def test_index_budgets_pool_the_allowances_small_tables_leave_to_large_ones():
+    """Criteo Kaggle's 26 tables, tenfold smaller: the 21 of at most 28,618 rows get what an index
+    of all their rows takes (16 bytes a row), the five larger split the rest evenly (with a share
+    beyond the allowances, a 220,260-row table's whole index too), and the pool is every table's
+    allowance and its share beyond it."""
+    rows = [max(2, n // 10) for n in CRITEO_KAGGLE_CARDINALITIES]
+    for each in (0, 4 * INDEX_ALLOWANCE):
+        budgets = index_budgets(each, rows)
+        pool = len(rows) * (INDEX_ALLOWANCE + each)
+        assert pool - len(rows) <= sum(budgets) <= pool
+        whole = [b == r * INDEX_BYTES_PER_KEY for r, b in zip(rows, budgets)]
+        assert sum(whole) == 21 + (each > 0)
+        assert len({b for b, w in zip(budgets, whole) if not w}) == 1  # the rest split evenly
+        assert all(INDEX_ALLOWANCE < b < r * INDEX_BYTES_PER_KEY for r, b, w in zip(rows, budgets, whole) if not w)
+    # Room for every table's whole index: each gets just that, the rest of the pool unused.
+    assert index_budgets(0, [10, 100, 0]) == [160, 1600, INDEX_BYTES_PER_KEY]
+    # Tables of equal rows share the pool evenly.
+    assert index_budgets(0, [10 ** 6] * 3) == [INDEX_ALLOWANCE] * 3
 
 
 @pytest.mark.parametrize("budget", [12 << 20, 1 << 30])
-def test_the_budget_holds_its_parts_charging_indexes_only_beyond_their_least_size(budget):
+def test_the_budget_holds_its_parts_charging_indexes_only_beyond_their_allowance(budget):
     tables, rows = 26, 3_000_000
     split = split_host_memory(budget, tables, rows, ROW, True)
-    # An eighth of the budget for the indexes, the least of each (a fixed cost) beside it.
-    assert split.index_bytes == max(0, budget // (8 * tables) - LEAST_INDEX_BUDGET)
+    # An eighth of the budget for the indexes, each table's allowance (a fixed cost) beside it.
+    assert split.index_bytes == max(0, budget // (8 * tables) - INDEX_ALLOWANCE)
     assert (split.index_bytes == 0) == (budget == 12 << 20)
     parts = (cache_host_bytes(split.cache_rows, ROW) + buffer_host_bytes(split.staging_rows, split.write_back_rows, ROW)
              + tables * (split.index_bytes + split.log_bytes))

@@ -16,7 +16,7 @@ import torch
 
 from mlkv_torch import CorruptionError, KVStore
 
-from conftest import DIM, SMALL_OPTIONS, assert_store_equals, rows_for
+from conftest import DIM, SMALL_OPTIONS, assert_store_equals, crc32c, rows_for
 
 BUDGET = 32 << 10  # bytes of index: 2048 keys at the 16 bytes a key is charged
 BASE = dict(SMALL_OPTIONS, index_budget_bytes=BUDGET)
@@ -289,26 +289,6 @@ def test_a_missing_or_truncated_run_is_refused_by_name(tmp_path):
     os.remove(os.path.join(path, manifest))
     with pytest.raises(CorruptionError, match=r"base manifest .*base-\d+\.runs is missing"):
         KVStore(path, DIM, **BASE)
-
-
-def _crc32c_table() -> list:
-    table = []
-    for byte in range(256):
-        crc = byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
-        table.append(crc)
-    return table
-
-
-_CRC32C_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
 
 
 def test_a_store_written_before_base_runs_opens(tmp_path):

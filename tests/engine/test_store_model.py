@@ -45,10 +45,12 @@ class StoreMachine(RuleBasedStateMachine):
         mutable=st.sampled_from([0.9, 0.3]),
         page_bytes=st.sampled_from([0, 0, 8192]),
         index_budget=st.sampled_from([0, 0, 8 << 10]),  # 8 KiB: the log's keys move to a base run often
+        key_limit=st.sampled_from([0, KEY_SPACE]),  # KEY_SPACE: the index hashes 12-bit keys
     )
-    def open(self, ratio, engine, direct_io, mutable=0.9, page_bytes=0, index_budget=0):
+    def open(self, ratio, engine, direct_io, mutable=0.9, page_bytes=0, index_budget=0, key_limit=0):
         self.options = dict(SMALL_OPTIONS, compaction_ratio=ratio, io_engine=engine, direct_io=direct_io,
-                            mutable_fraction=mutable, page_bytes=page_bytes, index_budget_bytes=index_budget)
+                            mutable_fraction=mutable, page_bytes=page_bytes, index_budget_bytes=index_budget,
+                            key_limit=key_limit)
         self.store = KVStore(self.path, DIM, **self.options)
         self.page_bytes = self.store.stats()["page_bytes"]
 

@@ -232,7 +232,7 @@ def test_torch_manual_seed_makes_initial_rows_reproducible_and_a_reopened_table_
 
 
 def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_traffic(tmp_path):
-    from mlkv_torch.memory_budget import (LEAST_INDEX_BUDGET, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,
+    from mlkv_torch.memory_budget import (INDEX_ALLOWANCE, MemoryBudgetError, buffer_host_bytes, cache_host_bytes,
                                           host_memory_for_all_rows, least_host_memory, split_host_memory)
 
     for tables_in_kernel, rows, width in ((1, 10, 36), (26, 3_376_254, 64), (3, 500_000, 68)):  # the rule, inverted
@@ -267,14 +267,18 @@ def test_tables_of_one_layout_share_one_cache_and_layouts_split_the_budget_by_tr
         write_back = buffer_host_bytes(0, write_back_rows, bag._batch.row_bytes)
         indexes = tables_in_kernel * index_bytes
         assert cache_bytes + staging + write_back + tables_in_kernel * log_bytes + indexes <= bag.memory_budget_bytes
-        # The stores' indexes: an eighth, less their least sizes (a fixed cost beside the budget).
+        # The stores' indexes: an eighth, less their allowances (a fixed cost beside the budget).
         assert indexes == tables_in_kernel * max(0, bag.memory_budget_bytes // (8 * tables_in_kernel)
-                                                 - LEAST_INDEX_BUDGET)
+                                                 - INDEX_ALLOWANCE)
         assert bag.memory_budget_bytes // 16 < staging <= bag.memory_budget_bytes // 8
         assert bag.memory_budget_bytes // 64 < write_back <= bag.memory_budget_bytes // 32
         # the cache takes most of the rest: the logs an eighth, and what one more cache row would not fill
         assert tables_in_kernel * log_bytes <= bag.memory_budget_bytes // 8 + (
             cache_host_bytes(cache_rows + 1, bag._batch.row_bytes) - cache_bytes)
+    # Each store hashes only keys below its table's rows (its key_limit): an empty table's index is
+    # a bucket or two whatever its rows, not the 256 KiB an index of any keys takes at its least.
+    index_bytes = [store.stats()["index_bytes"] for store in small._batch.stores + wide._batch.stores]
+    assert max(index_bytes) <= 1024, index_bytes
     # One frequency-aware cache for both tables: the 100 rows of the small table, each read every
     # batch, all end up cached, while the big table's uniformly spread ids mostly miss.
     g = torch.Generator().manual_seed(0)
