@@ -227,6 +227,12 @@ class KVStore(_RowStore):
             non-negative int64. The index then hashes only the bits such keys have, so a table of
             few rows takes as little index memory as its keys fill; a key at or past the limit is
             refused (ValueError). Reopen a store with the key_limit it was written with.
+        read_only: open the store's checkpoint (the latest, or `checkpoint`) without writing a byte:
+            no file is created, changed or removed (not even to discard a newer checkpoint), puts,
+            deletes, lookaheads, compactions and checkpoints are refused (ValueError), and rows read
+            from disk are not promoted. Any number of read-only opens share a path while no writer
+            holds it (a writer and a reader refuse each other: ValueError). For reading a
+            checkpoint that another job resumes from.
 
     Example::
 
@@ -256,6 +262,7 @@ class KVStore(_RowStore):
         checkpoint: Optional[int] = None,
         index_budget_bytes: int = 0,
         key_limit: int = 0,
+        read_only: bool = False,
     ) -> None:
         self._open(path, dim, dtype, memory_budget_bytes)
         if checkpoint is not None and (not is_int(checkpoint) or checkpoint <= 0):
@@ -270,7 +277,8 @@ class KVStore(_RowStore):
         self._store = _C.Store(self._path, dim, _ELEMENT_TYPES[dtype], memory_budget_bytes, max(expected_rows, 0),
                                segment_bytes, page_bytes, float(mutable_fraction), io_depth, io_engine, io_threads,
                                bool(direct_io), float(compaction_ratio), bool(promote_hot_reads),
-                               bool(cut_checkpoints), int(checkpoint or 0), index_budget_bytes, key_limit)
+                               bool(cut_checkpoints), int(checkpoint or 0), index_budget_bytes, key_limit,
+                               bool(read_only))
         self._closed = False
 
     def get(self, keys: KeysLike, out: Optional[torch.Tensor] = None) -> torch.Tensor:

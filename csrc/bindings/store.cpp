@@ -18,7 +18,7 @@ class Store : public RowStoreHandle {
         int64_t segment_bytes, int64_t page_bytes, double mutable_fraction, int64_t io_depth,
         const std::string& io_engine, int64_t io_threads, bool direct_io, double compaction_ratio,
         bool promote_hot_reads, bool cut_checkpoints, int64_t checkpoint_sequence, int64_t index_budget_bytes,
-        int64_t key_limit) {
+        int64_t key_limit, bool read_only) {
     TORCH_CHECK_VALUE(dim > 0 && memory_budget_bytes > 0 && expected_keys >= 0 && segment_bytes > 0 &&
                           page_bytes >= 0 && io_depth > 0 && io_threads > 0,
                       "store sizes must be positive");
@@ -60,6 +60,7 @@ class Store : public RowStoreHandle {
     TORCH_CHECK_VALUE(key_limit >= 0, "key_limit must be non-negative (0: any non-negative int64 key), got ",
                       key_limit);
     o.key_limit = static_cast<uint64_t>(key_limit);
+    o.read_only = read_only;
     Status st;
     std::unique_ptr<mlkv::KVStore> store;
     {
@@ -221,12 +222,13 @@ void BindStore(py::module_& m) {
   py::class_<RowStoreHandle>(m, "RowStore");  // what EmbeddingCache takes
   py::class_<Store, RowStoreHandle>(m, "Store")
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                    const std::string&, int64_t, bool, double, bool, bool, int64_t, int64_t, int64_t>(),
+                    const std::string&, int64_t, bool, double, bool, bool, int64_t, int64_t, int64_t, bool>(),
            py::arg("path"), py::arg("dim"), py::arg("element_type"), py::arg("memory_budget_bytes"),
            py::arg("expected_keys"), py::arg("segment_bytes"), py::arg("page_bytes"), py::arg("mutable_fraction"),
            py::arg("io_depth"), py::arg("io_engine"), py::arg("io_threads"), py::arg("direct_io"),
            py::arg("compaction_ratio"), py::arg("promote_hot_reads"), py::arg("cut_checkpoints") = false,
-           py::arg("checkpoint_sequence") = 0, py::arg("index_budget_bytes") = 0, py::arg("key_limit") = 0)
+           py::arg("checkpoint_sequence") = 0, py::arg("index_budget_bytes") = 0, py::arg("key_limit") = 0,
+           py::arg("read_only") = false)
       .def("put", &Store::Put)
       .def("get", &Store::Get)
       .def("lookup", &Store::Lookup)

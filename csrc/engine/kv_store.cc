@@ -61,7 +61,9 @@ Status KVStore::Open(const std::string& path, const StoreOptions& options, std::
     return Status::InvalidArgument("compaction_ratio must be 0 (off) or at least 1.2, got " +
                                    std::to_string(options.compaction_ratio));
   }
-  std::unique_ptr<KVStore> store(new KVStore(path, options));
+  StoreOptions opened = options;
+  if (opened.read_only) opened.promote_hot_reads = false;  // a promotion writes the row to the log
+  std::unique_ptr<KVStore> store(new KVStore(path, opened));
   MLKV_RETURN_IF_ERROR(store->Init());
   *out = std::move(store);
   return Status::OK();
@@ -73,26 +75,26 @@ Status KVStore::Init() {
   if (stat(path_.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
     return Status::InvalidArgument("path " + path_ + " exists and is not a directory");
   }
-  MLKV_RETURN_IF_ERROR(MakeDirectories(path_));
-  if (access(path_.c_str(), W_OK) != 0) return Status::InvalidArgument("store directory " + path_ + " is not writable");
-  const std::string lock_path = path_ + "/LOCK";
-  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock_fd_ < 0) return Status::InvalidArgument("cannot create " + lock_path + ": " + ErrnoText(errno));
-  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    close(lock_fd_);
-    lock_fd_ = -1;
-    return Status::Busy("store at " + path_ + " is already open (in this or another process)");
+  const bool read_only = options_.read_only;
+  if (read_only && !FileExists(path_ + "/CHECKPOINT")) {
+    return Status::InvalidArgument("no store at " + path_ + " (no CHECKPOINT file) to open read-only");
   }
-  // O_DIRECT works on most file systems but not on tmpfs; probe once.
+  if (!read_only) {
+    MLKV_RETURN_IF_ERROR(MakeDirectories(path_));
+    if (access(path_.c_str(), W_OK) != 0)
+      return Status::InvalidArgument("store directory " + path_ + " is not writable");
+  }
+  MLKV_RETURN_IF_ERROR(LockPath(read_only));
+  // O_DIRECT works on most file systems but not on tmpfs; probe once (read-only: on a file it has).
   direct_io_ = false;
   if (options_.direct_io) {
-    const std::string probe = path_ + "/.direct_probe";
-    int fd = open(probe.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+    const std::string probe = path_ + (read_only ? "/CHECKPOINT" : "/.direct_probe");
+    int fd = open(probe.c_str(), (read_only ? O_RDONLY : O_RDWR | O_CREAT) | O_DIRECT | O_CLOEXEC, 0644);
     if (fd >= 0) {
       direct_io_ = true;
       close(fd);
     }
-    unlink(probe.c_str());
+    if (!read_only) unlink(probe.c_str());
   }
   // A quarter of the descriptor limit for segment files, the rest for the process.
   size_t max_open_files = 256;
@@ -100,13 +102,33 @@ Status KVStore::Init() {
   if (getrlimit(RLIMIT_NOFILE, &files_limit) == 0 && files_limit.rlim_cur != RLIM_INFINITY) {
     max_open_files = std::min<size_t>(1024, std::max<size_t>(4, files_limit.rlim_cur / 4));
   }
-  segments_.Configure(direct_io_, max_open_files);
+  segments_.Configure(direct_io_, max_open_files, read_only);
   MLKV_RETURN_IF_ERROR(BlockReader::Create(options_.io_engine, options_.io_depth, options_.io_threads,
                                            InMemoryFileSystem(path_), &reader_));
   MLKV_RETURN_IF_ERROR(FileExists(path_ + "/CHECKPOINT") ? Recover() : CreateFresh());
   WriterLock lock(&mu_);
   closed_ = false;
   return Status::OK();
+}
+
+// Writers hold the LOCK file exclusively, read-only opens shared: any number of readers, or one writer.
+Status KVStore::LockPath(bool read_only) {
+  const std::string lock_path = path_ + "/LOCK";
+  lock_fd_ = open(lock_path.c_str(), read_only ? O_RDONLY | O_CLOEXEC : O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0 && read_only && errno == ENOENT) return Status::OK();  // a copied store: no writer has it open
+  if (lock_fd_ < 0) return Status::InvalidArgument("cannot open " + lock_path + ": " + ErrnoText(errno));
+  if (flock(lock_fd_, (read_only ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
+    close(lock_fd_);
+    lock_fd_ = -1;
+    return Status::Busy("store at " + path_ + (read_only ? " is open for writing" : " is already open") +
+                        " (in this or another process)");
+  }
+  return Status::OK();
+}
+
+Status KVStore::RefuseIfReadOnly(const char* what) const {
+  if (!options_.read_only) return Status::OK();
+  return Status::InvalidArgument("store at " + path_ + " is open read-only: " + what + " refused");
 }
 
 Status KVStore::CreateFresh() {
@@ -133,6 +155,7 @@ std::string KVStore::KeyRangeText() const {
 }
 
 Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
+  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("put"));
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   const auto* vals = static_cast<const uint8_t*>(values);
   StallForCompaction();
@@ -170,6 +193,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
 }
 
 Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
+  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("delete"));
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   StallForCompaction();
   std::unique_ptr<bool[]> in_base(new bool[n + 1]);
@@ -241,6 +265,7 @@ Status KVStore::Close() {
     ReaderLock lock(&mu_);
     if (closed_) return Status::OK();
   }
+  if (options_.read_only) return CloseReadOnly();
   Status flushed = Flush();
   StopThreads();
   // A checkpoint begun and not finished is finished first; the closing checkpoint covers it.
@@ -259,6 +284,19 @@ Status KVStore::Close() {
     compaction_stop_ = false;
     return st;
   }
+  ReleasePath();
+  return st.ok() ? flushed : st;
+}
+
+// Nothing to write: the threads stop (none wrote) and the path is released.
+Status KVStore::CloseReadOnly() {
+  StopThreads();
+  WriterLock lock(&mu_);
+  ReleasePath();
+  return Status::OK();
+}
+
+void KVStore::ReleasePath() {
   closed_ = true;
   segments_.ForgetAll();
   if (lock_fd_ >= 0) {
@@ -266,7 +304,6 @@ Status KVStore::Close() {
     close(lock_fd_);
     lock_fd_ = -1;
   }
-  return st.ok() ? flushed : st;
 }
 
 // Stops the store's copies and compactions (after the ones queued or running); the flushes stay

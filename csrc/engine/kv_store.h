@@ -96,6 +96,10 @@ struct StoreOptions {
   // Keys are below this (an embedding table's rows; 0: any non-negative int64). The index then
   // hashes only the bits such keys have, so a table of few rows takes as little index as its keys.
   uint64_t key_limit = 0;
+  // Opens the store's checkpoint (the latest, or checkpoint_sequence) without writing a byte: no
+  // file is created, changed or removed, writes are refused, and any number of read-only opens
+  // share the path while no writer holds it. For reading a checkpoint another job will resume.
+  bool read_only = false;
 };
 
 struct StoreStats {
@@ -220,9 +224,13 @@ class KVStore : public RowStore {
 
   KVStore(const std::string& path, const StoreOptions& options);
   Status Init() EXCLUDES(close_mu_);
+  Status LockPath(bool read_only) REQUIRES(close_mu_);
+  Status CloseReadOnly() REQUIRES(close_mu_) EXCLUDES(mu_, lookahead_mu_, compaction_state_mu_);
+  void ReleasePath() REQUIRES(close_mu_, mu_);  // closed: the segment files and the LOCK let go
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
   Status CreateFresh() EXCLUDES(checkpoint_mu_, mu_);
   Status CheckKeys(const int64_t* keys, size_t n) const;
+  Status RefuseIfReadOnly(const char* what) const;  // InvalidArgument naming the write, when read-only
   std::string KeyRangeText() const;  // the keys the store takes, for its errors
   // found[i]: the store holds keys[i] (log_too false: the base run holds it and the log has no
   // record of it); the base run read without the lock; *generation the base run's it answered for.

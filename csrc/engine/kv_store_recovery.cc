@@ -193,6 +193,7 @@ Status KVStore::ChooseCheckpoint(CheckpointMeta* meta, CheckpointMeta* older, st
     *meta = *older;
   }
   MLKV_RETURN_IF_ERROR(CheckRowLayout(*meta, latest_path));
+  if (options_.read_only) return Status::OK();  // the checkpoint as it is: nothing rewritten or dropped
   if (drop_previous && unlink(previous_path.c_str()) != 0 && errno != ENOENT) {
     return Status::IOError("removing " + previous_path + ": " + ErrnoText(errno));
   }
@@ -324,7 +325,7 @@ Status KVStore::Recover() {
   }
   checkpointed_changes_ = changes_;
   checkpointed_begin_ = begin_;
-  RemoveLeftovers(previous_begin_ / slots_per_segment, meta.sequence, previous_sequence_);
+  if (!options_.read_only) RemoveLeftovers(previous_begin_ / slots_per_segment, meta.sequence, previous_sequence_);
   return Status::OK();
 }
 

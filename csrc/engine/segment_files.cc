@@ -41,7 +41,7 @@ Status SegmentFiles::Open(uint64_t segment, OpenMode mode, std::shared_ptr<File>
   }
   auto file = std::make_shared<File>();
   file->path = PathOf(segment);
-  int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0) | (direct_io_ ? O_DIRECT : 0);
+  int flags = (read_only_ ? O_RDONLY : O_RDWR) | O_CLOEXEC | (create ? O_CREAT : 0) | (direct_io_ ? O_DIRECT : 0);
   file->fd = open(file->path.c_str(), flags, 0644);
   if (file->fd < 0 && (errno == EMFILE || errno == ENFILE) && open_files_.size() > 1) {
     // The process is short of descriptors: keep fewer segment files open.

@@ -32,9 +32,10 @@ class SegmentFiles {
   SegmentFiles& operator=(const SegmentFiles&) = delete;
 
   // Set once at open, before any file is opened.
-  void Configure(bool direct_io, size_t max_open_files) {
+  void Configure(bool direct_io, size_t max_open_files, bool read_only = false) {
     direct_io_ = direct_io;
     max_open_files_ = max_open_files;
+    read_only_ = read_only;
   }
   std::string PathOf(uint64_t segment) const;
   Status Open(uint64_t segment, OpenMode mode, std::shared_ptr<File>* out) EXCLUDES(mu_);
@@ -48,6 +49,7 @@ class SegmentFiles {
 
   const std::string dir_;
   bool direct_io_ = false;
+  bool read_only_ = false;  // files opened for reading only (a read-only store)
   Mutex mu_;
   std::list<uint64_t> open_order_ GUARDED_BY(mu_);  // most recently used first
   std::unordered_map<uint64_t, std::pair<std::shared_ptr<File>, std::list<uint64_t>::iterator>> open_files_
