@@ -10,7 +10,7 @@ import os
 import pickle
 import re
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -52,6 +52,39 @@ class StepBoundaries:
         finally:
             with self._changed:
                 self._released -= 1
+
+
+def check_resumable(output_dir: str, world_size: int, checkpoint_every: Optional[int]) -> None:
+    """ConfigError saying what `output_dir` holds when a run of `world_size` processes cannot resume
+    it: no checkpoint, or one written by another number of processes (a checkpoint resumes on as
+    many as wrote it: each rank's tables hold the rows of its shards under the plan that wrote them)."""
+    one_process = os.path.join(output_dir, ONE_PROCESS_CHECKPOINT)
+    pointer = os.path.join(output_dir, SHARDED_CHECKPOINT_POINTER)
+    found = []  # (processes, what) of each checkpoint found
+    if os.path.exists(one_process):
+        found.append((1, f"a checkpoint written by one process ({ONE_PROCESS_CHECKPOINT})"))
+    if os.path.exists(pointer):
+        try:
+            with open(pointer) as f:
+                latest = json.load(f)
+            ranks, directory = len(latest["cuts"]), latest["directory"]
+        except (OSError, ValueError, KeyError, TypeError):
+            ranks, directory = None, None  # an earlier version's pointer: loading it names the problem
+        found.append((ranks, f"a checkpoint written by {ranks} ranks under torchrun ({SHARDED_CHECKPOINT_POINTER} "
+                             f"names {directory})"))
+    if any(processes in (world_size, None) for processes, _ in found):
+        return
+    if not found:
+        every = ("train.checkpoint_every is not set" if checkpoint_every is None
+                 else f"one every train.checkpoint_every={checkpoint_every} steps")
+        raise ConfigError(f"--resume: output_dir {output_dir!r} holds no checkpoint to continue from ({every}); "
+                          f"start over with --overwrite")
+    processes, what = found[0]
+    this_run = "one process" if world_size == 1 else f"{world_size} ranks"
+    run_with = "without torchrun" if processes == 1 else f"under torchrun with {processes} processes in all"
+    raise ConfigError(f"--resume: output_dir {output_dir!r} holds {what}, and this run has {this_run}: a "
+                      f"checkpoint resumes on as many processes as wrote it (its tables are sharded for them); "
+                      f"resume it {run_with}, or start over with --overwrite")
 
 
 def load_checkpoint(path: str) -> Any:

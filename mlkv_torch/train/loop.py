@@ -70,15 +70,13 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool
 
     if overwrite:
         _start_over(config)
+    if resume:  # before the tables open: a checkpoint of another world keeps its tables elsewhere
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        checkpoints.check_resumable(config.output_dir, world_size, config.train.checkpoint_every)
     experiment = _open_experiment(config, resume)
     populate_s = _populate(experiment, config, resume)
     start_step = 0
     if resume:
-        if not os.path.exists(experiment.checkpoint_path()):
-            every = ("train.checkpoint_every is not set" if config.train.checkpoint_every is None
-                     else f"one every train.checkpoint_every={config.train.checkpoint_every} steps")
-            raise ConfigError(f"--resume: output_dir {config.output_dir!r} holds no checkpoint to continue from "
-                              f"({every}); start over with --overwrite")
         start_step = experiment.load()
     pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
                                  device=experiment.device if experiment.device.type != "cpu" else None)
