@@ -310,6 +310,11 @@ def whole_on_two_ranks(tmp_path_factory) -> Path:
     for noise in ("caching params will be ignored", "Sharding spec not found", "an autograd kernel was not registered"):
         assert noise not in done.stderr, noise
     assert "The topology was constructed directly" not in done.stderr  # made by TorchRec's TopologyFactory
+    # Nothing else: besides torchrun's own banner (OMP_NUM_THREADS), only the runner's tagged lines.
+    banner = ("*" * 8, "Setting OMP_NUM_THREADS")
+    untagged = [line for line in done.stderr.splitlines()
+                if line.strip() and not line.startswith(("[train]", "[data]", *banner))]
+    assert not untagged, untagged
     return out
 
 
