@@ -20,8 +20,9 @@ _DENSE_LOOKUP_AUTOGRAD = r"fbgemm::dense_embedding_codegen_lookup_function: an a
 # the runner's budget rule is built on its 15% (experiment.py, _PLANNER_RESERVED), so it stays
 # until that rule is redone for another reservation.
 _HEURISTIC_RESERVATION = r"HeuristicalStorageReservation is known to cause issues"
-# The same reservation logs it whenever no dense_tensor_estimate is given; the runner plans its
-# materialized model (no dry run), whose dense tensors the reservation then measures as they are.
+# The same reservation logs it whenever no dense_tensor_estimate is given; in the runner's model only
+# the tables (which the estimate leaves out) are on the meta device, its dense layers are real, so
+# the estimate is their size (storage_reservations.py, _get_dense_tensor_size).
 _DRY_RUN_ESTIMATE = "There is a known issue with TorchRec's dense tensor size calculation in dry run"
 # TorchRec passes DistributedDataParallel this deprecated argument for its replicated tables and
 # dense model; the argument still does what it did (torch/nn/parallel/distributed.py).
