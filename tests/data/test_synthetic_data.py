@@ -124,3 +124,21 @@ def test_raw_ids_hashed_into_fixed_tables_collide_and_keep_the_raw_ids_labels():
 def test_bad_raw_id_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SyntheticCTR(cardinalities=(1000,), **kwargs)
+
+
+def test_a_raw_id_runs_ceiling_lies_between_its_dense_features_and_the_planted_model():
+    """benchmarks/raw_ids_ceiling.py: knowing only the ids training has seen, the planted model's
+    AUC falls from oracle_auc toward the dense features' alone, the more so the more often an id
+    must have been seen."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "benchmarks/raw_ids_ceiling.py", "configs/raw_ids.yaml", "--steps", "30",
+                           "--eval-batches", "2"], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert done.returncode == 0, done.stderr[-3000:]
+    aucs = [float(x) for x in re.findall(r": (0\.\d+)$", done.stdout, re.M)]
+    oracle, *seen, dense = aucs
+    assert len(seen) == 4 and oracle > seen[0] >= seen[1] >= seen[2] >= seen[3] > dense and seen[0] > seen[3], aucs
