@@ -111,8 +111,8 @@ def split_host_memory(memory_budget_bytes: int, num_tables: int, total_rows: int
     The stores' indexes take their share first: an eighth of the budget, of which each table's
     index allowance (256 KiB: a fixed cost of each table, as its store's other constants) is beside
     the budget, so only what the indexes get beyond it is charged, and a small budget's cache loses
-    nothing to them; the tables pool what they get (`index_budgets`). Past its size a store moves the log's rows into
-    its base run, so its memory stays bounded whatever the rows it holds.
+    nothing to them; the tables pool what they get (`index_budgets`). Past its size a store moves
+    the log's rows into its base run, so its memory stays bounded whatever the rows it holds.
 
     The staging area holds what a look-ahead reads for the batches ahead (and rows the policy kept
     out until their update): an eighth of the budget (`staging_bytes`, when given, sets its bytes
