@@ -193,7 +193,7 @@ class KVStore(_RowStore):
         dtype: torch.float32, torch.float16 or torch.bfloat16.
         memory_budget_bytes: bytes of log pages held in memory (the index is extra).
         expected_rows: pre-sizes the hash index (16 bytes a row); by default it starts at its least
-            (256 KiB; with a key_limit below 2**52, one 64-byte bucket) and grows with the rows.
+            (256 KiB; with a key_limit of at most 2**51, one 64-byte bucket) and grows with the rows.
         index_budget_bytes: bytes the hash index may take (at 16 a key). Past them, the rows of the
             log's written pages move into the base run, a file of rows sorted by key that a get
             reads with one 4 KiB read and no memory per row, so the store's memory stays bounded
