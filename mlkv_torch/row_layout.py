@@ -56,3 +56,10 @@ class RowLayout:
     @property
     def row_bytes(self) -> int:
         return row_bytes(self.embedding_dim, self.dtype, self.optimizer)
+
+    def weights_of(self, words: torch.Tensor) -> torch.Tensor:
+        """[n, embedding_dim] weights of `dtype`, from rows of 32-bit words (a stored row's first
+        `weight_words`, or the whole row)."""
+        if self.dtype == torch.float32:
+            return words[:, : self.embedding_dim]
+        return words.contiguous().view(self.dtype)[:, : self.embedding_dim]

@@ -450,9 +450,7 @@ class DiskTableBatch:
     # ---- rows -------------------------------------------------------------------------------------
     def weights_of(self, words: torch.Tensor) -> torch.Tensor:
         """[n, dim] weights of `dtype`, viewed in rows of 32-bit words."""
-        if self.dtype == torch.float32:
-            return words[:, : self.embedding_dim]
-        return words.view(self.dtype)[:, : self.embedding_dim]
+        return self.spec.layout.weights_of(words)
 
     def read_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         """Current full rows (weights' words, then state) [n, row words] float32 of table `table`."""

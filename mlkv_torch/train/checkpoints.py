@@ -20,6 +20,9 @@ from ..cut import sync_directory
 ONE_PROCESS_CHECKPOINT = "checkpoint.pt"  # in output_dir
 SHARDED_CHECKPOINT_POINTER = "checkpoint.latest"  # in output_dir under torchrun: names the latest directory
 CHECKPOINT_DIRECTORY = re.compile(r"checkpoint-[0-9]+")  # under torchrun, what checkpoint.latest may name
+# In checkpoint.pt's state and checkpoint.latest: each table's rows, columns, weight type, optimizer and
+# placement (Experiment.table_manifest), which reading the checkpoint without the run's config needs.
+TABLES_KEY = "tables"
 
 
 class StepBoundaries:

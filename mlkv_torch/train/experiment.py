@@ -71,6 +71,7 @@ class Experiment:
         tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                      feature_names=features, **_virtual_table_fields(config))
                   for name, n, features in self.source.tables]
+        self.table_configs = tables
         self.virtual_tables = _virtual_table_options(config)
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
@@ -314,7 +315,8 @@ class Experiment:
         pending = self.collection.begin_checkpoint(label=step).defer_commit()
         # A copy: later steps change the optimizer's state in place.
         state = {"step": step, "dense": self._dense_state(),
-                 "dense_optimizer": checkpoints.local_copy(self.optimizer.state_dict())}
+                 "dense_optimizer": checkpoints.local_copy(self.optimizer.state_dict()),
+                 checkpoints.TABLES_KEY: self.table_manifest()}
 
         def commit() -> None:
             # The previous checkpoint stays whole until this one is.
@@ -392,6 +394,7 @@ class Experiment:
         if self.replicas is not None:  # the step before pushed every gradient they owed (the loop's doing)
             state["replicas"] = self.replicas.state_dict()
         rank, world, main = self.rank, self.world_size, self.is_main
+        tables = self.table_manifest()
 
         def commit() -> None:
             import shutil
@@ -421,12 +424,26 @@ class Experiment:
                 raise OSError(f"checkpoint {directory} is not committed: {'; '.join(failed)}")
             cuts = {str(r): w["cut"] for r, w in enumerate(written)}
             previous = self._latest_sharded()[0] if os.path.exists(self.checkpoint_path()) else None
-            write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory), "cuts": cuts})
+            write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory), "cuts": cuts,
+                                                       checkpoints.TABLES_KEY: tables})
             if pending is not None:
                 pending.commit()
             if previous and previous != directory:
                 shutil.rmtree(previous, ignore_errors=True)
         return commit
+
+    def table_manifest(self) -> Dict[str, Dict[str, Any]]:
+        """What a checkpoint records of each table, whatever the world (`checkpoints.TABLES_KEY`): its
+        rows, columns, weight type and optimizer, and where the plan put it (placement "disk", or
+        "memory" with TorchRec's sharding type: "data_parallel" tables are trained by the dense
+        optimizer)."""
+        plan = getattr(self.collection, "module_sharding_plan", None)  # None in one process: every table on disk
+        disk = set(self.collection.disk_table_names) if plan is not None else {t.name for t in self.table_configs}
+        return {t.name: {"rows": t.num_embeddings, "dim": t.embedding_dim, "dtype": "float32",
+                         "optimizer": self.config.train.optimizer,
+                         "placement": "disk" if t.name in disk else "memory",
+                         "sharding": plan[t.name].sharding_type if plan is not None else None}
+                for t in self.table_configs}
 
     def _wait_for_pointer(self, directory: str) -> bool:
         """Waits until rank 0 has named `directory` in the pointer (True) or given it up (False)."""

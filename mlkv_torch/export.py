@@ -1,0 +1,131 @@
+"""Exports a run's checkpoint as tables any tool reads, whatever world wrote it:
+
+    python -m mlkv_torch.export OUTPUT_DIR OUT [--tables DIR] [--chunk-rows N]
+
+OUT gets one Parquet file per table (columns ``id`` int64, ``weight`` and, with optimizer state,
+``state``: fixed-size lists of float32) and ``manifest.json``: the step, each table's rows,
+columns, optimizer and placement, what its state columns hold, how the rows a disk table never
+wrote start, and each file's rows, bytes and SHA-256. Rows stream a chunk at a time; the
+checkpoint is only read (its stores opened read-only), and OUT appears whole or not at all
+(it is written as OUT.partial, then renamed)."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from typing import Any, Dict, List, Optional
+
+from .config import ConfigError
+from .train.checkpoint_tables import WrittenCheckpoint, written_checkpoint
+
+__all__ = ["export_checkpoint", "MANIFEST", "FORMAT"]
+
+MANIFEST = "manifest.json"
+FORMAT = "mlkv-torch-tables"
+_VERSION = 1
+
+
+def export_checkpoint(output_dir: str, out: str, tables_dir: Optional[str] = None, chunk_rows: int = 1 << 16
+                      ) -> Dict[str, Any]:
+    """Writes the checkpoint in `output_dir` (its disk tables under `tables_dir`, default
+    ``output_dir/tables``) to `out` as Parquet files and a manifest; returns the manifest.
+    ConfigError names an output_dir without a checkpoint and an `out` that exists or cannot be
+    written."""
+    checkpoint = written_checkpoint(output_dir, tables_dir)
+    if checkpoint is None:
+        raise ConfigError(f"{output_dir!r} holds no checkpoint of a run (checkpoint.pt or checkpoint.latest): set "
+                          f"train.checkpoint_every to take them")
+    if os.path.exists(out):
+        raise ConfigError(f"{out!r} exists: export into a path that does not")
+    partial = out.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)  # an export killed before
+    try:
+        os.makedirs(partial)
+    except OSError as e:
+        raise ConfigError(f"{out!r} cannot be written: cannot create {partial!r} ({e.strerror or e})") from e
+    manifest = {"format": FORMAT, "version": _VERSION, "step": checkpoint.step,
+                "written_by": {"processes": checkpoint.processes, "one_process": checkpoint.one_process},
+                "tables": {name: _export_table(checkpoint, name, partial, chunk_rows)
+                           for name in sorted(checkpoint.tables)}}
+    with open(os.path.join(partial, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(partial, out)
+    return manifest
+
+
+def _export_table(checkpoint: WrittenCheckpoint, name: str, directory: str, chunk_rows: int) -> Dict[str, Any]:
+    """Writes table `name` to ``directory/<name>.parquet``; its manifest entry."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    entry = dict(checkpoint.tables[name])
+    file_name = f"{name}.parquet"
+    path = os.path.join(directory, file_name)
+    writer: Optional[Any] = None
+    rows, state_columns = 0, 0
+    try:
+        for ids, weights, state in checkpoint.rows(name, chunk_rows):
+            state_columns = state.shape[1]
+            columns: List[Any] = [pa.array(ids.numpy()), _fixed_lists(weights)]
+            names = ["id", "weight"]
+            if state_columns:
+                columns.append(_fixed_lists(state))
+                names.append("state")
+            batch = pa.RecordBatch.from_arrays(columns, names=names)
+            if writer is None:
+                writer = pq.ParquetWriter(path, batch.schema, compression="none")
+            writer.write_batch(batch)
+            rows += ids.numel()
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:  # no rows: an empty file of the table's schema
+        fields = [pa.field("id", pa.int64()), pa.field("weight", pa.list_(pa.float32(), entry["dim"]))]
+        pq.write_table(pa.schema(fields).empty_table(), path)
+    entry.update(file=file_name, rows_in_file=rows, bytes=os.path.getsize(path), sha256=_sha256(path),
+                 state={"columns": state_columns, "holds": checkpoint.state_meaning(name)},
+                 initial_rows=checkpoint.initial_rows(name))
+    return entry
+
+
+def _fixed_lists(values: Any) -> Any:
+    import pyarrow as pa
+
+    flat = values.float().contiguous().reshape(-1).numpy()
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()), values.shape[1])
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlkv_torch.export",
+                                     description="Export a run's checkpoint (any number of processes wrote it) as "
+                                                 "one Parquet file per table and a manifest.")
+    parser.add_argument("output_dir", help="the run's output_dir, which holds its checkpoint")
+    parser.add_argument("out", help="the directory to write (it must not exist)")
+    parser.add_argument("--tables", default=None,
+                        help="where the run kept its disk tables (its storage.path); default OUTPUT_DIR/tables")
+    parser.add_argument("--chunk-rows", type=int, default=1 << 16, help="rows read and written at a time")
+    args = parser.parse_args(argv)
+    try:
+        manifest = export_checkpoint(args.output_dir, args.out, args.tables, args.chunk_rows)
+    except ConfigError as e:
+        print(f"export error: {e}", file=sys.stderr)
+        return 2
+    rows = sum(t["rows_in_file"] for t in manifest["tables"].values())
+    print(f"[export] step {manifest['step']}: {len(manifest['tables'])} tables, {rows:,} rows, to {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""A checkpoint's disk tables as a world-independent set of stored shards: where each block of a
+table's rows lies (`StoredShard`: a store, the checkpoint of it the cut names, the block of rows
+and columns it holds), found from the cuts a checkpoint records (`stored_shards`), and read back
+as global ids, weights and optimizer state (`read_shard`) without writing a byte, so the
+checkpoint stays whole however the reading ends. Resuming on another number of ranks, and
+exporting the tables, read a checkpoint this way."""
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from .row_layout import RowLayout
+from .store import KVStore
+
+__all__ = ["StoredShard", "stored_shards", "read_shard", "fill_shard"]
+
+_SHARD_DIRECTORY = re.compile(r"(?P<table>.+)_rows(?P<row>[0-9]+)_cols(?P<column>[0-9]+)")
+_READ_BUDGET = 16 << 20  # log pages a read-only open holds in memory; the scan reads a few MiB at a time
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """Rows [first_row, first_row + rows) and columns [first_column, first_column + columns) of
+    `table`, in the store at `path` at its checkpoint `checkpoint` (keys local to the block),
+    trained `step` optimizer steps."""
+
+    table: str
+    path: str
+    checkpoint: Optional[int]
+    step: int
+    first_row: int
+    rows: int
+    first_column: int
+    columns: int
+
+
+def stored_shards(tables_dir: str, cuts: Mapping[Optional[int], Optional[Dict[str, Any]]],
+                  tables: Mapping[str, Tuple[int, int]]) -> Dict[str, List[StoredShard]]:
+    """Every stored shard of the disk tables a checkpoint's cuts name, by table. `cuts` holds one
+    process's cut under the key None (its tables at ``tables_dir/<table>``), or each rank's under
+    its rank (``tables_dir/rank<r>/<table>_rows<r0>_cols<c0>``; None for a rank without disk
+    tables); `tables` gives each table's (rows, columns) in the model. ValueError names a table
+    the model does not have, a shard whose directory is missing, and a table whose stored shards
+    leave rows or columns uncovered (a rank's cut lost)."""
+    found: Dict[str, List[StoredShard]] = defaultdict(list)
+    for rank, cut in cuts.items():
+        if cut is None:
+            continue
+        directory = tables_dir if rank is None else os.path.join(tables_dir, f"rank{rank}")
+        names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        for table, entry in cut["tables"].items():
+            if table not in tables:
+                raise ValueError(f"the checkpoint holds table {table!r}, which this model does not have "
+                                 f"(its tables: {sorted(tables)})")
+            if rank is None:
+                blocks = [(table, 0, 0)]
+            else:
+                blocks = [(n, int(m["row"]), int(m["column"])) for n in names
+                          for m in [_SHARD_DIRECTORY.fullmatch(n)] if m is not None and m["table"] == table]
+            if len(blocks) != 1:
+                raise ValueError(f"table {table!r}: {directory} holds {len(blocks)} shard directories of it "
+                                 f"({[b[0] for b in blocks]}) where its cut names one")
+            name, row, column = blocks[0]
+            found[table].append(StoredShard(table, os.path.join(directory, name), entry["checkpoint"], entry["step"],
+                                            row, 0, column, 0))
+    return {table: _with_extents(table, shards, *tables[table]) for table, shards in found.items()}
+
+
+def _with_extents(table: str, shards: List[StoredShard], rows: int, columns: int) -> List[StoredShard]:
+    """`shards` with their rows and columns: a block reaches the next block's first row (of the
+    same columns) or the table's end, and the next columns' first column or the table's width."""
+    column_starts = sorted({s.first_column for s in shards})
+    column_stops = dict(zip(column_starts, column_starts[1:] + [columns]))
+    row_stops: Dict[Tuple[int, int], int] = {}
+    for start in column_starts:
+        row_starts = sorted(s.first_row for s in shards if s.first_column == start)
+        if row_starts[0] != 0:
+            raise ValueError(f"table {table!r}: no stored shard holds its rows from 0 (columns from {start}); "
+                             f"a rank's cut is missing from the checkpoint")
+        row_stops.update({(r, start): stop for r, stop in zip(row_starts, row_starts[1:] + [rows])})
+    if column_starts[0] != 0:
+        raise ValueError(f"table {table!r}: no stored shard holds its columns from 0; a rank's cut is missing")
+    return sorted((StoredShard(s.table, s.path, s.checkpoint, s.step, s.first_row,
+                               row_stops[s.first_row, s.first_column] - s.first_row, s.first_column,
+                               column_stops[s.first_column] - s.first_column) for s in shards),
+                  key=lambda s: (s.first_column, s.first_row))
+
+
+def read_shard(shard: StoredShard, layout: RowLayout, chunk_rows: int = 1 << 16
+               ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The rows `shard`'s store holds at its checkpoint, as (global ids [n], weights [n, columns] of
+    the layout's dtype, optimizer state [n, state_dim] float32) chunks in the log's order, read
+    sequentially from a read-only open (nothing is written). `layout` is the shard's: its
+    embedding_dim is the shard's columns. ValueError names the table when its stored rows are
+    another width than `layout` gives (the embedding_dim, weight type or optimizer changed)."""
+    if layout.embedding_dim != shard.columns:
+        raise ValueError(f"table {shard.table!r}: layout of {layout.embedding_dim} columns for a shard of "
+                         f"{shard.columns}")
+    words = layout.weight_words + layout.state_dim
+    try:
+        store = KVStore(shard.path, words, torch.float32, _READ_BUDGET, cut_checkpoints=True,
+                        checkpoint=shard.checkpoint, key_limit=shard.rows, read_only=True)
+    except ValueError as e:
+        if "dim" not in str(e):
+            raise
+        raise ValueError(f"table {shard.table!r}: its stored rows at {shard.path} are not {words} words wide, as "
+                         f"{layout.embedding_dim} columns of {layout.dtype} with {type(layout.optimizer).__name__}'s "
+                         f"state make them: the table's embedding_dim, weight type or optimizer differs from the "
+                         f"run that wrote it ({e})") from e
+    with store:
+        for keys, rows in store.scan(chunk_rows):
+            yield keys + shard.first_row, layout.weights_of(rows[:, :layout.weight_words]).clone(), \
+                rows[:, layout.weight_words:].clone()
+
+
+def fill_shard(bag: Any, first_row: int, first_column: int, sources: List[StoredShard], layout: RowLayout,
+               chunk_rows: int = 1 << 16) -> int:
+    """Writes into `bag` (a DiskEmbeddingBag holding rows [first_row, first_row + bag.num_embeddings)
+    and columns [first_column, first_column + bag.embedding_dim) of a table) every row the stored
+    shards `sources` of that table hold in its block, with its optimizer state, and sets its
+    optimizer step to theirs; returns the rows written. Rows the sources never wrote stay as the
+    bag's own rows never written (the same seed gives the same initial rows). ValueError when the
+    columns are split otherwise than the sources' (a column shard's state belongs to its columns)."""
+    stop_row, stop_column = first_row + bag.num_embeddings, first_column + bag.embedding_dim
+    overlapping = [s for s in sources if s.first_row < stop_row and first_row < s.first_row + s.rows
+                   and s.first_column < stop_column and first_column < s.first_column + s.columns]
+    if any(s.first_column != first_column or s.columns != bag.embedding_dim for s in overlapping):
+        split = sorted({(s.first_column, s.first_column + s.columns) for s in sources})
+        raise ValueError(f"table {sources[0].table!r}: the checkpoint splits its columns as {split}, and this plan "
+                         f"holds columns [{first_column}, {stop_column}) in one shard; resume with the column split "
+                         f"it was written with (storage.sharding_types)")
+    written = 0
+    for source in overlapping:
+        for ids, weights, state in read_shard(source, layout, chunk_rows):
+            inside = (ids >= first_row) & (ids < stop_row)
+            if bool(inside.any()):
+                bag.import_rows(ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None)
+                written += int(inside.sum())
+    steps = {s.step for s in overlapping}
+    if steps:
+        bag.steps = max(steps)
+    return written

@@ -1,0 +1,165 @@
+"""python -m mlkv_torch.export: a run's checkpoint, written by one process or by the ranks of a
+torchrun job, as one Parquet file per table and a manifest; checked against the rows and optimizer
+state the resumed model itself gives, and the checkpoint left as it was."""
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from mlkv_torch.config import ConfigError, load_config  # noqa: E402
+from mlkv_torch.export import export_checkpoint  # noqa: E402
+from mlkv_torch.store import initial_rows  # noqa: E402
+from mlkv_torch.train import run  # noqa: E402
+from mlkv_torch.train.experiment import Experiment  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+SMALL = ["data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
+         "storage.memory_budget_bytes=1048576", "train.checkpoint_every=4", "pipeline.depth=2"]
+WORKER = REPO / "tests" / "workers" / "checkpoint_state_worker.py"
+
+
+def _files(directory: Path) -> dict:
+    """Every file under `directory` with its content's hash and its modification time."""
+    return {p.relative_to(directory).as_posix(): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _exported(out: Path, table: str):
+    """(ids, weights, state or None) of a table's Parquet file, checked against the manifest."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["tables"][table]
+    path = out / entry["file"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"] and path.stat().st_size == entry["bytes"]
+    data = pq.read_table(path)
+    assert data.num_rows == entry["rows_in_file"]
+    ids = torch.tensor(data.column("id").to_numpy())
+    weights = torch.tensor(data.column("weight").to_pylist(), dtype=torch.float32).reshape(-1, entry["dim"])
+    state = torch.tensor(data.column("state").to_pylist(), dtype=torch.float32).reshape(ids.numel(), -1) \
+        if "state" in data.column_names else None
+    assert (state.shape[1] if state is not None else 0) == entry["state"]["columns"]
+    return ids, weights, state
+
+
+def _check_against(out: Path, reference: dict) -> None:
+    """Every exported table equals `reference` ({table: (weights, state [rows, k])}) bit for bit
+    at its ids; a disk table's other rows are the initial rows the manifest describes."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["tables"]) == sorted(reference)
+    unwritten = 0  # rows of disk tables that are not in the files
+    for table, (weights, state) in reference.items():
+        entry = manifest["tables"][table]
+        ids, got_weights, got_state = _exported(out, table)
+        assert ids.unique().numel() == ids.numel() and bool(((ids >= 0) & (ids < entry["rows"])).all()), table
+        assert torch.equal(got_weights, weights[ids]), table
+        assert torch.equal(got_state if got_state is not None else torch.zeros(ids.numel(), 0),
+                           state.reshape(weights.shape[0], -1)[ids]), table
+        if entry["placement"] == "disk":
+            assert 0 < ids.numel() <= entry["rows"], table  # the rows it trained
+            unwritten += entry["rows"] - ids.numel()
+            others = torch.ones(entry["rows"], dtype=torch.bool)
+            others[ids] = False
+            kind, a, b = entry["initial_rows"]["distribution"]
+            assert kind == "uniform"
+            expected = initial_rows(others.nonzero().squeeze(1), entry["dim"], seed=entry["initial_rows"]["seed"],
+                                    low=a, high=b)
+            assert torch.equal(weights[others], expected), table
+        else:
+            assert ids.numel() == entry["rows"], table  # a table in memory: every row
+    assert unwritten > 0  # disk tables give the rows they wrote, not every row
+
+
+def test_a_one_process_checkpoint_exports_the_rows_and_state_the_resumed_tables_hold(tmp_path):
+    out = tmp_path / "run"
+    config = load_config(QUICKSTART, [f"output_dir={out}", "train.steps=8", *SMALL])
+    run(config, progress=False)
+    before = _files(out)
+    manifest = export_checkpoint(str(out), str(tmp_path / "export"))
+    assert _files(out) == before  # the checkpoint is only read
+    assert manifest["step"] == 8 and manifest["written_by"] == {"processes": 1, "one_process": True}
+    experiment = Experiment(config, resume=True)
+    try:
+        reference = {name: bag.snapshot(include_state=True)
+                     for name, bag in experiment.collection.embedding_bags.items()}
+    finally:
+        experiment.collection.close()
+    _check_against(tmp_path / "export", reference)
+    assert {t["state"]["holds"] for t in manifest["tables"].values()} == {
+        "row-wise Adagrad's accumulator: the mean over the row of squared gradients, summed over steps"}
+
+
+@pytest.mark.parametrize("sharding", ["planner's choice", "row_wise"])
+def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_gives_it(tmp_path, sharding):
+    out = tmp_path / "run"
+    common = [f"output_dir={out}", *SMALL] + (["storage.sharding_types=[row_wise]"] if sharding == "row_wise" else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*cmd, "-m", "mlkv_torch.train", str(QUICKSTART), "train.steps=8", "--no-progress", *common],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    before = _files(out)
+    done = subprocess.run([sys.executable, "-m", "mlkv_torch.export", str(out), str(tmp_path / "export")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "[export] step 8: 26 tables" in done.stderr
+    assert _files(out) == before
+    manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
+    placements = {(t["placement"], t["sharding"]) for t in manifest["tables"].values()}
+    if sharding == "row_wise":  # each table's rows in blocks over the two ranks' stores, joined by id
+        assert placements == {("disk", "row_wise")}
+        assert len(list((out / "tables").glob("rank1/t_cat_2_rows*_cols0"))) == 1
+    else:  # tables on disk, sharded in memory, and replicated: each is read its own way
+        assert {p for p, s in placements} == {"disk", "memory"} and ("memory", "data_parallel") in placements
+        assert any(p == "memory" and s != "data_parallel" for p, s in placements)
+    state_path = tmp_path / "state.pt"
+    done = subprocess.run([*cmd, str(WORKER), str(QUICKSTART), str(state_path), *common],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [torch.load(f"{state_path}.rank{r}", weights_only=True) for r in range(2)]
+    assert [r["step"] for r in ranks] == [8, 8]
+    reference = {}
+    for table in ranks[0]["tables"]:
+        weight = _whole([r["tables"][table]["weight"] for r in ranks])
+        held = [r["tables"][table]["state"] for r in ranks]  # a rank without a shard holds no state of it
+        states = [_whole([h[k] for h in held if k in h]).reshape(weight.shape[0], -1)
+                  for k in sorted(set().union(*held))]
+        reference[table] = (weight, torch.cat(states, dim=1) if states else torch.zeros(0))
+    _check_against(tmp_path / "export", reference)
+
+
+def _whole(parts: list) -> torch.Tensor:
+    """A tensor from each rank's part of it: the same replicated tensor, or the shards of a
+    ShardedTensor placed at their offsets."""
+    if isinstance(parts[0], torch.Tensor):
+        assert all(torch.equal(p, parts[0]) for p in parts)
+        return parts[0]
+    full = torch.full(parts[0]["size"], float("nan"))
+    for part in parts:
+        for offsets, shard in part["shards"]:
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape))] = shard
+    assert not bool(full.isnan().any())
+    return full
+
+
+def test_export_refuses_what_it_cannot_do_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="holds no checkpoint of a run"):
+        export_checkpoint(str(tmp_path), str(tmp_path / "export"))
+    out = tmp_path / "run"
+    run(load_config(QUICKSTART, [f"output_dir={out}", "train.steps=4", *SMALL]), progress=False)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ConfigError, match="exists: export into a path that does not"):
+        export_checkpoint(str(out), str(tmp_path / "taken"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="cannot be written: cannot create"):
+        export_checkpoint(str(out), str(tmp_path / "a_file" / "export"))
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    del state["tables"]  # as an earlier version wrote it
+    torch.save(state, out / "checkpoint.pt")
+    with pytest.raises(ConfigError, match="does not record its tables"):
+        export_checkpoint(str(out), str(tmp_path / "export"))
