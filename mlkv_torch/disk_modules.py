@@ -4,7 +4,7 @@ methods instead of probing for them."""
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -41,6 +41,11 @@ class DiskTableModule(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """Each table's (or shard's) DiskEmbeddingBag.stats(), by name."""
+
+    @abc.abstractmethod
+    def local_disk_shards(self) -> List[Tuple[str, int, int, Any]]:
+        """(table, first row, first column, DiskEmbeddingBag) of each disk table block held here:
+        a whole table in one process, this rank's shards under a plan."""
 
     @abc.abstractmethod
     def populate(self) -> int:

@@ -302,6 +302,18 @@ class DiskEmbeddingBag(nn.Module):
 
     def import_rows(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
         """Sets these rows' weights and optimizer state (default: the state of a row never updated)."""
+        ids, words = self._row_words(ids, weights, state)
+        self._batch.write_rows(self._table, ids, words)
+
+    def load_rows(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
+        """`import_rows` straight to the store, past the cache (about 3x faster): for filling a table
+        before it is trained (a reshard). ValueError once the cache holds rows."""
+        ids, words = self._row_words(ids, weights, state)
+        self._batch.load_rows(self._table, ids, words)
+
+    def _row_words(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor]
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(ids, stored rows [n, row words] float32) of weights and optimizer state, checked."""
         ids = as_int64_cpu(ids, "ids").reshape(-1).contiguous()
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must be a tensor of shape [{ids.numel()}, {self.embedding_dim}]")
@@ -316,7 +328,7 @@ class DiskEmbeddingBag(nn.Module):
         if state is None:
             state = self.optimizer.initial_state(ids.numel(), self.embedding_dim)
         state = state.detach().to(device="cpu", dtype=torch.float32)
-        self._batch.write_rows(self._table, ids, torch.cat([weights, state], dim=1).contiguous())
+        return ids, torch.cat([weights, state], dim=1).contiguous()
 
     def lookahead(self, input: torch.Tensor) -> None:
         """Starts bringing the rows of `input` (any shape of ids) into memory; returns at once."""

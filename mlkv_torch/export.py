@@ -38,6 +38,7 @@ def export_checkpoint(output_dir: str, out: str, tables_dir: Optional[str] = Non
     if checkpoint is None:
         raise ConfigError(f"{output_dir!r} holds no checkpoint of a run (checkpoint.pt or checkpoint.latest): set "
                           f"train.checkpoint_every to take them")
+    checkpoint.check_tables_recorded()
     if os.path.exists(out):
         raise ConfigError(f"{out!r} exists: export into a path that does not")
     partial = out.rstrip("/") + ".partial"

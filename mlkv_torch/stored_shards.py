@@ -17,7 +17,7 @@ import torch
 from .row_layout import RowLayout
 from .store import KVStore
 
-__all__ = ["StoredShard", "stored_shards", "read_shard", "fill_shard"]
+__all__ = ["StoredShard", "stored_shards", "read_shard", "fill_shard", "same_columns"]
 
 _SHARD_DIRECTORY = re.compile(r"(?P<table>.+)_rows(?P<row>[0-9]+)_cols(?P<column>[0-9]+)")
 _READ_BUDGET = 16 << 20  # log pages a read-only open holds in memory; the scan reads a few MiB at a time
@@ -126,22 +126,33 @@ def fill_shard(bag: Any, first_row: int, first_column: int, sources: List[Stored
     optimizer step to theirs; returns the rows written. Rows the sources never wrote stay as the
     bag's own rows never written (the same seed gives the same initial rows). ValueError when the
     columns are split otherwise than the sources' (a column shard's state belongs to its columns)."""
-    stop_row, stop_column = first_row + bag.num_embeddings, first_column + bag.embedding_dim
-    overlapping = [s for s in sources if s.first_row < stop_row and first_row < s.first_row + s.rows
-                   and s.first_column < stop_column and first_column < s.first_column + s.columns]
-    if any(s.first_column != first_column or s.columns != bag.embedding_dim for s in overlapping):
+    overlapping = _overlapping(sources, first_row, bag.num_embeddings, first_column, bag.embedding_dim)
+    if not same_columns(sources, first_row, bag.num_embeddings, first_column, bag.embedding_dim):
         split = sorted({(s.first_column, s.first_column + s.columns) for s in sources})
         raise ValueError(f"table {sources[0].table!r}: the checkpoint splits its columns as {split}, and this plan "
-                         f"holds columns [{first_column}, {stop_column}) in one shard; resume with the column split "
-                         f"it was written with (storage.sharding_types)")
-    written = 0
+                         f"holds columns [{first_column}, {first_column + bag.embedding_dim}) in one shard")
+    written, stop_row = 0, first_row + bag.num_embeddings
     for source in overlapping:
         for ids, weights, state in read_shard(source, layout, chunk_rows):
             inside = (ids >= first_row) & (ids < stop_row)
             if bool(inside.any()):
-                bag.import_rows(ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None)
+                bag.load_rows(ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None)
                 written += int(inside.sum())
     steps = {s.step for s in overlapping}
     if steps:
         bag.steps = max(steps)
     return written
+
+
+def same_columns(sources: List[StoredShard], first_row: int, rows: int, first_column: int, columns: int) -> bool:
+    """Whether the stored shards holding rows [first_row, first_row + rows) of columns
+    [first_column, first_column + columns) hold exactly those columns (a block's rows then copy as
+    they are)."""
+    return all(s.first_column == first_column and s.columns == columns
+               for s in _overlapping(sources, first_row, rows, first_column, columns))
+
+
+def _overlapping(sources: List[StoredShard], first_row: int, rows: int, first_column: int, columns: int
+                 ) -> List[StoredShard]:
+    return [s for s in sources if s.first_row < first_row + rows and first_row < s.first_row + s.rows
+            and s.first_column < first_column + columns and first_column < s.first_column + s.columns]

@@ -461,9 +461,25 @@ class DiskTableBatch:
         self._check_open()
         keys = self.keys(table, ids)
         self.cache.write_rows(keys, rows)
+        self._adopt(table, keys)
+
+    def _adopt(self, table: int, keys: torch.Tensor) -> None:
+        """Rows written (not trained) to a virtual table are live from now on."""
         policy = self.tables[table].id_policy
-        if self.ids is not None and policy is not None and policy.tracked:  # written rows are live from now on
+        if self.ids is not None and policy is not None and policy.tracked:
             self.ids.adopt(keys, policy.admit_after, self.step)
+
+    def load_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """`write_rows` straight to table `table`'s store, past the cache: for filling tables before
+        they are trained. ValueError once the cache holds rows (they would shadow the store's)."""
+        self._check_open()
+        keys = self.keys(table, ids)
+        if self.cache.stats()["cached_rows"]:
+            raise ValueError(f"table {self.tables[table].name!r}: its cache holds rows; load_rows fills a table "
+                             f"before it is trained (write_rows writes through the cache)")
+        self.cache.write_back()  # nothing written before waits to overwrite these rows
+        self.stores[table].put(ids, rows)
+        self._adopt(table, keys)
 
     def delete_rows(self, table: int, ids: torch.Tensor) -> None:
         """Deletes rows `ids` of table `table` from the cache and the store: they read their initial

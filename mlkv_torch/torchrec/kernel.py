@@ -306,6 +306,10 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         return [Shard(bag.written_through_snapshot(), on_host(shard.local_metadata))
                 for shard, bag in self._bags_by_table[table]]
 
+    def local_shards(self) -> List[Tuple[str, int, int, DiskEmbeddingBag]]:
+        """(table, first row, first column, bag) of each of this rank's shards."""
+        return [(shard.name, *self._offsets(shard), bag) for shard, bag in zip(self._shards, self.bags)]
+
     def load_weights(self, table: str, weight: torch.Tensor) -> None:
         """Writes this rank's shards of `table` from a ShardedTensor of the same plan or a full tensor."""
         for shard, bag in self._bags_by_table[table]:

@@ -11,7 +11,7 @@ import os
 import warnings
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -220,6 +220,9 @@ class DiskShardedTables(DiskTableModule):
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """DiskEmbeddingBag.stats() of each disk shard on this rank, by ``<table>_rows<r0>_cols<c0>``."""
         return {name: stats for kernel in self.disk_kernels() for name, stats in kernel.stats().items()}
+
+    def local_disk_shards(self) -> List[Tuple[str, int, int, Any]]:
+        return [shard for kernel in self.disk_kernels() if not kernel.on_meta for shard in kernel.local_shards()]
 
     def populate(self) -> int:
         """Writes every row of this rank's disk shards to their stores (`DiskEmbeddingBag.populate`),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -341,6 +341,9 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule, DiskTableModule):
         self._check_materialised()
         for bag in self._table_views.values():
             bag.reset_parameters()
+
+    def local_disk_shards(self) -> List[Tuple[str, int, int, Any]]:
+        return [(name, 0, 0, bag) for name, bag in self._table_views.items()]
 
     def populate(self) -> int:
         """Writes every row of every table to its store (`DiskEmbeddingBag.populate`), then takes a

@@ -20,7 +20,7 @@ from ..store import KVStore
 from ..stored_shards import StoredShard, read_shard, stored_shards
 from . import checkpoints
 
-__all__ = ["WrittenCheckpoint", "written_checkpoint", "TableRows"]
+__all__ = ["WrittenCheckpoint", "written_checkpoint", "read_pointer", "TableRows"]
 
 TableRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (ids [n], weights [n, dim], state [n, k])
 
@@ -41,7 +41,8 @@ class WrittenCheckpoint:
     """The checkpoint a run left in `output_dir`: written by `processes` processes (one process
     without torchrun, `one_process`, or the ranks of a torchrun job) at training step `step`, its
     tables (`checkpoints.TABLES_KEY`'s record), the cut of each process's disk tables (under None
-    for one process, else by rank), and its state files (checkpoint.pt, or each rank's)."""
+    for one process, else by rank) in `tables_dir`, and its state files (checkpoint.pt, or each
+    rank's)."""
 
     output_dir: str
     tables_dir: str
@@ -51,6 +52,17 @@ class WrittenCheckpoint:
     tables: Dict[str, Dict[str, Any]]
     cuts: Dict[Optional[int], Optional[Dict[str, Any]]]
     state_files: List[str]
+    generation: str  # the directory under the run's tables path that holds its tables ("": the path itself)
+
+    def check_tables_recorded(self) -> None:
+        """ConfigError when the checkpoint does not record its tables (an earlier version's), which
+        reading it as tables needs."""
+        if not isinstance(self.tables, dict):
+            where = self.state_files[0] if self.one_process else os.path.join(
+                self.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER)
+            raise ConfigError(f"{where} does not record its tables (written by an earlier mlkv_torch): it resumes on "
+                              f"as many processes as wrote it, and its next checkpoint can be read as tables "
+                              f"(exported, resumed on another number of processes)")
 
     def state_meaning(self, table: str) -> str:
         """What the columns of `table`'s optimizer state hold."""
@@ -87,7 +99,7 @@ class WrittenCheckpoint:
         initial rows, `initial_rows`); a table in memory gives every row."""
         entry = self.tables[table]
         if entry["placement"] == "disk":
-            yield from _disk_rows(self.disk_shards(table), _layout(entry, entry["dim"]), chunk_rows)
+            yield from _disk_rows(self.disk_shards(table), row_layout_of(entry, entry["dim"]), chunk_rows)
         elif entry["sharding"] == "data_parallel":
             yield from self._replicated_rows(table, chunk_rows)
         else:
@@ -99,8 +111,8 @@ class WrittenCheckpoint:
     def _replicated_rows(self, table: str, chunk_rows: int) -> Iterator[TableRows]:
         """A replicated table: rank 0's copy, and the dense optimizer's state of it."""
         state = self._rank_state(0)
-        weight = _entry(state["model"], _weight_key(table), table)
-        optimizer_state = _entry(state["optim"]["state"], _weight_key(table), table, default={})
+        weight = state_entry(state["model"], weight_key(table), table)
+        optimizer_state = state_entry(state["optim"]["state"], weight_key(table), table, default={})
         accumulator = optimizer_state.get("sum", torch.zeros(weight.shape[0], 0))
         for start in range(0, weight.shape[0], chunk_rows):
             stop = min(start + chunk_rows, weight.shape[0])
@@ -112,8 +124,8 @@ class WrittenCheckpoint:
         fused optimizer's state (its momentums, [rows] or [rows, dim] each)."""
         for rank in range(self.processes):
             state = self._rank_state(rank)
-            weight = _entry(state["model"], _weight_key(table), table)
-            optimizer_state = _entry(state["optim"]["state"], _weight_key(table), table, default={})
+            weight = state_entry(state["model"], weight_key(table), table)
+            optimizer_state = state_entry(state["optim"]["state"], weight_key(table), table, default={})
             moments = [optimizer_state[k]["local_shards"] for k in sorted(optimizer_state)
                        if k.startswith(f"{table}.momentum")]
             for i, (offsets, rows) in enumerate(weight["local_shards"]):
@@ -125,11 +137,11 @@ class WrittenCheckpoint:
                        torch.cat(state_columns, dim=1) if state_columns else torch.zeros(rows.shape[0], 0))
 
 
-def _weight_key(table: str) -> str:
+def weight_key(table: str) -> str:
     return f"embedding_bags.{table}.weight"
 
 
-def _entry(state: Dict[str, Any], suffix: str, table: str, default: Any = None) -> Any:
+def state_entry(state: Dict[str, Any], suffix: str, table: str, default: Any = None) -> Any:
     """The value of `state` whose key ends with `suffix`."""
     found = [v for k, v in state.items() if k.endswith(suffix)]
     if not found and default is None:
@@ -137,7 +149,7 @@ def _entry(state: Dict[str, Any], suffix: str, table: str, default: Any = None) 
     return found[0] if found else default
 
 
-def _layout(entry: Dict[str, Any], columns: int) -> RowLayout:
+def row_layout_of(entry: Dict[str, Any], columns: int) -> RowLayout:
     from .experiment import _OPTIMIZERS
 
     rule = _OPTIMIZERS[entry["optimizer"]](lr=1.0)  # the learning rate does not shape the rows
@@ -178,36 +190,41 @@ def _open_read_only(shard: StoredShard, layout: RowLayout) -> KVStore:
                    checkpoint=shard.checkpoint, key_limit=shard.rows, read_only=True)
 
 
-def written_checkpoint(output_dir: str, tables_dir: Optional[str] = None) -> Optional[WrittenCheckpoint]:
-    """The checkpoint `output_dir` holds (None when it holds none); its disk tables under
-    `tables_dir` (default ``output_dir/tables``). ConfigError names a checkpoint written by a
-    version that did not record its tables, and one with both kinds of checkpoint."""
-    tables_dir = tables_dir if tables_dir is not None else os.path.join(output_dir, "tables")
+def written_checkpoint(output_dir: str, tables_path: Optional[str] = None) -> Optional[WrittenCheckpoint]:
+    """The checkpoint `output_dir` holds (None when it holds none), its disk tables under
+    `tables_path` (default ``output_dir/tables``; the generation the checkpoint names beneath).
+    Where a reshard left both kinds (killed before it removed the one it read), the newer."""
+    tables_path = tables_path if tables_path is not None else os.path.join(output_dir, "tables")
     one_process = os.path.join(output_dir, checkpoints.ONE_PROCESS_CHECKPOINT)
     pointer = os.path.join(output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER)
-    if os.path.exists(one_process) and os.path.exists(pointer):
-        raise ConfigError(f"{output_dir!r} holds a checkpoint of one process ({checkpoints.ONE_PROCESS_CHECKPOINT}) "
-                          f"and one of a torchrun job ({checkpoints.SHARDED_CHECKPOINT_POINTER}): remove the one "
-                          f"you do not mean")
-    if os.path.exists(one_process):
+    found = [p for p in (one_process, pointer) if os.path.exists(p)]
+    if not found:
+        return None
+    if max(found, key=lambda p: os.stat(p).st_mtime_ns) == one_process:
         state = checkpoints.load_checkpoint(one_process)
-        return WrittenCheckpoint(output_dir, tables_dir, True, 1, int(state["step"]),
-                                 _tables_of(state, one_process), {None: state.get("cut")}, [one_process])
-    if os.path.exists(pointer):
+        generation = state.get(checkpoints.GENERATION_KEY, "")
+        return WrittenCheckpoint(output_dir, os.path.join(tables_path, generation) if generation else tables_path,
+                                 True, 1, int(state["step"]), state.get(checkpoints.TABLES_KEY),
+                                 {None: state.get("cut")}, [one_process], generation)
+    directory, step, cuts, record = read_pointer(pointer)
+    generation = record.get(checkpoints.GENERATION_KEY, "")
+    files = [os.path.join(output_dir, directory, f"rank{r}.pt") for r in range(len(cuts))]
+    return WrittenCheckpoint(output_dir, os.path.join(tables_path, generation) if generation else tables_path,
+                             False, len(cuts), step, record.get(checkpoints.TABLES_KEY), cuts, files, generation)
+
+
+def read_pointer(pointer: str) -> Tuple[str, int, Dict[int, Any], Dict[str, Any]]:
+    """(directory name, step, each rank's cut, the whole record) of a torchrun checkpoint's pointer;
+    ConfigError names one of an earlier version and one naming another directory than its run's."""
+    try:
         with open(pointer) as f:
             record = json.load(f)
-        directory = os.path.join(output_dir, record["directory"])
-        cuts = {int(rank): cut for rank, cut in record["cuts"].items()}
-        files = [os.path.join(directory, f"rank{r}.pt") for r in range(len(cuts))]
-        step = int(record["directory"].rsplit("-", 1)[1])
-        return WrittenCheckpoint(output_dir, tables_dir, False, len(cuts), step, _tables_of(record, pointer), cuts,
-                                 files)
-    return None
-
-
-def _tables_of(record: Dict[str, Any], path: str) -> Dict[str, Dict[str, Any]]:
-    tables = record.get(checkpoints.TABLES_KEY)
-    if not isinstance(tables, dict):
-        raise ConfigError(f"{path} does not record its tables (written by an earlier mlkv_torch): reading it needs a "
-                          f"checkpoint written by this version; resume it and let it take one")
-    return tables
+        directory, cuts = record["directory"], {int(rank): cut for rank, cut in record["cuts"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{pointer} was written by an earlier mlkv_torch (it points at a copy of every row, not at "
+                          f"cuts of the tables); resume it with that version") from e
+    named = checkpoints.CHECKPOINT_DIRECTORY.fullmatch(directory) if isinstance(directory, str) else None
+    if named is None:  # a later checkpoint removes the directory the pointer names: only one of ours
+        raise ConfigError(f"{pointer} names directory {directory!r}, not a checkpoint-<step> directory of this run: "
+                          f"refusing to use it")
+    return directory, int(named.group(1)), cuts, record

@@ -19,10 +19,15 @@ from ..cut import sync_directory
 
 ONE_PROCESS_CHECKPOINT = "checkpoint.pt"  # in output_dir
 SHARDED_CHECKPOINT_POINTER = "checkpoint.latest"  # in output_dir under torchrun: names the latest directory
-CHECKPOINT_DIRECTORY = re.compile(r"checkpoint-[0-9]+")  # under torchrun, what checkpoint.latest may name
+# Under torchrun, what checkpoint.latest may name: checkpoint-<step>, or checkpoint-<step>-world<ranks> where
+# a reshard checkpoints at the step of the checkpoint it read (which keeps its directory until then).
+CHECKPOINT_DIRECTORY = re.compile(r"checkpoint-([0-9]+)(-world[0-9]+)?")
 # In checkpoint.pt's state and checkpoint.latest: each table's rows, columns, weight type, optimizer and
 # placement (Experiment.table_manifest), which reading the checkpoint without the run's config needs.
 TABLES_KEY = "tables"
+# Beside it: the directory under the tables path that holds the checkpoint's disk tables ("": the path
+# itself; a reshard fills a directory of its own, `reshard.generation`).
+GENERATION_KEY = "generation"
 
 
 class StepBoundaries:
@@ -57,37 +62,16 @@ class StepBoundaries:
                 self._released -= 1
 
 
-def check_resumable(output_dir: str, world_size: int, checkpoint_every: Optional[int]) -> None:
-    """ConfigError saying what `output_dir` holds when a run of `world_size` processes cannot resume
-    it: no checkpoint, or one written by another number of processes (a checkpoint resumes on as
-    many as wrote it: each rank's tables hold the rows of its shards under the plan that wrote them)."""
-    one_process = os.path.join(output_dir, ONE_PROCESS_CHECKPOINT)
-    pointer = os.path.join(output_dir, SHARDED_CHECKPOINT_POINTER)
-    found = []  # (processes, what) of each checkpoint found
-    if os.path.exists(one_process):
-        found.append((1, f"a checkpoint written by one process ({ONE_PROCESS_CHECKPOINT})"))
-    if os.path.exists(pointer):
-        try:
-            with open(pointer) as f:
-                latest = json.load(f)
-            ranks, directory = len(latest["cuts"]), latest["directory"]
-        except (OSError, ValueError, KeyError, TypeError):
-            ranks, directory = None, None  # an earlier version's pointer: loading it names the problem
-        found.append((ranks, f"a checkpoint written by {ranks} ranks under torchrun ({SHARDED_CHECKPOINT_POINTER} "
-                             f"names {directory})"))
-    if any(processes in (world_size, None) for processes, _ in found):
+def check_resumable(output_dir: str, checkpoint_every: Optional[int]) -> None:
+    """ConfigError saying so when `output_dir` holds no checkpoint to resume (of any world: one
+    of another number of processes is resharded)."""
+    if any(os.path.exists(os.path.join(output_dir, name)) for name in (ONE_PROCESS_CHECKPOINT,
+                                                                       SHARDED_CHECKPOINT_POINTER)):
         return
-    if not found:
-        every = ("train.checkpoint_every is not set" if checkpoint_every is None
-                 else f"one every train.checkpoint_every={checkpoint_every} steps")
-        raise ConfigError(f"--resume: output_dir {output_dir!r} holds no checkpoint to continue from ({every}); "
-                          f"start over with --overwrite")
-    processes, what = found[0]
-    this_run = "one process" if world_size == 1 else f"{world_size} ranks"
-    run_with = "without torchrun" if processes == 1 else f"under torchrun with {processes} processes in all"
-    raise ConfigError(f"--resume: output_dir {output_dir!r} holds {what}, and this run has {this_run}: a "
-                      f"checkpoint resumes on as many processes as wrote it (its tables are sharded for them); "
-                      f"resume it {run_with}, or start over with --overwrite")
+    every = ("train.checkpoint_every is not set" if checkpoint_every is None
+             else f"one every train.checkpoint_every={checkpoint_every} steps")
+    raise ConfigError(f"--resume: output_dir {output_dir!r} holds no checkpoint to continue from ({every}); "
+                      f"start over with --overwrite")
 
 
 def load_checkpoint(path: str) -> Any:

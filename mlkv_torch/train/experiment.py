@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -20,7 +22,8 @@ from ..disk_modules import DiskTableModule
 from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from ..table_settings import DiskTableSettings
-from . import checkpoints
+from . import checkpoints, reshard
+from .checkpoint_tables import WrittenCheckpoint, read_pointer, written_checkpoint
 from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 
 _OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adagrad": optim_lib.RowWiseAdagrad,
@@ -75,21 +78,35 @@ class Experiment:
         self.virtual_tables = _virtual_table_options(config)
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
-        self.tables_path = config.tables_path
+        self.resume = resume
+        # A checkpoint of another world is resharded into tables of their own (a generation of the
+        # tables path); resuming one's own world reopens the generation its checkpoint names.
+        self.resharding: Optional[WrittenCheckpoint] = None
+        written = written_checkpoint(config.output_dir, config.tables_path) if resume else None
+        self.generation = written.generation if written is not None else ""
+        if written is not None and (written.one_process, written.processes) != (not self.distributed, self.world_size):
+            written.check_tables_recorded()
+            self.resharding = written
+            self.generation = reshard.generation(self.world_size, not self.distributed, written.step)
+        self.tables_path = os.path.join(config.tables_path, self.generation) if self.generation else config.tables_path
+        if self.resharding is not None:  # what a reshard killed before left
+            from ..torchrec.kernel import rank_storage_dir
+
+            shutil.rmtree(rank_storage_dir(self.tables_path, self.rank) if self.distributed else self.tables_path,
+                          ignore_errors=True)
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.distributed:
                 raise ConfigError("device cuda trains in one process; under torchrun the runner trains on the CPU")
             if not torch.cuda.is_available():
                 raise ConfigError("device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
-        self.resume = resume
         self._saving: Optional[threading.Thread] = None  # the checkpoint being written
         # The training loop marks each boundary; the checkpoint's work follows them.
         self.boundaries = checkpoints.StepBoundaries()
         self._save_error: Optional[BaseException] = None
         # One process resumes from a cut: the checkpoint names the one its tables reopen at.
         self._resumed: Optional[Dict[str, Any]] = None
-        if resume and not self.distributed and os.path.exists(self.checkpoint_path()):
+        if resume and self.resharding is None and not self.distributed and os.path.exists(self.checkpoint_path()):
             self._resumed = checkpoints.load_checkpoint(self.checkpoint_path())
             if "cut" not in self._resumed:
                 raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it holds every "
@@ -123,7 +140,8 @@ class Experiment:
         storage = self.config.storage
         return DiskTableSettings(optimizer=self.rule, staleness=storage.staleness, cache_policy=storage.cache_policy,
                                  backend=_BACKENDS.get(storage.kind, "mlkv"),  # memory: nothing on disk
-                                 seed=self.config.train.seed, reopen=self.resume, virtual_tables=self.virtual_tables)
+                                 seed=self.config.train.seed, reopen=self.resume and self.resharding is None,
+                                 virtual_tables=self.virtual_tables)
 
     def _build_local(self, tables) -> None:
         """One process, disk storage: DiskEmbeddingBagCollection (so the pipeline can look ahead)."""
@@ -135,7 +153,8 @@ class Experiment:
             cache_rows=storage.cache_rows, cut=self._resumed["cut"] if self._resumed else None,
             settings=self._table_settings())
         self.model = self._dlrm(self.collection)
-        dense = [p for name, p in self.model.named_parameters() if "embedding_bag" not in name]
+        parameters = dict(self.model.named_parameters())
+        dense = [parameters[name] for name in self.dense_parameter_names()]
         self.optimizer = torch.optim.Adagrad(dense, lr=config.train.dense_lr or config.train.lr)
 
     def _build_sharded(self, tables) -> None:
@@ -166,7 +185,8 @@ class Experiment:
         model = self._dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")))
         sharder = DiskEmbeddingBagCollectionSharder(
             self.tables_path, memory_fraction=storage.memory_fraction,
-            cuts=self._latest_sharded()[1] if self.resume and os.path.exists(self.checkpoint_path()) else None,
+            cuts=self._latest_sharded()[1] if self.resume and self.resharding is None
+            and os.path.exists(self.checkpoint_path()) else None,
             live_ids=self._live_ids(tables), settings=self._table_settings(),
             qcomm_codecs_registry=_comms_codecs(storage.comms))
         # The planner's cap also covers what it reserves for the dense model and inputs.
@@ -316,7 +336,7 @@ class Experiment:
         # A copy: later steps change the optimizer's state in place.
         state = {"step": step, "dense": self._dense_state(),
                  "dense_optimizer": checkpoints.local_copy(self.optimizer.state_dict()),
-                 checkpoints.TABLES_KEY: self.table_manifest()}
+                 checkpoints.TABLES_KEY: self.table_manifest(), checkpoints.GENERATION_KEY: self.generation}
 
         def commit() -> None:
             # The previous checkpoint stays whole until this one is.
@@ -382,7 +402,10 @@ class Experiment:
         number of processes and plan."""
         from ..torchrec import disk_tables_left_out
 
-        directory = os.path.join(self.config.output_dir, f"checkpoint-{step}")
+        # The checkpoint a reshard reads keeps its directory until the new one is committed.
+        resharded = self.resharding is not None and step == self.resharding.step
+        directory = os.path.join(self.config.output_dir, f"checkpoint-{step}" + (f"-world{self.world_size}"
+                                                                                  if resharded else ""))
         # Storage kind memory has no disk tables: every row goes to the directory.
         pending = self.collection.begin_checkpoint(label=step)
         if pending is not None:
@@ -394,7 +417,7 @@ class Experiment:
         if self.replicas is not None:  # the step before pushed every gradient they owed (the loop's doing)
             state["replicas"] = self.replicas.state_dict()
         rank, world, main = self.rank, self.world_size, self.is_main
-        tables = self.table_manifest()
+        tables, generation = self.table_manifest(), self.generation
 
         def commit() -> None:
             import shutil
@@ -425,7 +448,8 @@ class Experiment:
             cuts = {str(r): w["cut"] for r, w in enumerate(written)}
             previous = self._latest_sharded()[0] if os.path.exists(self.checkpoint_path()) else None
             write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory), "cuts": cuts,
-                                                       checkpoints.TABLES_KEY: tables})
+                                                       checkpoints.TABLES_KEY: tables,
+                                                       checkpoints.GENERATION_KEY: generation})
             if pending is not None:
                 pending.commit()
             if previous and previous != directory:
@@ -458,6 +482,30 @@ class Experiment:
                 pass  # no pointer yet
             time.sleep(0.01)
 
+    def _load_resharded(self, written: WrittenCheckpoint) -> int:
+        """`load` of a checkpoint of another world (`reshard.load_resharded`)."""
+        began = time.perf_counter()
+        step = reshard.load_resharded(self, written)
+        filled = time.perf_counter()
+        self.save(step)
+        self.finish_save()
+        if self.distributed:
+            dist.barrier()  # every rank has let go of the old tables
+        if self.is_main:
+            _remove_all_but(self.config, self.generation, self.distributed)
+            writers = "one process" if written.one_process else f"{written.processes} ranks"
+            readers = "one process" if not self.distributed else f"{self.world_size} ranks"
+            print(f"[train] --resume: the checkpoint at step {step} was written by {writers}; its tables were "
+                  f"resharded for {readers} in {time.perf_counter() - began:.2f} s ({filled - began:.2f} s filling "
+                  f"this rank's tables, the rest checkpointing them)",
+                  file=sys.stderr, flush=True)
+        return step
+
+    def dense_parameter_names(self) -> List[str]:
+        """The model's parameters outside the embedding tables, in the order the one-process dense
+        optimizer holds them."""
+        return [name for name, _ in self.model.named_parameters() if "embedding_bag" not in name]
+
     def _optimizer_state_without_disk_tables(self) -> Dict[str, Any]:
         """The optimizers' state_dict without the disk tables' entries (their state is in the cuts;
         what would stand for them differs from rank to rank, which torch.distributed.checkpoint
@@ -469,21 +517,16 @@ class Experiment:
 
     def _latest_sharded(self) -> Tuple[str, Dict[int, Any]]:
         """The directory the latest checkpoint under torchrun wrote, and each rank's cut of its tables."""
-        try:
-            with open(self.checkpoint_path()) as f:
-                pointer = json.load(f)
-            directory, cuts = pointer["directory"], pointer["cuts"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{self.checkpoint_path()} was written by an earlier mlkv_torch (it points at a copy "
-                              f"of every row, not at cuts of the tables); resume it with that version") from e
-        # The pointer names the directory that a later checkpoint removes: only one of ours.
-        if not isinstance(directory, str) or not checkpoints.CHECKPOINT_DIRECTORY.fullmatch(directory):
-            raise ConfigError(f"{self.checkpoint_path()} names directory {directory!r}, not a checkpoint-<step> "
-                              f"directory of this run: refusing to use it")
-        return (os.path.join(self.config.output_dir, directory),
-                {int(rank): cut for rank, cut in cuts.items() if cut is not None})
+        directory, _, cuts, _ = read_pointer(self.checkpoint_path())
+        return os.path.join(self.config.output_dir, directory), {r: cut for r, cut in cuts.items() if cut is not None}
 
     def load(self) -> int:
+        """Loads the checkpoint `resume` found; returns its step. One of another world is resharded
+        into this run's plan, checkpointed at once for this world, and then removed."""
+        if self.resharding is not None:
+            return self._load_resharded(self.resharding)
+        if self.is_main and self.generation:
+            _remove_all_but(self.config, self.generation, self.distributed)
         if self.distributed:
             from ..torchrec import disk_tables_left_out
 
@@ -518,6 +561,28 @@ class Experiment:
                               f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         return int(state["step"])
+
+
+def _remove_all_but(config: ExperimentConfig, generation: str, distributed: bool) -> None:
+    """Once a reshard's checkpoint (its tables in `generation`) is committed: what is left of the
+    checkpoint it read, the other kind's checkpoint file and any other tables under the tables
+    path (also where a kill came before this)."""
+    from ..table_files import remove_tables
+
+    if distributed:
+        leftovers = [os.path.join(config.output_dir, checkpoints.ONE_PROCESS_CHECKPOINT)]
+    else:
+        pointer = os.path.join(config.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER)
+        leftovers = [pointer] if os.path.exists(pointer) else []
+        if leftovers:
+            shutil.rmtree(os.path.join(config.output_dir, read_pointer(pointer)[0]), ignore_errors=True)
+    for path in leftovers:
+        if os.path.exists(path):
+            os.remove(path)
+    remove_tables(config.tables_path)
+    for name in os.listdir(config.tables_path):
+        if name != generation and reshard.GENERATION.fullmatch(name):
+            shutil.rmtree(os.path.join(config.tables_path, name), ignore_errors=True)
 
 
 def torch_threads(config: ExperimentConfig) -> int:

@@ -70,9 +70,8 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool
 
     if overwrite:
         _start_over(config)
-    if resume:  # before the tables open: a checkpoint of another world keeps its tables elsewhere
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        checkpoints.check_resumable(config.output_dir, world_size, config.train.checkpoint_every)
+    if resume:  # before the tables open
+        checkpoints.check_resumable(config.output_dir, config.train.checkpoint_every)
     experiment = _open_experiment(config, resume)
     populate_s = _populate(experiment, config, resume)
     start_step = 0

@@ -11,6 +11,7 @@ from typing import List
 from ..config import ExperimentConfig
 from ..table_files import remove_tables
 from . import checkpoints, elastic
+from .reshard import GENERATION
 
 # Not .process_group: a one-process run's own process group may be using it (run() renews it).
 _RUN_FILES = ("metrics.jsonl", "summary.json", elastic.JOB_RECORD, checkpoints.ONE_PROCESS_CHECKPOINT,
@@ -20,11 +21,14 @@ _RUN_DIRECTORIES = re.compile(rf"tensorboard|{checkpoints.CHECKPOINT_DIRECTORY.p
 
 def checkpoints_and_metrics(config: ExperimentConfig) -> List[str]:
     """The names in output_dir that a run wrote besides its tables."""
+    return [n for n in _names(config.output_dir) if n in _RUN_FILES or _RUN_DIRECTORIES.fullmatch(n)]
+
+
+def _names(path: str) -> List[str]:
     try:
-        names = sorted(os.listdir(config.output_dir))
+        return sorted(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return [n for n in names if n in _RUN_FILES or _RUN_DIRECTORIES.fullmatch(n)]
 
 
 def remove_earlier_run(config: ExperimentConfig) -> int:
@@ -32,6 +36,10 @@ def remove_earlier_run(config: ExperimentConfig) -> int:
     many tables, cuts, files and directories went. The default tables directory goes once empty;
     anything else there stays."""
     removed = remove_tables(config.tables_path)
+    for name in _names(config.tables_path):  # the directories reshards filled
+        if GENERATION.fullmatch(name):
+            shutil.rmtree(os.path.join(config.tables_path, name))
+            removed += 1
     for name in checkpoints_and_metrics(config):
         path = os.path.join(config.output_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

@@ -7,9 +7,12 @@ reduce-scatter. The sums change order against the table-wise reference, so losse
 to float32 rounding of a few terms (rtol 1e-5), not to the bit.
 """
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -19,20 +22,21 @@ pytest.importorskip("torchrec")
 WORKER = Path(__file__).parents[1] / "workers" / "row_wise_worker.py"
 
 
-def _run(tmp_path_factory, ranks: int, optimizers: str) -> dict:
+def _run(tmp_path_factory, ranks: int, optimizers: str, env: Optional[dict] = None) -> dict:
     out = tmp_path_factory.mktemp(f"rw{ranks}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            str(WORKER), optimizers, str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
-    return {(ranks, name): json.loads((out / f"{name}.json").read_text())
-            for name in optimizers.split(",") + ["refusals"]}
+    return {**{(ranks, name): json.loads((out / f"{name}.json").read_text())
+               for name in optimizers.split(",") + ["refusals"]}, (ranks, "out"): out}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {**_run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume,replicas,qcomm"),
-            **_run(tmp_path_factory, 4, "sgd")}
+    two = _run(tmp_path_factory, 2, "sgd,rowwise_adagrad,mean,resume,replicas,qcomm")
+    checkpoint = two[(2, "out")] / "checkpoint"  # the 2-rank run's DCP checkpoint
+    return {**two, **_run(tmp_path_factory, 4, "sgd,resharded", {"DCP_CHECKPOINT": str(checkpoint)})}
 
 
 @pytest.mark.parametrize("ranks, optimizer", [(2, "sgd"), (2, "rowwise_adagrad"), (4, "sgd")])
@@ -139,3 +143,18 @@ def test_the_bytes_row_wise_tables_send_are_counted(runs, ranks):
     rows = (ranks - 1) * BATCH * DIM * 4  # bytes
     assert sent["outputs"] == sent["gradients"] == STEPS * rows * (1 + ranks + ranks), sent
     assert sent["ids"] > 0
+
+
+def test_a_dcp_checkpoint_of_two_ranks_loads_into_four_ranks_blocks_with_every_row_and_state(runs):
+    # TorchRec users' own checkpoints (torch.distributed.checkpoint): the 2-rank job's, loaded by 4
+    # ranks whose blocks of the row-wise and table-row-wise disk tables differ; DCP reads each new
+    # block from the saved ones, and writing it into the disk tables' state dict fills their stores.
+    saved, loaded = runs[(2, "resume")]["saved"], runs[(4, "resharded")]["loaded"]
+    assert loaded["offsets"]["t_rw"] == [[751 * r, 0] for r in range(4)]  # 2 ranks held blocks of 1501
+    for table in ("t_mem", "t_rw", "t_twrw"):
+        assert torch.equal(torch.tensor(loaded["rows"][table]), torch.tensor(saved["rows"][table])), table
+    assert sorted(loaded["state"]) == sorted(saved["state"]) and len(saved["state"]) == 3
+    for key, state in saved["state"].items():
+        assert torch.equal(torch.tensor(loaded["state"][key]), torch.tensor(state)), key
+    losses = runs[(4, "resharded")]["losses"]
+    assert len(losses) == 4 and all(len(r) == 4 and all(math.isfinite(x) for x in r) for r in losses)

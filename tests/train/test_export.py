@@ -18,6 +18,7 @@ from mlkv_torch.export import export_checkpoint  # noqa: E402
 from mlkv_torch.store import initial_rows  # noqa: E402
 from mlkv_torch.train import run  # noqa: E402
 from mlkv_torch.train.experiment import Experiment  # noqa: E402
+from test_reshard import same_tables  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -95,10 +96,9 @@ def test_a_one_process_checkpoint_exports_the_rows_and_state_the_resumed_tables_
         "row-wise Adagrad's accumulator: the mean over the row of squared gradients, summed over steps"}
 
 
-@pytest.mark.parametrize("sharding", ["planner's choice", "row_wise"])
-def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_gives_it(tmp_path, sharding):
+def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_gives_it(tmp_path):
     out = tmp_path / "run"
-    common = [f"output_dir={out}", *SMALL] + (["storage.sharding_types=[row_wise]"] if sharding == "row_wise" else [])
+    common = [f"output_dir={out}", *SMALL]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     done = subprocess.run([*cmd, "-m", "mlkv_torch.train", str(QUICKSTART), "train.steps=8", "--no-progress", *common],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -111,12 +111,10 @@ def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_give
     assert _files(out) == before
     manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
     placements = {(t["placement"], t["sharding"]) for t in manifest["tables"].values()}
-    if sharding == "row_wise":  # each table's rows in blocks over the two ranks' stores, joined by id
-        assert placements == {("disk", "row_wise")}
-        assert len(list((out / "tables").glob("rank1/t_cat_2_rows*_cols0"))) == 1
-    else:  # tables on disk, sharded in memory, and replicated: each is read its own way
-        assert {p for p, s in placements} == {"disk", "memory"} and ("memory", "data_parallel") in placements
-        assert any(p == "memory" and s != "data_parallel" for p, s in placements)
+    # Tables on disk, sharded in memory, and replicated: each is read its own way (row-wise disk
+    # tables, read from each rank's block, in tests/train/test_reshard.py).
+    assert {p for p, s in placements} == {"disk", "memory"} and ("memory", "data_parallel") in placements
+    assert any(p == "memory" and s != "data_parallel" for p, s in placements)
     state_path = tmp_path / "state.pt"
     done = subprocess.run([*cmd, str(WORKER), str(QUICKSTART), str(state_path), *common],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -131,6 +129,14 @@ def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_give
                   for k in sorted(set().union(*held))]
         reference[table] = (weight, torch.cat(states, dim=1) if states else torch.zeros(0))
     _check_against(tmp_path / "export", reference)
+    # Resumed on one process, every table on disk: each row and its optimizer state carried over
+    # (a replicated table's per-element sums as row-wise Adagrad's mean of them).
+    done = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), "train.steps=8",
+                           "--no-progress", "--resume", *common], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "written by 2 ranks; its tables were resharded for one process" in done.stderr
+    export_checkpoint(str(out), str(tmp_path / "one"))
+    same_tables(tmp_path / "export", tmp_path / "one")
 
 
 def _whole(parts: list) -> torch.Tensor:

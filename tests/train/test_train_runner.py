@@ -1,7 +1,6 @@
 """python -m mlkv_torch.train: the quickstart for a few steps, resume, and config errors."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -259,25 +258,6 @@ def test_missing_files_are_named(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(tmp_path / "nope.yaml")],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2 and "config error" in done.stderr and "nope.yaml" in done.stderr
-
-
-def test_a_checkpoint_resumes_on_as_many_processes_as_wrote_it_and_says_so(tmp_path, whole_on_two_ranks):
-    from mlkv_torch.train.checkpoints import check_resumable
-
-    two = tmp_path / "two"  # two ranks wrote it; one process asks to resume it
-    shutil.copytree(whole_on_two_ranks, two)
-    with pytest.raises(ConfigError, match=r"holds a checkpoint written by 2 ranks under torchrun \(checkpoint\.latest "
-                                          r"names checkpoint-\d+\), and this run has one process: .* resume it under "
-                                          r"torchrun with 2 processes in all, or start over with --overwrite$"):
-        run(load_config(QUICKSTART, [f"output_dir={two}", *SMALL]), resume=True, progress=False)
-    one = tmp_path / "one"  # one process wrote it; each of two ranks checks before its tables open
-    run(load_config(QUICKSTART, [f"output_dir={one}", "train.steps=4", "train.checkpoint_every=2", *SMALL]),
-        progress=False)
-    with pytest.raises(ConfigError, match=r"holds a checkpoint written by one process \(checkpoint\.pt\), and this "
-                                          r"run has 2 ranks: .* resume it without torchrun, or start over"):
-        check_resumable(str(one), 2, 2)
-    check_resumable(str(one), 1, 2)  # the world that wrote it: nothing to say
-    check_resumable(str(two), 2, 4)
 
 
 def _torchrun(out: Path, steps: int, *extra: str, worker: Sequence[str] = ("-m", "mlkv_torch.train"),

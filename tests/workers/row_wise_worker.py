@@ -11,7 +11,10 @@ initial rows and batches; rank 0 writes OUT_DIR/<optimizer>.json: each plan's lo
 kernels and sharding types, and every table's trained rows (assembled from the ranks' shards of
 the state dict). "resume" instead: the disk plan with row-wise Adagrad trains SAVE_AT steps and saves
 a checkpoint (torch.distributed.checkpoint); a new model with empty storage loads it and trains the
-rest; OUT_DIR/resume.json holds the losses of both parts and the trained rows. "replicas": the disk
+rest; OUT_DIR/resume.json holds the losses of both parts, the trained rows, and the rows and optimizer
+state saved. "resharded": that checkpoint (DCP_CHECKPOINT) loaded by another number of ranks, its
+plan's blocks other than the saving run's; the rows and optimizer state loaded, then the losses of
+the rest. "replicas": the disk
 plan with SGD, REPLICA_STEPS steps without and with replicas of hot rows at bounds 0; their losses,
 rows, the replicas' statistics and the bytes sent. Then OUT_DIR/refusals.json: what sharding a table
 of fewer rows than ranks by rows, and a mean-pooled row-wise table beside a table-wise one, say.
@@ -23,6 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
@@ -124,13 +128,55 @@ def resumed_from_checkpoint(out_dir: str) -> dict:
     checkpoint = os.path.join(out_dir, "checkpoint")
     dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=checkpoint)
     dist.barrier()
+    saved = {"rows": trained_rows(dmp), "state": optimizer_rows(opt)}
     dmp, opt, _ = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-resume"))
     state = {"model": dmp.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint)
     dmp.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     losses += [train_step(dmp, opt, step) for step in range(SAVE_AT, STEPS)]
-    return {"losses": all_gather_objects(losses), "rows": trained_rows(dmp)}
+    return {"losses": all_gather_objects(losses), "rows": trained_rows(dmp), "saved": saved}
+
+
+def resharded_from_checkpoint(out_dir: str) -> dict:
+    """A DCP checkpoint written by another number of ranks ("resume" of a 2-rank run, at
+    DCP_CHECKPOINT), loaded into this world's plan with empty storage (rows and optimizer state
+    reshard across the new blocks), then trained on."""
+    dmp, opt, plan = build(True, "rowwise_adagrad", os.path.join(out_dir, "store-resharded"))
+    state = {"model": dmp.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=os.environ["DCP_CHECKPOINT"])
+    dmp.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    loaded = {"rows": trained_rows(dmp), "state": optimizer_rows(opt),
+              "offsets": {t: [list(s.shard_offsets) for s in p.sharding_spec.shards]
+                          for t, p in plan.plan[COLLECTION].items()}}
+    losses = [train_step(dmp, opt, step) for step in range(SAVE_AT, STEPS)]
+    return {"loaded": loaded, "losses": all_gather_objects(losses)}
+
+
+def optimizer_rows(opt) -> dict:
+    """Every table's optimizer state (by state dict key), assembled on every rank from every rank's
+    shards; a rank's step counters beside it."""
+    local = {}
+    for key, value in opt.state_dict()["state"].items():
+        if COLLECTION not in key:
+            continue
+        for name, held in value.items():
+            tensor = held["rows"] if isinstance(held, dict) else held  # a disk table's: {"rows", "step"}
+            if isinstance(tensor, ShardedTensor):
+                local[f"{key}.{name}"] = (list(tensor.size()), [(list(s.metadata.shard_offsets), s.tensor.tolist())
+                                                                for s in tensor.local_shards()])
+    gathered = all_gather_objects(local)
+    rows = {}
+    for key in sorted(set().union(*gathered)):
+        size = next(g[key][0] for g in gathered if key in g)
+        full = torch.full(size, float("nan"))
+        for g in gathered:
+            for offsets, block in g.get(key, (None, []))[1]:
+                block = torch.tensor(block)
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))] = block
+        rows[key] = full.tolist()
+    return rows
 
 
 def with_and_without_replicas(out_dir: str) -> dict:
@@ -184,9 +230,11 @@ def main() -> None:
         result = {}
         if optimizer == "resume":
             result = resumed_from_checkpoint(out_dir)
+        elif optimizer == "resharded":
+            result = resharded_from_checkpoint(out_dir)
         elif optimizer == "replicas":
             result = with_and_without_replicas(out_dir)
-        for on_disk in (() if optimizer in ("resume", "replicas") else (False, True)):
+        for on_disk in (() if optimizer in ("resume", "resharded", "replicas") else (False, True)):
             dmp, opt, plan = build(on_disk, "sgd" if optimizer == "qcomm" else optimizer,
                                    os.path.join(out_dir, f"store-{optimizer}-{on_disk}"),
                                    **(quantized_comms() if optimizer == "qcomm" else {}))

@@ -1,0 +1,226 @@
+"""Resuming a checkpoint written by another number of processes (`--resume`, and TorchElastic's
+restarts into another world): this run's plan is made for its own world, its tables are opened
+empty in a directory of their own (`generation`) and filled from the checkpoint, which is only
+read (`WrittenCheckpoint`): each row lands on the rank whose shard holds it, with its optimizer
+state, wherever either plan put the table (disk, sharded in memory, replicated). The dense model
+and its optimizer come from the checkpoint's copy of them. The caller then takes a checkpoint of
+the new world at once, and only then lets the old one go, so a kill at any moment leaves one
+checkpoint whole and a retry begins again."""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import ConfigError
+from ..row_layout import RowLayout
+from ..store import initial_rows
+from ..stored_shards import fill_shard, same_columns
+from .checkpoint_tables import WrittenCheckpoint, state_entry, weight_key
+
+__all__ = ["GENERATION", "generation", "check_tables", "load_resharded"]
+
+# A directory of tables filled by a reshard, under the run's tables path.
+GENERATION = re.compile(r"(one-process|world[0-9]+)-step[0-9]+")
+_CHUNK_ROWS = 1 << 16
+
+
+def generation(world_size: int, one_process: bool, step: int) -> str:
+    """The directory (under the tables path) of tables resharded at `step` for this world."""
+    return f"{'one-process' if one_process else f'world{world_size}'}-step{step}"
+
+
+def check_tables(written: Dict[str, Dict[str, Any]], this_run: Dict[str, Dict[str, Any]]) -> None:
+    """ConfigError naming a table that one side lacks or whose rows, columns, weight type or
+    optimizer differ between the checkpoint (`written`) and this run."""
+    lacking, extra = sorted(set(this_run) - set(written)), sorted(set(written) - set(this_run))
+    if lacking or extra:
+        differences = ([f"it lacks {lacking}"] if lacking else []) + \
+            ([f"it has {extra}, which this run does not"] if extra else [])
+        raise ConfigError(f"the checkpoint's tables differ from this run's: {'; '.join(differences)}: resume with "
+                          f"the data and model config it was written with")
+    for name, entry in this_run.items():
+        for key in ("rows", "dim", "dtype", "optimizer"):
+            if written[name][key] != entry[key]:
+                raise ConfigError(f"table {name!r}: the checkpoint's {key} is {written[name][key]!r}, this run's "
+                                  f"{entry[key]!r}: resume with the config it was written with")
+
+
+def load_resharded(experiment: Any, written: WrittenCheckpoint) -> int:
+    """Fills `experiment` (built for this world, its tables empty) from `written`; returns the step."""
+    check_tables(written.tables, experiment.table_manifest())
+    this_run = experiment.table_manifest()
+    for table, first_row, first_column, bag in experiment.collection.local_disk_shards():
+        _fill_disk_shard(written, table, first_row, first_column, bag)
+    if experiment.distributed:
+        _load_sharded_state(experiment, written, this_run)
+    else:
+        _load_one_process_state(experiment, written)
+    return written.step
+
+
+def _fill_disk_shard(written: WrittenCheckpoint, table: str, first_row: int, first_column: int, bag: Any) -> None:
+    """A disk shard of this run: rows, state and step from the checkpoint's stores directly where
+    its columns are split as here (no row is converted), else from the table's rows read whole."""
+    layout = RowLayout(bag.embedding_dim, bag.dtype, bag.optimizer)
+    initial = written.initial_rows(table)
+    if initial is not None and initial["seed"] != bag.seed:
+        raise ConfigError(f"table {table!r}: the checkpoint's rows never written start from seed {initial['seed']}, "
+                          f"this run's from {bag.seed}: resume with the train.seed it was written with")
+    entry = written.tables[table]
+    if entry["placement"] == "disk" and same_columns(written.disk_shards(table), first_row, bag.num_embeddings,
+                                                     first_column, bag.embedding_dim):
+        fill_shard(bag, first_row, first_column, written.disk_shards(table), layout, _CHUNK_ROWS)
+        return
+    stop_row = first_row + bag.num_embeddings
+    for ids, weights, state in written.rows(table, _CHUNK_ROWS):
+        inside = (ids >= first_row) & (ids < stop_row)
+        if bool(inside.any()):
+            bag.load_rows(ids[inside] - first_row, weights[inside][:, first_column:first_column + bag.embedding_dim],
+                            converted_state(_state_kind(entry), entry["optimizer"], state[inside], first_column,
+                                            bag.embedding_dim, entry["dim"]))
+    bag.steps = written.step
+
+
+def _state_kind(entry: Dict[str, Any]) -> str:
+    """Whose state a table's rows carry: its optimizer's, or the dense optimizer's (replicated)."""
+    return "dense_adagrad" if entry["sharding"] == "data_parallel" else entry["optimizer"]
+
+
+def converted_state(source: str, target: str, state: torch.Tensor, first_column: int, columns: int, dim: int
+                    ) -> Optional[torch.Tensor]:
+    """Optimizer state kept for `source` ("sgd", "adagrad", "rowwise_adagrad", "adam", or
+    "dense_adagrad": torch's Adagrad of a replicated table), as `target` keeps it for columns
+    [first_column, first_column + columns) of a `dim`-wide row. Element-wise sums are Adagrad's
+    either way; row-wise Adagrad's accumulator is the mean of them over the row (what it would
+    have summed), and stands for each element's the other way (an approximation); a row-wise
+    state read across column shards ([n, shards]) becomes their mean. None: the target keeps no
+    state, or none can carry over (Adam's moments from Adagrad's sums): rows start it afresh."""
+    source, target = (("adagrad" if kind == "dense_adagrad" else kind) for kind in (source, target))
+    columns_of = slice(first_column, first_column + columns)
+    if target == "sgd" or source == "sgd":
+        return None
+    if source == "rowwise_adagrad":
+        row = state.mean(dim=1, keepdim=True)
+        return row if target == "rowwise_adagrad" else row.expand(-1, columns).contiguous() \
+            if target == "adagrad" else None
+    if source == "adagrad":
+        sums = state[:, columns_of]
+        return sums if target == "adagrad" else sums.mean(dim=1, keepdim=True) \
+            if target == "rowwise_adagrad" else None
+    if source == "adam" and target == "adam":
+        return torch.cat([state[:, :dim][:, columns_of], state[:, dim:][:, columns_of]], dim=1)
+    return None
+
+
+def _load_sharded_state(experiment: Any, written: WrittenCheckpoint, this_run: Dict[str, Dict[str, Any]]) -> None:
+    """This rank's tables in memory, its dense model and its optimizers, from the checkpoint."""
+    from ..torchrec import disk_tables_left_out
+
+    with disk_tables_left_out():
+        model = experiment.model.state_dict()
+        optimizer = experiment._optimizer_state_without_disk_tables()
+        for table, entry in this_run.items():
+            if entry["placement"] == "memory":
+                _fill_memory_table(written, table, entry, model, optimizer["state"])
+        dense, dense_optimizer = _dense_state(written)
+        tables = tuple(weight_key(t) for t in this_run)
+        for key, value in model.items():
+            if isinstance(value, torch.Tensor) and not key.endswith(tables):
+                value.copy_(_named(dense, key, "the dense model"))
+        for key, value in optimizer["state"].items():
+            if not key.endswith(tables):
+                for name, tensor in value.items():
+                    tensor.copy_(_named(dense_optimizer, key, "the dense optimizer")[name])
+        experiment.model.load_state_dict(model)
+        full = experiment.optimizer.state_dict()  # the disk tables' entries: their steps, as filled
+        full["state"].update(optimizer["state"])
+        experiment.optimizer.load_state_dict(full)
+
+
+def _load_one_process_state(experiment: Any, written: WrittenCheckpoint) -> None:
+    """One process: the dense model, and its optimizer (torch's Adagrad over the dense parameters
+    in the model's order), from the checkpoint."""
+    dense, dense_optimizer = _dense_state(written)
+    names = experiment.dense_parameter_names()
+    experiment.model.load_state_dict({name: _named(dense, name, "the dense model") for name in names}, strict=False)
+    state = experiment.optimizer.state_dict()
+    state["state"] = {i: _named(dense_optimizer, name, "the dense optimizer") for i, name in enumerate(names)}
+    experiment.optimizer.load_state_dict(state)
+
+
+def _named(values: Dict[str, Any], key: str, what: str) -> Any:
+    if key not in values:
+        raise ConfigError(f"the checkpoint's {what} holds no {key!r} (its keys: {sorted(values)[:8]} ...)")
+    return values[key]
+
+
+def _fill_memory_table(written: WrittenCheckpoint, table: str, entry: Dict[str, Any], model: Dict[str, Any],
+                       optimizer: Dict[str, Any]) -> None:
+    """This rank's blocks of a table TorchRec keeps in memory (sharded or replicated), and their
+    optimizer state (TorchRec's momentums, or the dense optimizer's sum), from the checkpoint's
+    rows; rows a disk table never wrote start as its initial rows there did."""
+    blocks = _blocks(state_entry(model, weight_key(table), table))
+    held = state_entry(optimizer, weight_key(table), table, default={})
+    keys = ["sum"] if entry["sharding"] == "data_parallel" else \
+        sorted(k for k in held if k.startswith(f"{table}.momentum"))
+    moments = [_blocks(held[k]) for k in keys if k in held]
+    initial = written.initial_rows(table)
+    if initial is not None:  # every row of a disk table: those it never wrote start as there
+        kind, a, b = initial["distribution"]
+        bounds = dict(mean=a, std=b) if kind == "normal" else dict(low=a, high=b)
+        for offsets, tensor in blocks:
+            ids = torch.arange(offsets[0], offsets[0] + tensor.shape[0])
+            rows = initial_rows(ids, entry["dim"], seed=initial["seed"], **bounds)
+            tensor.copy_(rows[:, offsets[1]:offsets[1] + tensor.shape[1]])
+        for parts in moments:
+            for _, tensor in parts:
+                tensor.zero_()
+    for ids, weights, state in written.rows(table, _CHUNK_ROWS):
+        for offsets, tensor in blocks:
+            _put_rows(tensor, offsets[0], ids, weights[:, offsets[1]:offsets[1] + tensor.shape[1]])
+        if not moments:
+            continue
+        columns = moments[0][0][1].shape[1] if moments[0][0][1].dim() == 2 else 1
+        converted = converted_state(_state_kind(written.tables[table]), _state_kind(entry), state,
+                                    moments[0][0][0][1], columns, entry["dim"])
+        if converted is None:
+            continue
+        for part, parts in zip(converted.split(converted.shape[1] // len(moments), dim=1), moments):
+            for offsets, tensor in parts:
+                _put_rows(tensor, offsets[0], ids, part.reshape(part.shape[0], *tensor.shape[1:]))
+
+
+def _put_rows(tensor: torch.Tensor, first: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes the `rows` whose `ids` fall in `tensor`'s block of rows from `first`."""
+    inside = (ids >= first) & (ids < first + tensor.shape[0])
+    if bool(inside.any()):
+        tensor[ids[inside] - first] = rows[inside]
+
+
+def _blocks(value: Any) -> List[Tuple[List[int], torch.Tensor]]:
+    """(offsets [row, column], tensor) of this rank's blocks of a state dict's value: a
+    ShardedTensor's local shards, a replicated tensor whole."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return [((list(s.metadata.shard_offsets) + [0])[:2], s.tensor) for s in value.local_shards()]
+    return [([0, 0], value)]
+
+
+def _dense_state(written: WrittenCheckpoint) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
+    """The checkpoint's dense model ({name: tensor}) and its optimizer's state ({name: {"sum",
+    "step"}}), by the names a DLRM of the runner gives them in both worlds."""
+    state = torch.load(written.state_files[0], weights_only=True, mmap=True)
+    if written.one_process:
+        dense = state["dense"]
+        params = [name for name in dense if not name.endswith(_BUFFERS)]
+        by_index = state["dense_optimizer"]["state"]
+        return dense, {params[int(i)]: value for i, value in by_index.items()}
+    tables = tuple(weight_key(t) for t in written.tables)
+    dense = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor) and not k.endswith(tables)}
+    return dense, {k: v for k, v in state["optim"]["state"].items() if not k.endswith(tables)}
+
+
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # a dense model's buffers: no optimizer state
