@@ -398,8 +398,8 @@ class Experiment:
         commits them, in the background: each rank writes its state to checkpoint-<step>/rank<r>.pt
         and, once its cut is written, records it there (cut-rank<r>.json); rank 0, once every rank
         has, renames the pointer, which names the directory and every rank's cut. Like the cuts of
-        the disk tables, a rank's file belongs to its place in the plan: resume with the same
-        number of processes and plan."""
+        the disk tables, a rank's file belongs to its place in the plan; another world reads them
+        all (`reshard`)."""
         from ..torchrec import disk_tables_left_out
 
         # The checkpoint a reshard reads keeps its directory until the new one is committed.
@@ -535,9 +535,10 @@ class Experiment:
             replica_state = saved.pop("replicas", None)
             if self.replicas is not None and replica_state is not None:
                 self.replicas.load_state_dict(replica_state)
-            if saved["world_size"] != self.world_size:
-                raise ConfigError(f"{self.checkpoint_path()} was written by {saved['world_size']} processes: resume "
-                                  f"it with as many (each one's tables and state belong to its place in the plan)")
+            if saved["world_size"] != self.world_size:  # the pointer names as many cuts as there were ranks
+                raise ConfigError(f"{self.checkpoint_path()} names {self.world_size} ranks' cuts, and rank "
+                                  f"{self.rank}'s file was written by {saved['world_size']}: the checkpoint is "
+                                  f"damaged")
             with disk_tables_left_out():  # the disk tables reopened at the checkpoint's cuts
                 try:
                     state = checkpoints.restored({"model": self.model.state_dict(),

@@ -101,14 +101,14 @@ def converted_state(source: str, target: str, state: torch.Tensor, first_column:
     columns_of = slice(first_column, first_column + columns)
     if target == "sgd" or source == "sgd":
         return None
-    if source == "rowwise_adagrad":
-        row = state.mean(dim=1, keepdim=True)
-        return row if target == "rowwise_adagrad" else row.expand(-1, columns).contiguous() \
-            if target == "adagrad" else None
-    if source == "adagrad":
-        sums = state[:, columns_of]
-        return sums if target == "adagrad" else sums.mean(dim=1, keepdim=True) \
-            if target == "rowwise_adagrad" else None
+    if source == "rowwise_adagrad" and target == "rowwise_adagrad":
+        return state.mean(dim=1, keepdim=True)
+    if source == "rowwise_adagrad" and target == "adagrad":
+        return state.mean(dim=1, keepdim=True).expand(-1, columns).contiguous()
+    if source == "adagrad" and target == "adagrad":
+        return state[:, columns_of]
+    if source == "adagrad" and target == "rowwise_adagrad":
+        return state[:, columns_of].mean(dim=1, keepdim=True)
     if source == "adam" and target == "adam":
         return torch.cat([state[:, :dim][:, columns_of], state[:, dim:][:, columns_of]], dim=1)
     return None

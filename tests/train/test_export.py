@@ -5,6 +5,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,14 +130,43 @@ def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_give
                   for k in sorted(set().union(*held))]
         reference[table] = (weight, torch.cat(states, dim=1) if states else torch.zeros(0))
     _check_against(tmp_path / "export", reference)
-    # Resumed on one process, every table on disk: each row and its optimizer state carried over
-    # (a replicated table's per-element sums as row-wise Adagrad's mean of them).
-    done = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), "train.steps=8",
-                           "--no-progress", "--resume", *common], capture_output=True, text=True, timeout=600, cwd=REPO)
+    # Resumed on one process, every table on disk, killed while it reshards and resumed again: the
+    # checkpoint it reads stays as it was until the new one is committed, and the last attempt
+    # carries each row and its optimizer state over (a replicated table's per-element sums as
+    # row-wise Adagrad's mean of them).
+    resume = [sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), "train.steps=8", "--no-progress",
+              "--resume", *common]
+    for delay in (0.0, 0.2):
+        _kill_when_resharding(resume, out / "tables" / "one-process-step8", delay)
+        if (out / "checkpoint.pt").exists():
+            assert delay > 0  # the first kill comes as the tables are made, long before a commit
+            break  # the reshard was committed before the kill came
+        after = _files(out)
+        assert {name: after.get(name) for name in before} == before
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "written by 2 ranks; its tables were resharded for one process" in done.stderr
     export_checkpoint(str(out), str(tmp_path / "one"))
     same_tables(tmp_path / "export", tmp_path / "one")
+
+
+def _kill_when_resharding(command: list, tables: Path, delay: float) -> None:
+    """Runs `command` and kills it (SIGKILL) `delay` seconds after it makes `tables` (anew, where an
+    attempt killed before left them)."""
+    def made() -> tuple:
+        try:
+            found = tables.stat()
+            return found.st_ino, found.st_ctime_ns
+        except FileNotFoundError:
+            return ()
+
+    left = made()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.monotonic() + 300
+    while made() in ((), left) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(delay)
+    process.kill()
+    process.wait()
 
 
 def _whole(parts: list) -> torch.Tensor:

@@ -105,3 +105,20 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     # Every row and state went there and back: the job goes on as it did without either move.
     got = _losses(out)
     assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
+
+
+def test_optimizer_state_converts_between_rules_as_documented():
+    from mlkv_torch.train.reshard import converted_state
+
+    sums = torch.tensor([[1.0, 2.0, 3.0, 6.0]])  # torch Adagrad's (a replicated table's), one per element
+    assert converted_state("dense_adagrad", "rowwise_adagrad", sums, 0, 4, 4).tolist() == [[3.0]]
+    assert converted_state("dense_adagrad", "adagrad", sums, 2, 2, 4).tolist() == [[3.0, 6.0]]  # a column shard's
+    assert converted_state("adagrad", "dense_adagrad", sums, 0, 4, 4).tolist() == sums.tolist()
+    assert converted_state("rowwise_adagrad", "adagrad", torch.tensor([[3.0]]), 0, 2, 4).tolist() == [[3.0, 3.0]]
+    # Row-wise state read across two column shards: their mean, the whole row's.
+    two_shards = torch.tensor([[2.0, 4.0]])
+    assert converted_state("rowwise_adagrad", "rowwise_adagrad", two_shards, 0, 4, 4).tolist() == [[3.0]]
+    moments = torch.arange(8.0).reshape(1, 8)  # Adam: first moments, then second moments
+    assert converted_state("adam", "adam", moments, 1, 2, 4).tolist() == [[1.0, 2.0, 5.0, 6.0]]
+    for source, target in (("adagrad", "adam"), ("adam", "adagrad"), ("adagrad", "sgd"), ("sgd", "adagrad")):
+        assert converted_state(source, target, sums, 0, 4, 4) is None, (source, target)
