@@ -17,7 +17,7 @@ import torch
 from .row_layout import RowLayout
 from .store import KVStore
 
-__all__ = ["StoredShard", "stored_shards", "read_shard", "fill_shard", "same_columns"]
+__all__ = ["StoredShard", "stored_shards", "read_shard", "open_shard", "fill_shard", "same_columns"]
 
 _SHARD_DIRECTORY = re.compile(r"(?P<table>.+)_rows(?P<row>[0-9]+)_cols(?P<column>[0-9]+)")
 _READ_BUDGET = 16 << 20  # log pages a read-only open holds in memory; the scan reads a few MiB at a time
@@ -101,10 +101,19 @@ def read_shard(shard: StoredShard, layout: RowLayout, chunk_rows: int = 1 << 16
     if layout.embedding_dim != shard.columns:
         raise ValueError(f"table {shard.table!r}: layout of {layout.embedding_dim} columns for a shard of "
                          f"{shard.columns}")
+    with open_shard(shard, layout) as store:
+        for keys, rows in store.scan(chunk_rows):
+            yield keys + shard.first_row, layout.weights_of(rows[:, :layout.weight_words]).clone(), \
+                rows[:, layout.weight_words:].clone()
+
+
+def open_shard(shard: StoredShard, layout: RowLayout) -> KVStore:
+    """`shard`'s store at its checkpoint, opened read-only (nothing is written); ValueError names the
+    table when its stored rows are another width than `layout` gives."""
     words = layout.weight_words + layout.state_dim
     try:
-        store = KVStore(shard.path, words, torch.float32, _READ_BUDGET, cut_checkpoints=True,
-                        checkpoint=shard.checkpoint, key_limit=shard.rows, read_only=True)
+        return KVStore(shard.path, words, torch.float32, _READ_BUDGET, cut_checkpoints=True,
+                       checkpoint=shard.checkpoint, key_limit=shard.rows, read_only=True)
     except ValueError as e:
         if "dim" not in str(e):
             raise
@@ -112,10 +121,6 @@ def read_shard(shard: StoredShard, layout: RowLayout, chunk_rows: int = 1 << 16
                          f"{layout.embedding_dim} columns of {layout.dtype} with {type(layout.optimizer).__name__}'s "
                          f"state make them: the table's embedding_dim, weight type or optimizer differs from the "
                          f"run that wrote it ({e})") from e
-    with store:
-        for keys, rows in store.scan(chunk_rows):
-            yield keys + shard.first_row, layout.weights_of(rows[:, :layout.weight_words]).clone(), \
-                rows[:, layout.weight_words:].clone()
 
 
 def fill_shard(bag: Any, first_row: int, first_column: int, sources: List[StoredShard], layout: RowLayout,

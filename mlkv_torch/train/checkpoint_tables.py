@@ -4,6 +4,7 @@ checkpoint names, opened read-only), from the ranks' files for tables TorchRec k
 (each rank's shards) or replicated (rank 0's copy). Nothing of the checkpoint is written."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -16,8 +17,7 @@ from ..config import ConfigError
 from ..cut import read_json_record
 from ..disk_table import TABLE_RECORD
 from ..row_layout import RowLayout
-from ..store import KVStore
-from ..stored_shards import StoredShard, read_shard, stored_shards
+from ..stored_shards import StoredShard, open_shard, read_shard, stored_shards
 from . import checkpoints
 
 __all__ = ["WrittenCheckpoint", "written_checkpoint", "read_pointer", "TableRows"]
@@ -166,7 +166,7 @@ def _disk_rows(shards: List[StoredShard], layout: RowLayout, chunk_rows: int) ->
     first, *others = sorted(by_columns)
     for block in by_columns[first]:
         partners = [next(s for s in by_columns[c] if s.first_row == block.first_row) for c in others]
-        stores = [_open_read_only(s, _layout_of(layout, s.columns)) for s in partners]
+        stores = [open_shard(s, _layout_of(layout, s.columns)) for s in partners]
         try:
             for ids, weights, state in read_shard(block, _layout_of(layout, block.columns), chunk_rows):
                 weight_parts, state_parts = [weights], [state]
@@ -182,12 +182,7 @@ def _disk_rows(shards: List[StoredShard], layout: RowLayout, chunk_rows: int) ->
 
 
 def _layout_of(layout: RowLayout, columns: int) -> RowLayout:
-    return RowLayout(columns, layout.dtype, layout.optimizer)
-
-
-def _open_read_only(shard: StoredShard, layout: RowLayout) -> KVStore:
-    return KVStore(shard.path, layout.weight_words + layout.state_dim, torch.float32, 16 << 20, cut_checkpoints=True,
-                   checkpoint=shard.checkpoint, key_limit=shard.rows, read_only=True)
+    return dataclasses.replace(layout, embedding_dim=columns)
 
 
 def written_checkpoint(output_dir: str, tables_path: Optional[str] = None) -> Optional[WrittenCheckpoint]:
