@@ -3,15 +3,16 @@
     python -m mlkv_torch.export OUTPUT_DIR OUT [--tables DIR] [--chunk-rows N]
 
 OUT gets one Parquet file per table (columns ``id`` int64, ``weight`` and, with optimizer state,
-``state``: fixed-size lists of float32) and ``manifest.json``: the step, each table's rows,
+``state``: fixed-size lists of float32), ``dense.pt`` (the dense model and its optimizer's state
+by parameter name, for ``torch.load``) and ``manifest.json``: the step, each table's rows,
 columns, optimizer and placement, what its state columns hold, how the rows a disk table never
 wrote start, and each file's rows, bytes and SHA-256. Rows stream a chunk at a time; the
 checkpoint is only read (its stores opened read-only), and OUT appears whole or not at all
-(it is written as OUT.partial, then renamed)."""
+(it is written as OUT.partial, then renamed). A run starts from an export with
+``python -m mlkv_torch.train CONFIG --import OUT`` (`mlkv_torch.exported_tables`)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -19,13 +20,10 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .config import ConfigError
+from .exported_tables import DENSE_FILE, FORMAT, MANIFEST, VERSION, file_sha256
 from .train.checkpoint_tables import WrittenCheckpoint, written_checkpoint
 
-__all__ = ["export_checkpoint", "MANIFEST", "FORMAT"]
-
-MANIFEST = "manifest.json"
-FORMAT = "mlkv-torch-tables"
-_VERSION = 1
+__all__ = ["export_checkpoint"]
 
 
 def export_checkpoint(output_dir: str, out: str, tables_dir: Optional[str] = None, chunk_rows: int = 1 << 16
@@ -47,10 +45,11 @@ def export_checkpoint(output_dir: str, out: str, tables_dir: Optional[str] = Non
         os.makedirs(partial)
     except OSError as e:
         raise ConfigError(f"{out!r} cannot be written: cannot create {partial!r} ({e.strerror or e})") from e
-    manifest = {"format": FORMAT, "version": _VERSION, "step": checkpoint.step,
+    manifest = {"format": FORMAT, "version": VERSION, "step": checkpoint.step,
                 "written_by": {"processes": checkpoint.processes, "one_process": checkpoint.one_process},
                 "tables": {name: _export_table(checkpoint, name, partial, chunk_rows)
-                           for name in sorted(checkpoint.tables)}}
+                           for name in sorted(checkpoint.tables)},
+                "dense": _export_dense(checkpoint, partial)}
     with open(os.path.join(partial, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     os.replace(partial, out)
@@ -86,10 +85,22 @@ def _export_table(checkpoint: WrittenCheckpoint, name: str, directory: str, chun
     if writer is None:  # no rows: an empty file of the table's schema
         fields = [pa.field("id", pa.int64()), pa.field("weight", pa.list_(pa.float32(), entry["dim"]))]
         pq.write_table(pa.schema(fields).empty_table(), path)
-    entry.update(file=file_name, rows_in_file=rows, bytes=os.path.getsize(path), sha256=_sha256(path),
+    entry.update(file=file_name, rows_in_file=rows, bytes=os.path.getsize(path), sha256=file_sha256(path),
                  state={"columns": state_columns, "holds": checkpoint.state_meaning(name)},
                  initial_rows=checkpoint.initial_rows(name))
     return entry
+
+
+def _export_dense(checkpoint: WrittenCheckpoint, directory: str) -> Dict[str, Any]:
+    """Writes the dense model and its optimizer's state to ``directory/dense.pt``; its manifest entry."""
+    import torch
+
+    model, optimizer = checkpoint.dense_state()
+    path = os.path.join(directory, DENSE_FILE)
+    torch.save({"model": {k: v.clone() for k, v in model.items()},
+                "optimizer": {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.items()}}, path)
+    return {"file": DENSE_FILE, "parameters": sorted(model), "bytes": os.path.getsize(path),
+            "sha256": file_sha256(path)}
 
 
 def _fixed_lists(values: Any) -> Any:
@@ -99,18 +110,12 @@ def _fixed_lists(values: Any) -> Any:
     return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()), values.shape[1])
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlkv_torch.export",
                                      description="Export a run's checkpoint (any number of processes wrote it) as "
-                                                 "one Parquet file per table and a manifest.")
+                                                 "one Parquet file per table, the dense model (dense.pt) and a "
+                                                 "manifest; a run starts from it with python -m mlkv_torch.train "
+                                                 "CONFIG --import OUT.")
     parser.add_argument("output_dir", help="the run's output_dir, which holds its checkpoint")
     parser.add_argument("out", help="the directory to write (it must not exist)")
     parser.add_argument("--tables", default=None,

@@ -34,6 +34,7 @@ _STATE_MEANING = {
     "adam": "Adam's first moments (dim columns), then its second moments (dim columns)",
 }
 _DENSE_STATE_MEANING = "the dense optimizer's (torch.optim.Adagrad) sum of squared gradients, one per element"
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # a dense model's buffers: no optimizer state
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class WrittenCheckpoint:
     cuts: Dict[Optional[int], Optional[Dict[str, Any]]]
     state_files: List[str]
     generation: str  # the directory under the run's tables path that holds its tables ("": the path itself)
+
+    @property
+    def description(self) -> str:
+        return f"the checkpoint at step {self.step} in {self.output_dir}"
 
     def check_tables_recorded(self) -> None:
         """ConfigError when the checkpoint does not record its tables (an earlier version's), which
@@ -76,6 +81,11 @@ class WrittenCheckpoint:
     def disk_shards(self, table: str) -> List[StoredShard]:
         """The stored shards of the disk table `table`."""
         return self._stored_shards[table]
+
+    def stored_disk_shards(self, table: str) -> Optional[List[StoredShard]]:
+        """`table`'s stored shards where it is on disk (a reshard may copy their rows as they are);
+        None for a table in memory."""
+        return self.disk_shards(table) if self.tables[table]["placement"] == "disk" else None
 
     def initial_rows(self, table: str) -> Optional[Dict[str, Any]]:
         """How the rows a disk table never wrote start: {"seed", "distribution": [kind, a, b]}, the
@@ -104,6 +114,19 @@ class WrittenCheckpoint:
             yield from self._replicated_rows(table, chunk_rows)
         else:
             yield from self._sharded_rows(table)
+
+    def dense_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
+        """The dense model ({name: tensor}) and its optimizer's state ({name: {"sum", "step"}}), by
+        the names a DLRM of the runner gives them in both worlds."""
+        state = torch.load(self.state_files[0], weights_only=True, mmap=True)
+        if self.one_process:
+            dense = state["dense"]
+            params = [name for name in dense if not name.endswith(_BUFFERS)]
+            by_index = state["dense_optimizer"]["state"]
+            return dense, {params[int(i)]: value for i, value in by_index.items()}
+        tables = tuple(weight_key(t) for t in self.tables)
+        dense = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor) and not k.endswith(tables)}
+        return dense, {k: v for k, v in state["optim"]["state"].items() if not k.endswith(tables)}
 
     def _rank_state(self, rank: int) -> Dict[str, Any]:
         return torch.load(self.state_files[rank], weights_only=True, mmap=True)

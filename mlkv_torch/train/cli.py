@@ -64,8 +64,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     again.add_argument("--resume", action="store_true", help="continue from output_dir's latest checkpoint")
     again.add_argument("--overwrite", action="store_true",
                        help="start over: remove the tables, checkpoints and metrics an earlier run left first")
+    parser.add_argument("--import", dest="imported", metavar="EXPORT",
+                        help="start from an export's tables and dense model (python -m mlkv_torch.export), at its "
+                             "step, under this run's own plan and number of processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_intermixed_args(argv)  # overrides and options in any order
+    if args.resume and args.imported:
+        parser.error("--resume continues output_dir's own checkpoint, --import starts from an export: choose one")
     quiet_known_warnings()
     try:
         config = load_config(args.config, args.overrides)
@@ -77,10 +82,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # gloo even on a CUDA host: the runner keeps the model, the plan and the collectives on the
         # CPU (NCCL would refuse their CPU tensors).
         _join_process_group()
-    resume, overwrite = args.resume, args.overwrite
+    resume, overwrite, imported = args.resume, args.overwrite, args.imported
     if distributed and not resume and elastic.restart_of_this_job(config):
         overwrite = False  # this job's own tables and checkpoints: continued or dropped below
         resume = os.path.exists(os.path.join(config.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER))
+        imported = None if resume else imported  # an import checkpoints at once: a restart continues that
         if not resume:
             elastic.drop_failed_attempt(config, dist.get_rank())
         if dist.get_rank() == 0:
@@ -89,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   file=sys.stderr, flush=True)
     finished = False
     try:
-        summary = run(config, resume=resume, progress=not args.no_progress, overwrite=overwrite)
+        summary = run(config, resume=resume, progress=not args.no_progress, overwrite=overwrite, imported=imported)
         finished = True
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from ..table_settings import DiskTableSettings
 from . import checkpoints, reshard
+from ..exported_tables import read_export
 from .checkpoint_tables import WrittenCheckpoint, read_pointer, written_checkpoint
 from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 
@@ -62,9 +63,10 @@ def _virtual_table_options(config: ExperimentConfig) -> Optional[Any]:
 
 
 class Experiment:
-    """The model, data and optimizers of one run; `resume` reopens the tables an earlier run left."""
+    """The model, data and optimizers of one run; `resume` reopens the tables an earlier run left,
+    `imported` (an export's path) fills fresh tables from an export."""
 
-    def __init__(self, config: ExperimentConfig, resume: bool = False) -> None:
+    def __init__(self, config: ExperimentConfig, resume: bool = False, imported: Optional[str] = None) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         self.config = config
@@ -80,8 +82,9 @@ class Experiment:
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.resume = resume
         # A checkpoint of another world is resharded into tables of their own (a generation of the
-        # tables path); resuming one's own world reopens the generation its checkpoint names.
-        self.resharding: Optional[WrittenCheckpoint] = None
+        # tables path); resuming one's own world reopens the generation its checkpoint names. An
+        # export fills the tables of a new run.
+        self.resharding: Optional[reshard.TableSource] = read_export(imported) if imported else None
         written = written_checkpoint(config.output_dir, config.tables_path) if resume else None
         self.generation = written.generation if written is not None else ""
         if written is not None and (written.one_process, written.processes) != (not self.distributed, self.world_size):
@@ -89,7 +92,7 @@ class Experiment:
             self.resharding = written
             self.generation = reshard.generation(self.world_size, not self.distributed, written.step)
         self.tables_path = os.path.join(config.tables_path, self.generation) if self.generation else config.tables_path
-        if self.resharding is not None:  # what a reshard killed before left
+        if self.generation and self.resharding is not None:  # what a reshard killed before left
             from ..torchrec.kernel import rank_storage_dir
 
             shutil.rmtree(rank_storage_dir(self.tables_path, self.rank) if self.distributed else self.tables_path,
@@ -403,7 +406,7 @@ class Experiment:
         from ..torchrec import disk_tables_left_out
 
         # The checkpoint a reshard reads keeps its directory until the new one is committed.
-        resharded = self.resharding is not None and step == self.resharding.step
+        resharded = isinstance(self.resharding, WrittenCheckpoint) and step == self.resharding.step
         directory = os.path.join(self.config.output_dir, f"checkpoint-{step}" + (f"-world{self.world_size}"
                                                                                   if resharded else ""))
         # Storage kind memory has no disk tables: every row goes to the directory.
@@ -482,23 +485,27 @@ class Experiment:
                 pass  # no pointer yet
             time.sleep(0.01)
 
-    def _load_resharded(self, written: WrittenCheckpoint) -> int:
-        """`load` of a checkpoint of another world (`reshard.load_resharded`)."""
+    def _load_resharded(self, source: reshard.TableSource) -> int:
+        """`load` of a checkpoint of another world or of an export (`reshard.load_resharded`)."""
         began = time.perf_counter()
-        step = reshard.load_resharded(self, written)
+        step = reshard.load_resharded(self, source)
         filled = time.perf_counter()
         self.save(step)
         self.finish_save()
         if self.distributed:
             dist.barrier()  # every rank has let go of the old tables
         if self.is_main:
-            _remove_all_but(self.config, self.generation, self.distributed)
-            writers = "one process" if written.one_process else f"{written.processes} ranks"
             readers = "one process" if not self.distributed else f"{self.world_size} ranks"
-            print(f"[train] --resume: the checkpoint at step {step} was written by {writers}; its tables were "
-                  f"resharded for {readers} in {time.perf_counter() - began:.2f} s ({filled - began:.2f} s filling "
-                  f"this rank's tables, the rest checkpointing them)",
-                  file=sys.stderr, flush=True)
+            took = (f"in {time.perf_counter() - began:.2f} s ({filled - began:.2f} s filling this rank's tables, the "
+                    f"rest checkpointing them)")
+            if isinstance(source, WrittenCheckpoint):
+                _remove_all_but(self.config, self.generation, self.distributed)
+                writers = "one process" if source.one_process else f"{source.processes} ranks"
+                print(f"[train] --resume: the checkpoint at step {step} was written by {writers}; its tables were "
+                      f"resharded for {readers} {took}", file=sys.stderr, flush=True)
+            else:
+                print(f"[train] --import: step {step}'s tables from {source.path} were filled for {readers} {took}",
+                      file=sys.stderr, flush=True)
         return step
 
     def dense_parameter_names(self) -> List[str]:
@@ -521,8 +528,9 @@ class Experiment:
         return os.path.join(self.config.output_dir, directory), {r: cut for r, cut in cuts.items() if cut is not None}
 
     def load(self) -> int:
-        """Loads the checkpoint `resume` found; returns its step. One of another world is resharded
-        into this run's plan, checkpointed at once for this world, and then removed."""
+        """Loads the checkpoint `resume` found, or the export `imported` names; returns its step. A
+        checkpoint of another world, or an export, is resharded into this run's plan and
+        checkpointed at once for this world (then the checkpoint read is removed)."""
         if self.resharding is not None:
             return self._load_resharded(self.resharding)
         if self.is_main and self.generation:

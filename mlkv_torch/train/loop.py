@@ -38,12 +38,13 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
-def run(config: ExperimentConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
-        ) -> Dict[str, Any]:
+def run(config: ExperimentConfig, resume: bool = False, progress: bool = True, overwrite: bool = False,
+        imported: Optional[str] = None) -> Dict[str, Any]:
     """Runs one experiment; returns the summary (also written to output_dir/summary.json).
     `resume` continues the run output_dir holds from its last checkpoint; `overwrite` removes what
     an earlier run left there first (`outputs.remove_earlier_run`); without either, such a run is
-    refused (ConfigError).
+    refused (ConfigError). `imported`, an export's path (`python -m mlkv_torch.export`), starts
+    the run from its tables and dense model, at its step.
 
     Storage kind `memory` uses TorchRec's fused in-memory kernels, which come through
     DistributedModelParallel: in one process, a one-process gloo group is made for it.
@@ -58,24 +59,25 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True, o
     threads = torch.get_num_threads()
     torch.set_num_threads(torch_threads(config))
     try:
-        return _run(config, resume, progress, overwrite)
+        return _run(config, resume, progress, overwrite, imported)
     finally:
         torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
 
 
-def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool) -> Dict[str, Any]:
+def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool, imported: Optional[str]
+         ) -> Dict[str, Any]:
     from ..pipeline import LookaheadPipeline
 
     if overwrite:
         _start_over(config)
     if resume:  # before the tables open
         checkpoints.check_resumable(config.output_dir, config.train.checkpoint_every)
-    experiment = _open_experiment(config, resume)
-    populate_s = _populate(experiment, config, resume)
+    experiment = _open_experiment(config, resume, imported)
+    populate_s = _populate(experiment, config, resume or imported is not None)
     start_step = 0
-    if resume:
+    if resume or imported:
         start_step = experiment.load()
     pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
                                  device=experiment.device if experiment.device.type != "cpu" else None)
@@ -91,7 +93,7 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool
     return _summary(experiment, config, training, populate_s)
 
 
-def _open_experiment(config: ExperimentConfig, resume: bool) -> Experiment:
+def _open_experiment(config: ExperimentConfig, resume: bool, imported: Optional[str]) -> Experiment:
     """The run's experiment, its output directory made; an earlier run's tables named as such."""
     places = [("output_dir", config.output_dir)]
     if config.storage.kind != "memory":
@@ -104,7 +106,7 @@ def _open_experiment(config: ExperimentConfig, resume: bool) -> Experiment:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(f"{key} {path!r} is not writable")
     try:
-        experiment = Experiment(config, resume)
+        experiment = Experiment(config, resume, imported)
     except FileExistsError as e:  # an earlier run's tables: the runner's two ways on, in one line
         raise ConfigError(f"output_dir {config.output_dir!r} holds an earlier run's tables: continue it with "
                           f"--resume, or start over with --overwrite") from e
@@ -128,11 +130,11 @@ def _start_over(config: ExperimentConfig) -> None:
         dist.barrier()
 
 
-def _populate(experiment: Experiment, config: ExperimentConfig, resume: bool) -> float:
+def _populate(experiment: Experiment, config: ExperimentConfig, loads: bool) -> float:
     """Writes every row to the stores before training when the config asks (seconds it took). A
-    resumed run's tables hold their rows already; populating again would also take a cut past the
-    one its checkpoint names."""
-    if not config.storage.populate or resume:
+    run that `loads` a checkpoint or an export gets its rows there; populating a resumed run would
+    also take a cut past the one its checkpoint names."""
+    if not config.storage.populate or loads:
         return 0.0
     began = time.perf_counter()
     rows = experiment.populate()

@@ -1,29 +1,47 @@
 """Resuming a checkpoint written by another number of processes (`--resume`, and TorchElastic's
-restarts into another world): this run's plan is made for its own world, its tables are opened
-empty in a directory of their own (`generation`) and filled from the checkpoint, which is only
-read (`WrittenCheckpoint`): each row lands on the rank whose shard holds it, with its optimizer
-state, wherever either plan put the table (disk, sharded in memory, replicated). The dense model
-and its optimizer come from the checkpoint's copy of them. The caller then takes a checkpoint of
-the new world at once, and only then lets the old one go, so a kill at any moment leaves one
-checkpoint whole and a retry begins again."""
+restarts into another world), or starting from an export (`--import`): this run's plan is made for
+its own world, its tables are opened empty (a reshard's in a directory of their own, `generation`)
+and filled from the source, which is only read (a `WrittenCheckpoint` or an `ExportedTables`):
+each row lands on the rank whose shard holds it, with its optimizer state, wherever either plan
+put the table (disk, sharded in memory, replicated). The dense model and its optimizer come from
+the source's copy of them. The caller then takes a checkpoint of the new world at once, and only
+then lets an old one go, so a kill at any moment leaves one checkpoint whole and a retry begins
+again."""
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
 from ..config import ConfigError
 from ..row_layout import RowLayout
 from ..store import initial_rows
-from ..stored_shards import fill_shard, same_columns
-from .checkpoint_tables import WrittenCheckpoint, state_entry, weight_key
+from ..stored_shards import StoredShard, fill_shard, same_columns
+from .checkpoint_tables import TableRows, state_entry, weight_key
 
-__all__ = ["GENERATION", "generation", "check_tables", "load_resharded"]
+__all__ = ["GENERATION", "generation", "check_tables", "load_resharded", "TableSource"]
 
 # A directory of tables filled by a reshard, under the run's tables path.
 GENERATION = re.compile(r"(one-process|world[0-9]+)-step[0-9]+")
 _CHUNK_ROWS = 1 << 16
+
+
+class TableSource(Protocol):
+    """What a run is filled from: a checkpoint of another world (`WrittenCheckpoint`) or an export
+    (`mlkv_torch.exported_tables.ExportedTables`)."""
+
+    step: int
+    tables: Dict[str, Dict[str, Any]]  # each table's rows, dim, dtype, optimizer, placement, sharding
+    description: str  # what it is, in a message
+
+    def initial_rows(self, table: str) -> Optional[Dict[str, Any]]: ...
+
+    def stored_disk_shards(self, table: str) -> Optional[List[StoredShard]]: ...
+
+    def rows(self, table: str, chunk_rows: int = ...) -> Iterator[TableRows]: ...
+
+    def dense_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]: ...
 
 
 def generation(world_size: int, one_process: bool, step: int) -> str:
@@ -31,56 +49,57 @@ def generation(world_size: int, one_process: bool, step: int) -> str:
     return f"{'one-process' if one_process else f'world{world_size}'}-step{step}"
 
 
-def check_tables(written: Dict[str, Dict[str, Any]], this_run: Dict[str, Dict[str, Any]]) -> None:
+def check_tables(written: Dict[str, Dict[str, Any]], this_run: Dict[str, Dict[str, Any]],
+                 source: str = "the checkpoint") -> None:
     """ConfigError naming a table that one side lacks or whose rows, columns, weight type or
-    optimizer differ between the checkpoint (`written`) and this run."""
+    optimizer differ between `source` (a checkpoint or an export; its tables `written`) and this run."""
     lacking, extra = sorted(set(this_run) - set(written)), sorted(set(written) - set(this_run))
     if lacking or extra:
         differences = ([f"it lacks {lacking}"] if lacking else []) + \
             ([f"it has {extra}, which this run does not"] if extra else [])
-        raise ConfigError(f"the checkpoint's tables differ from this run's: {'; '.join(differences)}: resume with "
-                          f"the data and model config it was written with")
+        raise ConfigError(f"{source}'s tables differ from this run's: {'; '.join(differences)}: run with the data "
+                          f"and model config it was written with")
     for name, entry in this_run.items():
         for key in ("rows", "dim", "dtype", "optimizer"):
             if written[name][key] != entry[key]:
-                raise ConfigError(f"table {name!r}: the checkpoint's {key} is {written[name][key]!r}, this run's "
-                                  f"{entry[key]!r}: resume with the config it was written with")
+                raise ConfigError(f"table {name!r}: {source}'s {key} is {written[name][key]!r}, this run's "
+                                  f"{entry[key]!r}: run with the config it was written with")
 
 
-def load_resharded(experiment: Any, written: WrittenCheckpoint) -> int:
-    """Fills `experiment` (built for this world, its tables empty) from `written`; returns the step."""
-    check_tables(written.tables, experiment.table_manifest())
+def load_resharded(experiment: Any, source: TableSource) -> int:
+    """Fills `experiment` (built for this world, its tables empty) from `source`; returns the step."""
+    check_tables(source.tables, experiment.table_manifest(), source.description)
     this_run = experiment.table_manifest()
     for table, first_row, first_column, bag in experiment.collection.local_disk_shards():
-        _fill_disk_shard(written, table, first_row, first_column, bag)
+        _fill_disk_shard(source, table, first_row, first_column, bag)
     if experiment.distributed:
-        _load_sharded_state(experiment, written, this_run)
+        _load_sharded_state(experiment, source, this_run)
     else:
-        _load_one_process_state(experiment, written)
-    return written.step
+        _load_one_process_state(experiment, source)
+    return source.step
 
 
-def _fill_disk_shard(written: WrittenCheckpoint, table: str, first_row: int, first_column: int, bag: Any) -> None:
-    """A disk shard of this run: rows, state and step from the checkpoint's stores directly where
-    its columns are split as here (no row is converted), else from the table's rows read whole."""
+def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_column: int, bag: Any) -> None:
+    """A disk shard of this run: rows, state and step from a checkpoint's stores directly where its
+    columns are split as here (no row is converted), else from the table's rows read whole."""
     layout = RowLayout(bag.embedding_dim, bag.dtype, bag.optimizer)
-    initial = written.initial_rows(table)
+    initial = source.initial_rows(table)
     if initial is not None and initial["seed"] != bag.seed:
-        raise ConfigError(f"table {table!r}: the checkpoint's rows never written start from seed {initial['seed']}, "
-                          f"this run's from {bag.seed}: resume with the train.seed it was written with")
-    entry = written.tables[table]
-    if entry["placement"] == "disk" and same_columns(written.disk_shards(table), first_row, bag.num_embeddings,
-                                                     first_column, bag.embedding_dim):
-        fill_shard(bag, first_row, first_column, written.disk_shards(table), layout, _CHUNK_ROWS)
+        raise ConfigError(f"table {table!r}: the rows it never wrote start from seed {initial['seed']} there, from "
+                          f"{bag.seed} in this run: use the train.seed it was written with")
+    entry = source.tables[table]
+    shards = source.stored_disk_shards(table)
+    if shards is not None and same_columns(shards, first_row, bag.num_embeddings, first_column, bag.embedding_dim):
+        fill_shard(bag, first_row, first_column, shards, layout, _CHUNK_ROWS)
         return
     stop_row = first_row + bag.num_embeddings
-    for ids, weights, state in written.rows(table, _CHUNK_ROWS):
+    for ids, weights, state in source.rows(table, _CHUNK_ROWS):
         inside = (ids >= first_row) & (ids < stop_row)
         if bool(inside.any()):
             bag.load_rows(ids[inside] - first_row, weights[inside][:, first_column:first_column + bag.embedding_dim],
                             converted_state(_state_kind(entry), entry["optimizer"], state[inside], first_column,
                                             bag.embedding_dim, entry["dim"]))
-    bag.steps = written.step
+    bag.steps = source.step
 
 
 def _state_kind(entry: Dict[str, Any]) -> str:
@@ -114,7 +133,7 @@ def converted_state(source: str, target: str, state: torch.Tensor, first_column:
     return None
 
 
-def _load_sharded_state(experiment: Any, written: WrittenCheckpoint, this_run: Dict[str, Dict[str, Any]]) -> None:
+def _load_sharded_state(experiment: Any, source: TableSource, this_run: Dict[str, Dict[str, Any]]) -> None:
     """This rank's tables in memory, its dense model and its optimizers, from the checkpoint."""
     from ..torchrec import disk_tables_left_out
 
@@ -123,8 +142,8 @@ def _load_sharded_state(experiment: Any, written: WrittenCheckpoint, this_run: D
         optimizer = experiment._optimizer_state_without_disk_tables()
         for table, entry in this_run.items():
             if entry["placement"] == "memory":
-                _fill_memory_table(written, table, entry, model, optimizer["state"])
-        dense, dense_optimizer = _dense_state(written)
+                _fill_memory_table(source, table, entry, model, optimizer["state"])
+        dense, dense_optimizer = source.dense_state()
         tables = tuple(weight_key(t) for t in this_run)
         for key, value in model.items():
             if isinstance(value, torch.Tensor) and not key.endswith(tables):
@@ -139,10 +158,10 @@ def _load_sharded_state(experiment: Any, written: WrittenCheckpoint, this_run: D
         experiment.optimizer.load_state_dict(full)
 
 
-def _load_one_process_state(experiment: Any, written: WrittenCheckpoint) -> None:
+def _load_one_process_state(experiment: Any, source: TableSource) -> None:
     """One process: the dense model, and its optimizer (torch's Adagrad over the dense parameters
     in the model's order), from the checkpoint."""
-    dense, dense_optimizer = _dense_state(written)
+    dense, dense_optimizer = source.dense_state()
     names = experiment.dense_parameter_names()
     experiment.model.load_state_dict({name: _named(dense, name, "the dense model") for name in names}, strict=False)
     state = experiment.optimizer.state_dict()
@@ -156,7 +175,7 @@ def _named(values: Dict[str, Any], key: str, what: str) -> Any:
     return values[key]
 
 
-def _fill_memory_table(written: WrittenCheckpoint, table: str, entry: Dict[str, Any], model: Dict[str, Any],
+def _fill_memory_table(source: TableSource, table: str, entry: Dict[str, Any], model: Dict[str, Any],
                        optimizer: Dict[str, Any]) -> None:
     """This rank's blocks of a table TorchRec keeps in memory (sharded or replicated), and their
     optimizer state (TorchRec's momentums, or the dense optimizer's sum), from the checkpoint's
@@ -166,7 +185,7 @@ def _fill_memory_table(written: WrittenCheckpoint, table: str, entry: Dict[str, 
     keys = ["sum"] if entry["sharding"] == "data_parallel" else \
         sorted(k for k in held if k.startswith(f"{table}.momentum"))
     moments = [_blocks(held[k]) for k in keys if k in held]
-    initial = written.initial_rows(table)
+    initial = source.initial_rows(table)
     if initial is not None:  # every row of a disk table: those it never wrote start as there
         kind, a, b = initial["distribution"]
         bounds = dict(mean=a, std=b) if kind == "normal" else dict(low=a, high=b)
@@ -177,13 +196,13 @@ def _fill_memory_table(written: WrittenCheckpoint, table: str, entry: Dict[str, 
         for parts in moments:
             for _, tensor in parts:
                 tensor.zero_()
-    for ids, weights, state in written.rows(table, _CHUNK_ROWS):
+    for ids, weights, state in source.rows(table, _CHUNK_ROWS):
         for offsets, tensor in blocks:
             _put_rows(tensor, offsets[0], ids, weights[:, offsets[1]:offsets[1] + tensor.shape[1]])
         if not moments:
             continue
         columns = moments[0][0][1].shape[1] if moments[0][0][1].dim() == 2 else 1
-        converted = converted_state(_state_kind(written.tables[table]), _state_kind(entry), state,
+        converted = converted_state(_state_kind(source.tables[table]), _state_kind(entry), state,
                                     moments[0][0][0][1], columns, entry["dim"])
         if converted is None:
             continue
@@ -207,20 +226,3 @@ def _blocks(value: Any) -> List[Tuple[List[int], torch.Tensor]]:
     if isinstance(value, ShardedTensor):
         return [((list(s.metadata.shard_offsets) + [0])[:2], s.tensor) for s in value.local_shards()]
     return [([0, 0], value)]
-
-
-def _dense_state(written: WrittenCheckpoint) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
-    """The checkpoint's dense model ({name: tensor}) and its optimizer's state ({name: {"sum",
-    "step"}}), by the names a DLRM of the runner gives them in both worlds."""
-    state = torch.load(written.state_files[0], weights_only=True, mmap=True)
-    if written.one_process:
-        dense = state["dense"]
-        params = [name for name in dense if not name.endswith(_BUFFERS)]
-        by_index = state["dense_optimizer"]["state"]
-        return dense, {params[int(i)]: value for i, value in by_index.items()}
-    tables = tuple(weight_key(t) for t in written.tables)
-    dense = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor) and not k.endswith(tables)}
-    return dense, {k: v for k, v in state["optim"]["state"].items() if not k.endswith(tables)}
-
-
-_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # a dense model's buffers: no optimizer state

@@ -183,11 +183,12 @@ def _whole(parts: list) -> torch.Tensor:
     return full
 
 
-def test_export_refuses_what_it_cannot_do_by_name(tmp_path):
+def test_export_and_import_refuse_what_they_cannot_do_by_name(tmp_path):
     with pytest.raises(ConfigError, match="holds no checkpoint of a run"):
         export_checkpoint(str(tmp_path), str(tmp_path / "export"))
     out = tmp_path / "run"
     run(load_config(QUICKSTART, [f"output_dir={out}", "train.steps=4", *SMALL]), progress=False)
+    _check_import_refusals(out, tmp_path)
     (tmp_path / "taken").mkdir()
     with pytest.raises(ConfigError, match="exists: export into a path that does not"):
         export_checkpoint(str(out), str(tmp_path / "taken"))
@@ -199,3 +200,43 @@ def test_export_refuses_what_it_cannot_do_by_name(tmp_path):
     torch.save(state, out / "checkpoint.pt")
     with pytest.raises(ConfigError, match="does not record its tables"):
         export_checkpoint(str(out), str(tmp_path / "export"))
+
+
+def _check_import_refusals(out: Path, tmp_path: Path) -> None:
+    """--import of an export whose files are damaged, missing or not an export's, or into a run whose
+    tables differ: a ConfigError naming it, before any table is filled."""
+    import shutil
+
+    from mlkv_torch.exported_tables import read_export
+
+    export = tmp_path / "export"
+    export_checkpoint(str(out), str(export))
+    assert read_export(str(export)).step == 4
+
+    def refused(damage, match: str, overrides: tuple = ()) -> None:
+        copy = tmp_path / "copy"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(export, copy)
+        damage(copy)
+        config = load_config(QUICKSTART, [f"output_dir={tmp_path / 'importing'}", "train.steps=6", *SMALL, *overrides])
+        with pytest.raises(ConfigError, match=match):
+            run(config, progress=False, overwrite=True, imported=str(copy))
+
+    def flip_a_byte(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+
+    def edit_manifest(copy: Path, edit) -> None:
+        manifest = json.loads((copy / "manifest.json").read_text())
+        edit(manifest)
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+
+    refused(lambda c: flip_a_byte(c / "t_cat_0.parquet"), r"t_cat_0.parquet \(t_cat_0\) is damaged: its size or SHA")
+    refused(lambda c: (c / "dense.pt").unlink(), r"lacks dense.pt \(the dense model's file\)")
+    refused(lambda c: (c / "manifest.json").unlink(), "is not an export: it holds no manifest.json$")
+    refused(lambda c: ((c / "manifest.json").unlink(), Path(f"{c}.partial").mkdir()), "was killed before it finished")
+    refused(lambda c: edit_manifest(c, lambda m: m.update(format="other")), "not a manifest this mlkv_torch reads")
+    refused(lambda c: None, r"table 't_cat_0': the export at .*'s dim is 16, this run's 8",
+            ("model.embedding_dim=8", "model.dense_arch=[64,8]"))
+    refused(lambda c: None, r"'s optimizer is 'rowwise_adagrad', this run's 'adagrad'", ("train.optimizer=adagrad",))

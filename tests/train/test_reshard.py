@@ -93,6 +93,13 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     assert not (out / "checkpoint.latest").exists() and (out / "checkpoint.pt").exists()
     export_checkpoint(str(out), str(tmp_path / "one"))
     same_tables(tmp_path / "two", tmp_path / "one")
+    # The export, imported into a job of 2 ranks under the first plan, goes on as the job would have.
+    imported = tmp_path / "imported"
+    done = _train(imported, 12, 2, "--import", str(tmp_path / "one"), *plan)
+    assert "[train] --import: step 8's tables from" in done.stderr
+    assert (imported / "checkpoint.latest").exists()  # checkpointed at once: a kill from here resumes
+    got = _losses(imported)
+    assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
     for name in ("checkpoint.latest", "checkpoint-8", "tables/rank0", "tables/rank1"):
         (shutil.copytree if (kept / name).is_dir() else shutil.copy2)(kept / name, out / name)
     os.utime(out / "checkpoint.latest", ns=(0, 0))  # older than checkpoint.pt: a leftover
@@ -105,6 +112,9 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     # Every row and state went there and back: the job goes on as it did without either move.
     got = _losses(out)
     assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
+    # Resuming the one-process checkpoint directly and importing its export evaluate the same model.
+    resumed, from_export = (json.loads((d / "summary.json").read_text()) for d in (out, imported))
+    assert resumed["auc"] == pytest.approx(from_export["auc"], rel=1e-6) and resumed["auc"] is not None
 
 
 def test_optimizer_state_converts_between_rules_as_documented():
