@@ -81,22 +81,17 @@ class Experiment:
         torch.manual_seed(config.train.seed)
         self.rule = _OPTIMIZERS[config.train.optimizer](lr=config.train.lr)
         self.resume = resume
-        # A checkpoint of another world is resharded into tables of their own (a generation of the
-        # tables path); resuming one's own world reopens the generation its checkpoint names. An
-        # export fills the tables of a new run.
+        # A checkpoint of another world, or of another plan (`_build_sharded` compares), is
+        # resharded into tables of their own (a generation of the tables path); resuming one's own
+        # world and plan reopens the generation its checkpoint names. An export fills the tables of
+        # a new run.
         self.resharding: Optional[reshard.TableSource] = read_export(imported) if imported else None
-        written = written_checkpoint(config.output_dir, config.tables_path) if resume else None
-        self.generation = written.generation if written is not None else ""
-        if written is not None and (written.one_process, written.processes) != (not self.distributed, self.world_size):
-            written.check_tables_recorded()
-            self.resharding = written
-            self.generation = reshard.generation(self.world_size, not self.distributed, written.step)
+        self._written = written_checkpoint(config.output_dir, config.tables_path) if resume else None
+        self.generation = self._written.generation if self._written is not None else ""
         self.tables_path = os.path.join(config.tables_path, self.generation) if self.generation else config.tables_path
-        if self.generation and self.resharding is not None:  # what a reshard killed before left
-            from ..torchrec.kernel import rank_storage_dir
-
-            shutil.rmtree(rank_storage_dir(self.tables_path, self.rank) if self.distributed else self.tables_path,
-                          ignore_errors=True)
+        if self._written is not None and (self._written.one_process, self._written.processes) != (
+                not self.distributed, self.world_size):
+            self._reshard_from(self._written)
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.distributed:
@@ -127,6 +122,18 @@ class Experiment:
         except MemoryBudgetError as e:
             raise ConfigError(f"storage.memory_budget_bytes: {e}") from e
 
+    def _reshard_from(self, written: WrittenCheckpoint) -> None:
+        """Fills this run's tables from `written` (`load`): opens them anew in a generation of their
+        own, where what a reshard killed before left is removed first."""
+        from ..torchrec.kernel import rank_storage_dir
+
+        written.check_tables_recorded()
+        self.resharding = written
+        self.generation = reshard.generation(self.world_size, not self.distributed, written.step, written.generation)
+        self.tables_path = os.path.join(self.config.tables_path, self.generation)
+        shutil.rmtree(rank_storage_dir(self.tables_path, self.rank) if self.distributed else self.tables_path,
+                      ignore_errors=True)
+
     def _dlrm(self, collection: torch.nn.Module) -> torch.nn.Module:
         """DLRM over `collection`; its dense layers start from the seed's CPU values on every device, so
         a run on CUDA starts where the same run on the CPU does."""
@@ -145,6 +152,18 @@ class Experiment:
                                  backend=_BACKENDS.get(storage.kind, "mlkv"),  # memory: nothing on disk
                                  seed=self.config.train.seed, reopen=self.resume and self.resharding is None,
                                  virtual_tables=self.virtual_tables)
+
+    def _sharder(self, tables: List[Any]) -> Any:
+        """The sharder of this run's tables: under its tables path, reopening a checkpoint's cuts
+        when it resumes its own world and plan."""
+        from ..torchrec import DiskEmbeddingBagCollectionSharder
+
+        storage = self.config.storage
+        reopening = self.resume and self.resharding is None and os.path.exists(self.checkpoint_path())
+        return DiskEmbeddingBagCollectionSharder(
+            self.tables_path, memory_fraction=storage.memory_fraction,
+            cuts=self._latest_sharded()[1] if reopening else None, live_ids=self._live_ids(tables),
+            settings=self._table_settings(), qcomm_codecs_registry=_comms_codecs(storage.comms))
 
     def _build_local(self, tables) -> None:
         """One process, disk storage: DiskEmbeddingBagCollection (so the pipeline can look ahead)."""
@@ -170,8 +189,7 @@ class Experiment:
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-        from ..torchrec import DiskAwarePlanner, DiskEmbeddingBagCollectionSharder
-
+        from ..torchrec import DiskAwarePlanner
         from ..torchrec.replicas import ReplicaSettings, replica_memory_bytes, replicate_hot_rows
         from ..virtual_tables import rows_held
 
@@ -186,19 +204,18 @@ class Experiment:
                               f"{replica_bytes:,} bytes a rank, more than storage.memory_budget_bytes "
                               f"({storage.memory_budget_bytes:,})")
         model = self._dlrm(EmbeddingBagCollection(tables, device=torch.device("meta")))
-        sharder = DiskEmbeddingBagCollectionSharder(
-            self.tables_path, memory_fraction=storage.memory_fraction,
-            cuts=self._latest_sharded()[1] if self.resume and self.resharding is None
-            and os.path.exists(self.checkpoint_path()) else None,
-            live_ids=self._live_ids(tables), settings=self._table_settings(),
-            qcomm_codecs_registry=_comms_codecs(storage.comms))
+        sharder = self._sharder(tables)
         # The planner's cap also covers what it reserves for the dense model and inputs.
         ddr_cap = (storage.memory_budget_bytes - replica_bytes + _PLANNER_HEADROOM) / (1 - _PLANNER_RESERVED) \
             if storage.kind != "memory" else 1 << 40
         topology = TopologyFactory.create_topology(  # TorchRec's way: it warns about a Topology made directly
             TrainerConfig(world_size=dist.get_world_size(), ddr_cap_bytes=int(ddr_cap), ssd_cap_bytes=1 << 42),
             kernel_config=KernelConfig(compute_device="cpu"))
-        constraints = {t.name: ParameterConstraints(sharding_types=list(storage.sharding_types)) for t in tables}
+        if storage.kind == "memory":
+            _check_in_memory_sharding(storage.sharding_types)
+        constraints = {t.name: ParameterConstraints(sharding_types=list(storage.sharding_types),
+                                                    compute_kernels=_in_memory_kernels() if storage.kind == "memory"
+                                                    else None) for t in tables}
         planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, constraints=constraints,
                                    debug=False)
         try:
@@ -209,6 +226,9 @@ class Experiment:
             raise ConfigError(f"storage.memory_budget_bytes: once the replicas (storage.replicas.fraction "
                               f"{storage.replicas.fraction}) take {replica_bytes:,} bytes of it a rank, the tables "
                               f"do not fit in the rest; raise it by that much. The planner: {e}") from e
+        if self.resharding is None and self._written is not None and reshard.plan_differs(self._written.tables, plan):
+            self._reshard_from(self._written)  # the storage settings changed the plan: its tables move
+            sharder = self._sharder(tables)
         self.model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
         self.collection = self.model.module.model.sparse_arch.embedding_bag_collection
         if storage.replicas.fraction > 0:
@@ -406,9 +426,11 @@ class Experiment:
         from ..torchrec import disk_tables_left_out
 
         # The checkpoint a reshard reads keeps its directory until the new one is committed.
-        resharded = isinstance(self.resharding, WrittenCheckpoint) and step == self.resharding.step
-        directory = os.path.join(self.config.output_dir, f"checkpoint-{step}" + (f"-world{self.world_size}"
-                                                                                  if resharded else ""))
+        names = [f"checkpoint-{step}"]
+        if isinstance(self.resharding, WrittenCheckpoint) and step == self.resharding.step:
+            read = read_pointer(self.checkpoint_path())[0] if os.path.exists(self.checkpoint_path()) else None
+            names = [n for n in (f"checkpoint-{step}-world{self.world_size}", f"checkpoint-{step}") if n != read]
+        directory = os.path.join(self.config.output_dir, names[0])
         # Storage kind memory has no disk tables: every row goes to the directory.
         pending = self.collection.begin_checkpoint(label=step)
         if pending is not None:
@@ -501,8 +523,9 @@ class Experiment:
             if isinstance(source, WrittenCheckpoint):
                 _remove_all_but(self.config, self.generation, self.distributed)
                 writers = "one process" if source.one_process else f"{source.processes} ranks"
+                how = f"for {readers}" if writers != readers else "for this run's plan (its storage settings differ)"
                 print(f"[train] --resume: the checkpoint at step {step} was written by {writers}; its tables were "
-                      f"resharded for {readers} {took}", file=sys.stderr, flush=True)
+                      f"resharded {how} {took}", file=sys.stderr, flush=True)
             else:
                 print(f"[train] --import: step {step}'s tables from {source.path} were filled for {readers} {took}",
                       file=sys.stderr, flush=True)
@@ -602,6 +625,26 @@ def torch_threads(config: ExperimentConfig) -> int:
         return config.train.torch_threads
     threads = torch.get_num_threads()
     return max(1, threads - 1) if config.looks_ahead else threads
+
+
+def _in_memory_kernels() -> List[str]:
+    """TorchRec's compute kernels but the disk one: storage kind memory keeps every table in memory."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+    from ..torchrec.kernel import DISK_KERNEL
+
+    return [kernel.value for kernel in EmbeddingComputeKernel if kernel.value != DISK_KERNEL]
+
+
+def _check_in_memory_sharding(sharding_types: List[str]) -> None:
+    """ConfigError when storage kind memory is given only sharding types TorchRec's in-memory
+    kernels do not take on the CPU (row-wise ones need a GPU there)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    offered = EmbeddingBagCollectionSharder().sharding_types("cpu")
+    if not set(sharding_types) & set(offered):
+        raise ConfigError(f"storage.sharding_types {list(sharding_types)}: storage kind memory keeps tables in "
+                          f"TorchRec's kernels, which shard them on the CPU only as {offered}")
 
 
 def _comms_codecs(comms: CommsConfig) -> Optional[Dict[str, Any]]:

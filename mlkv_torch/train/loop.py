@@ -299,7 +299,7 @@ def _summary(experiment: Experiment, config: ExperimentConfig, training: _Traini
                "embedding_bytes_per_step": sum(sent.values()) / steps,
                "embedding_bytes_per_step_by_kind": {k: v / steps for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
-               "disk_bytes": _disk_bytes(experiment.tables_path) if config.storage.kind != "memory" else 0,
+               "disk_bytes": _disk_bytes(experiment.tables_path),
                "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids, "evicted_ids": evicted_ids,
                "peak_live_ids": peak_live_ids,
                "storage": config.storage.kind, "populate_s": populate_s,

@@ -20,10 +20,10 @@ from ..store import initial_rows
 from ..stored_shards import StoredShard, fill_shard, same_columns
 from .checkpoint_tables import TableRows, state_entry, weight_key
 
-__all__ = ["GENERATION", "generation", "check_tables", "load_resharded", "TableSource"]
+__all__ = ["GENERATION", "generation", "plan_differs", "check_tables", "load_resharded", "TableSource"]
 
 # A directory of tables filled by a reshard, under the run's tables path.
-GENERATION = re.compile(r"(one-process|world[0-9]+)-step[0-9]+")
+GENERATION = re.compile(r"(one-process|world[0-9]+)-step[0-9]+(-replanned)?")
 _CHUNK_ROWS = 1 << 16
 
 
@@ -44,9 +44,29 @@ class TableSource(Protocol):
     def dense_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]: ...
 
 
-def generation(world_size: int, one_process: bool, step: int) -> str:
-    """The directory (under the tables path) of tables resharded at `step` for this world."""
-    return f"{'one-process' if one_process else f'world{world_size}'}-step{step}"
+def generation(world_size: int, one_process: bool, step: int, read: str = "") -> str:
+    """The directory (under the tables path) of tables resharded at `step` for this world, other
+    than the one the checkpoint read keeps its tables in (`read`: the same world at the same step,
+    under another plan)."""
+    name = f"{'one-process' if one_process else f'world{world_size}'}-step{step}"
+    return name if name != read else f"{name}-replanned"
+
+
+def plan_differs(written: Any, plan: Any) -> bool:
+    """Whether TorchRec's ShardingPlan `plan` puts a table elsewhere (disk or memory) or shards it
+    otherwise than a checkpoint's tables (`written`, `checkpoints.TABLES_KEY`'s record) say.
+    False for a checkpoint that records no tables (an earlier version's)."""
+    from ..torchrec.kernel import DISK_KERNEL
+
+    if not isinstance(written, dict):
+        return False
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():
+            entry = written.get(table)
+            placement = "disk" if sharding.compute_kernel == DISK_KERNEL else "memory"
+            if entry is not None and (placement, sharding.sharding_type) != (entry["placement"], entry["sharding"]):
+                return True
+    return False
 
 
 def check_tables(written: Dict[str, Dict[str, Any]], this_run: Dict[str, Dict[str, Any]],

@@ -54,19 +54,31 @@ def same_tables(before: Path, after: Path) -> None:
     bit for bit where both hold the same rule's, else as `reshard.converted_state` carries it."""
     from mlkv_torch.train.reshard import converted_state
 
+    from mlkv_torch.store import initial_rows
+
     old, new = _tables(before), _tables(after)
     assert sorted(old) == sorted(new)
     for name, (entry, ids, weights, state) in old.items():
         new_entry, new_ids, new_weights, new_state = new[name]
-        if entry["placement"] == "disk" or new_entry["placement"] != "disk":
-            assert torch.equal(ids, new_ids), name  # the rows written, or every row of a table in memory
-        else:  # from memory to disk: every row is written
+        if entry["placement"] == new_entry["placement"]:
+            # The rows a disk table wrote, or every row of a table in memory.
+            assert torch.equal(ids, new_ids), name
+        else:
+            # Every row moves: a disk table's rows it never wrote start in memory as they would have
+            # on disk, and a table from memory writes every row to disk.
             assert torch.equal(new_ids, torch.arange(entry["rows"])), name
-        assert torch.equal(weights, new_weights[:ids.numel()] if entry["placement"] == "disk"
-                           else new_weights[ids]), name
+            if entry["placement"] == "disk":
+                others = torch.ones(entry["rows"], dtype=torch.bool)
+                others[ids] = False
+                kind, a, b = entry["initial_rows"]["distribution"]
+                assert torch.equal(new_weights[others], initial_rows(others.nonzero().squeeze(1), entry["dim"],
+                                                                     seed=entry["initial_rows"]["seed"], low=a, high=b))
+                assert not bool(new_state[others].any()), name
+        at = torch.searchsorted(new_ids, ids)  # where each old row is among the new (both in id order)
+        assert torch.equal(new_ids[at], ids) and torch.equal(weights, new_weights[at]), name
         kinds = [("dense_adagrad" if e["sharding"] == "data_parallel" else e["optimizer"]) for e in (entry, new_entry)]
         expected = state if kinds[0] == kinds[1] else converted_state(*kinds, state, 0, entry["dim"], entry["dim"])
-        assert torch.equal(new_state[:ids.numel()] if entry["placement"] == "disk" else new_state[ids], expected), name
+        assert torch.equal(new_state[at], expected), name
 
 
 def _losses(out: Path) -> dict:
@@ -132,3 +144,51 @@ def test_optimizer_state_converts_between_rules_as_documented():
     assert converted_state("adam", "adam", moments, 1, 2, 4).tolist() == [[1.0, 2.0, 5.0, 6.0]]
     for source, target in (("adagrad", "adam"), ("adam", "adagrad"), ("adagrad", "sgd"), ("sgd", "adagrad")):
         assert converted_state(source, target, sums, 0, 4, 4) is None, (source, target)
+
+
+def test_another_plan_on_as_many_ranks_moves_tables_table_wise_to_row_wise_and_disk_to_memory(tmp_path):
+    # --resume with other storage settings: the plan TorchRec makes of them differs, and the tables
+    # move to it: table-wise to row-wise (on disk, and from memory to disk), then every table into
+    # memory (table-wise: TorchRec's in-memory kernels shard row-wise only on a GPU).
+    out = tmp_path / "run"
+    _train(out, 8, 2, "storage.sharding_types=[table_wise]")
+    export_checkpoint(str(out), str(tmp_path / "table_wise"))
+    done = _train(out, 8, 2, "--resume", "storage.sharding_types=[row_wise]")
+    assert "resharded for this run's plan (its storage settings differ)" in done.stderr
+    export_checkpoint(str(out), str(tmp_path / "row_wise"))
+    same_tables(tmp_path / "table_wise", tmp_path / "row_wise")
+    placements = {name: [(t[name][0]["placement"], t[name][0]["sharding"]) for t in (before, after)]
+                  for before, after in [(_tables(tmp_path / "table_wise"), _tables(tmp_path / "row_wise"))]
+                  for name in before}
+    moves = {tuple(p) for p in placements.values()}
+    assert {(("disk", "table_wise"), ("disk", "row_wise")),
+            (("memory", "table_wise"), ("disk", "row_wise"))} <= moves, moves
+    # Into memory, and on for 20 steps (the checkpoint the move took at step 8 is the only one).
+    in_memory = ["storage.kind=memory", "storage.sharding_types=[table_wise]", "train.checkpoint_every=100"]
+    done = _train(out, 28, 2, "--resume", *in_memory)
+    assert "resharded for this run's plan" in done.stderr
+    assert sorted(p.name for p in (out / "tables").iterdir()) == []  # storage kind memory: no disk table left
+    export_checkpoint(str(out), str(tmp_path / "memory"))
+    assert {t[0]["placement"] for t in _tables(tmp_path / "memory").values()} == {"memory"}
+    same_tables(tmp_path / "row_wise", tmp_path / "memory")
+    # The same 20 steps from the same state, started from its export under that plan.
+    imported = tmp_path / "imported"
+    _train(imported, 28, 2, "--import", str(tmp_path / "row_wise"), *in_memory)
+    moved, started = _losses(out), _losses(imported)
+    assert [moved[s] for s in range(9, 29)] == pytest.approx([started[s] for s in range(9, 29)], rel=1e-5)
+
+
+def test_a_plan_differs_where_a_table_changes_place_or_sharding_type():
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    from mlkv_torch.train.reshard import plan_differs
+
+    def plan(kernel: str, sharding: str) -> ShardingPlan:
+        return ShardingPlan({"model.sparse_arch.embedding_bag_collection": EmbeddingModuleShardingPlan(
+            {"t": ParameterSharding(sharding_type=sharding, compute_kernel=kernel, ranks=[0])})})
+
+    written = {"t": {"placement": "disk", "sharding": "table_wise"}}
+    assert not plan_differs(written, plan("customized_kernel", "table_wise"))
+    assert plan_differs(written, plan("customized_kernel", "row_wise"))
+    assert plan_differs(written, plan("fused", "table_wise"))
+    assert not plan_differs(None, plan("fused", "row_wise"))  # an earlier version's checkpoint: as it was

@@ -503,6 +503,12 @@ def test_memory_storage_trains_with_torchrecs_fused_kernels(tmp_path):
     assert summary["storage"] == "memory" and summary["steps"] == 8 and summary["disk_bytes"] == 0
     assert 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
     assert summary["hit_rate"] is None  # no disk table
+    # Only sharding types TorchRec's in-memory kernels do not take on the CPU: refused by name.
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path / 'row_wise'}", "storage.kind=memory", "train.steps=8",
+                                      "storage.sharding_types=[row_wise]", *SMALL])
+    with pytest.raises(ConfigError, match=r"storage kind memory keeps tables in TorchRec's kernels, which shard them "
+                                          r"on the CPU only as"):
+        run(config, progress=False)
 
 
 @pytest.mark.skipif(not __import__("mlkv_torch")._C.with_rocksdb, reason="built without RocksDB")
