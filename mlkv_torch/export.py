@@ -20,6 +20,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .config import ConfigError
+from .read_ahead import read_ahead
 from .exported_tables import DENSE_FILE, FORMAT, MANIFEST, VERSION, file_sha256
 from .train.checkpoint_tables import WrittenCheckpoint, written_checkpoint
 
@@ -67,7 +68,7 @@ def _export_table(checkpoint: WrittenCheckpoint, name: str, directory: str, chun
     writer: Optional[Any] = None
     rows, state_columns = 0, 0
     try:
-        for ids, weights, state in checkpoint.rows(name, chunk_rows):
+        for ids, weights, state in read_ahead(checkpoint.rows(name, chunk_rows), depth=2, name="mlkv-export"):
             state_columns = state.shape[1]
             columns: List[Any] = [pa.array(ids.numpy()), _fixed_lists(weights)]
             names = ["id", "weight"]

@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from .read_ahead import read_ahead
 from .row_layout import RowLayout
 from .store import KVStore
 
@@ -138,7 +139,8 @@ def fill_shard(bag: Any, first_row: int, first_column: int, sources: List[Stored
                          f"holds columns [{first_column}, {first_column + bag.embedding_dim}) in one shard")
     written, stop_row = 0, first_row + bag.num_embeddings
     for source in overlapping:
-        for ids, weights, state in read_shard(source, layout, chunk_rows):
+        # The next chunks are read while this one is written (both let go of the GIL).
+        for ids, weights, state in read_ahead(read_shard(source, layout, chunk_rows), depth=2, name="mlkv-fill"):
             inside = (ids >= first_row) & (ids < stop_row)
             if bool(inside.any()):
                 bag.load_rows(ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None)

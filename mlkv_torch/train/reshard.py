@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 
 from ..config import ConfigError
+from ..read_ahead import read_ahead
 from ..row_layout import RowLayout
 from ..store import initial_rows
 from ..stored_shards import StoredShard, fill_shard, same_columns
@@ -113,7 +114,7 @@ def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_colu
         fill_shard(bag, first_row, first_column, shards, layout, _CHUNK_ROWS)
         return
     stop_row = first_row + bag.num_embeddings
-    for ids, weights, state in source.rows(table, _CHUNK_ROWS):
+    for ids, weights, state in read_ahead(source.rows(table, _CHUNK_ROWS), depth=2, name="mlkv-reshard"):
         inside = (ids >= first_row) & (ids < stop_row)
         if bool(inside.any()):
             bag.load_rows(ids[inside] - first_row, weights[inside][:, first_column:first_column + bag.embedding_dim],
@@ -216,7 +217,7 @@ def _fill_memory_table(source: TableSource, table: str, entry: Dict[str, Any], m
         for parts in moments:
             for _, tensor in parts:
                 tensor.zero_()
-    for ids, weights, state in source.rows(table, _CHUNK_ROWS):
+    for ids, weights, state in read_ahead(source.rows(table, _CHUNK_ROWS), depth=2, name="mlkv-reshard"):
         for offsets, tensor in blocks:
             _put_rows(tensor, offsets[0], ids, weights[:, offsets[1]:offsets[1] + tensor.shape[1]])
         if not moments:
