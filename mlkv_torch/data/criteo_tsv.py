@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import gzip
 import os
-import queue
 import re
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import numpy as np
+
+from ..read_ahead import read_ahead
 
 __all__ = ["CAT_FEATURES", "INT_FEATURES", "CriteoBlock", "CriteoFormatError", "count_lines", "is_gzip",
            "read_blocks", "write_tsv"]
@@ -150,49 +150,22 @@ def read_blocks(path: str, block_size: int = DEFAULT_BLOCK_SIZE, threads: int = 
 
 def _batches_read_ahead(open_reader, path: str, first_unread_line) -> Iterator:
     """The reader's record batches, read one batch ahead in a thread (pyarrow parses without the GIL)."""
-    batches: "queue.Queue" = queue.Queue(maxsize=1)
-    stop = threading.Event()
-    end = object()
-
-    def hand_over(item) -> bool:
-        while not stop.is_set():  # the consumer may have stopped taking
-            try:
-                batches.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def read() -> None:
-        try:
-            reader = open_reader()
-            while True:
-                try:
-                    item = reader.read_next_batch()
-                except StopIteration:
-                    item = end
-                if not hand_over(item) or item is end:
-                    return
-        except BaseException as error:  # handed to the consumer, which raises it with the line
-            hand_over(error)
-
-    reader_thread = threading.Thread(target=read, name="criteo-csv", daemon=True)
-    reader_thread.start()
-    try:
+    def batches() -> Iterator:
+        reader = open_reader()
         while True:
-            item = batches.get()
-            if item is end:
+            try:
+                yield reader.read_next_batch()
+            except StopIteration:
                 return
-            if isinstance(item, BaseException):
-                if "Empty CSV file" in str(item):  # pyarrow's word for no bytes at all: read_blocks says so
-                    return
-                if not _is_format_error(item):
-                    raise item
-                raise _format_error(path, first_unread_line(), item) from item
-            yield item
-    finally:
-        stop.set()
-        reader_thread.join()
+
+    try:
+        yield from read_ahead(batches(), depth=1, name="criteo-csv")
+    except Exception as error:  # the reader's, raised here with the line
+        if "Empty CSV file" in str(error):  # pyarrow's word for no bytes at all: read_blocks says so
+            return
+        if not _is_format_error(error):
+            raise
+        raise _format_error(path, first_unread_line(), error) from error
 
 
 def _is_format_error(error: BaseException) -> bool:
