@@ -19,11 +19,11 @@ from .. import optim as optim_lib
 from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
 from ..disk_modules import DiskTableModule
+from ..exported_tables import read_export
 from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from ..table_settings import DiskTableSettings
 from . import checkpoints, reshard
-from ..exported_tables import read_export
 from .checkpoint_tables import WrittenCheckpoint, read_pointer, written_checkpoint
 from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 

@@ -240,3 +240,8 @@ def _check_import_refusals(out: Path, tmp_path: Path) -> None:
     refused(lambda c: None, r"table 't_cat_0': the export at .*'s dim is 16, this run's 8",
             ("model.embedding_dim=8", "model.dense_arch=[64,8]"))
     refused(lambda c: None, r"'s optimizer is 'rowwise_adagrad', this run's 'adagrad'", ("train.optimizer=adagrad",))
+    from mlkv_torch.train import main
+
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error, before anything opens
+        main([str(QUICKSTART), "--resume", "--import", str(export)])
+    assert exited.value.code == 2
