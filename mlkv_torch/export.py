@@ -4,9 +4,9 @@
 
 OUT gets one Parquet file per table (columns ``id`` int64, ``weight`` and, with optimizer state,
 ``state``: fixed-size lists of float32), ``dense.pt`` (the dense model and its optimizer's state
-by parameter name, for ``torch.load``) and ``manifest.json``: the step, each table's rows,
-columns, optimizer and placement, what its state columns hold, how the rows a disk table never
-wrote start, and each file's rows, bytes and SHA-256. Rows stream a chunk at a time; the
+by parameter name, for ``torch.load``) and ``manifest.json``: the step and the batches trained by
+then, each table's rows, columns, optimizer and placement, what its state columns hold, how the
+rows a disk table never wrote start, and each file's rows, bytes and SHA-256. Rows stream a chunk at a time; the
 checkpoint is only read (its stores opened read-only), and OUT appears whole or not at all
 (it is written as OUT.partial, then renamed). A run starts from an export with
 ``python -m mlkv_torch.train CONFIG --import OUT`` (`mlkv_torch.exported_tables`)."""
@@ -46,7 +46,7 @@ def export_checkpoint(output_dir: str, out: str, tables_dir: Optional[str] = Non
         os.makedirs(partial)
     except OSError as e:
         raise ConfigError(f"{out!r} cannot be written: cannot create {partial!r} ({e.strerror or e})") from e
-    manifest = {"format": FORMAT, "version": VERSION, "step": checkpoint.step,
+    manifest = {"format": FORMAT, "version": VERSION, "step": checkpoint.step, "batches": checkpoint.batches,
                 "written_by": {"processes": checkpoint.processes, "one_process": checkpoint.one_process},
                 "tables": {name: _export_table(checkpoint, name, partial, chunk_rows)
                            for name in sorted(checkpoint.tables)},

@@ -28,12 +28,14 @@ TableRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (ids [n], weights
 
 @dataclass(frozen=True)
 class ExportedTables:
-    """The export at `path`: written at training step `step` by `processes` processes, its tables
+    """The export at `path`: written at training step `step` (`batches` trained by then over all
+    ranks) by `processes` processes, its tables
     (the manifest's entries: rows, dim, dtype, optimizer, placement, sharding, file, state,
     initial_rows) and its dense model's file."""
 
     path: str
     step: int
+    batches: int  # the batches the job trained by `step`, over all its ranks
     processes: int
     tables: Dict[str, Dict[str, Any]]
     dense_file: str
@@ -97,13 +99,14 @@ def read_export(path: str) -> ExportedTables:
         files = [(name, e["file"], e["bytes"], e["sha256"]) for name, e in tables.items()]
         files.append(("the dense model", dense["file"], dense["bytes"], dense["sha256"]))
         processes = int(manifest["written_by"]["processes"])
+        batches = int(manifest.get("batches", step * processes))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{manifest_path}: not a manifest this mlkv_torch reads: {e}") from e
     for what, file_name, size, sha256 in files:
         _check_file(path, what, file_name, size, sha256)
     for name, entry in tables.items():
         _check_schema(os.path.join(path, entry["file"]), name, entry)
-    return ExportedTables(path, step, processes, tables, dense["file"])
+    return ExportedTables(path, step, batches, processes, tables, dense["file"])
 
 
 def _check_file(path: str, what: str, file_name: str, size: int, sha256: str) -> None:

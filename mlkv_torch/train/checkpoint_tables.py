@@ -54,6 +54,7 @@ class WrittenCheckpoint:
     cuts: Dict[Optional[int], Optional[Dict[str, Any]]]
     state_files: List[str]
     generation: str  # the directory under the run's tables path that holds its tables ("": the path itself)
+    batches: int  # the batches trained by `step` (`checkpoints.BATCHES_KEY`)
 
     @property
     def description(self) -> str:
@@ -221,14 +222,16 @@ def written_checkpoint(output_dir: str, tables_path: Optional[str] = None) -> Op
     if max(found, key=lambda p: os.stat(p).st_mtime_ns) == one_process:
         state = checkpoints.load_checkpoint(one_process)
         generation = state.get(checkpoints.GENERATION_KEY, "")
+        step = int(state["step"])
         return WrittenCheckpoint(output_dir, os.path.join(tables_path, generation) if generation else tables_path,
-                                 True, 1, int(state["step"]), state.get(checkpoints.TABLES_KEY),
-                                 {None: state.get("cut")}, [one_process], generation)
+                                 True, 1, step, state.get(checkpoints.TABLES_KEY), {None: state.get("cut")},
+                                 [one_process], generation, int(state.get(checkpoints.BATCHES_KEY, step)))
     directory, step, cuts, record = read_pointer(pointer)
     generation = record.get(checkpoints.GENERATION_KEY, "")
     files = [os.path.join(output_dir, directory, f"rank{r}.pt") for r in range(len(cuts))]
     return WrittenCheckpoint(output_dir, os.path.join(tables_path, generation) if generation else tables_path,
-                             False, len(cuts), step, record.get(checkpoints.TABLES_KEY), cuts, files, generation)
+                             False, len(cuts), step, record.get(checkpoints.TABLES_KEY), cuts, files, generation,
+                             int(record.get(checkpoints.BATCHES_KEY, step * len(cuts))))
 
 
 def read_pointer(pointer: str) -> Tuple[str, int, Dict[int, Any], Dict[str, Any]]:

@@ -28,6 +28,9 @@ TABLES_KEY = "tables"
 # Beside it: the directory under the tables path that holds the checkpoint's disk tables ("": the path
 # itself; a reshard fills a directory of its own, `reshard.generation`).
 GENERATION_KEY = "generation"
+# Beside them: how many batches the job has trained by the checkpoint's step, whatever worlds trained
+# them (each step trains one batch a rank): a run on another world goes on from the next batch.
+BATCHES_KEY = "batches"
 
 
 class StepBoundaries:

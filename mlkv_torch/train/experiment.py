@@ -88,6 +88,9 @@ class Experiment:
         self.resharding: Optional[reshard.TableSource] = read_export(imported) if imported else None
         self._written = written_checkpoint(config.output_dir, config.tables_path) if resume else None
         self.generation = self._written.generation if self._written is not None else ""
+        # (step, batches trained by then over all ranks) of the checkpoint or export loaded: the data
+        # goes on from the next batch whatever world trained those (`batches_at`).
+        self._batches_origin = (0, 0)
         self.tables_path = os.path.join(config.tables_path, self.generation) if self.generation else config.tables_path
         if self._written is not None and (self._written.one_process, self._written.processes) != (
                 not self.distributed, self.world_size):
@@ -257,13 +260,20 @@ class Experiment:
     def rank(self) -> int:
         return dist.get_rank() if self.distributed else 0
 
+    def batches_at(self, step: int) -> int:
+        """The batches the job has trained by `step` over all its ranks: each step trains one batch
+        a rank, from the batches a loaded checkpoint or export had trained (in whatever world)."""
+        step0, batches0 = self._batches_origin
+        return batches0 + (step - step0) * self.world_size
+
     def loader(self, first_step: int, steps: int) -> Any:
         """A BatchLoader of this rank's batches of steps [first_step, first_step + steps): step s
-        trains batch number s * world_size + rank on each rank (from the rank's share of the files)."""
+        trains batch number batches_at(s) + rank on each rank (from the rank's share of the files)."""
         from ..data.loader import BatchLoader
 
         world = self.world_size
-        return BatchLoader(self.source.make_batch, first=first_step * world + self.rank, count=steps, stride=world,
+        return BatchLoader(self.source.make_batch, first=self.batches_at(first_step) + self.rank, count=steps,
+                           stride=world,
                            tuner=loader_tuner(self.config, torch_threads(self.config),
                                               self.source.remote_workers))
 
@@ -309,7 +319,7 @@ class Experiment:
         planted = False
         with torch.no_grad():
             for batch, probabilities in self.source.eval(self.config.eval.batches, self.rank, self.world_size,
-                                                         step * self.world_size):
+                                                         self.batches_at(step)):
                 loss, (_, logits, labels) = self.model(batch.to(self.device))
                 logits, labels = logits.cpu(), labels.cpu()  # the metrics and the planted probabilities' device
                 auroc.update(torch.sigmoid(logits), labels.int())
@@ -359,7 +369,8 @@ class Experiment:
         # A copy: later steps change the optimizer's state in place.
         state = {"step": step, "dense": self._dense_state(),
                  "dense_optimizer": checkpoints.local_copy(self.optimizer.state_dict()),
-                 checkpoints.TABLES_KEY: self.table_manifest(), checkpoints.GENERATION_KEY: self.generation}
+                 checkpoints.TABLES_KEY: self.table_manifest(), checkpoints.GENERATION_KEY: self.generation,
+                 checkpoints.BATCHES_KEY: self.batches_at(step)}
 
         def commit() -> None:
             # The previous checkpoint stays whole until this one is.
@@ -442,7 +453,7 @@ class Experiment:
         if self.replicas is not None:  # the step before pushed every gradient they owed (the loop's doing)
             state["replicas"] = self.replicas.state_dict()
         rank, world, main = self.rank, self.world_size, self.is_main
-        tables, generation = self.table_manifest(), self.generation
+        tables, generation, batches = self.table_manifest(), self.generation, self.batches_at(step)
 
         def commit() -> None:
             import shutil
@@ -474,7 +485,8 @@ class Experiment:
             previous = self._latest_sharded()[0] if os.path.exists(self.checkpoint_path()) else None
             write_json_record(self.checkpoint_path(), {"directory": os.path.basename(directory), "cuts": cuts,
                                                        checkpoints.TABLES_KEY: tables,
-                                                       checkpoints.GENERATION_KEY: generation})
+                                                       checkpoints.GENERATION_KEY: generation,
+                                                       checkpoints.BATCHES_KEY: batches})
             if pending is not None:
                 pending.commit()
             if previous and previous != directory:
@@ -485,13 +497,14 @@ class Experiment:
         """What a checkpoint records of each table, whatever the world (`checkpoints.TABLES_KEY`): its
         rows, columns, weight type and optimizer, and where the plan put it (placement "disk", or
         "memory" with TorchRec's sharding type: "data_parallel" tables are trained by the dense
-        optimizer)."""
+        optimizer; under torchrun its shards, `reshard.shard_layout`)."""
         plan = getattr(self.collection, "module_sharding_plan", None)  # None in one process: every table on disk
         disk = set(self.collection.disk_table_names) if plan is not None else {t.name for t in self.table_configs}
         return {t.name: {"rows": t.num_embeddings, "dim": t.embedding_dim, "dtype": "float32",
                          "optimizer": self.config.train.optimizer,
                          "placement": "disk" if t.name in disk else "memory",
-                         "sharding": plan[t.name].sharding_type if plan is not None else None}
+                         "sharding": plan[t.name].sharding_type if plan is not None else None,
+                         "shards": reshard.shard_layout(plan[t.name]) if plan is not None else None}
                 for t in self.table_configs}
 
     def _wait_for_pointer(self, directory: str) -> bool:
@@ -554,6 +567,9 @@ class Experiment:
         """Loads the checkpoint `resume` found, or the export `imported` names; returns its step. A
         checkpoint of another world, or an export, is resharded into this run's plan and
         checkpointed at once for this world (then the checkpoint read is removed)."""
+        loaded = self.resharding if self.resharding is not None else self._written
+        if loaded is not None:
+            self._batches_origin = (loaded.step, loaded.batches)
         if self.resharding is not None:
             return self._load_resharded(self.resharding)
         if self.is_main and self.generation:

@@ -21,7 +21,7 @@ from ..store import initial_rows
 from ..stored_shards import StoredShard, fill_shard, same_columns
 from .checkpoint_tables import TableRows, state_entry, weight_key
 
-__all__ = ["GENERATION", "generation", "plan_differs", "check_tables", "load_resharded", "TableSource"]
+__all__ = ["GENERATION", "generation", "shard_layout", "plan_differs", "check_tables", "load_resharded", "TableSource"]
 
 # A directory of tables filled by a reshard, under the run's tables path.
 GENERATION = re.compile(r"(one-process|world[0-9]+)-step[0-9]+(-replanned)?")
@@ -33,6 +33,7 @@ class TableSource(Protocol):
     (`mlkv_torch.exported_tables.ExportedTables`)."""
 
     step: int
+    batches: int  # the batches the job trained by `step`, over all its ranks
     tables: Dict[str, Dict[str, Any]]  # each table's rows, dim, dtype, optimizer, placement, sharding
     description: str  # what it is, in a message
 
@@ -53,10 +54,22 @@ def generation(world_size: int, one_process: bool, step: int, read: str = "") ->
     return name if name != read else f"{name}-replanned"
 
 
+def shard_layout(sharding: Any) -> List[List[int]]:
+    """Where a TorchRec ParameterSharding puts a table's rows: [rank, first row, first column, rows,
+    columns] per shard, sorted; a replicated table's ranks as [rank] each. Table-wise, column-wise
+    and table-column-wise plans of a table whole on one rank are the same layout (TorchRec's
+    planner picks among them as among equals, and its sharded module relabels them)."""
+    shards = getattr(sharding.sharding_spec, "shards", None)
+    if not shards:
+        return [[rank] for rank in sorted(sharding.ranks or [])]
+    return sorted([s.placement.rank(), *s.shard_offsets, *s.shard_sizes] for s in shards)
+
+
 def plan_differs(written: Any, plan: Any) -> bool:
-    """Whether TorchRec's ShardingPlan `plan` puts a table elsewhere (disk or memory) or shards it
-    otherwise than a checkpoint's tables (`written`, `checkpoints.TABLES_KEY`'s record) say.
-    False for a checkpoint that records no tables (an earlier version's)."""
+    """Whether TorchRec's ShardingPlan `plan` puts a table elsewhere (disk or memory) or lays its
+    shards out otherwise than a checkpoint's tables (`written`, `checkpoints.TABLES_KEY`'s record)
+    say. False for a checkpoint that records no tables (an earlier version's); one that records no
+    layouts is compared by placement and the kind of sharding."""
     from ..torchrec.kernel import DISK_KERNEL
 
     if not isinstance(written, dict):
@@ -64,10 +77,19 @@ def plan_differs(written: Any, plan: Any) -> bool:
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():
             entry = written.get(table)
+            if entry is None:
+                continue  # check_tables names it
             placement = "disk" if sharding.compute_kernel == DISK_KERNEL else "memory"
-            if entry is not None and (placement, sharding.sharding_type) != (entry["placement"], entry["sharding"]):
+            layout = entry.get("shards")
+            if placement != entry["placement"] or (shard_layout(sharding) != layout if layout is not None else
+                                                   _kind(sharding.sharding_type) != _kind(entry["sharding"])):
                 return True
     return False
+
+
+def _kind(sharding_type: str) -> str:
+    """Sharding types a table whole on one rank may be labelled with alike (`shard_layout`)."""
+    return "table_column_wise" if sharding_type in ("table_wise", "column_wise") else sharding_type
 
 
 def check_tables(written: Dict[str, Dict[str, Any]], this_run: Dict[str, Dict[str, Any]],

@@ -81,6 +81,27 @@ def same_tables(before: Path, after: Path) -> None:
         assert torch.equal(new_state[at], expected), name
 
 
+def _check_next_batch(out: Path, step: int, batch: int) -> None:
+    """A one-process run resumed from `out` trains batch number `batch` at `step`."""
+    from mlkv_torch.config import load_config
+    from mlkv_torch.train.experiment import Experiment
+
+    config = load_config(QUICKSTART, [f"output_dir={out}", *[o for o in COMMON if "=" in o]])
+    experiment = Experiment(config, resume=True)
+    try:
+        assert experiment.load() == step
+        data = experiment.loader(step, 1)
+        try:
+            got, expected = next(iter(data)), experiment.source.make_batch(batch)
+        finally:
+            data.close()
+        ids = got.sparse_features.values()
+        assert torch.equal(ids, expected.sparse_features.values())
+        assert not torch.equal(ids, experiment.source.make_batch(step).sparse_features.values())  # not step * 1
+    finally:
+        experiment.collection.close()
+
+
 def _losses(out: Path) -> dict:
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
@@ -105,6 +126,9 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     assert not (out / "checkpoint.latest").exists() and (out / "checkpoint.pt").exists()
     export_checkpoint(str(out), str(tmp_path / "one"))
     same_tables(tmp_path / "two", tmp_path / "one")
+    # The data goes on where the 2 ranks left it: their 8 steps trained batches 0-15.
+    assert json.loads((tmp_path / "one" / "manifest.json").read_text())["batches"] == 16
+    _check_next_batch(out, 8, 16)
     # The export, imported into a job of 2 ranks under the first plan, goes on as the job would have.
     imported = tmp_path / "imported"
     done = _train(imported, 12, 2, "--import", str(tmp_path / "one"), *plan)
@@ -187,8 +211,16 @@ def test_a_plan_differs_where_a_table_changes_place_or_sharding_type():
         return ShardingPlan({"model.sparse_arch.embedding_bag_collection": EmbeddingModuleShardingPlan(
             {"t": ParameterSharding(sharding_type=sharding, compute_kernel=kernel, ranks=[0])})})
 
-    written = {"t": {"placement": "disk", "sharding": "table_wise"}}
+    # A record with the shards' layout: table-wise, column-wise and table-column-wise of a table whole
+    # on rank 0 are one layout (TorchRec's planner picks among them as among equals).
+    written = {"t": {"placement": "disk", "sharding": "table_column_wise", "shards": [[0]]}}
     assert not plan_differs(written, plan("customized_kernel", "table_wise"))
+    assert not plan_differs(written, plan("customized_kernel", "column_wise"))
+    assert plan_differs(written, plan("fused", "table_wise"))
+    assert plan_differs({"t": {**written["t"], "shards": [[1]]}}, plan("customized_kernel", "table_wise"))
+    # One without (written before layouts were recorded): by placement and the kind of sharding.
+    written = {"t": {"placement": "disk", "sharding": "table_wise"}}
+    assert not plan_differs(written, plan("customized_kernel", "column_wise"))
     assert plan_differs(written, plan("customized_kernel", "row_wise"))
     assert plan_differs(written, plan("fused", "table_wise"))
-    assert not plan_differs(None, plan("fused", "row_wise"))  # an earlier version's checkpoint: as it was
+    assert not plan_differs(None, plan("fused", "row_wise"))  # one that records no tables: as it was
