@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from .config import ConfigError
+from .stored_shards import TableRows
 
 __all__ = ["ExportedTables", "read_export", "file_sha256", "MANIFEST", "DENSE_FILE", "FORMAT", "VERSION"]
 
@@ -23,7 +24,6 @@ DENSE_FILE = "dense.pt"
 FORMAT = "mlkv-torch-tables"
 VERSION = 1
 
-TableRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (ids [n], weights [n, dim], state [n, k])
 
 
 @dataclass(frozen=True)

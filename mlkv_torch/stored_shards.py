@@ -18,7 +18,10 @@ from .read_ahead import read_ahead
 from .row_layout import RowLayout
 from .store import KVStore
 
-__all__ = ["StoredShard", "stored_shards", "read_shard", "open_shard", "fill_shard", "same_columns"]
+__all__ = ["StoredShard", "stored_shards", "read_shard", "open_shard", "fill_shard", "same_columns", "TableRows"]
+
+# A chunk of a table's rows: (ids [n], weights [n, columns], optimizer state [n, k]).
+TableRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 _SHARD_DIRECTORY = re.compile(r"(?P<table>.+)_rows(?P<row>[0-9]+)_cols(?P<column>[0-9]+)")
 _READ_BUDGET = 16 << 20  # log pages a read-only open holds in memory; the scan reads a few MiB at a time
@@ -93,7 +96,7 @@ def _with_extents(table: str, shards: List[StoredShard], rows: int, columns: int
 
 
 def read_shard(shard: StoredShard, layout: RowLayout, chunk_rows: int = 1 << 16
-               ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+               ) -> Iterator[TableRows]:
     """The rows `shard`'s store holds at its checkpoint, as (global ids [n], weights [n, columns] of
     the layout's dtype, optimizer state [n, state_dim] float32) chunks in the log's order, read
     sequentially from a read-only open (nothing is written). `layout` is the shard's: its

@@ -17,12 +17,11 @@ from ..config import ConfigError
 from ..cut import read_json_record
 from ..disk_table import TABLE_RECORD
 from ..row_layout import RowLayout
-from ..stored_shards import StoredShard, open_shard, read_shard, stored_shards
+from ..stored_shards import StoredShard, TableRows, open_shard, read_shard, stored_shards
 from . import checkpoints
 
-__all__ = ["WrittenCheckpoint", "written_checkpoint", "read_pointer", "TableRows"]
+__all__ = ["WrittenCheckpoint", "written_checkpoint", "read_pointer"]
 
-TableRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (ids [n], weights [n, dim], state [n, k])
 
 # What each column of a table's optimizer state holds, by optimizer (the disk tables' rules and
 # FBGEMM's fused ones keep the same state).

@@ -18,8 +18,8 @@ from ..config import ConfigError
 from ..read_ahead import read_ahead
 from ..row_layout import RowLayout
 from ..store import initial_rows
-from ..stored_shards import StoredShard, fill_shard, same_columns
-from .checkpoint_tables import TableRows, state_entry, weight_key
+from ..stored_shards import StoredShard, TableRows, fill_shard, same_columns
+from .checkpoint_tables import state_entry, weight_key
 
 __all__ = ["GENERATION", "generation", "shard_layout", "plan_differs", "check_tables", "load_resharded", "TableSource"]
 

@@ -45,7 +45,8 @@ def test_stopping_early_ends_the_thread_and_closes_the_items():
         finally:
             closed.set()
 
-    ahead = read_ahead(items(), depth=1)
+    made = items()  # held here: only read_ahead's close can close it
+    ahead = read_ahead(made, depth=1)
     assert [next(ahead), next(ahead)] == [0, 1]
     ahead.close()
     assert closed.is_set()
