@@ -6,7 +6,6 @@ keys are enough to push most rows into segment files and run the disk path.
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import sys
@@ -24,6 +23,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 for _folder in ("helpers", "workers", "engine", "core", "torchrec_integration", "data", "train"):
     if os.path.join(TESTS, _folder) not in sys.path:
         sys.path.insert(0, os.path.join(TESTS, _folder))
+
+import background_runs  # noqa: E402  (tests/helpers, on the path above)
 
 DIM = 8
 SMALL_OPTIONS = dict(memory_budget_bytes=32 << 10, expected_rows=1024, segment_bytes=16 << 10)
@@ -190,28 +191,21 @@ def pytest_make_collect_report(collector):
     _refused_skip(outcome.get_result())
 
 
-_BENCH_SMOKE = pytest.StashKey()  # tests/test_bench_smoke.py, where its runs started
-
-
-def _bench_smoke(items):
-    return [item for item in items if item.path.name == "test_bench_smoke.py"]
-
-
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(session, config, items):
-    """The benchmarks' smoke runs start now, beside the other tests, and their tests run last
-    (tests/test_bench_smoke.py says why)."""
-    smoke = _bench_smoke(items)
-    if not smoke or config.option.collectonly or importlib.util.find_spec("torchrec") is None:
+    """The commands some tests check (the benchmarks' smoke runs, the sanitizers) start now, beside
+    the other tests, and those tests run last (tests/helpers/background_runs.py says why)."""
+    by_module = {}
+    for item in items:
+        if hasattr(getattr(item, "module", None), "background_runs"):
+            by_module.setdefault(item.module, []).append(item)
+    if not by_module or config.option.collectonly:
         return
-    items[:] = [item for item in items if item not in smoke] + smoke
-    selected = {item.callspec.params["script"] for item in smoke}
-    module = smoke[0].module
-    module.start_runs([script for script in module.SCRIPTS if script in selected])
-    config.stash[_BENCH_SMOKE] = module
+    waiting = [item for module_items in by_module.values() for item in module_items]
+    items[:] = [item for item in items if item not in waiting] + waiting
+    background_runs.start([run for module, module_items in by_module.items()
+                           for run in module.background_runs(module_items)])
 
 
 def pytest_sessionfinish(session):
-    module = session.config.stash.get(_BENCH_SMOKE, None)
-    if module is not None:
-        module.stop_runs()
+    background_runs.stop()

@@ -2,19 +2,14 @@
 
 Most of a run is one process importing torch, and the suite's other tests leave the second core
 idle most of the time: the runs start when the collection ends (tests/conftest.py), one at a time
-at a low priority beside the other tests (tests/workers/bench_smoke_runner.py), and these tests run last,
-where what has not run yet runs two at a time."""
-import json
-import os
-import shutil
-import signal
-import subprocess
+at a low priority beside the other tests (tests/helpers/background_runs.py), and these tests run
+last, where what has not run yet runs two at a time."""
+import importlib.util
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from background_runs import Run, results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,62 +21,25 @@ SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_bi
            "bench_rank_shares.py", "bench_memory.py"]
 
 
-class SmokeRuns:
-    """The runs of `scripts` by tests/workers/bench_smoke_runner.py, in a process group of their own."""
-
-    def __init__(self, scripts):
-        self.scripts = list(scripts)
-        self.dir = Path(tempfile.mkdtemp(prefix="mlkv-bench-smoke-"))
-        with open(self.dir / "runner.log", "w") as log:
-            self.runner = subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "bench_smoke_runner.py"),
-                                            str(self.dir), *self.scripts], stdout=log, stderr=log, cwd=REPO,
-                                           start_new_session=True)
-
-    def results(self) -> dict:
-        """Each script's run, once every run has ended (what has not started runs two at a time)."""
-        (self.dir / "wide").touch()
-        self.runner.wait()
-        results = {}
-        for i, script in enumerate(self.scripts):
-            ended = self.dir / f"{i}.json"
-            assert ended.exists(), (self.dir / "runner.log").read_text()[-4000:]
-            results[script] = subprocess.CompletedProcess(script, json.loads(ended.read_text())["returncode"],
-                                                          (self.dir / f"{i}.stdout").read_text(),
-                                                          (self.dir / f"{i}.stderr").read_text())
-        return results
-
-    def stop(self) -> None:
-        """Ends the runs (a session that ended first) and removes their files."""
-        if self.runner.poll() is None:
-            os.killpg(self.runner.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while self.runner.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if self.runner.poll() is None:
-                os.killpg(self.runner.pid, signal.SIGKILL)
-                self.runner.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def _run(script: str) -> Run:
+    name, *extra = script.split()
+    output = "--json" if name == "bench_embedding.py" else "--out"
+    return Run(script, [sys.executable, str(REPO / "benchmarks" / name), "--smoke", *extra, output,
+                        "{scratch}/out.json"])
 
 
-_runs = []  # the session's SmokeRuns, started by start_runs
-
-
-def start_runs(scripts=SCRIPTS) -> SmokeRuns:
-    """Starts the runs of `scripts` (tests/conftest.py calls it when the collection ends), once."""
-    if not _runs:
-        _runs.append(SmokeRuns(scripts))
-    return _runs[0]
-
-
-def stop_runs() -> None:
-    while _runs:
-        _runs.pop().stop()
+def background_runs(items) -> list:
+    """The runs of the selected scripts (tests/conftest.py starts them when the collection ends)."""
+    if importlib.util.find_spec("torchrec") is None:
+        return []
+    selected = {item.callspec.params["script"] for item in items}
+    return [_run(script) for script in SCRIPTS if script in selected]
 
 
 @pytest.fixture(scope="module")
 def smoke_runs():
     pytest.importorskip("torchrec")
-    return start_runs().results()
+    return results([_run(script) for script in SCRIPTS])
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

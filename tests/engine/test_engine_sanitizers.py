@@ -7,37 +7,54 @@ readers, writers, lookahead and checkpoints) and csrc/tests/cache_stress.cc (the
 slot index, staging area, write-back buffer and read-ahead queue driven from several threads against a
 reference model) and csrc/tests/base_run_test.cc (the store's sorted runs against std::map, damaged
 files), and fails on any sanitizer report.
+
+The builds are minutes of CPU on cores the other tests leave idle: they start when the collection
+ends, beside the other tests at the lowest priority (tests/helpers/background_runs.py), and these
+tests run last, waiting for them.
 """
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from background_runs import Run, results
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ASAN_TSAN = ["asan", "tsan"]
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+needs_clang = pytest.mark.skipif(shutil.which("clang++") is None,
+                                 reason="needs clang++ (scripts/setup.sh installs it)")
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("sanitizer", ["asan", "tsan"])
-def test_engine_stress_under_sanitizer(sanitizer, tmp_path):
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "sanitize.sh"), sanitizer], env=env,
-                            capture_output=True, text=True, timeout=600)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+def _run(check: str) -> Run:
+    return Run(f"sanitize {check}", ["bash", "scripts/sanitize.sh", check],
+               {"TMPDIR": "{scratch}", "PYTHON": sys.executable})
+
+
+def background_runs(items) -> list:
+    """The checks of the selected tests (tests/conftest.py starts them when the collection ends)."""
+    checks = {item.callspec.params["sanitizer"] if hasattr(item, "callspec") else "threads" for item in items}
+    available = {"asan": shutil.which("g++"), "tsan": shutil.which("g++"), "threads": shutil.which("clang++")}
+    return [_run(check) for check in ("tsan", "asan", "threads") if check in checks and available[check]]
+
+
+def _done(check: str) -> str:
+    done = results([_run(c) for c in ("tsan", "asan", "threads")])[f"sanitize {check}"]
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+@needs_gxx
+@pytest.mark.parametrize("sanitizer", ASAN_TSAN)
+def test_engine_stress_under_sanitizer(sanitizer):
+    output = _done(sanitizer)
     assert ("8 passed, 0 failed" if sanitizer == "asan" else "6 passed, 0 failed") in output  # store_stress
     assert "12 passed, 0 failed" in output  # cache_stress
     assert "base_run: 14 passed, 0 failed" in output
     assert "ERROR: AddressSanitizer" not in output and "WARNING: ThreadSanitizer" not in output
 
 
-@pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ (scripts/setup.sh installs it)")
-def test_lock_annotations_hold_under_clang_thread_safety_analysis(tmp_path):
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHON=sys.executable)
-    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "sanitize.sh"), "threads"], env=env,
-                            capture_output=True, text=True, timeout=600)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+@needs_clang
+def test_lock_annotations_hold_under_clang_thread_safety_analysis():
+    output = _done("threads")
     assert "thread-safety analysis: clean" in output
     assert "thread-safety analysis of the cache's torch files: clean" in output
