@@ -495,6 +495,20 @@ class DiskEmbeddingBag(nn.Module):
         kept, its state its live ids' rows."""
         return self._batch.tables[self._table].id_policy is not None
 
+    @property
+    def follows_ids(self) -> bool:
+        """A virtual table whose ids' lookups and ages are kept (an eviction policy or a frequency
+        filter)."""
+        policy = self._batch.tables[self._table].id_policy
+        return policy is not None and policy.tracked
+
+    def restore_id_activity(self, ids: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
+                            holds_row: torch.Tensor) -> None:
+        """Sets the lookups counted, the time of the last lookup and whether each holds a row of a
+        virtual table's ids (`virtual_tables.IdsActivity`): a table filled from another world's
+        tables keeps its ids' history."""
+        self._batch.restore_activity(self._table, ids, counts, last, holds_row)
+
     def _refuse_if_virtual(self, what: str) -> None:
         if self.virtual:
             raise ValueError(f"table {self._batch.tables[self._table].name!r} is virtual, an id space of "

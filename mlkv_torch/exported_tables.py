@@ -52,6 +52,11 @@ class ExportedTables:
         """An export holds no stores: every table's rows come through `rows`."""
         return None
 
+    def activity(self, table: str) -> None:
+        """An export holds rows, not a virtual table's ids' lookups and ages: an import counts each
+        id it holds as looked up afresh."""
+        return None
+
     def rows(self, table: str, chunk_rows: int = 1 << 16) -> Iterator[TableRows]:
         """`table`'s rows in its file, chunk by chunk: (ids, weights [n, dim] float32, optimizer
         state [n, k] float32)."""

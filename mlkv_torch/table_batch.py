@@ -306,7 +306,7 @@ class DiskTableBatch:
         policies = [t.id_policy for t in self.tables]
         if not any(p is not None and p.tracked for p in policies):
             return None
-        ids = KernelIds(policies)
+        ids = KernelIds(policies, [(t.name, t.first_row, t.first_column) for t in self.tables])
         if cut_step is not None and ids.saved(self.tables[0].path, cut_step):
             ids.load(self.tables[0].path, cut_step)
         elif reopened:
@@ -480,6 +480,19 @@ class DiskTableBatch:
         self.cache.write_back()  # nothing written before waits to overwrite these rows
         self.stores[table].put(ids, rows)
         self._adopt(table, keys)
+
+    def restore_activity(self, table: int, ids: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
+                         holds_row: torch.Tensor) -> None:
+        """Sets the activity of table `table`'s ids (`virtual_tables.IdsActivity`, ids local to the
+        table) to a saved one: a table filled from another world's (a reshard). ValueError for a
+        table that follows no ids."""
+        self._check_open()
+        policy = self.tables[table].id_policy
+        if self.ids is None or policy is None or not policy.tracked:
+            raise ValueError(f"table {self.tables[table].name!r} follows no ids (a virtual table with an eviction "
+                             f"policy or a frequency filter does)")
+        self.ids.replace(table, self.keys(table, as_int64_cpu(ids, "ids").reshape(-1).contiguous()), counts, last,
+                         holds_row)
 
     def delete_rows(self, table: int, ids: torch.Tensor) -> None:
         """Deletes rows `ids` of table `table` from the cache and the store: they read their initial

@@ -12,19 +12,24 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _C
-from .cache_keys import TABLE_SHIFT
+from .cache_keys import TABLE_SHIFT, row_of, table_of
 from .checks import is_int
 
 RULES = tuple(_C.IdActivity.rules)  # the eviction rules, in the order the C++ engine numbers them
 
 # The largest id a disk table holds: a kernel keys a row by its table above this many bits.
 MAX_VIRTUAL_ROWS = 1 << TABLE_SHIFT
+
+# A table's ids' activity: (ids [n] int64, lookups counted [n] float32, when each was last looked up
+# [n] int64 on the policy's clock, whether each holds a row [n] bool).
+IdsActivity = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -188,10 +193,14 @@ def check_virtual_size(name: str, num_embeddings: int) -> None:
 class KernelIds:
     """The ids of one kernel's tables that have an IdPolicy: which hold rows, each one's lookups
     and age, and the eviction rounds (rows deleted from the cache and the stores through
-    `cache.delete_rows`). Its state travels with cuts (`save`, `load`)."""
+    `cache.delete_rows`). Its state travels with cuts (`save`, `load`); `blocks` names each table's
+    block of its full table, (name, first row, first column), which the saved state records so that
+    another world can read it (`saved_activity`)."""
 
-    def __init__(self, policies: Sequence[Optional[IdPolicy]]) -> None:
+    def __init__(self, policies: Sequence[Optional[IdPolicy]],
+                 blocks: Optional[Sequence[Tuple[str, int, int]]] = None) -> None:
         self.policies = list(policies)
+        self.blocks = [list(block) for block in blocks or []]
         args = []
         for p in self.policies:
             p = p or IdPolicy()
@@ -278,6 +287,15 @@ class KernelIds:
         for _ in range(looked_up):
             self.activity.observe(keys.contiguous(), self._now(step))
 
+    def replace(self, table: int, keys: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
+                holds_row: torch.Tensor) -> None:
+        """Sets the activity of `table`'s ids to the given (keys of the table; the other tables'
+        kept): a table filled from another world's tables (a reshard)."""
+        state = self.activity.state()
+        others = table_of(state[0]) != table
+        self.activity.restore(*(torch.cat([old[others], new.contiguous()])
+                                for old, new in zip(state, (keys, counts, last, holds_row))))
+
     # ---- with cuts: one file per cut boundary, named by the kernel's step there ---------------------
     @staticmethod
     def _file(directory: str, step: int) -> str:
@@ -290,7 +308,7 @@ class KernelIds:
         """Writes the state at the cut boundary `step` (atomically: a crash leaves those before)."""
         keys, counts, last, holds = self.activity.state()
         path = self._file(directory, step)
-        torch.save({"keys": keys, "counts": counts, "last": last, "holds_row": holds,
+        torch.save({"keys": keys, "counts": counts, "last": last, "holds_row": holds, "tables": self.blocks,
                     "evicted": list(self.evicted), "rounds": list(self.rounds)}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
@@ -305,3 +323,29 @@ class KernelIds:
         state = torch.load(self._file(directory, step), weights_only=True)
         self.activity.restore(state["keys"], state["counts"], state["last"], state["holds_row"])
         self.evicted, self.rounds = list(state["evicted"]), list(state["rounds"])
+
+
+def saved_activity(kernels: Iterable[Tuple[str, int]]) -> Dict[str, IdsActivity]:
+    """The activity of the ids of every table that the kernels of a cut saved, by table name, in
+    the full table's ids (sorted; each id once: a table's column shards follow the same ids).
+    `kernels`: the (directory, step) of each stored table of the cut; a kernel saved its state in
+    its first table's directory at its step. A state saved without its tables' blocks (by an
+    earlier version) is skipped: its tables' ids count as looked up afresh where they are loaded."""
+    parts: Dict[str, List[IdsActivity]] = defaultdict(list)
+    for directory, step in kernels:
+        path = KernelIds._file(directory, step)
+        if not os.path.exists(path):
+            continue
+        state = torch.load(path, weights_only=True)
+        tables = table_of(state["keys"])
+        for index, (name, first_row, first_column) in enumerate(state.get("tables", [])):
+            mine = tables == index
+            if first_column == 0 and bool(mine.any()):
+                parts[name].append((row_of(state["keys"][mine]) + first_row, state["counts"][mine],
+                                    state["last"][mine], state["holds_row"][mine]))
+    activity = {}
+    for name, chunks in parts.items():
+        ids, counts, last, holds_row = (torch.cat(column) for column in zip(*chunks))
+        order = ids.argsort()
+        activity[name] = (ids[order], counts[order], last[order], holds_row[order])
+    return activity

@@ -18,6 +18,7 @@ from ..cut import read_json_record
 from ..disk_table import TABLE_RECORD
 from ..row_layout import RowLayout
 from ..stored_shards import StoredShard, TableRows, open_shard, read_shard, stored_shards
+from ..virtual_tables import IdsActivity, saved_activity
 from . import checkpoints
 
 __all__ = ["WrittenCheckpoint", "written_checkpoint", "read_pointer"]
@@ -86,6 +87,15 @@ class WrittenCheckpoint:
         """`table`'s stored shards where it is on disk (a reshard may copy their rows as they are);
         None for a table in memory."""
         return self.disk_shards(table) if self.tables[table]["placement"] == "disk" else None
+
+    @functools.cached_property
+    def _activity(self) -> Dict[str, IdsActivity]:
+        return saved_activity((s.path, s.step) for shards in self._stored_shards.values() for s in shards)
+
+    def activity(self, table: str) -> Optional[IdsActivity]:
+        """The activity of a virtual disk table's ids at the checkpoint (lookups counted, last
+        looked up, holding a row), in the table's ids; None for a table that follows no ids."""
+        return self._activity.get(table) if self.tables[table]["placement"] == "disk" else None
 
     def initial_rows(self, table: str) -> Optional[Dict[str, Any]]:
         """How the rows a disk table never wrote start: {"seed", "distribution": [kind, a, b]}, the

@@ -19,6 +19,7 @@ from ..read_ahead import read_ahead
 from ..row_layout import RowLayout
 from ..store import initial_rows
 from ..stored_shards import StoredShard, TableRows, fill_shard, same_columns
+from ..virtual_tables import IdsActivity
 from .checkpoint_tables import state_entry, weight_key
 
 __all__ = ["GENERATION", "generation", "shard_layout", "plan_differs", "check_tables", "load_resharded", "TableSource"]
@@ -42,6 +43,8 @@ class TableSource(Protocol):
     def stored_disk_shards(self, table: str) -> Optional[List[StoredShard]]: ...
 
     def rows(self, table: str, chunk_rows: int = ...) -> Iterator[TableRows]: ...
+
+    def activity(self, table: str) -> Optional[IdsActivity]: ...
 
     def dense_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]: ...
 
@@ -115,6 +118,7 @@ def load_resharded(experiment: Any, source: TableSource) -> int:
     this_run = experiment.table_manifest()
     for table, first_row, first_column, bag in experiment.collection.local_disk_shards():
         _fill_disk_shard(source, table, first_row, first_column, bag)
+        _carry_activity(source, table, first_row, bag)
     if experiment.distributed:
         _load_sharded_state(experiment, source, this_run)
     else:
@@ -143,6 +147,17 @@ def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_colu
                             converted_state(_state_kind(entry), entry["optimizer"], state[inside], first_column,
                                             bag.embedding_dim, entry["dim"]))
     bag.steps = source.step
+
+
+def _carry_activity(source: TableSource, table: str, first_row: int, bag: Any) -> None:
+    """A virtual table's ids keep their lookups counted and ages where the source saved them (else
+    each id a shard was filled with counts as looked up now, as `load_rows` adopts it)."""
+    activity = source.activity(table)
+    if activity is None or not bag.follows_ids:
+        return
+    ids, counts, last, holds_row = activity
+    inside = (ids >= first_row) & (ids < first_row + bag.num_embeddings)
+    bag.restore_id_activity(ids[inside] - first_row, counts[inside], last[inside], holds_row[inside])
 
 
 def _state_kind(entry: Dict[str, Any]) -> str:

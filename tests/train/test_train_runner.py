@@ -261,9 +261,12 @@ def test_missing_files_are_named(tmp_path):
 
 
 def _torchrun(out: Path, steps: int, *extra: str, worker: Sequence[str] = ("-m", "mlkv_torch.train"),
-              launcher: Sequence[str] = (), env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launcher,
-           *worker, str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}", "--no-progress",
+              launcher: Sequence[str] = (), env: Optional[dict] = None, ranks: int = 2) -> subprocess.CompletedProcess:
+    """The runner on `ranks` ranks under torchrun (0: one process without it)."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *launcher] if ranks \
+        else []
+    cmd = [sys.executable, *torchrun, *worker, str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}",
+           "--no-progress",
            "data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
            "storage.memory_budget_bytes=1048576", "train.log_every=1", "train.checkpoint_every=4",
            "pipeline.depth=2", *extra]
@@ -558,6 +561,14 @@ def _shard_rows(out: Path, row_words: int) -> dict:
     return rows
 
 
+def _activity(out: Path) -> dict:
+    """The activity of each virtual table's ids at the checkpoint in `out`, by table."""
+    from mlkv_torch.train.checkpoint_tables import written_checkpoint
+
+    checkpoint = written_checkpoint(str(out))
+    return {table: checkpoint.activity(table) for table in checkpoint.tables if checkpoint.activity(table)}
+
+
 VIRTUAL = ["data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776", "data.synthetic.new_ids_per_batch=20",
            "storage.sharding_types=[row_wise]", "storage.virtual_tables.enabled=true",
            "storage.virtual_tables.eviction=count_and_timestamp", "storage.virtual_tables.trigger_ids=60",
@@ -585,3 +596,14 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     assert all(torch.equal(got[k], v) for k, v in rows.items())
     for rank, first_row in enumerate((0, 2**39)):  # two buckets a rank, each 2**38 ids
         assert (whole / "tables" / f"rank{rank}" / f"t_cat_0_rows{first_row}_cols0").is_dir()
+    # Resumed on one process, its tables resharded: every id keeps its lookups counted, the step it
+    # was last looked up at and whether it holds a row (ids without rows are the frequency filter's).
+    activity = _activity(whole)
+    assert len(activity) == 26 and all(bool(a[0].numel()) for a in activity.values())
+    assert any(not bool((a[1] == a[1][0]).all()) for a in activity.values())  # not counted alike (as afresh)
+    done = _torchrun(whole, 12, *VIRTUAL, "--resume", ranks=0)
+    assert "its tables were resharded for one process" in done.stderr
+    resharded = _activity(whole)
+    assert resharded.keys() == activity.keys()
+    for table, columns in activity.items():
+        assert all(torch.equal(a, b) for a, b in zip(resharded[table], columns)), table
