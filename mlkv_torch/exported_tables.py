@@ -9,14 +9,15 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .config import ConfigError
 from .stored_shards import TableRows
 
-__all__ = ["ExportedTables", "read_export", "file_sha256", "MANIFEST", "DENSE_FILE", "FORMAT", "VERSION"]
+__all__ = ["ExportedTables", "read_export", "read_export_on_ranks", "file_sha256", "MANIFEST", "DENSE_FILE", "FORMAT",
+           "VERSION"]
 
 # The export's layout (`mlkv_torch.export` writes it).
 MANIFEST = "manifest.json"
@@ -81,9 +82,11 @@ def _matrix(column: Any, width: int) -> torch.Tensor:
     return torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False).copy()).reshape(-1, width)
 
 
-def read_export(path: str) -> ExportedTables:
+def read_export(path: str, share: Tuple[int, int] = (0, 1)) -> ExportedTables:
     """The export at `path`, its manifest and files checked; ConfigError names what is missing,
-    of another format, damaged or of another shape than the manifest says."""
+    of another format, damaged or of another shape than the manifest says. `share` (part, parts):
+    only every parts-th file from the part-th is read whole for its checksum (the processes of a
+    job divide the reading, `read_export_on_ranks`)."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         partial = os.path.exists(path.rstrip("/") + ".partial")
@@ -107,18 +110,41 @@ def read_export(path: str) -> ExportedTables:
         batches = int(manifest.get("batches", step * processes))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{manifest_path}: not a manifest this mlkv_torch reads: {e}") from e
-    for what, file_name, size, sha256 in files:
-        _check_file(path, what, file_name, size, sha256)
+    part, parts = share
+    for i, (what, file_name, size, sha256) in enumerate(files):
+        _check_file(path, what, file_name, size, sha256 if i % parts == part else None)
     for name, entry in tables.items():
         _check_schema(os.path.join(path, entry["file"]), name, entry)
     return ExportedTables(path, step, batches, processes, tables, dense["file"])
 
 
-def _check_file(path: str, what: str, file_name: str, size: int, sha256: str) -> None:
+def read_export_on_ranks(path: str) -> ExportedTables:
+    """`read_export` by every rank of the default process group, each reading its share of the
+    files for their checksums (one read of the export in all, not one a rank); a problem any rank
+    finds is raised on every rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    exported, problem = None, None
+    try:
+        exported = read_export(path, (rank, world))
+    except ConfigError as e:
+        problem = str(e)
+    problems: List[Optional[str]] = [None] * world
+    dist.all_gather_object(problems, problem)
+    found = next((p for p in problems if p is not None), None)
+    if found is not None:
+        raise ConfigError(found)
+    assert exported is not None
+    return exported
+
+
+def _check_file(path: str, what: str, file_name: str, size: int, sha256: Optional[str]) -> None:
+    """ConfigError unless the file is there with its size and, unless `sha256` is None, its checksum."""
     full = os.path.join(path, file_name)
     if not os.path.isfile(full):
         raise ConfigError(f"the export at {path!r} lacks {file_name} ({what}'s file)")
-    if os.path.getsize(full) != size or file_sha256(full) != sha256:
+    if os.path.getsize(full) != size or (sha256 is not None and file_sha256(full) != sha256):
         raise ConfigError(f"{full} ({what}) is damaged: its size or SHA-256 differs from the manifest's")
 
 

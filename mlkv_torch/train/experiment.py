@@ -19,7 +19,7 @@ from .. import optim as optim_lib
 from ..config import CommsConfig, ConfigError, ExperimentConfig
 from ..cut import PendingCut, read_json_record, write_json_record
 from ..disk_modules import DiskTableModule
-from ..exported_tables import read_export
+from ..exported_tables import read_export, read_export_on_ranks
 from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from ..table_settings import DiskTableSettings
@@ -85,7 +85,9 @@ class Experiment:
         # resharded into tables of their own (a generation of the tables path); resuming one's own
         # world and plan reopens the generation its checkpoint names. An export fills the tables of
         # a new run.
-        self.resharding: Optional[reshard.TableSource] = read_export(imported) if imported else None
+        self.resharding: Optional[reshard.TableSource] = None
+        if imported:
+            self.resharding = read_export_on_ranks(imported) if self.distributed else read_export(imported)
         self._written = written_checkpoint(config.output_dir, config.tables_path) if resume else None
         self.generation = self._written.generation if self._written is not None else ""
         # (step, batches trained by then over all ranks) of the checkpoint or export loaded: the data

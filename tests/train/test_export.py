@@ -233,6 +233,20 @@ def _check_import_refusals(out: Path, tmp_path: Path) -> None:
         (copy / "manifest.json").write_text(json.dumps(manifest))
 
     refused(lambda c: flip_a_byte(c / "t_cat_0.parquet"), r"t_cat_0.parquet \(t_cat_0\) is damaged: its size or SHA")
+    # The ranks of an import divide the checksums (each file read by one) and all refuse what any found.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(export, damaged)
+    second = list(json.loads((export / "manifest.json").read_text())["tables"].values())[1]["file"]
+    flip_a_byte(damaged / second)
+    assert read_export(str(damaged), (0, 2)).step == 4  # rank 0's share: every other file
+    with pytest.raises(ConfigError, match=f"{second} .* is damaged"):
+        read_export(str(damaged), (1, 2))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "workers" / "read_export_worker.py"), str(damaged),
+                           str(tmp_path / "found")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = [(tmp_path / f"found.rank{r}").read_text() for r in range(2)]
+    assert found[0] == found[1] and f"{second} (" in found[0] and "is damaged" in found[0], found
     refused(lambda c: (c / "dense.pt").unlink(), r"lacks dense.pt \(the dense model's file\)")
     refused(lambda c: (c / "manifest.json").unlink(), "is not an export: it holds no manifest.json$")
     refused(lambda c: ((c / "manifest.json").unlink(), Path(f"{c}.partial").mkdir()), "was killed before it finished")
