@@ -68,11 +68,11 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--worlds", default="2,4,2", help="world sizes in turn (1: one process, no torchrun)")
-    parser.add_argument("--smoke", action="store_true", help="100k rows, worlds 2,1")
+    parser.add_argument("--smoke", action="store_true", help="100k rows, worlds 2,4,1")
     parser.add_argument("--out", default="bench-out/bench_reshard.json")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rows, args.worlds = 100_000, "2,1"
+        args.rows, args.worlds = 100_000, "2,4,1"
     worlds = [int(w) for w in args.worlds.split(",")]
     directory = tempfile.mkdtemp(prefix="mlkv-bench-reshard-")
     out = os.path.join(directory, "run")

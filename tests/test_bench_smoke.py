@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # The longest first, so the two at a time end together.
-SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_row_wise.py",
+SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_billion_rows.py", "bench_store.py",
+           "bench_reshard.py", "bench_row_wise.py",
            "bench_embedding.py", "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py",
            "bench_checkpoint.py --runner", "bench_sequence.py", "bench_virtual.py", "bench_reopen.py",
            "bench_rank_shares.py", "bench_memory.py"]
@@ -23,7 +24,7 @@ SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_bi
 
 def _run(script: str) -> Run:
     name, *extra = script.split()
-    output = "--json" if name == "bench_embedding.py" else "--out"
+    output = "--json" if name in ("bench_embedding.py", "bench_store.py") else "--out"
     return Run(script, [sys.executable, str(REPO / "benchmarks" / name), "--smoke", *extra, output,
                         "{scratch}/out.json"])
 
@@ -61,6 +62,10 @@ def test_benchmark_smoke_runs(smoke_runs, script):
         assert "row-wise: the busiest rank reads" in done.stdout, done.stdout[-4000:]
     if extra == ["--runner"]:  # a row for each checkpoint whose steps it compares
         assert "\n| 12 | " in done.stdout, done.stdout[-4000:]
+    if script == "bench_store.py":  # every storage system gave back the rows written
+        assert "every system returns the rows written: all sample checks passed" in done.stdout, done.stdout[-4000:]
+    if script == "bench_reshard.py":  # the runner resharded 2 ranks' checkpoint for 4, then 4's for one process
+        assert "| 2 -> 4 |" in done.stdout and "| 4 -> 1 |" in done.stdout, done.stdout[-4000:]
     if script == "bench_sequence.py":  # memory and both disk budgets ran
         assert "| memory |" in done.stdout and "| disk-10% |" in done.stdout, done.stdout[-4000:]
     if script == "bench_virtual.py":  # the three configurations ran, the virtual one evicted
