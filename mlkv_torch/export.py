@@ -20,8 +20,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .config import ConfigError
-from .read_ahead import read_ahead
 from .exported_tables import DENSE_FILE, FORMAT, MANIFEST, VERSION, file_sha256
+from .read_ahead import read_ahead
 from .train.checkpoint_tables import WrittenCheckpoint, written_checkpoint
 
 __all__ = ["export_checkpoint"]

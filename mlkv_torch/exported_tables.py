@@ -26,13 +26,11 @@ FORMAT = "mlkv-torch-tables"
 VERSION = 1
 
 
-
 @dataclass(frozen=True)
 class ExportedTables:
     """The export at `path`: written at training step `step` (`batches` trained by then over all
-    ranks) by `processes` processes, its tables
-    (the manifest's entries: rows, dim, dtype, optimizer, placement, sharding, file, state,
-    initial_rows) and its dense model's file."""
+    ranks) by `processes` processes, its tables (the manifest's entries: rows, dim, dtype,
+    optimizer, placement, sharding, file, state, initial_rows) and its dense model's file."""
 
     path: str
     step: int

@@ -276,8 +276,7 @@ class Experiment:
         world = self.world_size
         return BatchLoader(self.source.make_batch, first=self.batches_at(first_step) + self.rank, count=steps,
                            stride=world,
-                           tuner=loader_tuner(self.config, torch_threads(self.config),
-                                              self.source.remote_workers))
+                           tuner=loader_tuner(self.config, torch_threads(self.config), self.source.remote_workers))
 
     def store_reads(self) -> int:
         """Rows this rank's disk tables have read from their stores since they were opened."""
