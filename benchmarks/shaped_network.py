@@ -120,13 +120,14 @@ class ShapedNetwork:
 
 
 def run_job(net: ShapedNetwork, config: str, output_dir: str, tables_root: str, overrides: List[str],
-            resume: bool = False, timeout_s: float = 1800) -> Dict[str, Any]:
-    """One run of the runner, one rank per node of `net`; returns rank 0's summary and the bytes
-    the nodes sent."""
+            resume: bool = False, timeout_s: float = 1800, nodes: Optional[int] = None) -> Dict[str, Any]:
+    """One run of the runner, one rank per node of `net` (of its first `nodes`); returns rank 0's
+    summary and the bytes the nodes sent."""
     before = sum(net.tx_bytes())
+    nodes = net.nodes if nodes is None else nodes
     procs = []
-    for node in range(net.nodes):
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={net.nodes}", f"--node_rank={node}",
+    for node in range(nodes):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
                 "--nproc_per_node=1", f"--master_addr={net.address(0)}", f"--master_port={MASTER_PORT}",
                 "-m", "mlkv_torch.train", config, f"output_dir={output_dir}",
                 f"storage.path={os.path.join(tables_root, f'node{node}')}", "--no-progress", *overrides]

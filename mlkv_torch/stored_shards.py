@@ -44,19 +44,29 @@ class StoredShard:
 
 
 def stored_shards(tables_dir: str, cuts: Mapping[Optional[int], Optional[Dict[str, Any]]],
-                  tables: Mapping[str, Tuple[int, int]]) -> Dict[str, List[StoredShard]]:
+                  tables: Mapping[str, Tuple[int, int]], listed: Optional[Mapping[int, List[str]]] = None
+                  ) -> Dict[str, List[StoredShard]]:
     """Every stored shard of the disk tables a checkpoint's cuts name, by table. `cuts` holds one
     process's cut under the key None (its tables at ``tables_dir/<table>``), or each rank's under
     its rank (``tables_dir/rank<r>/<table>_rows<r0>_cols<c0>``; None for a rank without disk
     tables); `tables` gives each table's (rows, columns) in the model. ValueError names a table
     the model does not have, a shard whose directory is missing, and a table whose stored shards
-    leave rows or columns uncovered (a rank's cut lost)."""
+    leave rows or columns uncovered (a rank's cut lost). `listed`: the names in a rank's directory
+    where another process listed them (a directory on another node's disk; its shards' paths are
+    the ones it has there)."""
     found: Dict[str, List[StoredShard]] = defaultdict(list)
     for rank, cut in cuts.items():
         if cut is None:
             continue
         directory = tables_dir if rank is None else os.path.join(tables_dir, f"rank{rank}")
-        names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        if listed is not None and rank in listed:
+            names = listed[rank]
+        elif rank is not None and not os.path.isdir(directory):
+            raise ValueError(f"rank {rank}'s tables of the checkpoint are not here: {directory} is missing (on "
+                             f"another node's own disk, or lost): read them where it is, or resume under "
+                             f"torchrun with that node in the job")
+        else:
+            names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         for table, entry in cut["tables"].items():
             if table not in tables:
                 raise ValueError(f"the checkpoint holds table {table!r}, which this model does not have "

@@ -299,7 +299,7 @@ class KernelIds:
     # ---- with cuts: one file per cut boundary, named by the kernel's step there ---------------------
     @staticmethod
     def _file(directory: str, step: int) -> str:
-        return os.path.join(directory, f"ID_ACTIVITY.{step}.pt")
+        return activity_file(directory, step)
 
     def saved(self, directory: str, step: int) -> bool:
         return os.path.exists(self._file(directory, step))
@@ -325,6 +325,11 @@ class KernelIds:
         self.evicted, self.rounds = list(state["evicted"]), list(state["rounds"])
 
 
+def activity_file(directory: str, step: int) -> str:
+    """Where a kernel saves its ids' activity at `step` (in its first table's directory)."""
+    return os.path.join(directory, f"ID_ACTIVITY.{step}.pt")
+
+
 def saved_activity(kernels: Iterable[Tuple[str, int]]) -> Dict[str, IdsActivity]:
     """The activity of the ids of every table that the kernels of a cut saved, by table name, in
     the full table's ids (sorted; each id once: a table's column shards follow the same ids).
@@ -333,7 +338,7 @@ def saved_activity(kernels: Iterable[Tuple[str, int]]) -> Dict[str, IdsActivity]
     earlier version) is skipped: its tables' ids count as looked up afresh where they are loaded."""
     parts: Dict[str, List[IdsActivity]] = defaultdict(list)
     for directory, step in kernels:
-        path = KernelIds._file(directory, step)
+        path = activity_file(directory, step)
         if not os.path.exists(path):
             continue
         state = torch.load(path, weights_only=True)

@@ -55,6 +55,9 @@ class WrittenCheckpoint:
     state_files: List[str]
     generation: str  # the directory under the run's tables path that holds its tables ("": the path itself)
     batches: int  # the batches trained by `step` (`checkpoints.BATCHES_KEY`)
+    # Each disk table's stored shards where they are not all in `tables_dir` (some received from
+    # another node: `shards_over_ranks`); None: found there.
+    shards: Optional[Dict[str, List[StoredShard]]] = None
 
     @property
     def description(self) -> str:
@@ -77,7 +80,12 @@ class WrittenCheckpoint:
 
     @functools.cached_property
     def _stored_shards(self) -> Dict[str, List[StoredShard]]:
-        return stored_shards(self.tables_dir, self.cuts, {n: (e["rows"], e["dim"]) for n, e in self.tables.items()})
+        if self.shards is not None:
+            return self.shards
+        try:
+            return stored_shards(self.tables_dir, self.cuts, {n: (e["rows"], e["dim"]) for n, e in self.tables.items()})
+        except ValueError as e:  # a rank's tables missing or incomplete
+            raise ConfigError(f"{self.description}: {e}") from e
 
     def disk_shards(self, table: str) -> List[StoredShard]:
         """The stored shards of the disk table `table`."""

@@ -522,24 +522,41 @@ class Experiment:
             time.sleep(0.01)
 
     def _load_resharded(self, source: reshard.TableSource) -> int:
-        """`load` of a checkpoint of another world or of an export (`reshard.load_resharded`)."""
+        """`load` of a checkpoint of another world or of an export (`reshard.load_resharded`); under
+        torchrun, the stored shards a rank cannot see come over the process group first."""
+        from ..torchrec.kernel import rank_storage_dir
+        from .shards_over_ranks import receive_unseen_shards, rows_held
+
         began = time.perf_counter()
-        step = reshard.load_resharded(self, source)
+        received, keeps_tables = 0, self.is_main
+        received_dir = os.path.join(rank_storage_dir(self.tables_path, self.rank), "received")
+        try:
+            if self.distributed and isinstance(source, WrittenCheckpoint):
+                on_ranks = receive_unseen_shards(source, rows_held(self.table_manifest(), self.rank), received_dir)
+                source, received, keeps_tables = on_ranks.checkpoint, on_ranks.rows_received, on_ranks.keeps_tables
+            step = reshard.load_resharded(self, source)
+        finally:
+            shutil.rmtree(received_dir, ignore_errors=True)
         filled = time.perf_counter()
         self.save(step)
         self.finish_save()
         if self.distributed:
             dist.barrier()  # every rank has let go of the old tables
+        if isinstance(source, WrittenCheckpoint):
+            if self.is_main:
+                _remove_read_checkpoint(self.config, self.distributed)
+            if keeps_tables:  # one rank on each disk that holds them
+                _remove_tables_but(self.config, self.generation)
         if self.is_main:
             readers = "one process" if not self.distributed else f"{self.world_size} ranks"
             took = (f"in {time.perf_counter() - began:.2f} s ({filled - began:.2f} s filling this rank's tables, the "
                     f"rest checkpointing them)")
+            moved = f"; {received:,} rows came over the process group from other nodes' disks" if received else ""
             if isinstance(source, WrittenCheckpoint):
-                _remove_all_but(self.config, self.generation, self.distributed)
                 writers = "one process" if source.one_process else f"{source.processes} ranks"
                 how = f"for {readers}" if writers != readers else "for this run's plan (its storage settings differ)"
                 print(f"[train] --resume: the checkpoint at step {step} was written by {writers}; its tables were "
-                      f"resharded {how} {took}", file=sys.stderr, flush=True)
+                      f"resharded {how} {took}{moved}", file=sys.stderr, flush=True)
             else:
                 print(f"[train] --import: step {step}'s tables from {source.path} were filled for {readers} {took}",
                       file=sys.stderr, flush=True)
@@ -574,7 +591,8 @@ class Experiment:
         if self.resharding is not None:
             return self._load_resharded(self.resharding)
         if self.is_main and self.generation:
-            _remove_all_but(self.config, self.generation, self.distributed)
+            _remove_read_checkpoint(self.config, self.distributed)
+            _remove_tables_but(self.config, self.generation)
         if self.distributed:
             from ..torchrec import disk_tables_left_out
 
@@ -612,12 +630,9 @@ class Experiment:
         return int(state["step"])
 
 
-def _remove_all_but(config: ExperimentConfig, generation: str, distributed: bool) -> None:
-    """Once a reshard's checkpoint (its tables in `generation`) is committed: what is left of the
-    checkpoint it read, the other kind's checkpoint file and any other tables under the tables
-    path (also where a kill came before this)."""
-    from ..table_files import remove_tables
-
+def _remove_read_checkpoint(config: ExperimentConfig, distributed: bool) -> None:
+    """Once a reshard's checkpoint is committed: the other kind's checkpoint file (and the directory
+    of the checkpoint it read)."""
     if distributed:
         leftovers = [os.path.join(config.output_dir, checkpoints.ONE_PROCESS_CHECKPOINT)]
     else:
@@ -628,6 +643,13 @@ def _remove_all_but(config: ExperimentConfig, generation: str, distributed: bool
     for path in leftovers:
         if os.path.exists(path):
             os.remove(path)
+
+
+def _remove_tables_but(config: ExperimentConfig, generation: str) -> None:
+    """Once a reshard's checkpoint (its tables in `generation`) is committed: any other tables under
+    the tables path (the checkpoint's it read, and what a kill before this left)."""
+    from ..table_files import remove_tables
+
     remove_tables(config.tables_path)
     for name in os.listdir(config.tables_path):
         if name != generation and reshard.GENERATION.fullmatch(name):

@@ -239,6 +239,8 @@ def _fill_memory_table(source: TableSource, table: str, entry: Dict[str, Any], m
     optimizer state (TorchRec's momentums, or the dense optimizer's sum), from the checkpoint's
     rows; rows a disk table never wrote start as its initial rows there did."""
     blocks = _blocks(state_entry(model, weight_key(table), table))
+    if not blocks:
+        return  # another rank's table
     held = state_entry(optimizer, weight_key(table), table, default={})
     keys = ["sum"] if entry["sharding"] == "data_parallel" else \
         sorted(k for k in held if k.startswith(f"{table}.momentum"))

@@ -5,9 +5,11 @@ and the job continuing exactly where the round trip keeps every state."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -151,6 +153,49 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     # Resuming the one-process checkpoint directly and importing its export evaluate the same model.
     resumed, from_export = (json.loads((d / "summary.json").read_text()) for d in (out, imported))
     assert resumed["auc"] == pytest.approx(from_export["auc"], rel=1e-6) and resumed["auc"] is not None
+
+
+def _on_two_nodes(out: Path, tables: Path, steps: int, ranks_per_node: int, *extra: str) -> List[str]:
+    """The runner as a job of two nodes on this machine (two torchrun launchers on loopback), each
+    node's tables on its own disk (`storage.path` tables/node<n>), `output_dir` shared; returns
+    each node's stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", str(ranks_per_node), "--master_addr", "127.0.0.1", "--master_port",
+                               str(port), "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={out}",
+                               f"storage.path={tables / f'node{node}'}", f"train.steps={steps}", *COMMON, *extra],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+             for node in range(2)]
+    errors = [node.communicate(timeout=600)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [e[-3000:] for e in errors]
+    return errors
+
+
+def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_and_back(tmp_path):
+    # Two nodes, each with its tables on its own disk: 2 ranks (one a node) train, then 4 (two a
+    # node) resume, then 2 again. Tables the new plan puts on a rank of the other node come over the
+    # process group; the job goes on as the uninterrupted one did.
+    out, tables = tmp_path / "run", tmp_path / "tables"
+    shape = ["data.synthetic.scale=40", "storage.sharding_types=[table_wise,row_wise]"]  # some tables on disk
+    _on_two_nodes(out, tables, 12, 1, "train.checkpoint_every=8", *shape)
+    uninterrupted = _losses(out)
+    # One process on node 0 does not see node 1's tables, and says so.
+    alone = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={out}",
+                            f"storage.path={tables / 'node0'}", "train.steps=8", "--resume", *COMMON, *shape],
+                           capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert alone.returncode != 0 and "rank 1's tables of the checkpoint are not here" in alone.stderr, \
+        alone.stderr[-3000:]
+    errors = _on_two_nodes(out, tables, 8, 2, "--resume", *shape)
+    assert "resharded for 4 ranks" in errors[0] and "rows came over the process group" in errors[0], errors[0][-3000:]
+    # Each node removed its old tables once the new checkpoint was committed.
+    assert [sorted(p.name for p in (tables / f"node{n}").iterdir()) for n in range(2)] == [["world4-step8"]] * 2
+    errors = _on_two_nodes(out, tables, 12, 1, "--resume", *shape)
+    assert "resharded for 2 ranks" in errors[0] and "rows came over the process group" in errors[0], errors[0][-3000:]
+    got = _losses(out)
+    assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
 
 
 def test_optimizer_state_converts_between_rules_as_documented():

@@ -1,0 +1,190 @@
+"""A checkpoint's stored shards that a rank cannot read, because they lie on another node's own disk
+(each node keeping its tables under a `storage.path` of its own), received over the process group
+from a rank that can: of each such shard, the rows this rank's tables hold under the new plan (not
+the log's older versions, nor the rows other ranks hold), written into a store of its own beside
+the shard's table record and its ids' activity, so the fill reads it as any stored shard. The
+checkpoint's own files are only read."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..disk_table import TABLE_RECORD
+from ..ranks import all_gather_objects
+from ..read_ahead import read_ahead
+from ..row_layout import RowLayout
+from ..store import KVStore
+from ..stored_shards import StoredShard, open_shard, stored_shards
+from ..virtual_tables import activity_file
+from .checkpoint_tables import WrittenCheckpoint, row_layout_of
+
+__all__ = ["ShardsOnRanks", "rows_held", "receive_unseen_shards"]
+
+_CHUNK_ROWS = 1 << 16
+_STORE_BUDGET = 16 << 20  # log pages a received shard's store holds in memory while it is written
+
+# Row ranges [start, stop) of each table, by table.
+RowRanges = Dict[str, List[Tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class ShardsOnRanks:
+    """What `receive_unseen_shards` did on this rank: the checkpoint as this rank reads it (the
+    shards it could not see replaced by the ones received), the rows all ranks received, and whether
+    this rank is the first to see some of the checkpoint's tables (one rank on each disk that holds
+    them: it removes them once the new checkpoint is committed)."""
+
+    checkpoint: WrittenCheckpoint
+    rows_received: int
+    keeps_tables: bool
+
+
+def rows_held(manifest: Dict[str, Dict[str, Any]], rank: int) -> RowRanges:
+    """The rows of each table `rank` holds under a run's plan (`Experiment.table_manifest`'s shard
+    layouts; a replicated table whole), tables it holds nothing of left out."""
+    held: RowRanges = {}
+    for table, entry in manifest.items():
+        for shard in entry["shards"] or []:
+            if shard[0] == rank:
+                held.setdefault(table, []).append((shard[1], shard[1] + shard[3]) if len(shard) > 1
+                                                  else (0, entry["rows"]))
+    return held
+
+
+def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, received_dir: str) -> ShardsOnRanks:
+    """Called by every rank together. Each stored shard of `checkpoint` that some rank cannot see
+    and holds rows of (`held`: this rank's, `rows_held`) is scanned once by the first rank that sees
+    it, which sends each of those ranks its rows; they write them under `received_dir` (the
+    caller removes it after the fill). ConfigError names a rank's tables that no rank sees."""
+    rank = dist.get_rank()
+    seen = {r: sorted(os.listdir(_rank_dir(checkpoint, r))) for r, cut in checkpoint.cuts.items()
+            if cut is not None and _sees(checkpoint, r, cut)}
+    everyone = all_gather_objects((seen, held))
+    readers = _readers(checkpoint, [s for s, _ in everyone])
+    keeps_tables = rank in readers.values()
+    if all(set(readers) <= set(s) for s, _ in everyone):  # every rank sees every stored shard
+        return ShardsOnRanks(checkpoint, 0, keeps_tables)
+    listed = {r: everyone[q][0][r] for r, q in readers.items()}
+    shards = stored_shards(checkpoint.tables_dir, checkpoint.cuts,
+                           {n: (e["rows"], e["dim"]) for n, e in checkpoint.tables.items()}, listed=listed)
+    owner = {os.path.join(_rank_dir(checkpoint, r), name): r for r, names in listed.items() for name in names}
+    received = 0
+    for table in sorted(shards):
+        for index, shard in enumerate(shards[table]):
+            old_rank = owner[shard.path]
+            takers = [q for q, (s, h) in enumerate(everyone) if old_rank not in s and table in h]
+            layout = row_layout_of(checkpoint.tables[table], shard.columns)
+            if rank == readers[old_rank] and takers:
+                _send_shard(shard, layout, {q: everyone[q][1][table] for q in takers})
+            elif rank in takers:
+                shards[table][index], rows = _receive_shard(shard, layout, readers[old_rank],
+                                                            os.path.join(received_dir, _whose(old_rank)))
+                received += rows
+    total = torch.tensor([received])
+    dist.all_reduce(total)
+    return ShardsOnRanks(dataclasses.replace(checkpoint, shards=shards), int(total), keeps_tables)
+
+
+def _rank_dir(checkpoint: WrittenCheckpoint, rank: Optional[int]) -> str:
+    """Where the checkpoint's process `rank` (None: one process) kept its tables."""
+    return checkpoint.tables_dir if rank is None else os.path.join(checkpoint.tables_dir, f"rank{rank}")
+
+
+def _whose(rank: Optional[int]) -> str:
+    return "one-process" if rank is None else f"rank{rank}"
+
+
+def _sees(checkpoint: WrittenCheckpoint, rank: Optional[int], cut: Dict[str, Any]) -> bool:
+    """Whether this process sees the tables the checkpoint's process `rank` kept (one process's
+    lie in the tables directory itself, which every node has)."""
+    if rank is not None:
+        return os.path.isdir(_rank_dir(checkpoint, rank))
+    return all(os.path.isfile(os.path.join(checkpoint.tables_dir, table, TABLE_RECORD)) for table in cut["tables"])
+
+
+def _readers(checkpoint: WrittenCheckpoint, seen: Sequence[Dict[int, List[str]]]) -> Dict[int, int]:
+    """The first new rank that sees each old rank's tables directory, by old rank."""
+    readers = {}
+    for old_rank, cut in checkpoint.cuts.items():
+        if cut is None:
+            continue
+        seers = [q for q, s in enumerate(seen) if old_rank in s]
+        if not seers:
+            where = _rank_dir(checkpoint, old_rank)
+            raise ConfigError(f"{checkpoint.description}: {_whose(old_rank)}'s tables ({where}) are on no rank's "
+                              f"storage.path in this job: a node that kept them on its own disk is not in it. Start "
+                              f"the job with that node (its storage.path), or resume from a copy of its tables where "
+                              f"a node of this job sees them")
+        readers[old_rank] = seers[0]
+    return readers
+
+
+def _scanned(shard: StoredShard, layout: RowLayout) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """The shard's rows as stored: (global ids, rows of the store's words)."""
+    with open_shard(shard, layout) as store:
+        for keys, rows in store.scan(_CHUNK_ROWS):
+            yield keys + shard.first_row, rows
+
+
+def _send_shard(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tuple[int, int]]]) -> None:
+    """Sends each taker the shard's table record and ids' activity files, then, chunk by chunk,
+    its rows inside the taker's ranges (a count, the keys, the rows), then a count of -1."""
+    files = {}
+    for name in (TABLE_RECORD, os.path.basename(activity_file(shard.path, shard.step))):
+        path = os.path.join(shard.path, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    for taker in takers:
+        dist.send_object_list([files], dst=taker)
+    for ids, rows in read_ahead(_scanned(shard, layout), depth=2, name="mlkv-send-shard"):
+        for taker, ranges in takers.items():
+            inside = torch.zeros_like(ids, dtype=torch.bool)
+            for start, stop in ranges:
+                inside |= (ids >= start) & (ids < stop)
+            count = int(inside.sum())
+            if count:
+                dist.send(torch.tensor([count]), dst=taker)
+                dist.send(ids[inside] - shard.first_row, dst=taker)
+                dist.send(rows[inside].contiguous(), dst=taker)
+    for taker in takers:
+        dist.send(torch.tensor([-1]), dst=taker)
+
+
+def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory: str) -> Tuple[StoredShard, int]:
+    """The rows `reader` sends of `shard` (`_send_shard`), written into a store under `directory`;
+    returns the stored shard they make and their number."""
+    [files] = _received_objects(reader)
+    path = os.path.join(directory, os.path.basename(shard.path))
+    shutil.rmtree(path, ignore_errors=True)
+    words, received = layout.weight_words + layout.state_dim, 0
+    with KVStore(path, words, torch.float32, _STORE_BUDGET, cut_checkpoints=True, key_limit=shard.rows) as store:
+        count = torch.empty(1, dtype=torch.int64)
+        while True:
+            dist.recv(count, src=reader)
+            if int(count) < 0:
+                break
+            keys, rows = torch.empty(int(count), dtype=torch.int64), torch.empty(int(count), words)
+            dist.recv(keys, src=reader)
+            dist.recv(rows, src=reader)
+            store.put(keys, rows)
+            received += int(count)
+        sequence = store.checkpoint()
+        store.commit_checkpoint(sequence)
+    for name, data in files.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    return dataclasses.replace(shard, path=path, checkpoint=sequence), received
+
+
+def _received_objects(source: int) -> List[Any]:
+    objects: List[Optional[Any]] = [None]
+    dist.recv_object_list(objects, src=source)
+    return objects
