@@ -39,9 +39,12 @@ def _leave_process_group(quiesce: bool) -> None:
 def _join_process_group() -> None:
     """init_process_group for a worker that torchrun started, in a store of its attempt's own.
 
-    TorchElastic keeps one store for the whole job, and an attempt's ranks would read the gloo
-    addresses the ranks of the attempt it restarts left there (and fail to connect): each attempt
-    (TORCHELASTIC_RESTART_COUNT) keys its process group under a prefix of its own.
+    TorchElastic's agent keeps one store for the whole job, and an attempt's ranks would read the
+    gloo addresses the ranks of the attempt it restarts left there (and fail to connect): each
+    attempt (TORCHELASTIC_RESTART_COUNT) keys its process group under a prefix of its own. A node
+    that joins again counts its attempts from 0, so a job whose nodes come and go
+    (`--nnodes MIN:MAX`) runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 then hosts a store of
+    each attempt's own, and no prefix is needed.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:  # another launcher: its own rendezvous
@@ -51,8 +54,9 @@ def _join_process_group() -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's agent hosts it
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0)
-    dist.init_process_group(RUNNER_BACKEND, store=dist.PrefixStore(f"mlkv/attempt{attempt}/", store), rank=rank,
-                            world_size=world)
+    if agent_store:  # else rank 0 hosts a store of this attempt's own
+        store = dist.PrefixStore(f"mlkv/attempt{attempt}/", store)
+    dist.init_process_group(RUNNER_BACKEND, store=store, rank=rank, world_size=world)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -83,13 +87,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # CPU (NCCL would refuse their CPU tensors).
         _join_process_group()
     resume, overwrite, imported = args.resume, args.overwrite, args.imported
-    if distributed and not resume and elastic.restart_of_this_job(config):
+    # A restart may have another world than the attempt before (nodes gone or back): one process
+    # (a world of 1) continues a checkpoint of ranks, and ranks one of a process.
+    if "TORCHELASTIC_RUN_ID" in os.environ and not resume and elastic.restart_of_this_job(config, distributed):
         overwrite = False  # this job's own tables and checkpoints: continued or dropped below
-        resume = os.path.exists(os.path.join(config.output_dir, checkpoints.SHARDED_CHECKPOINT_POINTER))
+        resume = any(os.path.exists(os.path.join(config.output_dir, name))
+                     for name in (checkpoints.SHARDED_CHECKPOINT_POINTER, checkpoints.ONE_PROCESS_CHECKPOINT))
         imported = None if resume else imported  # an import checkpoints at once: a restart continues that
         if not resume:
-            elastic.drop_failed_attempt(config, dist.get_rank())
-        if dist.get_rank() == 0:
+            elastic.drop_failed_attempt(config, dist.get_rank() if distributed else None)
+        if not distributed or dist.get_rank() == 0:
             print(f"[train] restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}): "
                   f"{'resuming from the last checkpoint' if resume else 'no checkpoint yet, starting over'}",
                   file=sys.stderr, flush=True)

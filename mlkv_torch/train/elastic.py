@@ -33,9 +33,16 @@ def record_job(config: ExperimentConfig) -> None:
         write_json_record(os.path.join(config.output_dir, JOB_RECORD), {"run_id": _run_id()})
 
 
-def restart_of_this_job(config: ExperimentConfig) -> bool:
-    """Whether this worker is a TorchElastic restart of the job whose run output_dir holds."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or _run_id() is None:
+def restart_of_this_job(config: ExperimentConfig, distributed: bool) -> bool:
+    """Whether this worker is a TorchElastic restart of the job whose run output_dir holds. Under
+    torchrun every rank answers alike: a node that joins the job again (`--nnodes MIN:MAX`) starts
+    its workers as a first attempt (TORCHELASTIC_RESTART_COUNT 0) where the others count restarts."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if distributed:
+        from ..ranks import all_gather_objects
+
+        restarted = any(all_gather_objects(restarted))
+    if not restarted or _run_id() is None:
         return False
     try:
         with open(os.path.join(config.output_dir, JOB_RECORD)) as f:
@@ -44,13 +51,17 @@ def restart_of_this_job(config: ExperimentConfig) -> bool:
         return False
 
 
-def drop_failed_attempt(config: ExperimentConfig, rank: int) -> None:
+def drop_failed_attempt(config: ExperimentConfig, rank: Optional[int]) -> None:
     """Before starting over (the job died before its first checkpoint): this rank's tables of the
-    failed attempt go; rank 0 also drops its metrics."""
+    failed attempt go (one process, `rank` None: every table there); rank 0 also drops its metrics."""
+    from ..table_files import remove_tables
     from ..torchrec.kernel import rank_storage_dir
 
-    shutil.rmtree(rank_storage_dir(config.tables_path, rank), ignore_errors=True)
-    if rank == 0:
+    if rank is None:
+        remove_tables(config.tables_path)
+    else:
+        shutil.rmtree(rank_storage_dir(config.tables_path, rank), ignore_errors=True)
+    if not rank:
         for name in ("metrics.jsonl", "summary.json"):
             try:
                 os.remove(os.path.join(config.output_dir, name))
