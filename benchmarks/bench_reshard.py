@@ -98,11 +98,12 @@ def _reshard_figures(stderr: str, out: str) -> Dict[str, Any]:
     """The runner's own figures of a reshard: seconds in all and filling, rows received over the
     process group, rank 0's peak RSS."""
     found = re.search(r"resharded for .* in ([0-9.]+) s \(([0-9.]+) s filling", stderr)
-    received = re.search(r"; ([0-9,]+) rows came over the process group", stderr)
+    received = re.search(r"; ([0-9,]+) rows came over the process group .* in the first ([0-9.]+) s", stderr)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     return {"seconds": float(found.group(1)), "filling_seconds": float(found.group(2)),
             "rows_received": int(received.group(1).replace(",", "")) if received else 0,
+            "receiving_seconds": float(received.group(2)) if received else 0.0,
             "rank0_peak_rss_bytes": summary["peak_rss_bytes"], "budget_bytes": BUDGET}
 
 
@@ -143,13 +144,16 @@ def _across_nodes(args: argparse.Namespace, worlds: List[int], out: str) -> List
             at_link_rate = figures["rows_received"] * row_bytes * 8 / _bits_per_second(args.link)
             reshards.append({"from": source, "to": target, "link": args.link, **figures,
                              "bytes_received": figures["rows_received"] * row_bytes,
-                             "seconds_at_link_rate": at_link_rate, "of_link_rate": at_link_rate / figures["seconds"]})
+                             "seconds_at_link_rate": at_link_rate, "of_link_rate": at_link_rate / figures["seconds"],
+                             "receiving_of_link_rate": at_link_rate / figures["receiving_seconds"]})
             print(f"[bench] {source} -> {target}: {figures['seconds']:.1f} s", file=sys.stderr)
     print("\n".join(markdown_table(["reshard", "seconds (filling)", "rows over the links", "MB over the links",
-                                    "seconds at the link's rate", "ratio", "rank 0 peak RSS, MiB"],
+                                    "seconds at the link's rate", "ratio", "receiving them, s", "ratio",
+                                    "rank 0 peak RSS, MiB"],
                          [[f"{r['from']} -> {r['to']}", f"{r['seconds']:.1f} ({r['filling_seconds']:.1f})",
                            f"{r['rows_received']:,}", f"{r['bytes_received'] / 1e6:.0f}",
                            f"{r['seconds_at_link_rate']:.1f}", f"{r['of_link_rate']:.2f}x",
+                           f"{r['receiving_seconds']:.1f}", f"{r['receiving_of_link_rate']:.2f}x",
                            f"{r['rank0_peak_rss_bytes'] / 2**20:.0f}"] for r in reshards])))
     return reshards
 

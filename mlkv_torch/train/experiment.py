@@ -528,12 +528,13 @@ class Experiment:
         from .shards_over_ranks import receive_unseen_shards, rows_held
 
         began = time.perf_counter()
-        received, keeps_tables = 0, self.is_main
+        received, keeps_tables, receiving = 0, self.is_main, 0.0
         received_dir = os.path.join(rank_storage_dir(self.tables_path, self.rank), "received")
         try:
             if self.distributed and isinstance(source, WrittenCheckpoint):
                 on_ranks = receive_unseen_shards(source, rows_held(self.table_manifest(), self.rank), received_dir)
                 source, received, keeps_tables = on_ranks.checkpoint, on_ranks.rows_received, on_ranks.keeps_tables
+                receiving = time.perf_counter() - began
             step = reshard.load_resharded(self, source)
         finally:
             shutil.rmtree(received_dir, ignore_errors=True)
@@ -551,7 +552,8 @@ class Experiment:
             readers = "one process" if not self.distributed else f"{self.world_size} ranks"
             took = (f"in {time.perf_counter() - began:.2f} s ({filled - began:.2f} s filling this rank's tables, the "
                     f"rest checkpointing them)")
-            moved = f"; {received:,} rows came over the process group from other nodes' disks" if received else ""
+            moved = (f"; {received:,} rows came over the process group from other nodes' disks in the first "
+                     f"{receiving:.2f} s") if received else ""
             if isinstance(source, WrittenCheckpoint):
                 writers = "one process" if source.one_process else f"{source.processes} ranks"
                 how = f"for {readers}" if writers != readers else "for this run's plan (its storage settings differ)"

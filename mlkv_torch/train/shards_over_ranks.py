@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,21 +77,55 @@ def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, receiv
     shards = stored_shards(checkpoint.tables_dir, checkpoint.cuts,
                            {n: (e["rows"], e["dim"]) for n, e in checkpoint.tables.items()}, listed=listed)
     owner = {os.path.join(_rank_dir(checkpoint, r), name): r for r, names in listed.items() for name in names}
-    received = 0
+    transfers = []  # (table, index among its shards, reader, takers), in an order every rank follows
     for table in sorted(shards):
         for index, shard in enumerate(shards[table]):
             old_rank = owner[shard.path]
             takers = [q for q, (s, h) in enumerate(everyone) if old_rank not in s and table in h]
-            layout = row_layout_of(checkpoint.tables[table], shard.columns)
-            if rank == readers[old_rank] and takers:
-                _send_shard(shard, layout, {q: everyone[q][1][table] for q in takers})
-            elif rank in takers:
-                shards[table][index], rows = _receive_shard(shard, layout, readers[old_rank],
-                                                            os.path.join(received_dir, _whose(old_rank)))
-                received += rows
+            if takers:
+                transfers.append((table, index, readers[old_rank], takers))
+
+    def send() -> None:
+        for table, index, reader, takers in transfers:
+            if reader == rank:
+                shard = shards[table][index]
+                _send_shard(shard, row_layout_of(checkpoint.tables[table], shard.columns),
+                            {q: everyone[q][1][table] for q in takers})
+
+    # Sends in a thread of their own, receives here, each in that order: the first transfer not
+    # done has its reader and its takers at it, and transfers between other ranks go on meanwhile.
+    sending = _started(send, "mlkv-send-shards")
+    received = 0
+    for table, index, reader, takers in transfers:
+        if rank in takers:
+            shard = shards[table][index]
+            shards[table][index], rows = _receive_shard(shard, row_layout_of(checkpoint.tables[table], shard.columns),
+                                                        reader, os.path.join(received_dir, _whose(owner[shard.path])))
+            received += rows
+    sending()
     total = torch.tensor([received])
     dist.all_reduce(total)
     return ShardsOnRanks(dataclasses.replace(checkpoint, shards=shards), int(total), keeps_tables)
+
+
+def _started(work: Callable[[], None], name: str) -> Callable[[], None]:
+    """`work` started in a thread; returns a join that raises what it raised."""
+    raised: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join()
+        if raised:
+            raise raised[0]
+    return join
 
 
 def _rank_dir(checkpoint: WrittenCheckpoint, rank: Optional[int]) -> str:
@@ -165,8 +201,9 @@ def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory
     path = os.path.join(directory, os.path.basename(shard.path))
     shutil.rmtree(path, ignore_errors=True)
     words, received = layout.weight_words + layout.state_dim, 0
-    with KVStore(path, words, torch.float32, _STORE_BUDGET, cut_checkpoints=True, key_limit=shard.rows) as store:
-        count = torch.empty(1, dtype=torch.int64)
+    with KVStore(path, words, torch.float32, _STORE_BUDGET, cut_checkpoints=True, key_limit=shard.rows) as store, \
+            ThreadPoolExecutor(1, thread_name_prefix="mlkv-put-received") as writer:
+        count, writing = torch.empty(1, dtype=torch.int64), None
         while True:
             dist.recv(count, src=reader)
             if int(count) < 0:
@@ -174,8 +211,12 @@ def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory
             keys, rows = torch.empty(int(count), dtype=torch.int64), torch.empty(int(count), words)
             dist.recv(keys, src=reader)
             dist.recv(rows, src=reader)
-            store.put(keys, rows)
+            if writing is not None:
+                writing.result()
+            writing = writer.submit(store.put, keys, rows)  # written while the next chunk comes
             received += int(count)
+        if writing is not None:
+            writing.result()
         sequence = store.checkpoint()
         store.commit_checkpoint(sequence)
     for name, data in files.items():
