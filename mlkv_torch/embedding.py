@@ -503,11 +503,12 @@ class DiskEmbeddingBag(nn.Module):
         return policy is not None and policy.tracked
 
     def restore_id_activity(self, ids: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
-                            holds_row: torch.Tensor) -> None:
+                            holds_row: torch.Tensor, evicted: int = 0) -> None:
         """Sets the lookups counted, the time of the last lookup and whether each holds a row of a
-        virtual table's ids (`virtual_tables.IdsActivity`): a table filled from another world's
-        tables keeps its ids' history."""
-        self._batch.restore_activity(self._table, ids, counts, last, holds_row)
+        virtual table's ids (`virtual_tables.IdsActivity`), and the ids its eviction rounds removed
+        so far (`stats()["evicted_ids"]`): a table filled from another world's tables keeps its
+        ids' history."""
+        self._batch.restore_activity(self._table, ids, counts, last, holds_row, evicted)
 
     def _refuse_if_virtual(self, what: str) -> None:
         if self.virtual:

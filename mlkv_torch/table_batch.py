@@ -482,17 +482,17 @@ class DiskTableBatch:
         self._adopt(table, keys)
 
     def restore_activity(self, table: int, ids: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
-                         holds_row: torch.Tensor) -> None:
+                         holds_row: torch.Tensor, evicted: int = 0) -> None:
         """Sets the activity of table `table`'s ids (`virtual_tables.IdsActivity`, ids local to the
-        table) to a saved one: a table filled from another world's (a reshard). ValueError for a
-        table that follows no ids."""
+        table) to a saved one, and the ids its rounds evicted so far: a table filled from another
+        world's (a reshard). ValueError for a table that follows no ids."""
         self._check_open()
         policy = self.tables[table].id_policy
         if self.ids is None or policy is None or not policy.tracked:
             raise ValueError(f"table {self.tables[table].name!r} follows no ids (a virtual table with an eviction "
                              f"policy or a frequency filter does)")
         self.ids.replace(table, self.keys(table, as_int64_cpu(ids, "ids").reshape(-1).contiguous()), counts, last,
-                         holds_row)
+                         holds_row, evicted)
 
     def delete_rows(self, table: int, ids: torch.Tensor) -> None:
         """Deletes rows `ids` of table `table` from the cache and the store: they read their initial

@@ -14,7 +14,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,9 +27,16 @@ RULES = tuple(_C.IdActivity.rules)  # the eviction rules, in the order the C++ e
 # The largest id a disk table holds: a kernel keys a row by its table above this many bits.
 MAX_VIRTUAL_ROWS = 1 << TABLE_SHIFT
 
-# A table's ids' activity: (ids [n] int64, lookups counted [n] float32, when each was last looked up
-# [n] int64 on the policy's clock, whether each holds a row [n] bool).
-IdsActivity = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class IdsActivity(NamedTuple):
+    """A table's ids' activity, as another world reads it (`saved_activity`)."""
+
+    ids: torch.Tensor  # [n] int64
+    counts: torch.Tensor  # [n] float32: lookups counted
+    last: torch.Tensor  # [n] int64: when each was last looked up, on the policy's clock
+    holds_row: torch.Tensor  # [n] bool
+    evicted: torch.Tensor  # 0-dim int64: the ids its eviction rounds removed so far, over all its shards
 
 
 @dataclass(frozen=True)
@@ -288,9 +295,11 @@ class KernelIds:
             self.activity.observe(keys.contiguous(), self._now(step))
 
     def replace(self, table: int, keys: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
-                holds_row: torch.Tensor) -> None:
+                holds_row: torch.Tensor, evicted: int) -> None:
         """Sets the activity of `table`'s ids to the given (keys of the table; the other tables'
-        kept): a table filled from another world's tables (a reshard)."""
+        kept), and the ids its rounds evicted so far: a table filled from another world's tables (a
+        reshard)."""
+        self.evicted[table] = evicted
         state = self.activity.state()
         others = table_of(state[0]) != table
         self.activity.restore(*(torch.cat([old[others], new.contiguous()])
@@ -336,7 +345,8 @@ def saved_activity(kernels: Iterable[Tuple[str, int]]) -> Dict[str, IdsActivity]
     `kernels`: the (directory, step) of each stored table of the cut; a kernel saved its state in
     its first table's directory at its step. A state saved without its tables' blocks (by an
     earlier version) is skipped: its tables' ids count as looked up afresh where they are loaded."""
-    parts: Dict[str, List[IdsActivity]] = defaultdict(list)
+    parts: Dict[str, List[Tuple[torch.Tensor, ...]]] = defaultdict(list)
+    evicted: Dict[str, int] = defaultdict(int)
     for directory, step in kernels:
         path = activity_file(directory, step)
         if not os.path.exists(path):
@@ -345,12 +355,14 @@ def saved_activity(kernels: Iterable[Tuple[str, int]]) -> Dict[str, IdsActivity]
         tables = table_of(state["keys"])
         for index, (name, first_row, first_column) in enumerate(state.get("tables", [])):
             mine = tables == index
-            if first_column == 0 and bool(mine.any()):
+            if first_column == 0:
+                evicted[name] += int(state["evicted"][index])
                 parts[name].append((row_of(state["keys"][mine]) + first_row, state["counts"][mine],
                                     state["last"][mine], state["holds_row"][mine]))
     activity = {}
     for name, chunks in parts.items():
         ids, counts, last, holds_row = (torch.cat(column) for column in zip(*chunks))
         order = ids.argsort()
-        activity[name] = (ids[order], counts[order], last[order], holds_row[order])
+        activity[name] = IdsActivity(ids[order], counts[order], last[order], holds_row[order],
+                                     torch.tensor(evicted[name]))
     return activity

@@ -151,13 +151,16 @@ def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_colu
 
 def _carry_activity(source: TableSource, table: str, first_row: int, bag: Any) -> None:
     """A virtual table's ids keep their lookups counted and ages where the source saved them (else
-    each id a shard was filled with counts as looked up now, as `load_rows` adopts it)."""
+    each id a shard was filled with counts as looked up now, as `load_rows` adopts it), and the
+    table its count of ids evicted."""
     activity = source.activity(table)
     if activity is None or not bag.follows_ids:
         return
-    ids, counts, last, holds_row = activity
+    ids, counts, last, holds_row, evicted = activity
     inside = (ids >= first_row) & (ids < first_row + bag.num_embeddings)
-    bag.restore_id_activity(ids[inside] - first_row, counts[inside], last[inside], holds_row[inside])
+    # The table's evictions so far go with its first shard, so its shards' count sums to them.
+    bag.restore_id_activity(ids[inside] - first_row, counts[inside], last[inside], holds_row[inside],
+                            int(evicted) if first_row == 0 else 0)
 
 
 def _state_kind(entry: Dict[str, Any]) -> str:

@@ -607,3 +607,6 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     assert resharded.keys() == activity.keys()
     for table, columns in activity.items():
         assert all(torch.equal(a, b) for a, b in zip(resharded[table], columns)), table
+    # The ids the tables evicted so far go with them: the one process counts on from the two ranks' sum.
+    assert sum(int(a.evicted) for a in activity.values()) == summaries[0]["evicted_ids"] > 0
+    assert json.loads((whole / "summary.json").read_text())["evicted_ids"] == summaries[0]["evicted_ids"]
