@@ -532,7 +532,8 @@ class Experiment:
         received_dir = os.path.join(rank_storage_dir(self.tables_path, self.rank), "received")
         try:
             if self.distributed and isinstance(source, WrittenCheckpoint):
-                on_ranks = receive_unseen_shards(source, rows_held(self.table_manifest(), self.rank), received_dir)
+                on_ranks = receive_unseen_shards(source, rows_held(self.table_manifest(), self.rank), received_dir,
+                                                 list(self.collection.local_disk_shards()))
                 source, received, keeps_tables = on_ranks.checkpoint, on_ranks.rows_received, on_ranks.keeps_tables
                 receiving = time.perf_counter() - began
             step = reshard.load_resharded(self, source)

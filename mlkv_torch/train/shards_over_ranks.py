@@ -23,7 +23,7 @@ from ..ranks import all_gather_objects
 from ..read_ahead import read_ahead
 from ..row_layout import RowLayout
 from ..store import KVStore
-from ..stored_shards import StoredShard, open_shard, stored_shards
+from ..stored_shards import StoredShard, open_shard, same_columns, stored_shards
 from ..virtual_tables import activity_file
 from .checkpoint_tables import WrittenCheckpoint, row_layout_of
 
@@ -60,11 +60,15 @@ def rows_held(manifest: Dict[str, Dict[str, Any]], rank: int) -> RowRanges:
     return held
 
 
-def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, received_dir: str) -> ShardsOnRanks:
+def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, received_dir: str,
+                          disk_shards: Sequence[Tuple[str, int, int, Any]] = ()) -> ShardsOnRanks:
     """Called by every rank together. Each stored shard of `checkpoint` that some rank cannot see
     and holds rows of (`held`: this rank's, `rows_held`) is scanned once by the first rank that sees
     it, which sends each of those ranks its rows; they write them under `received_dir` (the
-    caller removes it after the fill). ConfigError names a rank's tables that no rank sees."""
+    caller removes it after the fill), or straight into this rank's disk shards of the table
+    (`disk_shards`: (table, first row, first column, DiskEmbeddingBag)) where the fill would copy
+    them as they are (the columns split alike), leaving an empty store there. ConfigError names a
+    rank's tables that no rank sees."""
     rank = dist.get_rank()
     seen = {r: sorted(os.listdir(_rank_dir(checkpoint, r))) for r, cut in checkpoint.cuts.items()
             if cut is not None and _sees(checkpoint, r, cut)}
@@ -99,8 +103,13 @@ def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, receiv
     for table, index, reader, takers in transfers:
         if rank in takers:
             shard = shards[table][index]
+            targets = [(first_row, bag) for name, first_row, first_column, bag in disk_shards if name == table]
+            if not all(same_columns(shards[table], first_row, bag.num_embeddings, first_column, bag.embedding_dim)
+                       for name, first_row, first_column, bag in disk_shards if name == table):
+                targets = []  # the fill reads the table's rows whole: they go to the received store
             shards[table][index], rows = _receive_shard(shard, row_layout_of(checkpoint.tables[table], shard.columns),
-                                                        reader, os.path.join(received_dir, _whose(owner[shard.path])))
+                                                        reader, os.path.join(received_dir, _whose(owner[shard.path])),
+                                                        targets)
             received += rows
     sending()
     total = torch.tensor([received])
@@ -194,9 +203,11 @@ def _send_shard(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tu
         dist.send(torch.tensor([-1]), dst=taker)
 
 
-def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory: str) -> Tuple[StoredShard, int]:
-    """The rows `reader` sends of `shard` (`_send_shard`), written into a store under `directory`;
-    returns the stored shard they make and their number."""
+def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory: str,
+                   targets: Sequence[Tuple[int, Any]]) -> Tuple[StoredShard, int]:
+    """The rows `reader` sends of `shard` (`_send_shard`), written into a store under `directory`,
+    or into the DiskEmbeddingBags `targets` ((first row, bag) each; the store left empty); returns
+    the stored shard of that store and the rows' number."""
     [files] = _received_objects(reader)
     path = os.path.join(directory, os.path.basename(shard.path))
     shutil.rmtree(path, ignore_errors=True)
@@ -213,7 +224,8 @@ def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory
             dist.recv(rows, src=reader)
             if writing is not None:
                 writing.result()
-            writing = writer.submit(store.put, keys, rows)  # written while the next chunk comes
+            # Written while the next chunk comes.
+            writing = writer.submit(_write_rows, store, keys, rows, shard.first_row, layout, targets)
             received += int(count)
         if writing is not None:
             writing.result()
@@ -223,6 +235,21 @@ def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
     return dataclasses.replace(shard, path=path, checkpoint=sequence), received
+
+
+def _write_rows(store: KVStore, keys: torch.Tensor, rows: torch.Tensor, first_row: int, layout: RowLayout,
+                targets: Sequence[Tuple[int, Any]]) -> None:
+    """Received rows (keys local to a shard from `first_row`), into `store` or the `targets`."""
+    if not targets:
+        store.put(keys, rows)
+        return
+    ids = keys + first_row
+    for target_first_row, bag in targets:
+        inside = (ids >= target_first_row) & (ids < target_first_row + bag.num_embeddings)
+        if bool(inside.any()):
+            mine = rows[inside]
+            bag.load_rows(ids[inside] - target_first_row, layout.weights_of(mine[:, :layout.weight_words]),
+                          mine[:, layout.weight_words:] if layout.state_dim else None)
 
 
 def _received_objects(source: int) -> List[Any]:

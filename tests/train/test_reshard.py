@@ -196,6 +196,16 @@ def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_
     assert "resharded for 2 ranks" in errors[0] and "rows came over the process group" in errors[0], errors[0][-3000:]
     got = _losses(out)
     assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
+    # Into memory (storage.kind memory): the rows go into TorchRec's tables from a store of the
+    # rank's own (received, not copied as they are), every row and state as the disk tables held them.
+    merged = tmp_path / "merged"  # both nodes' tables where one process sees them, for the export
+    for node in range(2):
+        shutil.copytree(tables / f"node{node}", merged, dirs_exist_ok=True)
+    export_checkpoint(str(out), str(tmp_path / "on_disk"), str(merged))
+    errors = _on_two_nodes(out, tables, 12, 1, "--resume", "storage.kind=memory", *shape)
+    assert "rows came over the process group" in errors[0], errors[0][-3000:]
+    export_checkpoint(str(out), str(tmp_path / "in_memory"), str(merged))
+    same_tables(tmp_path / "on_disk", tmp_path / "in_memory")
 
 
 def test_optimizer_state_converts_between_rules_as_documented():
