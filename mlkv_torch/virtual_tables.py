@@ -28,7 +28,6 @@ RULES = tuple(_C.IdActivity.rules)  # the eviction rules, in the order the C++ e
 MAX_VIRTUAL_ROWS = 1 << TABLE_SHIFT
 
 
-
 class IdsActivity(NamedTuple):
     """A table's ids' activity, as another world reads it (`saved_activity`)."""
 
@@ -306,17 +305,13 @@ class KernelIds:
                                 for old, new in zip(state, (keys, counts, last, holds_row))))
 
     # ---- with cuts: one file per cut boundary, named by the kernel's step there ---------------------
-    @staticmethod
-    def _file(directory: str, step: int) -> str:
-        return activity_file(directory, step)
-
     def saved(self, directory: str, step: int) -> bool:
-        return os.path.exists(self._file(directory, step))
+        return os.path.exists(activity_file(directory, step))
 
     def save(self, directory: str, step: int) -> None:
         """Writes the state at the cut boundary `step` (atomically: a crash leaves those before)."""
         keys, counts, last, holds = self.activity.state()
-        path = self._file(directory, step)
+        path = activity_file(directory, step)
         torch.save({"keys": keys, "counts": counts, "last": last, "holds_row": holds, "tables": self.blocks,
                     "evicted": list(self.evicted), "rounds": list(self.rounds)}, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -324,12 +319,12 @@ class KernelIds:
     def prune(self, directory: str, step: int) -> None:
         """Removes the states of boundaries other than `step`, once its cut is committed."""
         for name in os.listdir(directory):
-            if name.startswith("ID_ACTIVITY.") and name != os.path.basename(self._file(directory, step)):
+            if name.startswith("ID_ACTIVITY.") and name != os.path.basename(activity_file(directory, step)):
                 os.remove(os.path.join(directory, name))
 
     def load(self, directory: str, step: int) -> None:
         """Restores the state saved at the cut boundary `step`."""
-        state = torch.load(self._file(directory, step), weights_only=True)
+        state = torch.load(activity_file(directory, step), weights_only=True)
         self.activity.restore(state["keys"], state["counts"], state["last"], state["holds_row"])
         self.evicted, self.rounds = list(state["evicted"]), list(state["rounds"])
 

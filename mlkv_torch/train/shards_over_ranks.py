@@ -103,10 +103,12 @@ def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, receiv
     for table, index, reader, takers in transfers:
         if rank in takers:
             shard = shards[table][index]
-            targets = [(first_row, bag) for name, first_row, first_column, bag in disk_shards if name == table]
-            if not all(same_columns(shards[table], first_row, bag.num_embeddings, first_column, bag.embedding_dim)
-                       for name, first_row, first_column, bag in disk_shards if name == table):
-                targets = []  # the fill reads the table's rows whole: they go to the received store
+            mine = [(first_row, first_column, bag) for name, first_row, first_column, bag in disk_shards
+                    if name == table]
+            # Where the fill reads the table's rows whole instead, they go to the received store.
+            copied_as_stored = all(same_columns(shards[table], first_row, bag.num_embeddings, first_column,
+                                                bag.embedding_dim) for first_row, first_column, bag in mine)
+            targets = [(first_row, bag) for first_row, _, bag in mine] if copied_as_stored else []
             shards[table][index], rows = _receive_shard(shard, row_layout_of(checkpoint.tables[table], shard.columns),
                                                         reader, os.path.join(received_dir, _whose(owner[shard.path])),
                                                         targets)

@@ -78,7 +78,7 @@ def main(work: Path) -> int:
     pointer = json.loads((work / "run" / "checkpoint.latest").read_text()) \
         if (work / "run" / "checkpoint.latest").exists() else {}
     print(json.dumps({"codes": codes, "killed_at": killed_at, "resumed": resumed, "steps": _steps(work),
-                      "batches": pointer.get("batches"), "pointer_step": pointer.get("directory"),
+                      "batches": pointer.get("batches"),
                       "seconds": time.monotonic() - began, "node0_log_tail": text[-3000:]}))
     return 0
 
