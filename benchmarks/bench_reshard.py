@@ -18,7 +18,8 @@ rank's new shards hold on another node cross the links (`mlkv_torch.train.shards
 reported per reshard: the rows and bytes that crossed, and the time they take at the link's rate
 against the reshard's (needs root).
 
-    python benchmarks/bench_reshard.py [--rows 2000000] [--dim 64] [--worlds 2,4,2] [--link 1gbit] [--smoke]
+    python benchmarks/bench_reshard.py [--rows 2000000] [--dim 64] [--budget 67108864] [--worlds 2,4,2] [--link 1gbit]
+        [--smoke]
 """
 from __future__ import annotations
 
@@ -35,14 +36,13 @@ from typing import Any, Dict, List
 
 from common import REPO, markdown_table, write_json_report
 
-BUDGET = 64 << 20
 CONFIG = os.path.join(REPO, "configs", "quickstart.yaml")
 
 
 def _overrides(args: argparse.Namespace, steps: int) -> List[str]:
     return [f"data.synthetic.cardinalities=[{args.rows},1000,1000]", "data.synthetic.scale=1",
             f"model.embedding_dim={args.dim}", "model.dense_arch=[64," + str(args.dim) + "]",
-            "storage.sharding_types=[row_wise]", f"storage.memory_budget_bytes={BUDGET}",
+            "storage.sharding_types=[row_wise]", f"storage.memory_budget_bytes={args.budget}",
             f"train.steps={steps}", "train.checkpoint_every=1", "train.batch_size=256", "eval.batches=1",
             "eval.every=1000"]
 
@@ -104,7 +104,7 @@ def _reshard_figures(stderr: str, out: str) -> Dict[str, Any]:
     return {"seconds": float(found.group(1)), "filling_seconds": float(found.group(2)),
             "rows_received": int(received.group(1).replace(",", "")) if received else 0,
             "receiving_seconds": float(received.group(2)) if received else 0.0,
-            "rank0_peak_rss_bytes": summary["peak_rss_bytes"], "budget_bytes": BUDGET}
+            "rank0_peak_rss_bytes": summary["peak_rss_bytes"]}
 
 
 def _on_this_machine(args: argparse.Namespace, worlds: List[int], out: str) -> List[Dict[str, Any]]:
@@ -162,6 +162,7 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=64 << 20, help="each rank's storage.memory_budget_bytes")
     parser.add_argument("--worlds", default="2,4,2", help="world sizes in turn (1: one process, no torchrun)")
     parser.add_argument("--link", default=None, help="one rank a node, in network namespaces, each link shaped to "
                                                      "this rate (tc's units: 1gbit); needs root")
@@ -181,7 +182,8 @@ def main(argv: List[str]) -> int:
               file=sys.stderr)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    write_json_report(os.path.join(REPO, args.out), {"rows": args.rows, "dim": args.dim, "link": args.link,
+    write_json_report(os.path.join(REPO, args.out), {"rows": args.rows, "dim": args.dim, "budget": args.budget,
+                                                     "link": args.link,
                                                      "reshards": reshards})
     return 0
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -310,6 +310,15 @@ class DiskEmbeddingBag(nn.Module):
         before it is trained (a reshard). ValueError once the cache holds rows."""
         ids, words = self._row_words(ids, weights, state)
         self._batch.load_rows(self._table, ids, words)
+
+    def fill_rows(self, chunks: Iterable[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]) -> int:
+        """`load_rows` of each (ids, weights, state) chunk in turn, for filling a table before it is
+        trained; returns the rows written. Chunks whose ids increase from one to the next (rows read
+        in key order, as `KVStore.scan(part="base")` gives them) go into an empty table's store once,
+        straight into its base, where `load_rows` writes each twice once the rows outgrow the index's
+        budget."""
+        return self._batch.fill_rows(self._table, (self._row_words(ids, weights, state)
+                                                   for ids, weights, state in chunks))
 
     def _row_words(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor]
                    ) -> Tuple[torch.Tensor, torch.Tensor]:

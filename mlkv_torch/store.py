@@ -123,6 +123,10 @@ class _RowStore:
     def put(self, keys: KeysLike, values: torch.Tensor) -> None:
         """Inserts or overwrites rows; with duplicate keys the last one wins."""
         keys = self._keys(keys)
+        self._store.put(keys, self._rows_of(keys, values))
+
+    def _rows_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`values` checked as the rows of `keys`, contiguous on the CPU."""
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
         if values.dtype != self._dtype:
@@ -130,7 +134,7 @@ class _RowStore:
         if tuple(values.shape) != (keys.numel(), self._dim):
             raise ValueError(f"values must have shape [{keys.numel()}, {self._dim}] (keys x dim), "
                              f"got {list(values.shape)}")
-        self._store.put(keys, values.detach().to("cpu").contiguous())
+        return values.detach().to("cpu").contiguous()
 
     def lookup(self, keys: KeysLike) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (rows [N, dim], found bool [N]); rows of absent keys are zero.
@@ -319,19 +323,48 @@ class KVStore(_RowStore):
         """Waits until queued lookaheads are applied; raises an error one of them met."""
         self._store.flush()
 
-    def scan(self, chunk_rows: int = 1 << 16) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    def scan(self, chunk_rows: int = 1 << 16, part: str = "all") -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """Every row, as (keys [n], rows [n, dim]) chunks of about `chunk_rows`, in the log's order:
         the log is read sequentially, a few MiB at a time, where `get` reads a 4 KiB block per
         row (for a table larger than memory, ~15x less I/O than reading it key by key). A row
-        written during the scan may come twice (the newer last); at rest each comes once."""
+        written during the scan may come twice (the newer last); at rest each comes once.
+
+        `part`: "all"; "log", the rows the log holds; "base", the others (those that moved into
+        the base run past the index's budget), in increasing key order, as `load_rows` takes them."""
         if not is_int(chunk_rows) or chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
-        cursor = 0
-        while cursor >= 0:
+        if part not in ("all", "log", "base"):
+            raise ValueError(f"part must be 'all', 'log' or 'base', got {part!r}")
+        cursor = _C.Store.SCAN_BASE if part == "base" else 0
+        while cursor >= 0 and not (part == "log" and cursor >= _C.Store.SCAN_BASE):
             self._check_open()
             keys, raw, cursor = self._store.scan_rows(cursor, chunk_rows)
             if keys.numel():
                 yield keys, raw.view(self._dtype).view(keys.numel(), self._dim)
+
+    def begin_load(self, expected_rows: int = 0) -> bool:
+        """Begins a load into a store that holds no row (False, and nothing begun, for one that
+        does): `load_rows` then writes rows in increasing key order once, straight into the base
+        run, where `put` writes each to the log and again when it moves there past the index's
+        budget (a table filled from another's sorted rows). Until `end_load` every write is refused
+        and gets do not see the rows loaded; `close` before it drops them. `expected_rows` (at least
+        the rows to come; default the key_limit) sizes the run's filter, which keys with gaps need."""
+        if not is_int(expected_rows) or expected_rows < 0:
+            raise ValueError(f"expected_rows must be a non-negative int, got {expected_rows!r}")
+        self._check_open()
+        return self._store.begin_load(expected_rows)
+
+    def load_rows(self, keys: KeysLike, values: torch.Tensor) -> None:
+        """Rows of a load (`begin_load`): keys strictly increasing, above every key loaded before;
+        ValueError names the first that is not (the rows before it are loaded)."""
+        keys = self._keys(keys)
+        self._store.load_rows(keys, self._rows_of(keys, values))
+
+    def end_load(self) -> int:
+        """Makes the rows loaded the store's (its base, which the next checkpoint records); returns
+        how many."""
+        self._check_open()
+        return self._store.end_load()
 
     def checkpoint(self) -> int:
         """Makes the current contents durable; returns the checkpoint's number, which reopening

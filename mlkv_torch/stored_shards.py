@@ -105,18 +105,19 @@ def _with_extents(table: str, shards: List[StoredShard], rows: int, columns: int
                   key=lambda s: (s.first_column, s.first_row))
 
 
-def read_shard(shard: StoredShard, layout: RowLayout, chunk_rows: int = 1 << 16
+def read_shard(shard: StoredShard, layout: RowLayout, chunk_rows: int = 1 << 16, part: str = "all"
                ) -> Iterator[TableRows]:
     """The rows `shard`'s store holds at its checkpoint, as (global ids [n], weights [n, columns] of
     the layout's dtype, optimizer state [n, state_dim] float32) chunks in the log's order, read
-    sequentially from a read-only open (nothing is written). `layout` is the shard's: its
-    embedding_dim is the shard's columns. ValueError names the table when its stored rows are
-    another width than `layout` gives (the embedding_dim, weight type or optimizer changed)."""
+    sequentially from a read-only open (nothing is written); `part` as `KVStore.scan`'s ("base":
+    those in the base run, in increasing id order). `layout` is the shard's: its embedding_dim is
+    the shard's columns. ValueError names the table when its stored rows are another width than
+    `layout` gives (the embedding_dim, weight type or optimizer changed)."""
     if layout.embedding_dim != shard.columns:
         raise ValueError(f"table {shard.table!r}: layout of {layout.embedding_dim} columns for a shard of "
                          f"{shard.columns}")
     with open_shard(shard, layout) as store:
-        for keys, rows in store.scan(chunk_rows):
+        for keys, rows in store.scan(chunk_rows, part):
             yield keys + shard.first_row, layout.weights_of(rows[:, :layout.weight_words]).clone(), \
                 rows[:, layout.weight_words:].clone()
 
@@ -150,14 +151,20 @@ def fill_shard(bag: Any, first_row: int, first_column: int, sources: List[Stored
         split = sorted({(s.first_column, s.first_column + s.columns) for s in sources})
         raise ValueError(f"table {sources[0].table!r}: the checkpoint splits its columns as {split}, and this plan "
                          f"holds columns [{first_column}, {first_column + bag.embedding_dim}) in one shard")
-    written, stop_row = 0, first_row + bag.num_embeddings
-    for source in overlapping:
-        # The next chunks are read while this one is written (both let go of the GIL).
-        for ids, weights, state in read_ahead(read_shard(source, layout, chunk_rows), depth=2, name="mlkv-fill"):
-            inside = (ids >= first_row) & (ids < stop_row)
-            if bool(inside.any()):
-                bag.load_rows(ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None)
-                written += int(inside.sum())
+    stop_row = first_row + bag.num_embeddings
+
+    def rows_inside() -> Iterator[TableRows]:
+        # The base runs' rows first, source after source in id order: they come in increasing id
+        # order, which the bag writes once, straight into its base; then the logs' rows.
+        for part in ("base", "log"):
+            for source in sorted(overlapping, key=lambda s: s.first_row):
+                for ids, weights, state in read_shard(source, layout, chunk_rows, part):
+                    inside = (ids >= first_row) & (ids < stop_row)
+                    if bool(inside.any()):
+                        yield ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None
+
+    # The next chunks are read while this one is written (both let go of the GIL).
+    written = bag.fill_rows(read_ahead(rows_inside(), depth=2, name="mlkv-fill"))
     steps = {s.step for s in overlapping}
     if steps:
         bag.steps = max(steps)

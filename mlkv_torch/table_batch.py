@@ -6,7 +6,7 @@ import atexit
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -474,12 +474,45 @@ class DiskTableBatch:
         they are trained. ValueError once the cache holds rows (they would shadow the store's)."""
         self._check_open()
         keys = self.keys(table, ids)
+        self._check_untrained(table)
+        self.stores[table].put(ids, rows)
+        self._adopt(table, keys)
+
+    def fill_rows(self, table: int, chunks: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """`load_rows` of each (ids, rows) chunk in turn; returns the rows written. While the ids
+        come in increasing order into a store that holds no row, they go straight into its base, each
+        row written once (`KVStore.begin_load`), where the log writes it twice past the index's
+        budget; from the first chunk out of that order on, through the log."""
+        self._check_open()
+        self._check_untrained(table)
+        store = self.stores[table]
+        loading = isinstance(store, KVStore) and store.begin_load(self.tables[table].num_embeddings)
+        last, written = -1, 0
+        try:
+            for ids, rows in chunks:
+                keys = self.keys(table, ids)
+                if loading and ids.numel() and (int(ids[0]) <= last or not bool((ids[1:] > ids[:-1]).all())):
+                    loading = False
+                    store.end_load()
+                if loading:
+                    store.load_rows(ids, rows)
+                    last = int(ids[-1]) if ids.numel() else last
+                else:
+                    store.put(ids, rows)
+                self._adopt(table, keys)
+                written += ids.numel()
+        finally:
+            if loading:
+                store.end_load()
+        return written
+
+    def _check_untrained(self, table: int) -> None:
+        """ValueError once the cache holds rows (they would shadow the store's); waits for the rows
+        written before to reach the store, so none overwrites a row loaded after."""
         if self.cache.stats()["cached_rows"]:
             raise ValueError(f"table {self.tables[table].name!r}: its cache holds rows; load_rows fills a table "
                              f"before it is trained (write_rows writes through the cache)")
-        self.cache.write_back()  # nothing written before waits to overwrite these rows
-        self.stores[table].put(ids, rows)
-        self._adopt(table, keys)
+        self.cache.write_back()
 
     def restore_activity(self, table: int, ids: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
                          holds_row: torch.Tensor, evicted: int = 0) -> None:

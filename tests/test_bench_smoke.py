@@ -19,7 +19,7 @@ SCRIPTS = ["bench_input.py", "bench_replicas.py", "bench_pipeline.py", "bench_bi
            "bench_reshard.py", "bench_row_wise.py",
            "bench_embedding.py", "bench_dmp.py", "bench_kernel.py", "bench_gpu.py", "bench_checkpoint.py",
            "bench_checkpoint.py --runner", "bench_sequence.py", "bench_virtual.py", "bench_reopen.py",
-           "bench_rank_shares.py", "bench_memory.py"]
+           "bench_rank_shares.py", "bench_memory.py", "bench_load.py"]
 
 
 def _run(script: str) -> Run:
@@ -66,6 +66,8 @@ def test_benchmark_smoke_runs(smoke_runs, script):
         assert "every system returns the rows written: all sample checks passed" in done.stdout, done.stdout[-4000:]
     if script == "bench_reshard.py":  # the runner resharded 2 ranks' checkpoint for 4, then 4's for one process
         assert "| 2 -> 4 |" in done.stdout and "| 4 -> 1 |" in done.stdout, done.stdout[-4000:]
+    if script == "bench_load.py":  # both ways filled the store, and gave back the rows written
+        assert "| put |" in done.stdout and "| load |" in done.stdout, done.stdout[-4000:]
     if script == "bench_sequence.py":  # memory and both disk budgets ran
         assert "| memory |" in done.stdout and "| disk-10% |" in done.stdout, done.stdout[-4000:]
     if script == "bench_virtual.py":  # the three configurations ran, the virtual one evicted

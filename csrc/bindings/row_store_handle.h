@@ -19,10 +19,7 @@ class MLKV_BINDING RowStoreHandle {
 
   void Put(const torch::Tensor& keys, const torch::Tensor& values) {
     CheckKeys(keys);
-    TORCH_CHECK_VALUE(values.device().is_cpu() && values.is_contiguous(), "values must be a contiguous CPU tensor");
-    TORCH_CHECK_VALUE(static_cast<uint64_t>(values.numel() * values.element_size()) ==
-                          static_cast<uint64_t>(keys.numel()) * rows_->value_bytes(),
-                      "values must hold ", keys.numel(), " rows of ", rows_->value_bytes(), " bytes");
+    CheckRowsIn(keys, values);
     Status st;
     {
       py::gil_scoped_release release;
@@ -46,6 +43,12 @@ class MLKV_BINDING RowStoreHandle {
   }
 
  protected:
+  void CheckRowsIn(const torch::Tensor& keys, const torch::Tensor& values) const {
+    TORCH_CHECK_VALUE(values.device().is_cpu() && values.is_contiguous(), "values must be a contiguous CPU tensor");
+    TORCH_CHECK_VALUE(static_cast<uint64_t>(values.numel() * values.element_size()) ==
+                          static_cast<uint64_t>(keys.numel()) * rows_->value_bytes(),
+                      "values must hold ", keys.numel(), " rows of ", rows_->value_bytes(), " bytes");
+  }
   void CheckRowsOut(const torch::Tensor& keys, const torch::Tensor& out) const {
     TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
                           static_cast<uint64_t>(out.numel() * out.element_size()) ==

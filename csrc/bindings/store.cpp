@@ -141,6 +141,27 @@ class Store : public RowStoreHandle {
                           at == mlkv::KVStore::kScanDone ? int64_t{-1} : static_cast<int64_t>(at));
   }
 
+  bool BeginLoad(int64_t expected_rows) {
+    TORCH_CHECK_VALUE(expected_rows >= 0, "expected_rows must be non-negative, got ", expected_rows);
+    bool begun = false;
+    Check(Unlocked([&] { return store_->BeginLoad(static_cast<uint64_t>(expected_rows), &begun); }));
+    return begun;
+  }
+
+  void LoadRows(const torch::Tensor& keys, const torch::Tensor& values) {
+    CheckKeys(keys);
+    CheckRowsIn(keys, values);
+    Check(Unlocked([&] {
+      return store_->LoadRows(keys.data_ptr<int64_t>(), static_cast<size_t>(keys.numel()), values.data_ptr());
+    }));
+  }
+
+  int64_t EndLoad() {
+    uint64_t rows = 0;
+    Check(Unlocked([&] { return store_->EndLoad(&rows); }));
+    return static_cast<int64_t>(rows);
+  }
+
   int64_t Checkpoint() {
     uint64_t sequence = 0;
     Check(Unlocked([&] { return store_->Checkpoint(&sequence); }));
@@ -237,6 +258,11 @@ void BindStore(py::module_& m) {
       .def("lookahead", &Store::Lookahead)
       .def("flush", &Store::Call<&mlkv::KVStore::Flush>)
       .def("scan_rows", &Store::ScanRows, py::arg("cursor"), py::arg("max_rows"))
+      .def("begin_load", &Store::BeginLoad, py::arg("expected_rows"))
+      .def("load_rows", &Store::LoadRows)
+      .def("end_load", &Store::EndLoad)
+      .def_property_readonly_static("SCAN_BASE",
+                                    [](py::object) { return static_cast<int64_t>(mlkv::KVStore::kScanBase); })
       .def("checkpoint", &Store::Checkpoint, "Checkpoints; returns the checkpoint's sequence number.")
       .def("begin_checkpoint", &Store::BeginCheckpoint)
       .def("finish_checkpoint", &Store::FinishCheckpoint)

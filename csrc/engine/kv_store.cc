@@ -126,9 +126,13 @@ Status KVStore::LockPath(bool read_only) {
   return Status::OK();
 }
 
-Status KVStore::RefuseIfReadOnly(const char* what) const {
-  if (!options_.read_only) return Status::OK();
-  return Status::InvalidArgument("store at " + path_ + " is open read-only: " + what + " refused");
+Status KVStore::RefuseWrite(const char* what) const {
+  if (options_.read_only)
+    return Status::InvalidArgument("store at " + path_ + " is open read-only: " + what + " refused");
+  if (loading_) {
+    return Status::InvalidArgument("store at " + path_ + " is loading rows (end the load first): " + what + " refused");
+  }
+  return Status::OK();
 }
 
 Status KVStore::CreateFresh() {
@@ -155,7 +159,7 @@ std::string KVStore::KeyRangeText() const {
 }
 
 Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("put"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("put"));
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   const auto* vals = static_cast<const uint8_t*>(values);
   StallForCompaction();
@@ -193,7 +197,7 @@ Status KVStore::Put(const int64_t* keys, size_t n, const void* values) {
 }
 
 Status KVStore::Delete(const int64_t* keys, size_t n, uint64_t* deleted) {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("delete"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("delete"));
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   StallForCompaction();
   std::unique_ptr<bool[]> in_base(new bool[n + 1]);
@@ -266,6 +270,7 @@ Status KVStore::Close() {
     if (closed_) return Status::OK();
   }
   if (options_.read_only) return CloseReadOnly();
+  DropLoad();
   Status flushed = Flush();
   StopThreads();
   // A checkpoint begun and not finished is finished first; the closing checkpoint covers it.

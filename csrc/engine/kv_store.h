@@ -186,11 +186,28 @@ class KVStore : public RowStore {
   // One step of a scan of every live row in log address order: the log read sequentially, a few
   // MiB per read, where Get reads a 4 KiB block per row. Appends the rows of whole pages from slot
   // *cursor on, stopping once `max_rows` or more are in, to `keys` and `values`, and advances
-  // *cursor (kScanDone at the tail). A row written while a scan runs may be visited twice (the
-  // newer last: it moved to the tail) and one deleted may be missed; at rest, each once.
+  // *cursor (kScanDone at the end; a step ends at the log's end, then the base's rows follow in key
+  // order). A row written while a scan runs may be visited twice (the newer last: it moved to the
+  // tail) and one deleted may be missed; at rest, each once.
   static constexpr uint64_t kScanDone = ~0ull;
+  // Scan cursors past the log: the base run's blocks, from this bit on (below kScanDone as an int64).
+  // A scan from kScanBase reads only the base's rows (in key order); one that stops there, the log's.
+  static constexpr uint64_t kScanBase = 1ull << 62;
   Status ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>* keys, std::vector<uint8_t>* values);
   Status Compact();
+  // A load (kv_store_load.cc): fills a store that holds no row from rows in strictly increasing key
+  // order, written once, front to back, into a base run, where Put writes a row to the log and
+  // again when it moves into the base (a table filled from another's sorted rows: no log record and
+  // no index entry a row). Begin sets *begun false for a store that holds a row; InvalidArgument
+  // when a load is begun already. Until End every write (put, delete, lookahead, compact,
+  // checkpoint) is refused and gets do not see the rows loaded; End makes them the store's base,
+  // which the next checkpoint records (a crash before leaves the store as it was), and Close before
+  // End drops them. `expected_rows` (at least the rows to come) sizes the run's Bloom filter, which
+  // keys with gaps need. LoadRows: InvalidArgument for a key out of order or out of range (the rows
+  // before it are loaded).
+  Status BeginLoad(uint64_t expected_rows, bool* begun) EXCLUDES(load_mu_, mu_);
+  Status LoadRows(const int64_t* keys, size_t n, const void* values) EXCLUDES(load_mu_);
+  Status EndLoad(uint64_t* rows) EXCLUDES(load_mu_, mu_);
   // Closes the store: checkpoints, then releases the path. A failed checkpoint leaves it open, but
   // for one that can never succeed (a failed sync of the log): then it closes and returns the error.
   Status Close();
@@ -215,8 +232,6 @@ class KVStore : public RowStore {
   // bucket array grows no further than the budget (HashIndex::set_bucket_limit), so at this charge
   // it is full when a merge is due.
   static constexpr uint64_t kIndexBytesPerKey = 16;
-  // Scan cursors past the log: the base run's blocks, from this bit on (below kScanDone as an int64).
-  static constexpr uint64_t kScanBase = 1ull << 62;
   struct DiskRecord {  // a record to read from disk
     size_t index;      // position in the caller's batch
     uint64_t slot;
@@ -230,7 +245,13 @@ class KVStore : public RowStore {
   Status ComputeLayout(uint64_t page_bytes, uint64_t pages_per_segment);
   Status CreateFresh() EXCLUDES(checkpoint_mu_, mu_);
   Status CheckKeys(const int64_t* keys, size_t n) const;
-  Status RefuseIfReadOnly(const char* what) const;  // InvalidArgument naming the write, when read-only
+  // InvalidArgument naming the write, when read-only or loading (BeginLoad).
+  Status RefuseWrite(const char* what) const;
+  // A load's steps: the loaded run made the base of a store that still holds no row; the run
+  // dropped (Close before EndLoad).
+  Status InstallLoadedRun(std::unique_ptr<BaseRun> run, uint64_t id, uint64_t rows) EXCLUDES(mu_);
+  void DropLoad() EXCLUDES(load_mu_);
+  bool HoldsNoRowLocked() const REQUIRES_SHARED(mu_) { return !base_ && LiveLogKeysLocked() == 0; }
   std::string KeyRangeText() const;  // the keys the store takes, for its errors
   // found[i]: the store holds keys[i] (log_too false: the base run holds it and the log has no
   // record of it); the base run read without the lock; *generation the base run's it answered for.
@@ -605,6 +626,10 @@ class KVStore : public RowStore {
   // The base a begun checkpoint names (0: none begun): a merge meanwhile must not remove it. Set
   // under mu_ shared by the checkpoint's first half, read under mu_ exclusive by a merge's commit.
   std::atomic<uint64_t> begun_base_{0};
+  Mutex load_mu_ ACQUIRED_BEFORE(mu_);                      // a load's run, written outside mu_
+  std::unique_ptr<BaseRunWriter> load_writer_ GUARDED_BY(load_mu_);
+  uint64_t load_run_id_ GUARDED_BY(load_mu_) = 0;
+  std::atomic<bool> loading_{false};                        // set while load_writer_ is open
   uint64_t base_merges_ GUARDED_BY(mu_) = 0;
   bool merging_ GUARDED_BY(mu_) = false;  // a merge is writing the next run
   // The index has held a deletion (even with no base yet: one made while the first merge ran).

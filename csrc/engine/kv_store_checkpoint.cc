@@ -96,7 +96,7 @@ Status KVStore::WriteCheckpointRecord(const std::string& file, const std::string
 }
 
 Status KVStore::Checkpoint(uint64_t* sequence) {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("checkpoint"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("checkpoint"));
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("checkpoint"));
   // A failed lookahead or compaction is reported, but does not cost the checkpoint.
   Status background = Flush();
@@ -132,7 +132,7 @@ Status KVStore::CheckpointConcurrently(uint64_t* sequence, bool unless_owner_beg
 }
 
 Status KVStore::BeginCheckpoint() {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("checkpoint"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("checkpoint"));
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("begin a checkpoint"));
   MutexLock one_checkpoint(&checkpoint_mu_);
   WaitNoBegunCheckpoint(one_checkpoint);  // one a compaction began meanwhile
@@ -380,7 +380,7 @@ void KVStore::CommitCheckpointLocked(const WrittenCheckpoint& written, ObsoleteF
 }
 
 Status KVStore::CommitCheckpoint(uint64_t sequence) {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("commit_checkpoint"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("commit_checkpoint"));
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("commit a checkpoint"));
   MutexLock one_checkpoint(&checkpoint_mu_);
   WaitNoBegunCheckpoint(one_checkpoint);  // one a compaction began meanwhile

@@ -14,7 +14,7 @@
 namespace mlkv {
 
 Status KVStore::Compact() {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("compact"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("compact"));
   MLKV_RETURN_IF_ERROR(RefuseIfBegun("compact"));
   Status background = Flush();
   if (background.code() == Status::Code::kInvalidArgument) return background;  // closed

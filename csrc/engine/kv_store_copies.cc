@@ -51,7 +51,7 @@ void KVStore::QueuePromotions(const int64_t* keys, const std::vector<DiskRecord>
 }
 
 Status KVStore::Lookahead(const int64_t* keys, size_t n) {
-  MLKV_RETURN_IF_ERROR(RefuseIfReadOnly("lookahead"));
+  MLKV_RETURN_IF_ERROR(RefuseWrite("lookahead"));
   MLKV_RETURN_IF_ERROR(CheckKeys(keys, n));
   {
     ReaderLock lock(&mu_);

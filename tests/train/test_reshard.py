@@ -113,9 +113,11 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     # Tables on disk and in memory, table-wise and row-wise (no replicated table: its state, torch
     # Adagrad's per element, becomes row-wise Adagrad's mean on disk, which a round trip cannot undo;
     # test_export.py reshards the planner's own plan, replicated tables and all).
+    # Every row populated: the large tables outgrow their stores' index budgets, so most of their
+    # rows lie in base runs, which a reshard copies in key order straight into the new tables' bases.
     plan = ["storage.sharding_types=[table_wise,row_wise]"]
     out = tmp_path / "run"
-    _train(out, 12, 2, "train.checkpoint_every=8", *plan)  # checkpointed at 8, then on to 12 uninterrupted
+    _train(out, 12, 2, "train.checkpoint_every=8", "storage.populate=true", *plan)  # on to 12 uninterrupted
     uninterrupted = _losses(out)
     export_checkpoint(str(out), str(tmp_path / "two"))
     kept = tmp_path / "kept"  # the checkpoint the reshard reads, as a kill after its commit would leave it
