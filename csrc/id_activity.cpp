@@ -22,6 +22,28 @@ int64_t IdActivity::BytesPerId() {
                               IdMap::kBucketBytes * 4 / 3);
 }
 
+namespace {
+
+void CheckKeys(const torch::Tensor& keys) {
+  TORCH_CHECK_VALUE(
+      keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && keys.device().is_cpu() && keys.is_contiguous(),
+      "keys must be a contiguous 1-D int64 CPU tensor");
+}
+
+// bool [n]: holds_row(key) of each key, in order.
+template <typename HoldsRow>
+torch::Tensor EachKey(const torch::Tensor& keys, HoldsRow holds_row) {
+  CheckKeys(keys);
+  const int64_t n = keys.numel();
+  const int64_t* key = keys.data_ptr<int64_t>();
+  torch::Tensor holds = torch::empty({n}, torch::kBool);
+  bool* out = holds.data_ptr<bool>();
+  for (int64_t i = 0; i < n; ++i) out[i] = holds_row(key[i]);
+  return holds;
+}
+
+}  // namespace
+
 const ActivityPolicy& IdActivity::PolicyOf(int64_t key) const {
   const int64_t table = TableOf(key);
   TORCH_CHECK_VALUE(key >= 0 && table < static_cast<int64_t>(tables_.size()), "key ", key, " is of no table");
@@ -29,22 +51,15 @@ const ActivityPolicy& IdActivity::PolicyOf(int64_t key) const {
 }
 
 torch::Tensor IdActivity::Observe(const torch::Tensor& keys, int64_t now) {
-  TORCH_CHECK_VALUE(
-      keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && keys.device().is_cpu() && keys.is_contiguous(),
-      "keys must be a contiguous 1-D int64 CPU tensor");
-  const int64_t n = keys.numel();
-  const int64_t* key = keys.data_ptr<int64_t>();
-  torch::Tensor holds = torch::ones({n}, torch::kBool);
-  bool* out = holds.data_ptr<bool>();
-  for (int64_t i = 0; i < n; ++i) {
-    const ActivityPolicy& p = PolicyOf(key[i]);
-    if (!p.tracked) continue;
+  return EachKey(keys, [&](int64_t key) {
+    const ActivityPolicy& p = PolicyOf(key);
+    if (!p.tracked) return true;
     TORCH_CHECK(keys_.size() < static_cast<size_t>(INT32_MAX), "more than 2^31 ids tracked by one kernel");
-    int32_t at = index_.Find(key[i]);
+    int32_t at = index_.Find(key);
     if (at < 0) {
       at = static_cast<int32_t>(keys_.size());
-      index_.Insert(key[i], at);
-      keys_.push_back(key[i]);
+      index_.Insert(key, at);
+      keys_.push_back(key);
       counts_.push_back(0);
       last_.push_back(now);
       holds_row_.push_back(0);
@@ -53,11 +68,18 @@ torch::Tensor IdActivity::Observe(const torch::Tensor& keys, int64_t now) {
     last_[at] = now;
     if (!holds_row_[at] && counts_[at] >= static_cast<float>(p.admit_after)) {
       holds_row_[at] = 1;
-      ++live_[static_cast<size_t>(TableOf(key[i]))];
+      ++live_[static_cast<size_t>(TableOf(key))];
     }
-    out[i] = holds_row_[at] != 0;
-  }
-  return holds;
+    return holds_row_[at] != 0;
+  });
+}
+
+torch::Tensor IdActivity::Holds(const torch::Tensor& keys) const {
+  return EachKey(keys, [&](int64_t key) {
+    if (!PolicyOf(key).tracked) return true;
+    const int32_t at = index_.Find(key);
+    return at >= 0 && holds_row_[static_cast<size_t>(at)] != 0;
+  });
 }
 
 bool IdActivity::Due(int64_t table) const {
@@ -126,9 +148,7 @@ void IdActivity::Erase(int64_t key) {
 }
 
 void IdActivity::Forget(const torch::Tensor& keys) {
-  TORCH_CHECK_VALUE(
-      keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && keys.device().is_cpu() && keys.is_contiguous(),
-      "keys must be a contiguous 1-D int64 CPU tensor");
+  CheckKeys(keys);
   const int64_t* key = keys.data_ptr<int64_t>();
   for (int64_t i = 0; i < keys.numel(); ++i) Erase(key[i]);
 }

@@ -42,6 +42,9 @@ class IdActivity {
   // Records that a batch looked up the distinct `keys` at time `now`; returns which hold a row
   // (bool [n]; keys of untracked tables always do).
   torch::Tensor Observe(const torch::Tensor& keys, int64_t now);
+  // Which of `keys` hold a row (keys of untracked tables always do), nothing recorded: what an
+  // evaluation reads, which neither counts ids nor admits them.
+  torch::Tensor Holds(const torch::Tensor& keys) const;
   // An eviction round of table `table` at time `now`: counts decayed, then the ids the rule
   // picks, then, while more than keep_ids hold rows, the weakest (lowest count, then least
   // recent). Returns (keys holding rows, keys without rows) picked; nothing is forgotten until

@@ -15,9 +15,10 @@ every update (training equals the in-memory reference).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -311,14 +312,17 @@ class DiskEmbeddingBag(nn.Module):
         ids, words = self._row_words(ids, weights, state)
         self._batch.load_rows(self._table, ids, words)
 
-    def fill_rows(self, chunks: Iterable[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]) -> int:
-        """`load_rows` of each (ids, weights, state) chunk in turn, for filling a table before it is
-        trained; returns the rows written. Chunks whose ids increase from one to the next (rows read
-        in key order, as `KVStore.scan(part="base")` gives them) go into an empty table's store once,
-        straight into its base, where `load_rows` writes each twice once the rows outgrow the index's
-        budget."""
-        return self._batch.fill_rows(self._table, (self._row_words(ids, weights, state)
-                                                   for ids, weights, state in chunks))
+    @contextlib.contextmanager
+    def filling(self) -> Iterator[Callable[..., None]]:
+        """A writer of (ids, weights, state=None) chunks, `load_rows` chunk by chunk, for filling
+        the table before it is trained: chunks whose ids increase from one to the next (rows read in
+        key order, as `KVStore.scan(part="base")` gives them) go into an empty table's store once,
+        straight into its base, where `load_rows` writes each twice once the rows outgrow the
+        index's budget. The block's end makes them the table's."""
+        with self._batch.filling(self._table) as write_words:
+            def write(ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor] = None) -> None:
+                write_words(*self._row_words(ids, weights, state))
+            yield write
 
     def _row_words(self, ids: torch.Tensor, weights: torch.Tensor, state: Optional[torch.Tensor]
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -666,7 +670,7 @@ class DiskEmbeddingBag(nn.Module):
                 raise ValueError("per_sample_weights must have the input's shape, got "
                                  f"{tuple(per_sample_weights.shape)}")
         ids = ids.contiguous()
-        return self._batch.pool(ids, [ids.numel()], [self._table], offsets, per_sample_weights)
+        return self._batch.pool(ids, [ids.numel()], [self._table], offsets, per_sample_weights, training=self.training)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, "

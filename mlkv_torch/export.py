@@ -6,7 +6,10 @@ OUT gets one Parquet file per table (columns ``id`` int64, ``weight`` and, with 
 ``state``: fixed-size lists of float32), ``dense.pt`` (the dense model and its optimizer's state
 by parameter name, for ``torch.load``) and ``manifest.json``: the step and the batches trained by
 then, each table's rows, columns, optimizer and placement, what its state columns hold, how the
-rows a disk table never wrote start, and each file's rows, bytes and SHA-256. Rows stream a chunk at a time; the
+rows a disk table never wrote start, and each file's rows, bytes and SHA-256. A virtual table's ids'
+history goes to ``<table>.ids.parquet`` (``id``, ``lookups`` float32, ``last`` int64, ``holds_row``
+bool; the ids its rounds evicted so far in the manifest), so an import judges each id by it as a
+reshard does. Rows stream a chunk at a time; the
 checkpoint is only read (its stores opened read-only), and OUT appears whole or not at all
 (it is written as OUT.partial, then renamed). A run starts from an export with
 ``python -m mlkv_torch.train CONFIG --import OUT`` (`mlkv_torch.exported_tables`)."""
@@ -23,6 +26,7 @@ from .config import ConfigError
 from .exported_tables import DENSE_FILE, FORMAT, MANIFEST, VERSION, file_sha256
 from .read_ahead import read_ahead
 from .train.checkpoint_tables import WrittenCheckpoint, written_checkpoint
+from .virtual_tables import IdsActivity
 
 __all__ = ["export_checkpoint"]
 
@@ -89,7 +93,23 @@ def _export_table(checkpoint: WrittenCheckpoint, name: str, directory: str, chun
     entry.update(file=file_name, rows_in_file=rows, bytes=os.path.getsize(path), sha256=file_sha256(path),
                  state={"columns": state_columns, "holds": checkpoint.state_meaning(name)},
                  initial_rows=checkpoint.initial_rows(name))
+    activity = checkpoint.activity(name)
+    if activity is not None:
+        entry["activity"] = _export_activity(activity, directory, f"{name}.ids.parquet")
     return entry
+
+
+def _export_activity(activity: IdsActivity, directory: str, file_name: str) -> Dict[str, Any]:
+    """A virtual table's ids' history, to ``directory/file_name``; its manifest entry."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.path.join(directory, file_name)
+    pq.write_table(pa.table({"id": activity.ids.numpy(), "lookups": activity.counts.float().numpy(),
+                             "last": activity.last.numpy(), "holds_row": activity.holds_row.numpy()}), path,
+                   compression="none")
+    return {"file": file_name, "ids": int(activity.ids.numel()), "evicted": int(activity.evicted),
+            "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
 
 
 def _export_dense(checkpoint: WrittenCheckpoint, directory: str) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 
 from .config import ConfigError
 from .stored_shards import TableRows
+from .virtual_tables import IdsActivity
 
 __all__ = ["ExportedTables", "read_export", "read_export_on_ranks", "file_sha256", "MANIFEST", "DENSE_FILE", "FORMAT",
            "VERSION"]
@@ -51,10 +52,19 @@ class ExportedTables:
         """An export holds no stores: every table's rows come through `rows`."""
         return None
 
-    def activity(self, table: str) -> None:
-        """An export holds rows, not a virtual table's ids' lookups and ages: an import counts each
-        id it holds as looked up afresh."""
-        return None
+    def activity(self, table: str) -> Optional[IdsActivity]:
+        """A virtual table's ids' history (`WrittenCheckpoint.activity`) from its ids file; None for a
+        table that follows no ids (or an export written before exports kept it: an import then counts
+        each id it holds as looked up afresh)."""
+        import pyarrow.parquet as pq
+
+        entry = self.tables[table].get("activity")
+        if entry is None:
+            return None
+        ids = pq.read_table(os.path.join(self.path, entry["file"]))
+        id_, lookups, last, holds_row = (torch.from_numpy(ids.column(c).to_numpy(zero_copy_only=False).copy())
+                                         for c in ("id", "lookups", "last", "holds_row"))
+        return IdsActivity(id_, lookups, last, holds_row, torch.tensor(entry["evicted"]))
 
     def rows(self, table: str, chunk_rows: int = 1 << 16) -> Iterator[TableRows]:
         """`table`'s rows in its file, chunk by chunk: (ids, weights [n, dim] float32, optimizer
@@ -103,6 +113,8 @@ def read_export(path: str, share: Tuple[int, int] = (0, 1)) -> ExportedTables:
             raise ValueError("it records no dense model (an export of an earlier mlkv_torch: export the checkpoint "
                              "again)")
         files = [(name, e["file"], e["bytes"], e["sha256"]) for name, e in tables.items()]
+        files += [(f"{name}'s ids", e["activity"]["file"], e["activity"]["bytes"], e["activity"]["sha256"])
+                  for name, e in tables.items() if "activity" in e]
         files.append(("the dense model", dense["file"], dense["bytes"], dense["sha256"]))
         processes = int(manifest["written_by"]["processes"])
         batches = int(manifest.get("batches", step * processes))

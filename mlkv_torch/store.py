@@ -1,8 +1,9 @@
 """KVStore: the Python face of the log-structured storage engine."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -124,6 +125,12 @@ class _RowStore:
         """Inserts or overwrites rows; with duplicate keys the last one wins."""
         keys = self._keys(keys)
         self._store.put(keys, self._rows_of(keys, values))
+
+    @contextlib.contextmanager
+    def filling(self, expected_rows: int = 0) -> Iterator[Callable[[KeysLike, torch.Tensor], None]]:
+        """A writer of (keys, rows) chunks for filling the store: here `put`; a KVStore loads the
+        chunks whose keys increase from one to the next into an empty store (`KVStore.filling`)."""
+        yield self.put
 
     def _rows_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """`values` checked as the rows of `keys`, contiguous on the CPU."""
@@ -366,6 +373,18 @@ class KVStore(_RowStore):
         self._check_open()
         return self._store.end_load()
 
+    @contextlib.contextmanager
+    def filling(self, expected_rows: int = 0) -> Iterator[Callable[[KeysLike, torch.Tensor], None]]:
+        """A writer of (keys, rows) chunks for filling the store (a table before it is trained):
+        while their keys increase from chunk to chunk into a store that holds no row, it loads them
+        (`begin_load`: each row written once, straight into the base run); from the first chunk out
+        of that order on, it puts them. The load ends when the block does."""
+        fill = _Fill(self, self.begin_load(expected_rows))
+        try:
+            yield fill.write
+        finally:
+            fill.end()
+
     def checkpoint(self) -> int:
         """Makes the current contents durable; returns the checkpoint's number, which reopening
         recovers (the latest by default). With nothing changed since the last checkpoint, that
@@ -429,6 +448,29 @@ class KVStore(_RowStore):
     def __repr__(self) -> str:
         rows = "closed" if self._closed else f"rows={len(self)}"
         return f"KVStore(path={self._path!r}, dim={self._dim}, dtype={self._dtype}, {rows})"
+
+
+class _Fill:
+    """`KVStore.filling`'s writer: loads while the keys increase, puts from the first chunk that
+    breaks the order on."""
+
+    def __init__(self, store: KVStore, loading: bool) -> None:
+        self.store, self.loading, self.last_key = store, loading, -1
+
+    def write(self, keys: KeysLike, rows: torch.Tensor) -> None:
+        keys = self.store._keys(keys)
+        if self.loading and keys.numel() and (int(keys[0]) <= self.last_key or not bool((keys[1:] > keys[:-1]).all())):
+            self.end()
+        if not self.loading:
+            self.store.put(keys, rows)
+            return
+        self.store.load_rows(keys, rows)
+        self.last_key = int(keys[-1]) if keys.numel() else self.last_key
+
+    def end(self) -> None:
+        if self.loading:
+            self.loading = False
+            self.store.end_load()
 
 
 class RocksDBStore(_RowStore):

@@ -163,8 +163,12 @@ def fill_shard(bag: Any, first_row: int, first_column: int, sources: List[Stored
                     if bool(inside.any()):
                         yield ids[inside] - first_row, weights[inside], state[inside] if layout.state_dim else None
 
-    # The next chunks are read while this one is written (both let go of the GIL).
-    written = bag.fill_rows(read_ahead(rows_inside(), depth=2, name="mlkv-fill"))
+    written = 0
+    with bag.filling() as write:
+        # The next chunks are read while this one is written (both let go of the GIL).
+        for ids, weights, state in read_ahead(rows_inside(), depth=2, name="mlkv-fill"):
+            write(ids, weights, state)
+            written += ids.numel()
     steps = {s.step for s in overlapping}
     if steps:
         bag.steps = max(steps)

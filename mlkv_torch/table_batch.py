@@ -3,10 +3,11 @@ lookup and one optimizer pass a batch) and its autograd glue."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -380,7 +381,8 @@ class DiskTableBatch:
 
     # ---- the step ---------------------------------------------------------------------------------
     def pool(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int], offsets: torch.Tensor,
-             per_sample_weights: Optional[torch.Tensor] = None, read_ahead: Optional[int] = None) -> torch.Tensor:
+             per_sample_weights: Optional[torch.Tensor] = None, read_ahead: Optional[int] = None,
+             training: bool = True) -> torch.Tensor:
         """Pools every bag of a batch of features in one call: `offsets` [bags + 1] (include_last_offset)
         over `values`; returns [bags, dim] of `dtype` on `device`. Backward updates the tables whose
         anchor (`anchors[t]`) requires a gradient.
@@ -390,7 +392,10 @@ class DiskTableBatch:
         takes the read-ahead's deduplication and slots: no host synchronisation on CUDA, no second
         deduplication on the CPU. Older read-aheads not yet pooled are let go; a ticket no longer
         waiting (pooled already, or dropped after 64 later read-aheads) raises ValueError. Ignored by
-        virtual tables and without read-ahead into slots."""
+        virtual tables and without read-ahead into slots.
+
+        `training` False (the module in eval mode): virtual tables count, admit and evict no id,
+        and ids holding no row read zeros (an evaluation leaves the tables as training left them)."""
         self._check_open()
         device_lookup = holds_row = None
         if read_ahead is not None and not is_int(read_ahead):
@@ -404,8 +409,11 @@ class DiskTableBatch:
                 device_lookup = (slots, version, outside)
         elif self.ids is not None:  # virtual tables: rounds due first, then the batch's ids counted and filtered
             unique, inverse = self.unique_keys(values, feature_counts, feature_tables)
-            self.ids.evict_due(self.cache, self.step)
-            holds_row = self.ids.observe(unique, self.step)
+            if training:
+                self.ids.evict_due(self.cache, self.step)
+                holds_row = self.ids.observe(unique, self.step)
+            else:
+                holds_row = self.ids.read(unique)
             if holds_row is None:
                 words = self.cache.fetch(unique)
             else:  # ids not yet admitted read zeros and create no row
@@ -478,33 +486,22 @@ class DiskTableBatch:
         self.stores[table].put(ids, rows)
         self._adopt(table, keys)
 
-    def fill_rows(self, table: int, chunks: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """`load_rows` of each (ids, rows) chunk in turn; returns the rows written. While the ids
-        come in increasing order into a store that holds no row, they go straight into its base, each
-        row written once (`KVStore.begin_load`), where the log writes it twice past the index's
-        budget; from the first chunk out of that order on, through the log."""
+    @contextlib.contextmanager
+    def filling(self, table: int) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
+        """A writer of (ids, rows) chunks into table `table`'s store, past the cache, for filling it
+        before it is trained (`load_rows` chunk by chunk, the store's `filling`: chunks whose ids
+        increase from one to the next go into an empty store once, straight into its base, where
+        puts write each row twice past the index's budget). ValueError once the cache holds rows."""
         self._check_open()
         self._check_untrained(table)
-        store = self.stores[table]
-        loading = isinstance(store, KVStore) and store.begin_load(self.tables[table].num_embeddings)
-        last, written = -1, 0
-        try:
-            for ids, rows in chunks:
-                keys = self.keys(table, ids)
-                if loading and ids.numel() and (int(ids[0]) <= last or not bool((ids[1:] > ids[:-1]).all())):
-                    loading = False
-                    store.end_load()
-                if loading:
-                    store.load_rows(ids, rows)
-                    last = int(ids[-1]) if ids.numel() else last
-                else:
-                    store.put(ids, rows)
-                self._adopt(table, keys)
-                written += ids.numel()
-        finally:
-            if loading:
-                store.end_load()
-        return written
+
+        def write(ids: torch.Tensor, rows: torch.Tensor) -> None:
+            keys = self.keys(table, ids)
+            write_store(ids, rows)
+            self._adopt(table, keys)
+
+        with self.stores[table].filling(self.tables[table].num_embeddings) as write_store:
+            yield write
 
     def _check_untrained(self, table: int) -> None:
         """ValueError once the cache holds rows (they would shadow the store's); waits for the rows

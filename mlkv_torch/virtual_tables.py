@@ -262,6 +262,12 @@ class KernelIds:
                 self.peak_live[table] = max(self.peak_live[table], self.activity.live(table))
         return holds if self.filters and not bool(holds.all()) else None
 
+    def read(self, unique: torch.Tensor) -> Optional[torch.Tensor]:
+        """An evaluation's batch: which of its distinct keys hold rows (None: every one), nothing
+        counted, admitted or evicted."""
+        holds = self.activity.holds(unique)
+        return None if bool(holds.all()) else holds
+
     def mark(self) -> None:
         """A cut's boundary: changes are counted from here."""
         self._touched, self._gone = [], []

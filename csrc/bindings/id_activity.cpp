@@ -34,6 +34,7 @@ void BindIdActivity(py::module_& m) {
   py::class_<IdActivity>(m, "IdActivity")
       .def(py::init(&MakeActivity), py::arg("tables"))
       .def("observe", &IdActivity::Observe, py::arg("keys"), py::arg("now"), nogil)
+      .def("holds", &IdActivity::Holds, py::arg("keys"), nogil)
       .def("pick", &IdActivity::Pick, py::arg("table"), py::arg("now"), nogil)
       .def("forget", &IdActivity::Forget, py::arg("keys"), nogil)
       .def("due", &IdActivity::Due, py::arg("table"))

@@ -229,9 +229,9 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             return self._shapes_on_meta(features)
         self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
         if not self._pooled:
-            per_feature = self._routing.look_up(self._batches, features)
+            per_feature = self._routing.look_up(self._batches, features, self.training)
             return torch.cat(per_feature) if per_feature else torch.empty(0, device=self._device)
-        pooled = self._routing.pool(self._batches, features, self._config.is_weighted)
+        pooled = self._routing.pool(self._batches, features, self._config.is_weighted, self.training)
         if vbe_output is None:
             return pooled
         bags, dims = features.stride_per_key_per_rank(), self._config.embedding_dims()

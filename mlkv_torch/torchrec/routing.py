@@ -84,9 +84,11 @@ class KernelRouting:
     def _kernel_input(self, features: KeyedJaggedTensor, kernel: int) -> KeyedJaggedTensor:
         return select_features(features, self.positions[kernel])
 
-    def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool) -> torch.Tensor:
+    def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool,
+             training: bool = True) -> torch.Tensor:
         """[batch, sum of feature dims] float32, features in order; with TorchRec's variable batch
-        per feature, the 1-D layout of fbgemm's kernel (`variable_batch_layout`)."""
+        per feature, the 1-D layout of fbgemm's kernel (`variable_batch_layout`). `training` as
+        `DiskTableBatch.pool`'s (the module's mode)."""
         pooled = []  # each kernel's bags, feature after feature
         for k, batch in enumerate(batches):
             kjt = self._kernel_input(features, k)
@@ -94,7 +96,7 @@ class KernelRouting:
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=offsets[1:])
             pooled.append(batch.pool(kjt.values(), kjt.length_per_key(), self.tables[k], offsets,
-                                     kjt.weights() if weighted else None).float())
+                                     kjt.weights() if weighted else None, training=training).float())
         if features.variable_stride_per_key():
             bags = features.stride_per_key()
             per_feature: List[torch.Tensor] = [torch.empty(0)] * len(bags)
@@ -113,7 +115,8 @@ class KernelRouting:
                        for chunk in out.split(out.shape[1] // len(positions), dim=1)]
         return torch.cat([per_feature[i] for i in self.output_permutation], dim=1)
 
-    def look_up(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> List[torch.Tensor]:
+    def look_up(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, training: bool = True
+                ) -> List[torch.Tensor]:
         """Each feature's embeddings, one per id: [ids of the feature, dim] float32, features in
         order (EmbeddingCollection's lookup). Each id is a bag of one, so a kernel's one call looks
         up every id of its features, and backward sums each row's gradients as a pooled lookup."""
@@ -122,7 +125,7 @@ class KernelRouting:
             kjt = self._kernel_input(features, k)
             ids = kjt.values()
             one_per_bag = torch.arange(ids.numel() + 1, device=ids.device)
-            out = batch.pool(ids, kjt.length_per_key(), self.tables[k], one_per_bag).float()
+            out = batch.pool(ids, kjt.length_per_key(), self.tables[k], one_per_bag, training=training).float()
             for i, chunk in zip(self.positions[k], out.split(kjt.length_per_key())):
                 per_feature[i] = chunk
         return per_feature

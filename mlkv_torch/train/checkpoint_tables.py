@@ -200,16 +200,18 @@ def row_layout_of(entry: Dict[str, Any], columns: int) -> RowLayout:
 def _disk_rows(shards: List[StoredShard], layout: RowLayout, chunk_rows: int) -> Iterator[TableRows]:
     """The rows a disk table's stores hold: each row block's, its columns joined across the column
     shards (rows are written in every column shard together: the first's keys are read from the
-    others)."""
+    others); the base runs' rows first, block after block, in increasing id order (a table filled
+    from them loads them straight into its base, `KVStore.filling`), then the logs'."""
     by_columns: Dict[int, List[StoredShard]] = {}
     for shard in shards:
         by_columns.setdefault(shard.first_column, []).append(shard)
     first, *others = sorted(by_columns)
-    for block in by_columns[first]:
+    for part, block in [(part, block) for part in ("base", "log")
+                        for block in sorted(by_columns[first], key=lambda s: s.first_row)]:
         partners = [next(s for s in by_columns[c] if s.first_row == block.first_row) for c in others]
         stores = [open_shard(s, _layout_of(layout, s.columns)) for s in partners]
         try:
-            for ids, weights, state in read_shard(block, _layout_of(layout, block.columns), chunk_rows):
+            for ids, weights, state in read_shard(block, _layout_of(layout, block.columns), chunk_rows, part):
                 weight_parts, state_parts = [weights], [state]
                 for partner, store in zip(partners, stores):
                     part = _layout_of(layout, partner.columns)

@@ -79,6 +79,10 @@ def _run(config: ExperimentConfig, resume: bool, progress: bool, overwrite: bool
     start_step = 0
     if resume or imported:
         start_step = experiment.load()
+        if config.train.steps < start_step:  # the tables stay as filled: a run with more steps goes on from them
+            raise ConfigError(f"train.steps={config.train.steps} is below step {start_step}, where the "
+                              f"{'export' if imported else 'checkpoint'} is: set train.steps to {start_step} or more "
+                              f"({start_step} only evaluates)")
     pipeline = LookaheadPipeline(experiment.model, experiment.optimizer, depth=config.pipeline.depth,
                                  device=experiment.device if experiment.device.type != "cpu" else None)
     data = experiment.loader(start_step, config.train.steps - start_step)

@@ -140,12 +140,14 @@ def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_colu
         fill_shard(bag, first_row, first_column, shards, layout, _CHUNK_ROWS)
         return
     stop_row = first_row + bag.num_embeddings
-    for ids, weights, state in read_ahead(source.rows(table, _CHUNK_ROWS), depth=2, name="mlkv-reshard"):
-        inside = (ids >= first_row) & (ids < stop_row)
-        if bool(inside.any()):
-            bag.load_rows(ids[inside] - first_row, weights[inside][:, first_column:first_column + bag.embedding_dim],
-                            converted_state(_state_kind(entry), entry["optimizer"], state[inside], first_column,
-                                            bag.embedding_dim, entry["dim"]))
+    # The rows in increasing id order (a checkpoint's base runs', an export's first) go in once.
+    with bag.filling() as write:
+        for ids, weights, state in read_ahead(source.rows(table, _CHUNK_ROWS), depth=2, name="mlkv-reshard"):
+            inside = (ids >= first_row) & (ids < stop_row)
+            if bool(inside.any()):
+                write(ids[inside] - first_row, weights[inside][:, first_column:first_column + bag.embedding_dim],
+                      converted_state(_state_kind(entry), entry["optimizer"], state[inside], first_column,
+                                      bag.embedding_dim, entry["dim"]))
     bag.steps = source.step
 
 

@@ -6,11 +6,11 @@ the shard's table record and its ids' activity, so the fill reads it as any stor
 checkpoint's own files are only read."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -174,10 +174,12 @@ def _readers(checkpoint: WrittenCheckpoint, seen: Sequence[Dict[int, List[str]]]
 
 
 def _scanned(shard: StoredShard, layout: RowLayout) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """The shard's rows as stored: (global ids, rows of the store's words)."""
+    """The shard's rows as stored: (global ids, rows of the store's words), its base run's first,
+    in id order (the taker loads them straight into its store's base), then its log's."""
     with open_shard(shard, layout) as store:
-        for keys, rows in store.scan(_CHUNK_ROWS):
-            yield keys + shard.first_row, rows
+        for part in ("base", "log"):
+            for keys, rows in store.scan(_CHUNK_ROWS, part):
+                yield keys + shard.first_row, rows
 
 
 def _send_shard(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tuple[int, int]]]) -> None:
@@ -214,23 +216,15 @@ def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory
     path = os.path.join(directory, os.path.basename(shard.path))
     shutil.rmtree(path, ignore_errors=True)
     words, received = layout.weight_words + layout.state_dim, 0
-    with KVStore(path, words, torch.float32, _STORE_BUDGET, cut_checkpoints=True, key_limit=shard.rows) as store, \
-            ThreadPoolExecutor(1, thread_name_prefix="mlkv-put-received") as writer:
-        count, writing = torch.empty(1, dtype=torch.int64), None
-        while True:
-            dist.recv(count, src=reader)
-            if int(count) < 0:
-                break
-            keys, rows = torch.empty(int(count), dtype=torch.int64), torch.empty(int(count), words)
-            dist.recv(keys, src=reader)
-            dist.recv(rows, src=reader)
-            if writing is not None:
-                writing.result()
-            # Written while the next chunk comes.
-            writing = writer.submit(_write_rows, store, keys, rows, shard.first_row, layout, targets)
-            received += int(count)
-        if writing is not None:
-            writing.result()
+    with KVStore(path, words, torch.float32, _STORE_BUDGET, cut_checkpoints=True, key_limit=shard.rows) as store:
+        with contextlib.ExitStack() as fills:
+            # Each written as `fill_shard` writes: rows in id order loaded into an empty store.
+            writers = [(first_row, bag, fills.enter_context(bag.filling())) for first_row, bag in targets] \
+                if targets else [(shard.first_row, None, fills.enter_context(store.filling(shard.rows)))]
+            # Written while the next chunk comes; received in a thread, which lets go of the GIL as it waits.
+            for keys, rows in read_ahead(_received_rows(reader, words), depth=2, name="mlkv-receive-shard"):
+                _write_rows(keys + shard.first_row, rows, layout, writers)
+                received += keys.numel()
         sequence = store.checkpoint()
         store.commit_checkpoint(sequence)
     for name, data in files.items():
@@ -239,19 +233,32 @@ def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory
     return dataclasses.replace(shard, path=path, checkpoint=sequence), received
 
 
-def _write_rows(store: KVStore, keys: torch.Tensor, rows: torch.Tensor, first_row: int, layout: RowLayout,
-                targets: Sequence[Tuple[int, Any]]) -> None:
-    """Received rows (keys local to a shard from `first_row`), into `store` or the `targets`."""
-    if not targets:
-        store.put(keys, rows)
-        return
-    ids = keys + first_row
-    for target_first_row, bag in targets:
-        inside = (ids >= target_first_row) & (ids < target_first_row + bag.num_embeddings)
+def _received_rows(reader: int, words: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """The (keys, rows) chunks `reader` sends (`_send_shard`), to its count of -1."""
+    count = torch.empty(1, dtype=torch.int64)
+    while True:
+        dist.recv(count, src=reader)
+        if int(count) < 0:
+            return
+        keys, rows = torch.empty(int(count), dtype=torch.int64), torch.empty(int(count), words)
+        dist.recv(keys, src=reader)
+        dist.recv(rows, src=reader)
+        yield keys, rows
+
+
+def _write_rows(ids: torch.Tensor, rows: torch.Tensor, layout: RowLayout,
+                writers: Sequence[Tuple[int, Any, Callable[..., None]]]) -> None:
+    """Received rows of global `ids` into the writers: (first row, DiskEmbeddingBag, its
+    `filling` writer) each, or one (the shard's first row, None, its received store's)."""
+    for first_row, bag, write in writers:
+        if bag is None:
+            write(ids - first_row, rows)
+            continue
+        inside = (ids >= first_row) & (ids < first_row + bag.num_embeddings)
         if bool(inside.any()):
             mine = rows[inside]
-            bag.load_rows(ids[inside] - target_first_row, layout.weights_of(mine[:, :layout.weight_words]),
-                          mine[:, layout.weight_words:] if layout.state_dim else None)
+            write(ids[inside] - first_row, layout.weights_of(mine[:, :layout.weight_words]),
+                  mine[:, layout.weight_words:] if layout.state_dim else None)
 
 
 def _received_objects(source: int) -> List[Any]:

@@ -408,3 +408,25 @@ def test_a_disk_that_fills_while_rows_are_created_names_its_file_and_keeps_the_l
     assert torch.equal(bag.export_rows(ids, include_state=True)[1], theirs.export_rows(ids, include_state=True)[1])
     batches = raw_batches(5, pool=120, seed=9)  # and it trains on as the reference does
     assert train(reopened, batches) == train(reference, batches)
+
+
+def test_an_evaluation_reads_the_rows_ids_hold_and_changes_no_id(tmp_path):
+    # In eval mode a virtual table counts, admits and evicts nothing (as TorchRec profiles ids only in
+    # training): ids holding rows read them, the others zeros, and the table goes on as if never read.
+    policy = CountBasedEvictionPolicy(training_id_eviction_trigger_count=20, eviction_threshold=2, decay_rate=1.0)
+    options = VirtualTableOptions(keep_fraction=0.5)
+    ebc = collection(tmp_path, config(policy=policy), virtual_tables=options)
+    reference = collection(tmp_path, config(policy=policy), sub="r", virtual_tables=options)
+    batches = raw_batches(6, pool=40)
+    train(ebc, batches[:3])
+    train(reference, batches[:3])
+    ids, rows = live_rows(ebc)
+    unseen = torch.randint(0, SPACE, (30,), generator=torch.Generator().manual_seed(9))
+    ebc.eval()
+    with torch.no_grad():
+        out = ebc(kjt(torch.cat([ids, unseen]))).values()
+    ebc.train()
+    assert torch.equal(out[:ids.numel()], rows) and not bool(out[ids.numel():].any())
+    assert torch.equal(live_rows(ebc)[0], ids)  # nothing admitted (30 fresh ids would pass the trigger)
+    assert train(ebc, batches[3:]) == train(reference, batches[3:])  # counts and ages as never read
+    assert torch.equal(live_rows(ebc)[0], live_rows(reference)[0])

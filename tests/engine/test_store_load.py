@@ -127,3 +127,22 @@ def test_a_crash_during_a_load_leaves_the_store_as_it_was_and_its_file_goes(tmp_
     assert not [f for f in os.listdir(fresh) if f.startswith("run-")]  # recovery removed it
     with KVStore(path, DIM, **BASE) as store:
         assert_store_equals(store, model)
+
+
+def test_filling_loads_while_the_keys_increase_then_puts(tmp_path):
+    keys = torch.arange(30_000)
+    # Increasing, then a chunk increasing within itself but below the last key, then one decreasing.
+    chunks = [keys[:10_000], keys[20_000:], keys[10_000:20_000], keys[:100].flip(0)]
+    with KVStore(str(tmp_path / "store"), DIM, **BASE) as store:
+        with store.filling(expected_rows=30_000) as write:
+            for tag, chunk in enumerate(chunks):
+                write(chunk, rows_for(chunk, tag))
+        model = {}
+        for tag, chunk in enumerate(chunks):
+            model.update(zip(chunk.tolist(), rows_for(chunk, tag)))
+        # The first two chunks increase: loaded, each row written once; the rest put, newer than them.
+        assert store.stats()["appends"] == 10_100
+        assert_store_equals(store, model)
+        with store.filling() as write:  # a store with rows: every chunk put
+            write(torch.tensor([40_000]), rows_for(torch.tensor([40_000]), 9))
+        assert store.stats()["appends"] == 10_101

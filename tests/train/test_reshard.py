@@ -180,9 +180,11 @@ def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_
     # Two nodes, each with its tables on its own disk: 2 ranks (one a node) train, then 4 (two a
     # node) resume, then 2 again. Tables the new plan puts on a rank of the other node come over the
     # process group; the job goes on as the uninterrupted one did.
+    # Every row populated: most of the large tables' rows lie in base runs, sent in id order and
+    # loaded straight into the receiving tables' bases.
     out, tables = tmp_path / "run", tmp_path / "tables"
     shape = ["data.synthetic.scale=40", "storage.sharding_types=[table_wise,row_wise]"]  # some tables on disk
-    _on_two_nodes(out, tables, 12, 1, "train.checkpoint_every=8", *shape)
+    _on_two_nodes(out, tables, 12, 1, "train.checkpoint_every=8", "storage.populate=true", *shape)
     uninterrupted = _losses(out)
     # One process on node 0 does not see node 1's tables, and says so.
     alone = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={out}",

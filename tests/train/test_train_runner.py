@@ -156,6 +156,11 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
     made = run(cfg, resume=True, progress=False)
     assert made["steps"] == 6 and made["auc"] == pytest.approx(finished["auc"], abs=1e-6)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["auc"] == made["auc"]
+    fewer = load_config(QUICKSTART, [f"output_dir={tmp_path / 'r'}", *SMALL, "train.steps=3",
+                                     "train.checkpoint_every=3", "eval.every=1000"])
+    with pytest.raises(ConfigError, match=r"^train.steps=3 is below step 6, where the checkpoint is: set train.steps "
+                                          r"to 6 or more \(6 only evaluates\)$"):
+        run(fewer, resume=True, progress=False)
     # Neither resumed nor started over: refused in one line that names both ways on.
     with pytest.raises(ConfigError, match=r"^output_dir '.*' holds an earlier run's tables: continue it with --resume, "
                                           r"or start over with --overwrite$"):
@@ -601,6 +606,9 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     activity = _activity(whole)
     assert len(activity) == 26 and all(bool(a[0].numel()) for a in activity.values())
     assert any(not bool((a[1] == a[1][0]).all()) for a in activity.values())  # not counted alike (as afresh)
+    from mlkv_torch.export import export_checkpoint
+
+    export_checkpoint(str(whole), str(tmp_path / "export"))
     done = _torchrun(whole, 12, *VIRTUAL, "--resume", ranks=0)
     assert "its tables were resharded for one process" in done.stderr
     resharded = _activity(whole)
@@ -610,3 +618,11 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     # The ids the tables evicted so far go with them: the one process counts on from the two ranks' sum.
     assert sum(int(a.evicted) for a in activity.values()) == summaries[0]["evicted_ids"] > 0
     assert json.loads((whole / "summary.json").read_text())["evicted_ids"] == summaries[0]["evicted_ids"]
+    # The export keeps the history too: imported into one process (no step trained, its evaluation
+    # changes no id), the tables hold it as the checkpoint did.
+    imported = tmp_path / "imported"
+    _torchrun(imported, 12, *VIRTUAL, "--import", str(tmp_path / "export"), ranks=0)
+    from_export = _activity(imported)
+    assert from_export.keys() == activity.keys()
+    for table, columns in activity.items():
+        assert all(torch.equal(a, b) for a, b in zip(from_export[table], columns)), table
