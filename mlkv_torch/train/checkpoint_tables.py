@@ -214,10 +214,10 @@ def _disk_rows(shards: List[StoredShard], layout: RowLayout, chunk_rows: int) ->
             for ids, weights, state in read_shard(block, _layout_of(layout, block.columns), chunk_rows, part):
                 weight_parts, state_parts = [weights], [state]
                 for partner, store in zip(partners, stores):
-                    part = _layout_of(layout, partner.columns)
+                    columns = _layout_of(layout, partner.columns)
                     words = store.get(ids - partner.first_row)
-                    weight_parts.append(part.weights_of(words[:, :part.weight_words]))
-                    state_parts.append(words[:, part.weight_words:])
+                    weight_parts.append(columns.weights_of(words[:, :columns.weight_words]))
+                    state_parts.append(words[:, columns.weight_words:])
                 yield ids, torch.cat(weight_parts, dim=1).float(), torch.cat(state_parts, dim=1)
         finally:
             for store in stores:
