@@ -325,7 +325,7 @@ class KernelIds:
     def prune(self, directory: str, step: int) -> None:
         """Removes the states of boundaries other than `step`, once its cut is committed."""
         for name in os.listdir(directory):
-            if name.startswith("ID_ACTIVITY.") and name != os.path.basename(activity_file(directory, step)):
+            if name.startswith(_ACTIVITY_PREFIX) and name != os.path.basename(activity_file(directory, step)):
                 os.remove(os.path.join(directory, name))
 
     def load(self, directory: str, step: int) -> None:
@@ -335,9 +335,12 @@ class KernelIds:
         self.evicted, self.rounds = list(state["evicted"]), list(state["rounds"])
 
 
+_ACTIVITY_PREFIX = "ID_ACTIVITY."
+
+
 def activity_file(directory: str, step: int) -> str:
     """Where a kernel saves its ids' activity at `step` (in its first table's directory)."""
-    return os.path.join(directory, f"ID_ACTIVITY.{step}.pt")
+    return os.path.join(directory, f"{_ACTIVITY_PREFIX}{step}.pt")
 
 
 def saved_activity(kernels: Iterable[Tuple[str, int]]) -> Dict[str, IdsActivity]:

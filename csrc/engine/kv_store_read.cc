@@ -349,9 +349,9 @@ Status KVStore::ScanRows(uint64_t* cursor, size_t max_rows, std::vector<int64_t>
     }
     return Status::OK();
   };
+  if (*cursor >= kScanBase) return ScanBaseRows(cursor, max_rows, first_row, keys, values);
   const uint64_t buffer_pages = std::max<uint64_t>(1, kReadBytes / page_bytes_);
   AlignedBuffer buffer(buffer_pages * page_bytes_);
-  if (*cursor >= kScanBase) return ScanBaseRows(cursor, max_rows, first_row, keys, values);
   while (keys->size() - first_row < max_rows) {
     if (*cursor >= kScanBase) return Status::OK();  // a step ends with the log: a scan may stop there
     uint64_t page, pages, segment;
