@@ -38,6 +38,7 @@ class SparseOptimizer:
     """Base of the row-wise optimizers: the state layout and the update rule."""
 
     kind: int = -1  # the rule's number in csrc/row_ops.h (OptimizerKind)
+    name: str = ""  # as configs, checkpoints and exports name the rule
     lr: float
 
     def rule_constants(self) -> Tuple[float, float, float]:
@@ -79,6 +80,7 @@ class SGD(SparseOptimizer):
     """Plain SGD: w -= lr * g."""
 
     kind = 0
+    name = "sgd"
     lr: float = 0.01
 
     def __post_init__(self) -> None:
@@ -93,6 +95,7 @@ class Adagrad(SparseOptimizer):
     """Adagrad with an accumulator per element, as torch.optim.Adagrad."""
 
     kind = 1
+    name = "adagrad"
     lr: float = 0.01
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
@@ -118,6 +121,7 @@ class RowWiseAdagrad(SparseOptimizer):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, of the mean squared gradient."""
 
     kind = 2
+    name = "rowwise_adagrad"
     lr: float = 0.01
     eps: float = 1e-8
 
@@ -137,6 +141,7 @@ class Adam(SparseOptimizer):
     """Adam on the touched rows only, as torch.optim.SparseAdam."""
 
     kind = 3
+    name = "adam"
     lr: float = 0.001
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8

@@ -27,8 +27,7 @@ from . import checkpoints, reshard
 from .checkpoint_tables import WrittenCheckpoint, read_pointer, written_checkpoint
 from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 
-_OPTIMIZERS = {"sgd": optim_lib.SGD, "adagrad": optim_lib.Adagrad, "rowwise_adagrad": optim_lib.RowWiseAdagrad,
-               "adam": optim_lib.Adam}
+_OPTIMIZERS = {rule.name: rule for rule in (optim_lib.SGD, optim_lib.Adagrad, optim_lib.RowWiseAdagrad, optim_lib.Adam)}
 _BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbeddingBag backend
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers

@@ -22,7 +22,8 @@ from ..stored_shards import StoredShard, TableRows, fill_shard, same_columns
 from ..virtual_tables import IdsActivity
 from .checkpoint_tables import state_entry, weight_key
 
-__all__ = ["GENERATION", "generation", "shard_layout", "plan_differs", "check_tables", "load_resharded", "TableSource"]
+__all__ = ["GENERATION", "generation", "shard_layout", "plan_differs", "check_tables", "load_resharded", "TableSource",
+           "fill_disk_shard", "carry_activity", "fill_memory_table"]
 
 # A directory of tables filled by a reshard, under the run's tables path.
 GENERATION = re.compile(r"(one-process|world[0-9]+)-step[0-9]+(-replanned)?")
@@ -117,8 +118,8 @@ def load_resharded(experiment: Any, source: TableSource) -> int:
     check_tables(source.tables, experiment.table_manifest(), source.description)
     this_run = experiment.table_manifest()
     for table, first_row, first_column, bag in experiment.collection.local_disk_shards():
-        _fill_disk_shard(source, table, first_row, first_column, bag)
-        _carry_activity(source, table, first_row, bag)
+        fill_disk_shard(source, table, first_row, first_column, bag)
+        carry_activity(source, table, first_row, bag)
     if experiment.distributed:
         _load_sharded_state(experiment, source, this_run)
     else:
@@ -126,17 +127,19 @@ def load_resharded(experiment: Any, source: TableSource) -> int:
     return source.step
 
 
-def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_column: int, bag: Any) -> None:
-    """A disk shard of this run: rows, state and step from a checkpoint's stores directly where its
-    columns are split as here (no row is converted), else from the table's rows read whole."""
+def fill_disk_shard(source: TableSource, table: str, first_row: int, first_column: int, bag: Any) -> None:
+    """A disk shard of this run (`bag`, empty): rows, state and step from a checkpoint's stores
+    directly where its columns are split as here and its rule is the same (no row is converted),
+    else from the table's rows read whole, their state converted to the bag's rule."""
     layout = RowLayout(bag.embedding_dim, bag.dtype, bag.optimizer)
     initial = source.initial_rows(table)
     if initial is not None and initial["seed"] != bag.seed:
         raise ConfigError(f"table {table!r}: the rows it never wrote start from seed {initial['seed']} there, from "
-                          f"{bag.seed} in this run: use the train.seed it was written with")
+                          f"{bag.seed} here: use the seed it was written with (the runner's train.seed)")
     entry = source.tables[table]
     shards = source.stored_disk_shards(table)
-    if shards is not None and same_columns(shards, first_row, bag.num_embeddings, first_column, bag.embedding_dim):
+    if shards is not None and entry["optimizer"] == bag.optimizer.name and \
+            same_columns(shards, first_row, bag.num_embeddings, first_column, bag.embedding_dim):
         fill_shard(bag, first_row, first_column, shards, layout, _CHUNK_ROWS)
         return
     stop_row = first_row + bag.num_embeddings
@@ -146,12 +149,12 @@ def _fill_disk_shard(source: TableSource, table: str, first_row: int, first_colu
             inside = (ids >= first_row) & (ids < stop_row)
             if bool(inside.any()):
                 write(ids[inside] - first_row, weights[inside][:, first_column:first_column + bag.embedding_dim],
-                      converted_state(_state_kind(entry), entry["optimizer"], state[inside], first_column,
+                      converted_state(_state_kind(entry), bag.optimizer.name, state[inside], first_column,
                                       bag.embedding_dim, entry["dim"]))
     bag.steps = source.step
 
 
-def _carry_activity(source: TableSource, table: str, first_row: int, bag: Any) -> None:
+def carry_activity(source: TableSource, table: str, first_row: int, bag: Any) -> None:
     """A virtual table's ids keep their lookups counted and ages where the source saved them (else
     each id a shard was filled with counts as looked up now, as `load_rows` adopts it), and the
     table its count of ids evicted."""
@@ -205,7 +208,7 @@ def _load_sharded_state(experiment: Any, source: TableSource, this_run: Dict[str
         optimizer = experiment._optimizer_state_without_disk_tables()
         for table, entry in this_run.items():
             if entry["placement"] == "memory":
-                _fill_memory_table(source, table, entry, model, optimizer["state"])
+                fill_memory_table(source, table, entry, model, optimizer["state"])
         dense, dense_optimizer = source.dense_state()
         tables = tuple(weight_key(t) for t in this_run)
         for key, value in model.items():
@@ -238,8 +241,8 @@ def _named(values: Dict[str, Any], key: str, what: str) -> Any:
     return values[key]
 
 
-def _fill_memory_table(source: TableSource, table: str, entry: Dict[str, Any], model: Dict[str, Any],
-                       optimizer: Dict[str, Any]) -> None:
+def fill_memory_table(source: TableSource, table: str, entry: Dict[str, Any], model: Dict[str, Any],
+                      optimizer: Dict[str, Any]) -> None:
     """This rank's blocks of a table TorchRec keeps in memory (sharded or replicated), and their
     optimizer state (TorchRec's momentums, or the dense optimizer's sum), from the checkpoint's
     rows; rows a disk table never wrote start as its initial rows there did."""
