@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -57,6 +57,12 @@ class SparseOptimizer:
     def initial_state(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The state of rows never updated: [rows, state_dim(dim)]."""
         return torch.zeros(rows, self.state_dim(dim), dtype=dtype)
+
+    def joined_state(self, parts: Sequence[torch.Tensor], columns: Sequence[int]) -> torch.Tensor:
+        """The state of whole rows from that of their column blocks (`parts[i]`: [n, state_dim(
+        columns[i])], blocks in column order), as the rule keeps it for a row of sum(columns)
+        elements: element-wise state side by side."""
+        return torch.cat(list(parts), dim=1)
 
     def update(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Applies one step to the touched rows, in place.
@@ -135,6 +141,11 @@ class RowWiseAdagrad(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
+    def joined_state(self, parts: Sequence[torch.Tensor], columns: Sequence[int]) -> torch.Tensor:
+        """The blocks' means of squared gradients, weighted by their columns: the whole row's mean."""
+        total = sum(part * width for part, width in zip(parts, columns))
+        return total / sum(columns) if len(parts) > 1 else parts[0]
+
 
 @dataclass(frozen=True)
 class Adam(SparseOptimizer):
@@ -157,3 +168,8 @@ class Adam(SparseOptimizer):
 
     def state_dim(self, dim: int) -> int:
         return 2 * dim  # first moment, then second moment
+
+    def joined_state(self, parts: Sequence[torch.Tensor], columns: Sequence[int]) -> torch.Tensor:
+        """Every block's first moments, then every block's second moments."""
+        return torch.cat([part[:, :width] for part, width in zip(parts, columns)] +
+                         [part[:, width:] for part, width in zip(parts, columns)], dim=1)

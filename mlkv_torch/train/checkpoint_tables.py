@@ -131,7 +131,7 @@ class WrittenCheckpoint:
         elif entry["sharding"] == "data_parallel":
             yield from self._replicated_rows(table, chunk_rows)
         else:
-            yield from self._sharded_rows(table)
+            yield from self._sharded_rows(table, chunk_rows)
 
     def dense_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
         """The dense model ({name: tensor}) and its optimizer's state ({name: {"sum", "step"}}), by
@@ -160,22 +160,35 @@ class WrittenCheckpoint:
             yield torch.arange(start, stop), weight[start:stop].clone(), accumulator[start:stop].reshape(
                 stop - start, -1).clone()
 
-    def _sharded_rows(self, table: str) -> Iterator[TableRows]:
-        """A table TorchRec sharded in memory: each rank's row blocks of every column, and their
-        fused optimizer's state (its momentums, [rows] or [rows, dim] each)."""
+    def _sharded_rows(self, table: str, chunk_rows: int) -> Iterator[TableRows]:
+        """A table TorchRec sharded in memory: its row blocks, each with its columns joined across
+        the ranks' column blocks, and their fused optimizer's state (its momentums, [rows] or
+        [rows, columns] a block) joined as the rule keeps a whole row's."""
+        entry = self.tables[table]
+        # first row -> (first column, weights, momentums [rows, k] each): views of the mmapped files.
+        blocks: Dict[int, List[Tuple[int, torch.Tensor, List[torch.Tensor]]]] = {}
         for rank in range(self.processes):
             state = self._rank_state(rank)
             weight = state_entry(state["model"], weight_key(table), table)
             optimizer_state = state_entry(state["optim"]["state"], weight_key(table), table, default={})
             moments = [optimizer_state[k]["local_shards"] for k in sorted(optimizer_state)
                        if k.startswith(f"{table}.momentum")]
-            for i, (offsets, rows) in enumerate(weight["local_shards"]):
-                if offsets[1] != 0 or rows.shape[1] != self.tables[table]["dim"]:
-                    raise ConfigError(f"table {table!r} is sharded column-wise in memory: reading such a table "
-                                      f"out of a checkpoint is not supported yet")
-                state_columns = [m[i][1].reshape(rows.shape[0], -1) for m in moments]
-                yield (torch.arange(offsets[0], offsets[0] + rows.shape[0]), rows.clone(),
-                       torch.cat(state_columns, dim=1) if state_columns else torch.zeros(rows.shape[0], 0))
+            for i, (offsets, rows) in enumerate(weight["local_shards"]):  # a block's momentums: the i-th shards
+                blocks.setdefault(offsets[0], []).append((offsets[1], rows,
+                                                          [m[i][1].reshape(rows.shape[0], -1) for m in moments]))
+        rule = row_layout_of(entry, entry["dim"]).optimizer
+        for first_row in sorted(blocks):
+            parts = sorted(blocks[first_row], key=lambda part: part[0])
+            widths = [r.shape[1] for _, r, _ in parts]
+            if [c for c, _, _ in parts] != [sum(widths[:i]) for i in range(len(parts))] or sum(widths) != entry["dim"]:
+                raise ConfigError(f"table {table!r}: the checkpoint's blocks of rows from {first_row} do not hold "
+                                  f"its {entry['dim']} columns once each (columns from {[c for c, _, _ in parts]})")
+            for start in range(0, parts[0][1].shape[0], chunk_rows):
+                stop = min(start + chunk_rows, parts[0][1].shape[0])
+                yield (torch.arange(first_row + start, first_row + stop),
+                       torch.cat([r[start:stop] for _, r, _ in parts], dim=1).clone(),
+                       rule.joined_state([torch.cat([m[start:stop] for m in held], dim=1) if held else
+                                          torch.zeros(stop - start, 0) for _, _, held in parts], widths).clone())
 
 
 def weight_key(table: str) -> str:
@@ -218,7 +231,8 @@ def _disk_rows(shards: List[StoredShard], layout: RowLayout, chunk_rows: int) ->
                     words = store.get(ids - partner.first_row)
                     weight_parts.append(columns.weights_of(words[:, :columns.weight_words]))
                     state_parts.append(words[:, columns.weight_words:])
-                yield ids, torch.cat(weight_parts, dim=1).float(), torch.cat(state_parts, dim=1)
+                yield ids, torch.cat(weight_parts, dim=1).float(), layout.optimizer.joined_state(
+                    state_parts, [block.columns] + [p.columns for p in partners])
         finally:
             for store in stores:
                 store.close()

@@ -264,19 +264,18 @@ def fill_memory_table(source: TableSource, table: str, entry: Dict[str, Any], mo
         for parts in moments:
             for _, tensor in parts:
                 tensor.zero_()
+    source_kind, target_kind = _state_kind(source.tables[table]), _state_kind(entry)
     for ids, weights, state in read_ahead(source.rows(table, _CHUNK_ROWS), depth=2, name="mlkv-reshard"):
-        for offsets, tensor in blocks:
-            _put_rows(tensor, offsets[0], ids, weights[:, offsets[1]:offsets[1] + tensor.shape[1]])
-        if not moments:
-            continue
-        columns = moments[0][0][1].shape[1] if moments[0][0][1].dim() == 2 else 1
-        converted = converted_state(_state_kind(source.tables[table]), _state_kind(entry), state,
-                                    moments[0][0][0][1], columns, entry["dim"])
-        if converted is None:
-            continue
-        for part, parts in zip(converted.split(converted.shape[1] // len(moments), dim=1), moments):
-            for offsets, tensor in parts:
-                _put_rows(tensor, offsets[0], ids, part.reshape(part.shape[0], *tensor.shape[1:]))
+        for i, ((first_row, first_column), tensor) in enumerate(blocks):
+            _put_rows(tensor, first_row, ids, weights[:, first_column:first_column + tensor.shape[1]])
+            converted = converted_state(source_kind, target_kind, state, first_column, tensor.shape[1], entry["dim"]) \
+                if moments else None
+            if converted is None:
+                continue
+            # The block's momentums are the i-th shards of each ([rows] or [rows, columns]), side by side here.
+            for part, parts in zip(converted.split(converted.shape[1] // len(moments), dim=1), moments):
+                moment = parts[i][1]
+                _put_rows(moment, first_row, ids, part.reshape(part.shape[0], *moment.shape[1:]))
 
 
 def _put_rows(tensor: torch.Tensor, first: int, ids: torch.Tensor, rows: torch.Tensor) -> None:

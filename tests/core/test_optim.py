@@ -145,3 +145,25 @@ def test_state_layout_and_validation():
         optim.Adagrad(initial_accumulator_value=-1)
     with pytest.raises(ValueError, match="step"):
         optim.Adam().update(torch.zeros(1, 2), torch.zeros(1, 4), torch.zeros(1, 2), step=0)
+
+
+@pytest.mark.parametrize("rule", [optim.SGD(lr=0.1), optim.Adagrad(lr=0.1), optim.RowWiseAdagrad(lr=0.1),
+                                  optim.Adam(lr=0.1)], ids=lambda r: r.name)
+def test_the_state_of_column_blocks_trained_apart_joins_into_the_whole_rows(rule):
+    # Column-wise shards train each block of a row with its own state; joined, it is the state the
+    # rule keeps for the whole row (row-wise Adagrad's mean over the row: within rounding).
+    widths, rows = [4, 12], 3
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(rows, sum(widths), generator=generator) for _ in range(3)]
+    whole = (torch.zeros(rows, sum(widths)), rule.initial_state(rows, sum(widths)))
+    blocks = [(torch.zeros(rows, w), rule.initial_state(rows, w)) for w in widths]
+    for step, grad in enumerate(grads, start=1):
+        rule.update(*whole, grad, step)
+        for (weights, state), block_grad in zip(blocks, grad.split(widths, dim=1)):
+            rule.update(weights, state, block_grad.contiguous(), step)
+    joined = rule.joined_state([state for _, state in blocks], widths)
+    assert joined.shape == whole[1].shape
+    if rule.name == "rowwise_adagrad":
+        torch.testing.assert_close(joined, whole[1], rtol=4 * 2**-24 * len(grads), atol=0)
+    else:
+        assert torch.equal(joined, whole[1])
