@@ -1,6 +1,6 @@
 """Exports a run's checkpoint as tables any tool reads, whatever world wrote it:
 
-    python -m mlkv_torch.export OUTPUT_DIR OUT [--tables DIR] [--chunk-rows N]
+    python -m mlkv_torch.export OUTPUT_DIR OUT [--tables DIR]... [--chunk-rows N]
 
 OUT gets one Parquet file per table (columns ``id`` int64, ``weight`` and, with optimizer state,
 ``state``: fixed-size lists of float32), ``dense.pt`` (the dense model and its optimizer's state
@@ -16,32 +16,43 @@ checkpoint is only read (its stores opened read-only), and OUT appears whole or 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from .config import ConfigError
 from .exported_tables import DENSE_FILE, FORMAT, MANIFEST, VERSION, file_sha256
 from .read_ahead import read_ahead
+from .stored_shards import stored_shards
 from .train.checkpoint_tables import WrittenCheckpoint, written_checkpoint
 from .virtual_tables import IdsActivity
 
 __all__ = ["export_checkpoint"]
 
 
-def export_checkpoint(output_dir: str, out: str, tables_dir: Optional[str] = None, chunk_rows: int = 1 << 16
-                      ) -> Dict[str, Any]:
+def export_checkpoint(output_dir: str, out: str, tables_dir: Union[str, Sequence[str], None] = None,
+                      chunk_rows: int = 1 << 16) -> Dict[str, Any]:
     """Writes the checkpoint in `output_dir` (its disk tables under `tables_dir`, default
-    ``output_dir/tables``) to `out` as Parquet files and a manifest; returns the manifest.
-    ConfigError names an output_dir without a checkpoint and an `out` that exists or cannot be
-    written."""
-    checkpoint = written_checkpoint(output_dir, tables_dir)
+    ``output_dir/tables``; several: each node's `storage.path`, a rank's tables read from the one
+    that holds them) to `out` as Parquet files and a manifest; returns the manifest. ConfigError
+    names an output_dir without a checkpoint, a rank whose tables none of them holds, and an `out`
+    that exists or cannot be written."""
+    paths = [tables_dir] if tables_dir is None or isinstance(tables_dir, str) else list(tables_dir)
+    checkpoint = written_checkpoint(output_dir, paths[0])
     if checkpoint is None:
         raise ConfigError(f"{output_dir!r} holds no checkpoint of a run (checkpoint.pt or checkpoint.latest): set "
                           f"train.checkpoint_every to take them")
     checkpoint.check_tables_recorded()
+    if len(paths) > 1:
+        tables = {name: (entry["rows"], entry["dim"]) for name, entry in checkpoint.tables.items()}
+        try:
+            shards = stored_shards([os.path.join(p, checkpoint.generation) for p in paths], checkpoint.cuts, tables)
+        except ValueError as e:
+            raise ConfigError(f"{checkpoint.description}: {e}") from e
+        checkpoint = dataclasses.replace(checkpoint, shards=shards)
     if os.path.exists(out):
         raise ConfigError(f"{out!r} exists: export into a path that does not")
     partial = out.rstrip("/") + ".partial"
@@ -139,8 +150,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                  "CONFIG --import OUT.")
     parser.add_argument("output_dir", help="the run's output_dir, which holds its checkpoint")
     parser.add_argument("out", help="the directory to write (it must not exist)")
-    parser.add_argument("--tables", default=None,
-                        help="where the run kept its disk tables (its storage.path); default OUTPUT_DIR/tables")
+    parser.add_argument("--tables", action="append", default=None,
+                        help="where the run kept its disk tables (its storage.path); default OUTPUT_DIR/tables. "
+                             "Give it once a node where each node kept its own (each node's storage.path, seen "
+                             "from here)")
     parser.add_argument("--chunk-rows", type=int, default=1 << 16, help="rows read and written at a time")
     args = parser.parse_args(argv)
     try:

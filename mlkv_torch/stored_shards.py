@@ -10,7 +10,7 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -43,22 +43,25 @@ class StoredShard:
     columns: int
 
 
-def stored_shards(tables_dir: str, cuts: Mapping[Optional[int], Optional[Dict[str, Any]]],
+def stored_shards(tables_dir: Union[str, Sequence[str]], cuts: Mapping[Optional[int], Optional[Dict[str, Any]]],
                   tables: Mapping[str, Tuple[int, int]], listed: Optional[Mapping[int, List[str]]] = None
                   ) -> Dict[str, List[StoredShard]]:
     """Every stored shard of the disk tables a checkpoint's cuts name, by table. `cuts` holds one
     process's cut under the key None (its tables at ``tables_dir/<table>``), or each rank's under
     its rank (``tables_dir/rank<r>/<table>_rows<r0>_cols<c0>``; None for a rank without disk
-    tables); `tables` gives each table's (rows, columns) in the model. ValueError names a table
-    the model does not have, a shard whose directory is missing, and a table whose stored shards
-    leave rows or columns uncovered (a rank's cut lost). `listed`: the names in a rank's directory
-    where another process listed them (a directory on another node's disk; its shards' paths are
-    the ones it has there)."""
+    tables); `tables` gives each table's (rows, columns) in the model. Several `tables_dir`s (each
+    node's own disk, seen from one machine): a rank's directory is in the first that holds it.
+    ValueError names a table the model does not have, a shard whose directory is missing, and a
+    table whose stored shards leave rows or columns uncovered (a rank's cut lost). `listed`: the
+    names in a rank's directory where another process listed them (a directory on another node's
+    disk; its shards' paths are the ones it has there)."""
+    tables_dirs = [tables_dir] if isinstance(tables_dir, str) else list(tables_dir)
     found: Dict[str, List[StoredShard]] = defaultdict(list)
     for rank, cut in cuts.items():
         if cut is None:
             continue
-        directory = tables_dir if rank is None else os.path.join(tables_dir, f"rank{rank}")
+        candidates = [d if rank is None else os.path.join(d, f"rank{rank}") for d in tables_dirs]
+        directory = next((d for d in candidates if os.path.isdir(d)), candidates[0])
         if listed is not None and rank in listed:
             names = listed[rank]
         elif rank is not None and not os.path.isdir(directory):

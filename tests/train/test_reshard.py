@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("torchrec")
 pq = pytest.importorskip("pyarrow.parquet")
 
+from mlkv_torch.config import ConfigError  # noqa: E402
 from mlkv_torch.export import export_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -202,13 +203,15 @@ def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_
     assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
     # Into memory (storage.kind memory): the rows go into TorchRec's tables from a store of the
     # rank's own (received, not copied as they are), every row and state as the disk tables held them.
-    merged = tmp_path / "merged"  # both nodes' tables where one process sees them, for the export
-    for node in range(2):
-        shutil.copytree(tables / f"node{node}", merged, dirs_exist_ok=True)
-    export_checkpoint(str(out), str(tmp_path / "on_disk"), str(merged))
+    nodes = [str(tables / f"node{node}") for node in range(2)]  # each node's disk, as one machine sees them
+    with pytest.raises(ConfigError, match="rank 1's tables of the checkpoint are not here"):
+        export_checkpoint(str(out), str(tmp_path / "half"), nodes[:1])
+    done = subprocess.run([sys.executable, "-m", "mlkv_torch.export", str(out), str(tmp_path / "on_disk"),
+                           "--tables", nodes[0], "--tables", nodes[1]], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
     errors = _on_two_nodes(out, tables, 12, 1, "--resume", "storage.kind=memory", *shape)
     assert "rows came over the process group" in errors[0], errors[0][-3000:]
-    export_checkpoint(str(out), str(tmp_path / "in_memory"), str(merged))
+    export_checkpoint(str(out), str(tmp_path / "in_memory"), nodes)
     same_tables(tmp_path / "on_disk", tmp_path / "in_memory")
 
 
