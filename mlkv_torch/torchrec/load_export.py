@@ -112,5 +112,7 @@ def _memory_entry(table: str, config: Any, model_state: Dict[str, Any], optimize
     elif len(moments) == 2:
         rule = "adam"
     else:
-        rule = "adagrad" if moments[0].dim() == 2 else "rowwise_adagrad"
+        # (The shape from the metadata: a ShardedTensor warns on any torch function.)
+        shape = moments[0].metadata().size if isinstance(moments[0], ShardedTensor) else moments[0].shape
+        rule = "adagrad" if len(shape) == 2 else "rowwise_adagrad"
     return {"dim": config.embedding_dim, "optimizer": rule, "sharding": "data_parallel" if replicated else "sharded"}

@@ -293,7 +293,11 @@ def _summary(experiment: Experiment, config: ExperimentConfig, training: _Traini
         if not evaluation:
             evaluation = experiment.evaluate(step)
     samples, steps = training.samples, max(1, step - start_step)
-    summary = {"steps": step, "samples": samples, "world_size": experiment.world_size, "device": config.device,
+    batches = experiment.batches_at(step)
+    # This run's figures from `start_step` (0, or the checkpoint it resumed: a TorchElastic restart's
+    # attempt too); `job` counts what trained the model over every run and world that led to it.
+    summary = {"steps": step, "start_step": start_step, "samples": samples, "world_size": experiment.world_size,
+               "job": {"batches": batches, "samples": batches * config.train.batch_size}, "device": config.device,
                "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9),
                "auc": evaluation.get("auc"), "logloss": evaluation.get("logloss"),
                "oracle_auc": evaluation.get("oracle_auc"),

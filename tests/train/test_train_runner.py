@@ -349,7 +349,7 @@ def test_raw_ids_under_torchrun_each_rank_holding_a_block_of_the_2_40_rows(tmp_p
 def test_a_rank_killed_under_torchrun_max_restarts_makes_the_job_go_on_from_its_last_checkpoint(
         tmp_path, whole_on_two_ranks):
     # Attempt 0: rank 1 dies at step 3, before the first checkpoint (4): the restarted job starts over.
-    # Attempt 1: rank 0 dies at step 10: the job resumes from the checkpoint at step 8. No --resume.
+    # Attempt 1: rank 0 dies at step 10: the job resumes from its last checkpoint. No --resume.
     out = tmp_path / "elastic"
     done = _torchrun(out, 12, *COMMS, worker=[str(REPO / "tests" / "workers" / "elastic_worker.py")],
                      launcher=["--max-restarts", "2"], env={"MLKV_TEST_KILLS": "0:1:3,1:0:10"})
@@ -359,6 +359,11 @@ def test_a_rank_killed_under_torchrun_max_restarts_makes_the_job_go_on_from_its_
     assert sorted(got) == list(range(1, 13)) and got == expected
     summary, whole = (json.loads((d / "summary.json").read_text()) for d in (out, whole_on_two_ranks))
     assert (summary["steps"], summary["auc"], summary["logloss"]) == (whole["steps"], whole["auc"], whole["logloss"])
+    # The summary's throughput is the last attempt's, from the checkpoint it resumed (8, or 4 where
+    # 8's commit was still under way at the kill); `job` counts the whole job's.
+    assert summary["start_step"] in (4, 8) and whole["start_step"] == 0
+    assert summary["job"] == whole["job"] == {"batches": 24, "samples": whole["samples"]}
+    assert summary["samples"] == whole["samples"] * (12 - summary["start_step"]) // 12
 
 
 def test_torchrun_converts_each_criteo_file_once(tmp_path):
