@@ -46,33 +46,41 @@ def load_export(model: nn.Module, path: str, optimizer: Optional[Any] = None) ->
             for table, first_row, first_column, bag in module.local_disk_shards():
                 fill_disk_shard(exported, table, first_row, first_column, bag)
                 carry_activity(exported, table, first_row, bag)
-    in_memory = sorted(set(tables) - disk)
-    if not in_memory:
+    # The collections that keep tables in memory, each with its state dict: not the whole model's,
+    # which would copy every row of a one-process disk collection.
+    collections = [m for m in model.modules() if set(_tables_of(m)) - disk]
+    if not collections:
         return exported.step
     if optimizer is None:
         optimizer = getattr(model, "fused_optimizer", None)
     with disk_tables_left_out(), torch.no_grad():
-        model_state = model.state_dict()
         optimizer_state = optimizer.state_dict() if optimizer is not None else {"state": {}}
-        for table in in_memory:
-            entry = _memory_entry(table, tables[table], model_state, optimizer_state["state"])
-            fill_memory_table(exported, table, entry, model_state, optimizer_state["state"])
-        model.load_state_dict(model_state)
+        for collection in collections:
+            collection_state = collection.state_dict()
+            for table in sorted(set(_tables_of(collection)) - disk):
+                entry = _memory_entry(table, tables[table], collection_state, optimizer_state["state"])
+                fill_memory_table(exported, table, entry, collection_state, optimizer_state["state"])
+            collection.load_state_dict(collection_state)
         if optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
     return exported.step
+
+
+def _tables_of(module: nn.Module) -> Dict[str, Any]:
+    """The configs by name of the tables `module` itself holds (a collection, sharded or not)."""
+    configs = getattr(module, "_table_name_to_config", None)  # TorchRec's sharded collections
+    if configs is None and callable(getattr(module, "embedding_bag_configs", None)):
+        configs = {c.name: c for c in module.embedding_bag_configs()}
+    if configs is None and callable(getattr(module, "embedding_configs", None)):
+        configs = {c.name: c for c in module.embedding_configs()}
+    return dict(configs or {})
 
 
 def _model_tables(model: nn.Module) -> Dict[str, Any]:
     """The model's embedding tables' configs by name, from its (sharded or not) collections."""
     tables: Dict[str, Any] = {}
     for module in model.modules():
-        configs = getattr(module, "_table_name_to_config", None)  # TorchRec's sharded collections
-        if configs is None and callable(getattr(module, "embedding_bag_configs", None)):
-            configs = {c.name: c for c in module.embedding_bag_configs()}
-        if configs is None and callable(getattr(module, "embedding_configs", None)):
-            configs = {c.name: c for c in module.embedding_configs()}
-        tables.update(configs or {})
+        tables.update(_tables_of(module))
     if not tables:
         raise ConfigError(f"{type(model).__name__} holds no embedding table (an EmbeddingBagCollection, a "
                           f"DiskEmbeddingBagCollection or their sharded modules) to load an export into")
@@ -90,7 +98,7 @@ def _check_against_export(tables: Dict[str, Any], exported: Dict[str, Dict[str, 
                 raise ConfigError(f"table {name!r}: {source}'s {key} is {exported[name][key]}, the model's {value}")
 
 
-def _memory_entry(table: str, config: Any, model_state: Dict[str, Any], optimizer_state: Dict[str, Any]
+def _memory_entry(table: str, config: Any, collection_state: Dict[str, Any], optimizer_state: Dict[str, Any]
                   ) -> Dict[str, Any]:
     """What `fill_memory_table` needs of a table TorchRec keeps in memory: its columns, whether it
     is replicated (a plain tensor in the state dict: the dense optimizer's), and its fused rule,
@@ -100,11 +108,11 @@ def _memory_entry(table: str, config: Any, model_state: Dict[str, Any], optimize
 
     from ..train.checkpoint_tables import state_entry, weight_key
 
-    found = [key for key in model_state if key.endswith(weight_key(table))]
+    found = [key for key in collection_state if key.endswith(weight_key(table))]
     if not found:
-        raise ConfigError(f"table {table!r} is in memory but its rows are not in the model's state dict under "
+        raise ConfigError(f"table {table!r} is in memory but its rows are not in its collection's state dict under "
                           f"{weight_key(table)} (an EmbeddingCollection's tables load into disk tables only)")
-    replicated = not isinstance(model_state[found[0]], ShardedTensor)
+    replicated = not isinstance(collection_state[found[0]], ShardedTensor)
     held = state_entry(optimizer_state, weight_key(table), table, default={})
     moments = [held[k] for k in sorted(held) if k.startswith(f"{table}.momentum")]
     if not moments:

@@ -127,9 +127,16 @@ def test_a_plain_collection_loads_the_rows_and_a_model_unlike_the_export_is_refu
     with pytest.raises(ConfigError, match="the rows it never wrote start from seed .* use the seed it was written"):
         load_export(other_seed, str(export))  # the run's seed was 0
     other_seed.close()
-    disk = DiskEmbeddingBagCollection(tables, path=tmp_path / "seed0", seed=0, optimizer=optim.Adagrad(lr=0.1))
-    assert load_export(disk, str(export)) == 8
+    # A model of both: its large tables on disk, the others in TorchRec's collection.
     largest = max(manifest, key=lambda t: manifest[t]["rows"])
+    disk = DiskEmbeddingBagCollection([t for t in tables if t.name == largest], path=tmp_path / "seed0", seed=0,
+                                      optimizer=optim.Adagrad(lr=0.1))
+    both = torch.nn.ModuleDict({"disk": disk, "memory": EmbeddingBagCollection([t for t in tables if t.name != largest],
+                                                                               device=torch.device("cpu"))})
+    assert load_export(both, str(export)) == 8
+    for table in manifest.keys() - {largest}:
+        assert torch.equal(both["memory"].embedding_bags[table].weight.detach(),
+                           _expected_weights(export, table, manifest[table])), table
     weights, state = disk.embedding_bags[largest].snapshot(include_state=True)
     assert torch.equal(weights, _expected_weights(export, largest, manifest[largest]))
     ids, _, exported_state = _exported(export, largest)  # row-wise Adagrad's accumulator stands for each element's
