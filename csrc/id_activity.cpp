@@ -18,11 +18,13 @@ IdActivity::IdActivity(std::vector<ActivityPolicy> tables) : tables_(std::move(t
 
 int64_t IdActivity::BytesPerId() {
   // The vectors' entries, and the index's buckets at three quarters full at most (IdMap).
-  return static_cast<int64_t>(sizeof(int64_t) + sizeof(float) + sizeof(int64_t) + sizeof(uint8_t) +
+  return static_cast<int64_t>(sizeof(int64_t) + sizeof(float) + sizeof(int64_t) + 2 * sizeof(uint8_t) +
                               IdMap::kBucketBytes * 4 / 3);
 }
 
 namespace {
+
+constexpr uint8_t kLookedUpSinceMark = 1, kHeldAtMark = 2;
 
 void CheckKeys(const torch::Tensor& keys) {
   TORCH_CHECK_VALUE(
@@ -63,6 +65,7 @@ torch::Tensor IdActivity::Observe(const torch::Tensor& keys, int64_t now) {
       counts_.push_back(0);
       last_.push_back(now);
       holds_row_.push_back(0);
+      since_mark_.push_back(0);
     }
     counts_[at] += 1;
     last_[at] = now;
@@ -70,6 +73,7 @@ torch::Tensor IdActivity::Observe(const torch::Tensor& keys, int64_t now) {
       holds_row_[at] = 1;
       ++live_[static_cast<size_t>(TableOf(key))];
     }
+    if (holds_row_[at]) since_mark_[at] |= kLookedUpSinceMark;
     return holds_row_[at] != 0;
   });
 }
@@ -131,6 +135,7 @@ void IdActivity::Erase(int64_t key) {
   const int32_t at = index_.Find(key);
   if (at < 0) return;
   if (holds_row_[at]) --live_[static_cast<size_t>(TableOf(key))];
+  if (since_mark_[at] & kHeldAtMark) gone_.push_back(key);
   // The last entry moves into the hole.
   const size_t last = keys_.size() - 1;
   if (static_cast<size_t>(at) != last) {
@@ -138,6 +143,7 @@ void IdActivity::Erase(int64_t key) {
     counts_[at] = counts_[last];
     last_[at] = last_[last];
     holds_row_[at] = holds_row_[last];
+    since_mark_[at] = since_mark_[last];
     *index_.FindMutable(keys_[at]) = at;
   }
   index_.Erase(key);
@@ -145,12 +151,35 @@ void IdActivity::Erase(int64_t key) {
   counts_.pop_back();
   last_.pop_back();
   holds_row_.pop_back();
+  since_mark_.pop_back();
 }
 
 void IdActivity::Forget(const torch::Tensor& keys) {
   CheckKeys(keys);
   const int64_t* key = keys.data_ptr<int64_t>();
   for (int64_t i = 0; i < keys.numel(); ++i) Erase(key[i]);
+}
+
+void IdActivity::Mark() {
+  for (size_t i = 0; i < keys_.size(); ++i) since_mark_[i] = holds_row_[i] ? kHeldAtMark : 0;
+  gone_.clear();
+  gone_.shrink_to_fit();
+}
+
+std::tuple<torch::Tensor, torch::Tensor> IdActivity::Changes() const {
+  std::vector<int64_t> looked_up;
+  for (size_t i = 0; i < keys_.size(); ++i) {
+    if (holds_row_[i] && (since_mark_[i] & kLookedUpSinceMark)) looked_up.push_back(keys_[i]);
+  }
+  std::vector<int64_t> gone;  // an id gone and back since holds a row: a row, not a tombstone
+  for (int64_t key : gone_) {
+    const int32_t at = index_.Find(key);
+    if (at < 0 || !holds_row_[static_cast<size_t>(at)]) gone.push_back(key);
+  }
+  std::sort(looked_up.begin(), looked_up.end());
+  std::sort(gone.begin(), gone.end());
+  gone.erase(std::unique(gone.begin(), gone.end()), gone.end());
+  return {torch::tensor(looked_up, torch::kInt64), torch::tensor(gone, torch::kInt64)};
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> IdActivity::State() const {
@@ -176,6 +205,8 @@ void IdActivity::Restore(const torch::Tensor& keys, const torch::Tensor& counts,
   counts_.clear();
   last_.clear();
   holds_row_.clear();
+  since_mark_.clear();
+  gone_.clear();
   std::fill(live_.begin(), live_.end(), 0);
   const torch::Tensor k = keys.contiguous().cpu(), c = counts.contiguous().cpu(), l = last.contiguous().cpu(),
                       h = holds_row.contiguous().cpu();
@@ -189,6 +220,7 @@ void IdActivity::Restore(const torch::Tensor& keys, const torch::Tensor& counts,
     last_.push_back(l.data_ptr<int64_t>()[i]);
     const bool holds = h.data_ptr<bool>()[i];
     holds_row_.push_back(holds ? 1 : 0);
+    since_mark_.push_back(holds ? kHeldAtMark : 0);  // a restored state is the mark changes are followed from
     if (holds) ++live_[static_cast<size_t>(TableOf(key))];
   }
 }

@@ -52,6 +52,12 @@ class IdActivity {
   std::tuple<torch::Tensor, torch::Tensor> Pick(int64_t table, int64_t now);
   // Forgets `keys`: they no longer hold rows, and their counts start again.
   void Forget(const torch::Tensor& keys);
+  // A cut's boundary: changes are followed from here (a restore is one too).
+  void Mark();
+  // Since the mark: the keys looked up that hold rows now, and the keys that held rows at the mark
+  // and hold none now (each sorted): an incremental export's rows and tombstones. Both are bounded
+  // by the ids holding rows, however many ids came and went between the marks.
+  std::tuple<torch::Tensor, torch::Tensor> Changes() const;
   // Whether table `table` has more ids holding rows than its trigger.
   bool Due(int64_t table) const;
   int64_t live(int64_t table) const { return live_[static_cast<size_t>(table)]; }
@@ -74,6 +80,8 @@ class IdActivity {
   std::vector<float> counts_;
   std::vector<int64_t> last_;
   std::vector<uint8_t> holds_row_;
+  std::vector<uint8_t> since_mark_;  // kLookedUpSinceMark | kHeldAtMark
+  std::vector<int64_t> gone_;        // keys forgotten since the mark that held rows at it
   std::vector<int64_t> live_;  // per table: ids holding rows
 };
 

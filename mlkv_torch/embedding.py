@@ -554,8 +554,9 @@ class DiskEmbeddingBag(nn.Module):
                        ) -> Tuple[Iterator[Tuple[torch.Tensor, ...]], torch.Tensor]:
         """What changed since the last cut (`checkpoint`), for a serving copy that holds the table as
         it was there: (chunks of the ids looked up since and holding rows, with their rows, in id
-        order, as `export_live` gives them; the tombstones: ids evicted since that hold no row now,
-        which the copy deletes where it holds them).
+        order, as `export_live` gives them; the tombstones: ids that held rows at the cut and hold
+        none now, which the copy deletes). Both are bounded by the ids holding rows, however many
+        ids came and went since the cut.
         A virtual table with an eviction policy or a frequency filter only (it follows its ids)."""
         if not is_int(chunk_rows) or chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")

@@ -536,17 +536,14 @@ class DiskTableBatch:
             self.ids.activity.forget(keys[deleted].contiguous())
 
     def changes(self, table: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Ids of table `table` that hold rows and were looked up since the last cut, and ids evicted
-        since that hold none now (sorted): an incremental export's rows and tombstones."""
+        """Ids of table `table` that hold rows and were looked up since the last cut, and ids that
+        held rows at the cut and hold none now (sorted): an incremental export's rows and tombstones."""
         policy = self.tables[table].id_policy
         if self.ids is None or policy is None or not policy.tracked:
             raise ValueError(f"table {self.tables[table].name!r} follows no ids (a virtual table with an eviction "
                              f"policy or a frequency filter does): export_live() exports it whole")
         touched, gone = self.ids.changes(lambda keys: table_of(keys) == table)
-        touched, gone = row_of(touched), row_of(gone)
-        live = self.ids.holding(self.keys(table, touched)) if touched.numel() else touched.bool()
-        touched = touched[live]
-        return touched, gone[~torch.isin(gone, touched)]
+        return row_of(touched), row_of(gone)
 
     def evict(self, table: int) -> int:
         """One eviction round of table `table`'s IdPolicy now; returns the rows evicted."""

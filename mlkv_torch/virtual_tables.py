@@ -221,9 +221,6 @@ class KernelIds:
         self.evicted = [0] * len(self.policies)  # ids evicted so far, per table
         self.rounds = [0] * len(self.policies)
         self.peak_live = [0] * len(self.policies)  # the most ids holding rows after a batch, per table
-        # Since the last cut (`mark`): keys looked up holding rows, and keys evicted (for incremental exports).
-        self._touched: List[torch.Tensor] = []
-        self._gone: List[torch.Tensor] = []
 
     @property
     def filters(self) -> bool:
@@ -247,16 +244,12 @@ class KernelIds:
         gone = with_rows[deleted]
         self.activity.forget(torch.cat([gone, without_rows]))
         self.evicted[table] += int(gone.numel())
-        self._gone.append(gone)
         self.rounds[table] += 1
         return int(gone.numel())
 
     def observe(self, unique: torch.Tensor, step: int) -> Optional[torch.Tensor]:
         """Records a batch's distinct keys; returns which hold rows (None: every one)."""
         holds = self.activity.observe(unique, self._now(step))
-        self._touched.append(unique[holds])
-        if len(self._touched) >= 64:  # deduplicated now and then, so it takes the ids, not the batches
-            self._touched = [torch.unique(torch.cat(self._touched))]
         for table, policy in enumerate(self.policies):
             if policy is not None and policy.tracked:
                 self.peak_live[table] = max(self.peak_live[table], self.activity.live(table))
@@ -269,21 +262,14 @@ class KernelIds:
         return None if bool(holds.all()) else holds
 
     def mark(self) -> None:
-        """A cut's boundary: changes are counted from here."""
-        self._touched, self._gone = [], []
+        """A cut's boundary: changes are followed from here."""
+        self.activity.mark()
 
     def changes(self, keys_of_table: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The keys of one table (`keys_of_table(keys) -> mask`) looked up holding rows since the mark,
-        and those evicted since (each sorted, possibly overlapping: an id evicted, then back)."""
-        def of_table(parts: List[torch.Tensor]) -> torch.Tensor:
-            keys = torch.unique(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.int64)
-            return keys[keys_of_table(keys)]
-        return of_table(self._touched), of_table(self._gone)
-
-    def holding(self, keys: torch.Tensor) -> torch.Tensor:
-        """Which of `keys` hold rows now (a pass over the tracked ids: for exports, not batches)."""
-        tracked, _, _, holds = self.activity.state()
-        return torch.isin(keys, tracked[holds])
+        """The keys of one table (`keys_of_table(keys) -> mask`) looked up since the mark that hold
+        rows, and those that held rows at the mark and hold none now (each sorted)."""
+        looked_up, gone = self.activity.changes()
+        return looked_up[keys_of_table(looked_up)], gone[keys_of_table(gone)]
 
     def live(self, table: int) -> int:
         """Ids of `table` that hold rows."""

@@ -37,6 +37,8 @@ void BindIdActivity(py::module_& m) {
       .def("holds", &IdActivity::Holds, py::arg("keys"), nogil)
       .def("pick", &IdActivity::Pick, py::arg("table"), py::arg("now"), nogil)
       .def("forget", &IdActivity::Forget, py::arg("keys"), nogil)
+      .def("mark", &IdActivity::Mark, nogil)
+      .def("changes", &IdActivity::Changes, nogil)
       .def("due", &IdActivity::Due, py::arg("table"))
       .def("live", &IdActivity::live, py::arg("table"))
       .def_property_readonly("tracked", &IdActivity::tracked)

@@ -270,8 +270,8 @@ def test_bad_virtual_tables_are_refused_by_name(tmp_path):
         collection(tmp_path, config(policy=CountBasedEvictionPolicy(eviction_threshold=0)))
     with pytest.raises(ValueError, match="admit_after"):
         VirtualTableOptions(admit_after=0)
-    # The ids' counts and ages come out of the memory budget: 100,000 ids of 37 bytes exceed 1 MiB.
-    with pytest.raises(MemoryBudgetError, match=r"counts and ages of the ids .*'t': 3,700,000 bytes"):
+    # The ids' counts and ages come out of the memory budget: 100,000 ids of 38 bytes exceed 1 MiB.
+    with pytest.raises(MemoryBudgetError, match=r"counts and ages of the ids .*'t': 3,800,000 bytes"):
         collection(tmp_path, config(policy=CountBasedEvictionPolicy(training_id_eviction_trigger_count=100_000)))
     ebc = collection(tmp_path, config(policy=None))
     for bad in (-1, SPACE):
@@ -346,13 +346,17 @@ def test_an_incremental_export_since_a_cut_brings_a_copy_of_the_cut_to_the_table
     # Exactly the ids trained since the cut that hold rows now.
     assert changed == set(torch.cat(batches[8:]).tolist()) & set(now_ids.tolist())
     at_cut = set(copy)
-    for i in tombstones.tolist():  # evicted since the cut (some came after it and went again): deleted if held
-        copy.pop(i, None)
+    for i in tombstones.tolist():
+        del copy[i]
     assert sorted(copy) == now_ids.tolist()
     assert torch.equal(torch.stack([copy[i][0] for i in now_ids.tolist()]), now_rows)
     assert torch.equal(torch.stack([copy[i][1] for i in now_ids.tolist()]),
                        bag.export_rows(now_ids, include_state=True)[1])
-    assert at_cut - set(now_ids.tolist()) <= set(tombstones.tolist()) and tombstones.numel() > 0
+    # Exactly the ids the copy holds that the table no longer does: none of the ids that came after
+    # the cut and went again (what follows the changes is bounded by the ids holding rows).
+    assert set(tombstones.tolist()) == at_cut - set(now_ids.tolist()) and tombstones.numel() > 0
+    came_and_went = set(torch.cat(batches[8:]).tolist()) - at_cut - set(now_ids.tolist())
+    assert came_and_went and bag.stats()["evicted_ids"] > len(at_cut - set(now_ids.tolist()))
     with pytest.raises(ValueError, match="follows no ids"):
         collection(tmp_path, config(policy=None), sub="plain").embedding_bags["t"].export_changes()
 
