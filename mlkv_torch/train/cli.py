@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..config import ConfigError, load_config
-from . import checkpoints, elastic
+from ..config import ConfigError, ExperimentConfig, load_config
+from . import checkpoints, elastic, outputs
 from .quiet import quiet_known_warnings
 from .loop import run
 
@@ -59,6 +59,20 @@ def _join_process_group() -> None:
     dist.init_process_group(RUNNER_BACKEND, store=store, rank=rank, world_size=world)
 
 
+def _refuse_an_earlier_run(config: ExperimentConfig, distributed: bool) -> None:
+    """A run over what an earlier one left (of any world size: its tables may lie in another
+    layout than this run's, where opening them would not collide) is refused in one line. Under
+    torchrun rank 0 looks and every rank answers alike."""
+    found = outputs.earlier_run(config) if not distributed or dist.get_rank() == 0 else []
+    if distributed:
+        from ..ranks import all_gather_objects
+
+        found = all_gather_objects(found)[0]
+    if found:
+        raise ConfigError(f"output_dir {config.output_dir!r} holds an earlier run ({', '.join(found)}): continue it "
+                          f"with --resume, or start over with --overwrite")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     description = sys.modules[__package__].__doc__.split("\n\n")[0]  # the package docstring's first paragraph
     parser = argparse.ArgumentParser(prog="python -m mlkv_torch.train", description=description)
@@ -89,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     resume, overwrite, imported = args.resume, args.overwrite, args.imported
     # A restart may have another world than the attempt before (nodes gone or back): one process
     # (a world of 1) continues a checkpoint of ranks, and ranks one of a process.
-    if "TORCHELASTIC_RUN_ID" in os.environ and not resume and elastic.restart_of_this_job(config, distributed):
+    restarted = "TORCHELASTIC_RUN_ID" in os.environ and not resume and elastic.restart_of_this_job(config, distributed)
+    if restarted:
         overwrite = False  # this job's own tables and checkpoints: continued or dropped below
         resume = any(os.path.exists(os.path.join(config.output_dir, name))
                      for name in (checkpoints.SHARDED_CHECKPOINT_POINTER, checkpoints.ONE_PROCESS_CHECKPOINT))
@@ -102,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   file=sys.stderr, flush=True)
     finished = False
     try:
+        if not (resume or overwrite or restarted):
+            _refuse_an_earlier_run(config, distributed)
         summary = run(config, resume=resume, progress=not args.no_progress, overwrite=overwrite, imported=imported)
         finished = True
     except ConfigError as e:

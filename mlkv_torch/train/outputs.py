@@ -9,7 +9,7 @@ import shutil
 from typing import List
 
 from ..config import ExperimentConfig
-from ..table_files import remove_tables
+from ..table_files import remove_tables, table_directories
 from . import checkpoints, elastic
 from .reshard import GENERATION
 
@@ -22,6 +22,15 @@ _RUN_DIRECTORIES = re.compile(rf"tensorboard|{checkpoints.CHECKPOINT_DIRECTORY.p
 def checkpoints_and_metrics(config: ExperimentConfig) -> List[str]:
     """The names in output_dir that a run wrote besides its tables."""
     return [n for n in _names(config.output_dir) if n in _RUN_FILES or _RUN_DIRECTORIES.fullmatch(n)]
+
+
+def earlier_run(config: ExperimentConfig) -> List[str]:
+    """What output_dir and the tables' path hold of an earlier run (its summary, metrics,
+    checkpoints and tables, in any world's layout), named; empty when nothing. A torchrun job's
+    record and a TensorBoard log alone are not a run to continue."""
+    found = [n for n in checkpoints_and_metrics(config) if n not in (elastic.JOB_RECORD, "tensorboard")]
+    tables = len(table_directories(config.tables_path))
+    return found + ([f"{tables} table{'s' if tables > 1 else ''}"] if tables else [])
 
 
 def _names(path: str) -> List[str]:

@@ -1,6 +1,7 @@
 """python -m mlkv_torch.train: the quickstart for a few steps, resume, and config errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,13 @@ def test_resume_from_a_checkpoint_at_the_last_step_keeps_or_makes_the_summary(tm
     with pytest.raises(ConfigError, match=r"^output_dir '.*' holds an earlier run's tables: continue it with --resume, "
                                           r"or start over with --overwrite$"):
         run(cfg, progress=False)
+    # Also where this run would lay its tables out otherwise (in memory here; another world's ranks
+    # likewise), so that opening them would not collide: the command looks at what the run left.
+    refused = subprocess.run([sys.executable, "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={tmp_path / 'r'}",
+                              "storage.kind=memory"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert refused.returncode == 2 and re.fullmatch(
+        r"config error: output_dir '.*' holds an earlier run \(checkpoint\.pt, metrics\.jsonl, summary\.json, \d+ "
+        r"tables\): continue it with --resume, or start over with --overwrite", refused.stderr.strip().splitlines()[-1])
 
 
 def test_overwrite_starts_over_and_removes_only_what_a_run_made(tmp_path):
