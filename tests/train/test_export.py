@@ -19,7 +19,7 @@ from mlkv_torch.export import export_checkpoint  # noqa: E402
 from mlkv_torch.store import initial_rows  # noqa: E402
 from mlkv_torch.train import run  # noqa: E402
 from mlkv_torch.train.experiment import Experiment  # noqa: E402
-from test_reshard import same_tables  # noqa: E402
+from test_reshard import list_column, same_tables  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -43,9 +43,8 @@ def _exported(out: Path, table: str):
     data = pq.read_table(path)
     assert data.num_rows == entry["rows_in_file"]
     ids = torch.tensor(data.column("id").to_numpy())
-    weights = torch.tensor(data.column("weight").to_pylist(), dtype=torch.float32).reshape(-1, entry["dim"])
-    state = torch.tensor(data.column("state").to_pylist(), dtype=torch.float32).reshape(ids.numel(), -1) \
-        if "state" in data.column_names else None
+    weights = list_column(data, "weight").reshape(-1, entry["dim"])
+    state = list_column(data, "state").reshape(ids.numel(), -1) if "state" in data.column_names else None
     assert (state.shape[1] if state is not None else 0) == entry["state"]["columns"]
     return ids, weights, state
 
