@@ -33,12 +33,11 @@ FEATURES = [SparseFeature(f"c_{f}", f"c_{f}", 500) for f in range(len(DEFAULT_CA
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def ray_workers_path():
     # Ray's workers import a user's transform as the trainer does: tests/helpers/ on their PYTHONPATH.
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "helpers"), before]))
     try:
-        assert connect_ray("", 2)
         yield
     finally:
         ray.shutdown()
@@ -46,6 +45,14 @@ def local_ray():
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = before
+
+
+@pytest.fixture
+def local_ray(ray_workers_path):
+    """The module's local Ray of two CPUs, started by the first test that asks for it (and again after
+    a test that ended it)."""
+    if not ray.is_initialized():
+        assert connect_ray("", 2)
 
 
 @pytest.fixture(scope="module")
@@ -201,31 +208,6 @@ def test_a_batch_maker_that_fails_to_start_ends_the_others_and_is_named(local_ra
     assert free_cpus_within(30) == 2
 
 
-@pytest.fixture
-def own_local_ray():
-    """No Ray connected when the test starts; the module's local Ray back after it."""
-    running = ray.is_initialized()
-    ray.shutdown()
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if running:
-            connect_ray("", 2)
-
-
-def test_auto_actors_of_a_local_ray_are_its_cpus_whatever_the_ranks(own_local_ray, dataset, tmp_path):
-    # Each rank starts a local Ray of its share of the cores (cpu_budget): all of them are its actors.
-    config = load_config(EXAMPLE, [f"output_dir={tmp_path}", f"data.parquet.train=[{dataset / 'train'}]",
-                                   "data.parquet.eval=[]", "data.engine=ray", "data.ray.actors=auto"])
-    source = ParquetSource(config, cpu_budget=2, world=2)
-    try:
-        assert ray.cluster_resources()["CPU"] == 2 and source.remote_workers == 2
-    finally:
-        source.close()
-    assert not ray.is_initialized()
-
-
 def test_the_runner_trains_on_ray_with_the_in_process_loaders_losses(local_ray, dataset, tmp_path):
     # With a user's transform (tests/helpers/row_group_transforms.py) that Ray's workers import for themselves.
     sparse = json.dumps([*({"column": f.column, "rows": f.rows} for f in FEATURES), {"column": "bucket", "rows": 4}])
@@ -268,3 +250,26 @@ def test_the_runner_asks_for_more_actors_when_ray_makes_batches_too_slowly(local
     out = capsys.readouterr().err  # diagnostics go to stderr: stdout is the summary alone
     assert "the input needs" in out and "ask for more actors (data.ray.actors)" in out
     assert "give it more cores" not in out
+
+
+# Last in the module: it ends the module's local Ray, which no test after it then has to start again.
+@pytest.fixture
+def own_local_ray():
+    """No Ray connected when the test starts, none after it (`local_ray` starts the module's again)."""
+    ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_auto_actors_of_a_local_ray_are_its_cpus_whatever_the_ranks(own_local_ray, dataset, tmp_path):
+    # Each rank starts a local Ray of its share of the cores (cpu_budget): all of them are its actors.
+    config = load_config(EXAMPLE, [f"output_dir={tmp_path}", f"data.parquet.train=[{dataset / 'train'}]",
+                                   "data.parquet.eval=[]", "data.engine=ray", "data.ray.actors=auto"])
+    source = ParquetSource(config, cpu_budget=2, world=2)
+    try:
+        assert ray.cluster_resources()["CPU"] == 2 and source.remote_workers == 2
+    finally:
+        source.close()
+    assert not ray.is_initialized()

@@ -21,22 +21,32 @@ WORKER = Path(__file__).parents[1] / "workers" / "replica_worker.py"
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
 
 
-def _result(phase: str, out: Path) -> dict:
+PHASES = ["exact", "bounds", "linear"]
+
+
+def _results(phases: list, out: Path) -> dict:
+    """Each phase's results, the phases run one after another in one torchrun job (torch and TorchRec
+    start once a rank)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           phase, str(out)]
+           ",".join(phases), str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"{phase} failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
-    return json.loads((out / f"{phase}.json").read_text())
+    assert run.returncode == 0, f"{phases} failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return {phase: json.loads((out / f"{phase}.json").read_text()) for phase in phases}
 
 
 @pytest.fixture(scope="module")
-def exact(tmp_path_factory):
-    return _result("exact", tmp_path_factory.mktemp("exact"))
+def worker_phases(tmp_path_factory):
+    return _results(PHASES, tmp_path_factory.mktemp("phases"))
 
 
 @pytest.fixture(scope="module")
-def bounds(tmp_path_factory):
-    return _result("bounds", tmp_path_factory.mktemp("bounds"))
+def exact(worker_phases):
+    return worker_phases["exact"]
+
+
+@pytest.fixture(scope="module")
+def bounds(worker_phases):
+    return worker_phases["bounds"]
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -109,8 +119,8 @@ def test_no_read_is_staler_and_no_push_later_than_the_bounds(bounds):
 
 
 @pytest.fixture(scope="module")
-def linear(tmp_path_factory):
-    return _result("linear", tmp_path_factory.mktemp("linear"))
+def linear(worker_phases):
+    return worker_phases["linear"]
 
 
 def test_every_gradient_reaches_its_owner_once(linear):

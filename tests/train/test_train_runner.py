@@ -273,20 +273,34 @@ def test_missing_files_are_named(tmp_path):
     assert done.returncode == 2 and "config error" in done.stderr and "nope.yaml" in done.stderr
 
 
+def _runner_arguments(out: Path, steps: int, *extra: str) -> list:
+    """The runner's command line after its module: the quickstart, small, for `steps` steps."""
+    return [str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}", "--no-progress",
+            "data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
+            "storage.memory_budget_bytes=1048576", "train.log_every=1", "train.checkpoint_every=4",
+            "pipeline.depth=2", *extra]
+
+
 def _torchrun(out: Path, steps: int, *extra: str, worker: Sequence[str] = ("-m", "mlkv_torch.train"),
-              launcher: Sequence[str] = (), env: Optional[dict] = None, ranks: int = 2) -> subprocess.CompletedProcess:
-    """The runner on `ranks` ranks under torchrun (0: one process without it)."""
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *launcher] if ranks \
-        else []
-    cmd = [sys.executable, *torchrun, *worker, str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}",
-           "--no-progress",
-           "data.synthetic.scale=100", "train.batch_size=256", "eval.batches=2", "eval.every=100",
-           "storage.memory_budget_bytes=1048576", "train.log_every=1", "train.checkpoint_every=4",
-           "pipeline.depth=2", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+              launcher: Sequence[str] = (), env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """The runner on 2 ranks under torchrun."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launcher]
+    done = subprocess.run([sys.executable, *torchrun, *worker, *_runner_arguments(out, steps, *extra)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-6000:]
     return done
+
+
+def _run_here(capfd, out: Path, steps: int, *extra: str) -> str:
+    """The runner's command line as `_torchrun` gives it, for one process, run through its main in this
+    process (no new interpreter importing torch and TorchRec again); returns what it wrote to stderr."""
+    from mlkv_torch.train import main
+
+    capfd.readouterr()  # the test's own output so far
+    code = main(_runner_arguments(out, steps, *extra))
+    err = capfd.readouterr().err
+    assert code == 0, err[-6000:]
+    return err
 
 
 # The runs under torchrun use TorchRec's quantized comms (tests/torchrec_integration/test_row_wise.py has them
@@ -594,7 +608,7 @@ VIRTUAL = ["data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776",
            "storage.virtual_tables.minute_steps=1", "storage.virtual_tables.total_num_buckets=4"]
 
 
-def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupted_run(tmp_path):
+def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupted_run(tmp_path, capfd):
     # TorchRec's virtual tables of 2**40 ids, placed row-wise by 4 buckets over 2 ranks by the planner
     # (sized by the eviction trigger, not the id space); rank 1 killed after step 10 (its last
     # checkpoint: step 8) and the job restarted: the same losses, and the same live ids, rows and
@@ -622,8 +636,7 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     from mlkv_torch.export import export_checkpoint
 
     export_checkpoint(str(whole), str(tmp_path / "export"))
-    done = _torchrun(whole, 12, *VIRTUAL, "--resume", ranks=0)
-    assert "its tables were resharded for one process" in done.stderr
+    assert "its tables were resharded for one process" in _run_here(capfd, whole, 12, *VIRTUAL, "--resume")
     resharded = _activity(whole)
     assert resharded.keys() == activity.keys()
     for table, columns in activity.items():
@@ -634,7 +647,7 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     # The export keeps the history too: imported into one process (no step trained, its evaluation
     # changes no id), the tables hold it as the checkpoint did.
     imported = tmp_path / "imported"
-    _torchrun(imported, 12, *VIRTUAL, "--import", str(tmp_path / "export"), ranks=0)
+    _run_here(capfd, imported, 12, *VIRTUAL, "--import", str(tmp_path / "export"))
     from_export = _activity(imported)
     assert from_export.keys() == activity.keys()
     for table, columns in activity.items():

@@ -1,14 +1,15 @@
 """A torchrun worker for tests/torchrec_integration/test_replicas.py: DLRM under DistributedModelParallel (gloo, CPU),
 with and without replicas of hot rows (mlkv_torch.torchrec.replicate_hot_rows).
 
-    torchrun --nproc_per_node 2 tests/workers/replica_worker.py PHASE OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/replica_worker.py PHASE[,PHASE...] OUT_DIR
 
 The plan mixes every kind of table replicas meet: on rank 0, t0 table-wise in memory (TorchRec's
 fused kernel) and t1 and t4 (mean pooling) table-wise on disk, whose lookup merges the kernels'
 variable-batch outputs; t2 data-parallel (left alone); t3 column-wise and t6 table-column-wise on
 disk over both ranks.
 
-Phases (rank 0 writes OUT_DIR/<phase>.json):
+Phases, run in the order given (rank 0 writes OUT_DIR/<phase>.json; each phase's stores are under
+OUT_DIR/<phase>):
 - exact: per optimizer (SGD, Adagrad, row-wise Adagrad, Adam), the losses of STEPS steps without
   replicas and with them at bounds 0, from the same rows and batches; the replicas' statistics and
   the bytes sent.
@@ -209,9 +210,8 @@ def local_shards(state, prefix: str):
     return shards
 
 
-def main() -> None:
-    phase, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+def run_phase(phase: str, out_dir: str) -> dict:
+    """One phase's results (rank 0's are written); its stores go under `out_dir`."""
     result = {}
     if phase == "exact":
         for optimizer in OPTIMIZERS:
@@ -233,9 +233,18 @@ def main() -> None:
         result = {"replicas": all_gather_objects(replicated), "plain": all_gather_objects(plain)}
     else:
         raise SystemExit(f"unknown phase {phase!r}")
-    if dist.get_rank() == 0:
-        with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:
-            json.dump(result, f)
+    return result
+
+
+def main() -> None:
+    phases, out_dir = sys.argv[1].split(","), sys.argv[2]
+    dist.init_process_group("gloo")
+    for phase in phases:
+        os.makedirs(os.path.join(out_dir, phase), exist_ok=True)
+        result = run_phase(phase, os.path.join(out_dir, phase))
+        if dist.get_rank() == 0:
+            with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:
+                json.dump(result, f)
     dist.destroy_process_group()
 
 
