@@ -24,6 +24,7 @@ from ..memory_budget import MemoryBudgetError
 from ..ranks import all_gather_objects
 from ..table_settings import DiskTableSettings
 from . import checkpoints, reshard
+from .auc import binary_auc
 from .checkpoint_tables import WrittenCheckpoint, read_pointer, written_checkpoint
 from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 
@@ -311,9 +312,9 @@ class Experiment:
         """AUC and log loss on held-out batches and, for synthetic data, the AUC of the planted
         model's true probabilities on the same batches (what a perfect model would reach there);
         after `step` training steps (data whose ids change draws them from where training is)."""
-        from torchmetrics.classification import BinaryAUROC
-
-        auroc, oracle = BinaryAUROC(), BinaryAUROC()
+        scores: List[torch.Tensor] = []
+        truths: List[torch.Tensor] = []
+        oracle: List[torch.Tensor] = []
         loss_sum, count = 0.0, 0
         self.model.eval()
         planted = False
@@ -322,21 +323,23 @@ class Experiment:
                                                          self.batches_at(step)):
                 loss, (_, logits, labels) = self.model(batch.to(self.device))
                 logits, labels = logits.cpu(), labels.cpu()  # the metrics and the planted probabilities' device
-                auroc.update(torch.sigmoid(logits), labels.int())
+                scores.append(torch.sigmoid(logits).reshape(-1))
+                truths.append(labels.reshape(-1))
                 if probabilities is not None:
-                    oracle.update(probabilities, labels.int())
+                    oracle.append(probabilities.reshape(-1))
                     planted = True
                 loss_sum += float(loss) * labels.numel()
                 count += labels.numel()
         self.model.train()
-        totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
-        if self.distributed:  # AUROC gathers its inputs across ranks itself; this runs just before exit
-            totals = torch.tensor(all_gather_objects([loss_sum, float(count)]), dtype=torch.float64).sum(dim=0)
-        if totals[1] == 0:
+        mine = [_joined(scores), _joined(truths), _joined(oracle), loss_sum, float(count)]
+        everyone = all_gather_objects(mine) if self.distributed else [mine]  # the AUC is over every rank's batches
+        total_loss, total_count = sum(r[3] for r in everyone), sum(r[4] for r in everyone)
+        if total_count == 0:
             return {}
-        result = {"auc": float(auroc.compute()), "logloss": float(totals[0] / totals[1])}
+        every = [torch.cat([r[i] for r in everyone]) for i in range(3)]
+        result = {"auc": binary_auc(every[0], every[1]), "logloss": total_loss / total_count}
         if planted:
-            result["oracle_auc"] = float(oracle.compute())
+            result["oracle_auc"] = binary_auc(every[2], every[1])
         return result
 
     def checkpoint_path(self) -> str:
@@ -630,6 +633,10 @@ class Experiment:
                               f"unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         return int(state["step"])
+
+
+def _joined(parts: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def _remove_read_checkpoint(config: ExperimentConfig, distributed: bool) -> None:
