@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from typing import Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -122,6 +122,19 @@ def process_group(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def runner_here(capfd) -> Callable[[Sequence[str]], Tuple[int, str]]:
+    """runner_here(argv) -> (exit code, stderr): `python -m mlkv_torch.train argv` for one process,
+    through its main in this process (no new interpreter importing torch and TorchRec again)."""
+    from mlkv_torch.train import main
+
+    def run(argv: Sequence[str]) -> Tuple[int, str]:
+        capfd.readouterr()  # the test's own output so far
+        code = main(list(argv))
+        return code, capfd.readouterr().err
+    return run
 
 
 @pytest.fixture

@@ -317,7 +317,6 @@ class Experiment:
         oracle: List[torch.Tensor] = []
         loss_sum, count = 0.0, 0
         self.model.eval()
-        planted = False
         with torch.no_grad():
             for batch, probabilities in self.source.eval(self.config.eval.batches, self.rank, self.world_size,
                                                          self.batches_at(step)):
@@ -327,7 +326,6 @@ class Experiment:
                 truths.append(labels.reshape(-1))
                 if probabilities is not None:
                     oracle.append(probabilities.reshape(-1))
-                    planted = True
                 loss_sum += float(loss) * labels.numel()
                 count += labels.numel()
         self.model.train()
@@ -338,7 +336,7 @@ class Experiment:
             return {}
         every = [torch.cat([r[i] for r in everyone]) for i in range(3)]
         result = {"auc": binary_auc(every[0], every[1]), "logloss": total_loss / total_count}
-        if planted:
+        if every[2].numel():  # synthetic data: the planted model's probabilities
             result["oracle_auc"] = binary_auc(every[2], every[1])
         return result
 

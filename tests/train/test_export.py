@@ -96,7 +96,7 @@ def test_a_one_process_checkpoint_exports_the_rows_and_state_the_resumed_tables_
         "row-wise Adagrad's accumulator: the mean over the row of squared gradients, summed over steps"}
 
 
-def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_gives_it(tmp_path, capfd):
+def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_gives_it(tmp_path, runner_here):
     out = tmp_path / "run"
     common = [f"output_dir={out}", *SMALL]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -142,10 +142,8 @@ def test_a_torchrun_checkpoint_exports_every_placement_as_the_resumed_model_give
             break  # the reshard was committed before the kill came
         after = _files(out)
         assert {name: after.get(name) for name in before} == before
-    from mlkv_torch.train import main
-
-    capfd.readouterr()
-    assert main(resume[3:]) == 0, capfd.readouterr().err[-4000:]  # the last attempt, in this process
+    code, err = runner_here(resume[3:])  # the last attempt, in this process
+    assert code == 0, err[-4000:]
     export_checkpoint(str(out), str(tmp_path / "one"))
     same_tables(tmp_path / "export", tmp_path / "one")
 

@@ -36,16 +36,6 @@ def _train(out: Path, steps: int, ranks: int, *extra: str) -> subprocess.Complet
     return done
 
 
-def _train_here(capfd, out: Path, steps: int, *extra: str) -> tuple:
-    """The runner's command line as `_train` gives it, for one process, run through its main in this
-    process (no new interpreter importing torch and TorchRec again): (exit code, its stderr)."""
-    from mlkv_torch.train import main
-
-    capfd.readouterr()  # the test's own output so far
-    code = main([str(QUICKSTART), f"output_dir={out}", f"train.steps={steps}", *COMMON, *extra])
-    return code, capfd.readouterr().err
-
-
 def _tables(export: Path) -> dict:
     """{table: (manifest entry, {id: (weight, state)})} of an export."""
     manifest = json.loads((export / "manifest.json").read_text())
@@ -125,7 +115,7 @@ def _losses(out: Path) -> dict:
             if "loss" in r}
 
 
-def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_the_job_would(tmp_path, capfd):
+def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_the_job_would(tmp_path, runner_here):
     # Tables on disk and in memory, table-wise and row-wise (no replicated table: its state, torch
     # Adagrad's per element, becomes row-wise Adagrad's mean on disk, which a round trip cannot undo;
     # test_export.py reshards the planner's own plan, replicated tables and all).
@@ -140,7 +130,8 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     kept.mkdir()
     for name in ("checkpoint.latest", "checkpoint-8", "tables"):
         (shutil.copytree if (out / name).is_dir() else shutil.copy2)(out / name, kept / name)
-    code, err = _train_here(capfd, out, 8, "--resume")  # one process: every table on disk
+    # One process (every table on disk), in this process.
+    code, err = runner_here([str(QUICKSTART), f"output_dir={out}", "train.steps=8", *COMMON, "--resume"])
     assert code == 0, err[-4000:]
     assert "written by 2 ranks; its tables were resharded for one process" in err
     assert sorted(p.name for p in (out / "tables").iterdir()) == ["one-process-step8"]  # the old ones went
@@ -193,7 +184,7 @@ def _on_two_nodes(out: Path, tables: Path, steps: int, ranks_per_node: int, *ext
     return errors
 
 
-def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_and_back(tmp_path, capfd):
+def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_and_back(tmp_path, runner_here):
     # Two nodes, each with its tables on its own disk: 2 ranks (one a node) train, then 4 (two a
     # node) resume, then 2 again. Tables the new plan puts on a rank of the other node come over the
     # process group; the job goes on as the uninterrupted one did.
@@ -204,7 +195,8 @@ def test_tables_on_each_nodes_own_disk_move_over_the_process_group_2_to_4_ranks_
     _on_two_nodes(out, tables, 12, 1, "train.checkpoint_every=8", "storage.populate=true", *shape)
     uninterrupted = _losses(out)
     # One process on node 0 does not see node 1's tables, and says so.
-    code, err = _train_here(capfd, out, 8, f"storage.path={tables / 'node0'}", "--resume", *shape)
+    code, err = runner_here([str(QUICKSTART), f"output_dir={out}", "train.steps=8", *COMMON,
+                             f"storage.path={tables / 'node0'}", "--resume", *shape])
     assert code != 0 and "rank 1's tables of the checkpoint are not here" in err, err[-3000:]
     errors = _on_two_nodes(out, tables, 8, 2, "--resume", *shape)
     assert "resharded for 4 ranks" in errors[0] and "rows came over the process group" in errors[0], errors[0][-3000:]

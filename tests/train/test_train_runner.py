@@ -291,14 +291,9 @@ def _torchrun(out: Path, steps: int, *extra: str, worker: Sequence[str] = ("-m",
     return done
 
 
-def _run_here(capfd, out: Path, steps: int, *extra: str) -> str:
-    """The runner's command line as `_torchrun` gives it, for one process, run through its main in this
-    process (no new interpreter importing torch and TorchRec again); returns what it wrote to stderr."""
-    from mlkv_torch.train import main
-
-    capfd.readouterr()  # the test's own output so far
-    code = main(_runner_arguments(out, steps, *extra))
-    err = capfd.readouterr().err
+def _run_here(runner_here, out: Path, steps: int, *extra: str) -> str:
+    """The runner's command line as `_torchrun` gives it, for one process in this process; its stderr."""
+    code, err = runner_here(_runner_arguments(out, steps, *extra))
     assert code == 0, err[-6000:]
     return err
 
@@ -608,7 +603,7 @@ VIRTUAL = ["data.synthetic.scale=1000", "data.synthetic.id_space=1099511627776",
            "storage.virtual_tables.minute_steps=1", "storage.virtual_tables.total_num_buckets=4"]
 
 
-def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupted_run(tmp_path, capfd):
+def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupted_run(tmp_path, runner_here):
     # TorchRec's virtual tables of 2**40 ids, placed row-wise by 4 buckets over 2 ranks by the planner
     # (sized by the eviction trigger, not the id space); rank 1 killed after step 10 (its last
     # checkpoint: step 8) and the job restarted: the same losses, and the same live ids, rows and
@@ -636,7 +631,7 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     from mlkv_torch.export import export_checkpoint
 
     export_checkpoint(str(whole), str(tmp_path / "export"))
-    assert "its tables were resharded for one process" in _run_here(capfd, whole, 12, *VIRTUAL, "--resume")
+    assert "its tables were resharded for one process" in _run_here(runner_here, whole, 12, *VIRTUAL, "--resume")
     resharded = _activity(whole)
     assert resharded.keys() == activity.keys()
     for table, columns in activity.items():
@@ -647,7 +642,7 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     # The export keeps the history too: imported into one process (no step trained, its evaluation
     # changes no id), the tables hold it as the checkpoint did.
     imported = tmp_path / "imported"
-    _run_here(capfd, imported, 12, *VIRTUAL, "--import", str(tmp_path / "export"))
+    _run_here(runner_here, imported, 12, *VIRTUAL, "--import", str(tmp_path / "export"))
     from_export = _activity(imported)
     assert from_export.keys() == activity.keys()
     for table, columns in activity.items():
