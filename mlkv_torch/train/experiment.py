@@ -534,9 +534,11 @@ class Experiment:
             if self.distributed and isinstance(source, WrittenCheckpoint):
                 on_ranks = receive_unseen_shards(source, rows_held(self.table_manifest(), self.rank), received_dir,
                                                  list(self.collection.local_disk_shards()))
-                source, received, keeps_tables = on_ranks.checkpoint, on_ranks.rows_received, on_ranks.keeps_tables
-                receiving = time.perf_counter() - began
-            step = reshard.load_resharded(self, source)
+                source, keeps_tables = on_ranks.checkpoint, on_ranks.keeps_tables
+                step = reshard.load_resharded(self, source)  # while this rank's sends go on
+                received, receiving = on_ranks.finish()
+            else:
+                step = reshard.load_resharded(self, source)
         finally:
             shutil.rmtree(received_dir, ignore_errors=True)
         filled = time.perf_counter()

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -39,13 +40,36 @@ RowRanges = Dict[str, List[Tuple[int, int]]]
 @dataclass(frozen=True)
 class ShardsOnRanks:
     """What `receive_unseen_shards` did on this rank: the checkpoint as this rank reads it (the
-    shards it could not see replaced by the ones received), the rows all ranks received, and whether
-    this rank is the first to see some of the checkpoint's tables (one rank on each disk that holds
-    them: it removes them once the new checkpoint is committed)."""
+    shards it could not see replaced by the ones received), the rows this rank received and the
+    seconds it took, and whether this rank is the first to see some of the checkpoint's tables
+    (one rank on each disk that holds them: it removes them once the new checkpoint is committed).
+    This rank's sends may still go on: the caller fills its tables meanwhile, then `finish`es."""
 
     checkpoint: WrittenCheckpoint
     rows_received: int
+    receiving_seconds: float
     keeps_tables: bool
+    sent: Callable[[], None]  # waits for this rank's sends; raises what they raised
+
+    def finish(self) -> Tuple[int, float]:
+        """Called by every rank together: waits until this rank has sent what the others take from
+        it; returns the rows all ranks received and the longest a rank took to receive its own."""
+        self.sent()
+        everyone = all_gather_objects((self.rows_received, self.receiving_seconds))
+        return sum(rows for rows, _ in everyone), max(seconds for _, seconds in everyone)
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    """A stored shard some ranks cannot see: its table, its index among the table's shards, the
+    rank that reads and sends it, the ranks that take its files (every rank that holds rows of its
+    table) and, of those, the ranks that hold rows inside it."""
+
+    table: str
+    index: int
+    reader: int
+    takers: List[int]
+    row_takers: List[int]
 
 
 def rows_held(manifest: Dict[str, Dict[str, Any]], rank: int) -> RowRanges:
@@ -67,56 +91,72 @@ def receive_unseen_shards(checkpoint: WrittenCheckpoint, held: RowRanges, receiv
     it, which sends each of those ranks its rows; they write them under `received_dir` (the
     caller removes it after the fill), or straight into this rank's disk shards of the table
     (`disk_shards`: (table, first row, first column, DiskEmbeddingBag)) where the fill would copy
-    them as they are (the columns split alike), leaving an empty store there. ConfigError names a
-    rank's tables that no rank sees."""
-    rank = dist.get_rank()
+    them as they are (the columns split alike), leaving an empty store there. Returns once this
+    rank has received its rows; its own sends may go on (`ShardsOnRanks.finish`). ConfigError
+    names a rank's tables that no rank sees."""
+    rank, began = dist.get_rank(), time.perf_counter()
     seen = {r: sorted(os.listdir(_rank_dir(checkpoint, r))) for r, cut in checkpoint.cuts.items()
             if cut is not None and _sees(checkpoint, r, cut)}
     everyone = all_gather_objects((seen, held))
     readers = _readers(checkpoint, [s for s, _ in everyone])
     keeps_tables = rank in readers.values()
     if all(set(readers) <= set(s) for s, _ in everyone):  # every rank sees every stored shard
-        return ShardsOnRanks(checkpoint, 0, keeps_tables)
+        return ShardsOnRanks(checkpoint, 0, 0.0, keeps_tables, lambda: None)
     listed = {r: everyone[q][0][r] for r, q in readers.items()}
     shards = stored_shards(checkpoint.tables_dir, checkpoint.cuts,
                            {n: (e["rows"], e["dim"]) for n, e in checkpoint.tables.items()}, listed=listed)
     owner = {os.path.join(_rank_dir(checkpoint, r), name): r for r, names in listed.items() for name in names}
-    transfers = []  # (table, index among its shards, reader, takers), in an order every rank follows
+    transfers = _transfers(shards, owner, readers, everyone)
+    layouts = {(t.table, t.index): row_layout_of(checkpoint.tables[t.table], shards[t.table][t.index].columns)
+               for t in transfers}
+
+    def send() -> None:
+        # Every transfer's files first, then the rows: a rank that takes no rows of a shard (it
+        # needs its files) never holds up the rows another takes of another rank's shard.
+        mine = [t for t in transfers if t.reader == rank]
+        for t in mine:
+            _send_files(shards[t.table][t.index], t.takers)
+        for t in mine:
+            if t.row_takers:
+                _send_rows(shards[t.table][t.index], layouts[(t.table, t.index)],
+                           {q: everyone[q][1][t.table] for q in t.row_takers})
+
+    # Sends in a thread of their own, receives here, each in that order: the first transfer not
+    # done has its reader and its takers at it, and transfers between other ranks go on meanwhile.
+    sent = _started(send, "mlkv-send-shards")
+    taken = [t for t in transfers if rank in t.takers]
+    files = [_received_objects(t.reader)[0] for t in taken]
+    received = 0
+    for t, shard_files in zip(taken, files):
+        shard = shards[t.table][t.index]
+        mine = [(first_row, first_column, bag) for name, first_row, first_column, bag in disk_shards
+                if name == t.table]
+        # Where the fill reads the table's rows whole instead, they go to the received store.
+        copied_as_stored = all(same_columns(shards[t.table], first_row, bag.num_embeddings, first_column,
+                                            bag.embedding_dim) for first_row, first_column, bag in mine)
+        targets = [(first_row, bag) for first_row, _, bag in mine] if copied_as_stored else []
+        shards[t.table][t.index], rows = _receive_shard(
+            shard, layouts[(t.table, t.index)], t.reader if rank in t.row_takers else None, shard_files,
+            os.path.join(received_dir, _whose(owner[shard.path])), targets)
+        received += rows
+    return ShardsOnRanks(dataclasses.replace(checkpoint, shards=shards), received, time.perf_counter() - began,
+                         keeps_tables, sent)
+
+
+def _transfers(shards: Dict[str, List[StoredShard]], owner: Dict[str, int], readers: Dict[int, int],
+               everyone: Sequence[Tuple[Dict[int, List[str]], RowRanges]]) -> List[_Transfer]:
+    """The stored shards some rank holding rows of their table cannot see, in an order every rank
+    follows."""
+    transfers = []
     for table in sorted(shards):
         for index, shard in enumerate(shards[table]):
             old_rank = owner[shard.path]
             takers = [q for q, (s, h) in enumerate(everyone) if old_rank not in s and table in h]
+            row_takers = [q for q in takers if any(start < shard.first_row + shard.rows and shard.first_row < stop
+                                                   for start, stop in everyone[q][1][table])]
             if takers:
-                transfers.append((table, index, readers[old_rank], takers))
-
-    def send() -> None:
-        for table, index, reader, takers in transfers:
-            if reader == rank:
-                shard = shards[table][index]
-                _send_shard(shard, row_layout_of(checkpoint.tables[table], shard.columns),
-                            {q: everyone[q][1][table] for q in takers})
-
-    # Sends in a thread of their own, receives here, each in that order: the first transfer not
-    # done has its reader and its takers at it, and transfers between other ranks go on meanwhile.
-    sending = _started(send, "mlkv-send-shards")
-    received = 0
-    for table, index, reader, takers in transfers:
-        if rank in takers:
-            shard = shards[table][index]
-            mine = [(first_row, first_column, bag) for name, first_row, first_column, bag in disk_shards
-                    if name == table]
-            # Where the fill reads the table's rows whole instead, they go to the received store.
-            copied_as_stored = all(same_columns(shards[table], first_row, bag.num_embeddings, first_column,
-                                                bag.embedding_dim) for first_row, first_column, bag in mine)
-            targets = [(first_row, bag) for first_row, _, bag in mine] if copied_as_stored else []
-            shards[table][index], rows = _receive_shard(shard, row_layout_of(checkpoint.tables[table], shard.columns),
-                                                        reader, os.path.join(received_dir, _whose(owner[shard.path])),
-                                                        targets)
-            received += rows
-    sending()
-    total = torch.tensor([received])
-    dist.all_reduce(total)
-    return ShardsOnRanks(dataclasses.replace(checkpoint, shards=shards), int(total), keeps_tables)
+                transfers.append(_Transfer(table, index, readers[old_rank], takers, row_takers))
+    return transfers
 
 
 def _started(work: Callable[[], None], name: str) -> Callable[[], None]:
@@ -182,9 +222,8 @@ def _scanned(shard: StoredShard, layout: RowLayout) -> Iterator[Tuple[torch.Tens
                 yield keys + shard.first_row, rows
 
 
-def _send_shard(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tuple[int, int]]]) -> None:
-    """Sends each taker the shard's table record and ids' activity files, then, chunk by chunk,
-    its rows inside the taker's ranges (a count, the keys, the rows), then a count of -1."""
+def _send_files(shard: StoredShard, takers: Sequence[int]) -> None:
+    """Sends each taker the shard's table record and ids' activity files ({name: bytes})."""
     files = {}
     for name in (TABLE_RECORD, os.path.basename(activity_file(shard.path, shard.step))):
         path = os.path.join(shard.path, name)
@@ -193,6 +232,11 @@ def _send_shard(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tu
                 files[name] = f.read()
     for taker in takers:
         dist.send_object_list([files], dst=taker)
+
+
+def _send_rows(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tuple[int, int]]]) -> None:
+    """Sends each taker, chunk by chunk, the shard's rows inside its ranges (a count, the keys,
+    the rows), then a count of -1."""
     for ids, rows in read_ahead(_scanned(shard, layout), depth=2, name="mlkv-send-shard"):
         for taker, ranges in takers.items():
             inside = torch.zeros_like(ids, dtype=torch.bool)
@@ -207,24 +251,25 @@ def _send_shard(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tu
         dist.send(torch.tensor([-1]), dst=taker)
 
 
-def _receive_shard(shard: StoredShard, layout: RowLayout, reader: int, directory: str,
-                   targets: Sequence[Tuple[int, Any]]) -> Tuple[StoredShard, int]:
-    """The rows `reader` sends of `shard` (`_send_shard`), written into a store under `directory`,
-    or into the DiskEmbeddingBags `targets` ((first row, bag) each; the store left empty); returns
-    the stored shard of that store and the rows' number."""
-    [files] = _received_objects(reader)
+def _receive_shard(shard: StoredShard, layout: RowLayout, reader: Optional[int], files: Dict[str, bytes],
+                   directory: str, targets: Sequence[Tuple[int, Any]]) -> Tuple[StoredShard, int]:
+    """The rows `reader` sends of `shard` (`_send_rows`; None: it sends this rank none), written
+    into a store under `directory` beside the shard's `files`, or into the DiskEmbeddingBags
+    `targets` ((first row, bag) each; the store left empty); returns the stored shard of that
+    store and the rows' number."""
     path = os.path.join(directory, os.path.basename(shard.path))
     shutil.rmtree(path, ignore_errors=True)
     words, received = layout.weight_words + layout.state_dim, 0
     with KVStore(path, words, torch.float32, _STORE_BUDGET, cut_checkpoints=True, key_limit=shard.rows) as store:
-        with contextlib.ExitStack() as fills:
-            # Each written as `fill_shard` writes: rows in id order loaded into an empty store.
-            writers = [(first_row, bag, fills.enter_context(bag.filling())) for first_row, bag in targets] \
-                if targets else [(shard.first_row, None, fills.enter_context(store.filling(shard.rows)))]
-            # Written while the next chunk comes; received in a thread, which lets go of the GIL as it waits.
-            for keys, rows in read_ahead(_received_rows(reader, words), depth=2, name="mlkv-receive-shard"):
-                _write_rows(keys + shard.first_row, rows, layout, writers)
-                received += keys.numel()
+        if reader is not None:
+            with contextlib.ExitStack() as fills:
+                # Each written as `fill_shard` writes: rows in id order loaded into an empty store.
+                writers = [(first_row, bag, fills.enter_context(bag.filling())) for first_row, bag in targets] \
+                    if targets else [(shard.first_row, None, fills.enter_context(store.filling(shard.rows)))]
+                # Written while the next chunk comes; received in a thread, which lets go of the GIL as it waits.
+                for keys, rows in read_ahead(_received_rows(reader, words), depth=2, name="mlkv-receive-shard"):
+                    _write_rows(keys + shard.first_row, rows, layout, writers)
+                    received += keys.numel()
         sequence = store.checkpoint()
         store.commit_checkpoint(sequence)
     for name, data in files.items():

@@ -165,6 +165,30 @@ def test_two_ranks_to_one_process_and_back_carries_every_row_and_continues_as_th
     assert resumed["auc"] == pytest.approx(from_export["auc"], rel=1e-6) and resumed["auc"] is not None
 
 
+def test_column_wise_blocks_join_for_one_process_and_split_again_as_the_job_would(tmp_path, runner_here):
+    # 256-wide tables sharded column-wise: TorchRec cuts each into blocks of 128 columns (MIN_CW_DIM),
+    # one a rank, on disk and in memory. One process joins each table's blocks into whole rows (their
+    # element-wise Adagrad state with them), then 2 ranks split them again, and train on as before.
+    wide = ["model.embedding_dim=256", "model.dense_arch=[64,256]", "train.optimizer=adagrad",
+            "data.synthetic.scale=1000", "storage.sharding_types=[column_wise]"]
+    out = tmp_path / "run"
+    _train(out, 12, 2, "train.checkpoint_every=8", *wide)
+    uninterrupted = _losses(out)
+    export_checkpoint(str(out), str(tmp_path / "blocks"))
+    blocks = {name: entry for name, (entry, *_) in _tables(tmp_path / "blocks").items()}
+    placements = {entry["placement"] for entry in blocks.values()
+                  if [s[0] for s in entry["shards"]] == [0, 1] and [s[4] for s in entry["shards"]] == [128, 128]}
+    assert placements == {"disk", "memory"}, blocks
+    code, err = runner_here([str(QUICKSTART), f"output_dir={out}", "train.steps=8", *COMMON, *wide[:-1], "--resume"])
+    assert code == 0 and "written by 2 ranks; its tables were resharded for one process" in err, err[-4000:]
+    export_checkpoint(str(out), str(tmp_path / "whole"))
+    same_tables(tmp_path / "blocks", tmp_path / "whole")
+    done = _train(out, 12, 2, "--resume", *wide)
+    assert "written by one process; its tables were resharded for 2 ranks" in done.stderr
+    got = _losses(out)
+    assert [got[s] for s in range(9, 13)] == pytest.approx([uninterrupted[s] for s in range(9, 13)], rel=1e-5)
+
+
 def _on_two_nodes(out: Path, tables: Path, steps: int, ranks_per_node: int, *extra: str) -> List[str]:
     """The runner as a job of two nodes on this machine (two torchrun launchers on loopback), each
     node's tables on its own disk (`storage.path` tables/node<n>), `output_dir` shared; returns
