@@ -207,6 +207,10 @@ class StorageConfig(_Section):
         default_factory=lambda: ["table_wise", "column_wise", "table_column_wise", "data_parallel"], min_length=1)
     comms: CommsConfig = CommsConfig()
     virtual_tables: VirtualTablesConfig = VirtualTablesConfig()
+    # Under torchrun (storage kind disk or rocksdb): whether the planner may keep the tables that fit
+    # the budget in memory, in TorchRec's own kernels (on GPUs those need fbgemm-gpu's CUDA build);
+    # false puts every table on disk.
+    in_memory_tables: bool = True
 
 
 class PipelineConfig(_Section):
@@ -241,8 +245,9 @@ class ExperimentConfig(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     output_dir: str
-    # Where the dense model, the tables' hot caches, pooling and batches live. CUDA: one process, disk
-    # or rocksdb tables (storage kind memory is TorchRec's fused kernels, which need fbgemm-gpu's CUDA build).
+    # Where the dense model, the tables' hot caches, pooling and batches live. CUDA: disk or rocksdb
+    # tables (storage kind memory is TorchRec's fused kernels, which need fbgemm-gpu's CUDA build);
+    # under torchrun each rank on the GPU of its LOCAL_RANK, over NCCL.
     device: Literal["cpu", "cuda"] = "cpu"
 
     @property
@@ -291,6 +296,9 @@ class ExperimentConfig(_Section):
         if virtual.enabled and (virtual.eviction == "none") != (virtual.trigger_ids == 0):
             raise ValueError("storage.virtual_tables: an eviction policy needs trigger_ids (rounds run once a table "
                              "holds more ids on a rank), and trigger_ids needs an eviction policy")
+        if self.storage.kind == "memory" and not self.storage.in_memory_tables:
+            raise ValueError("storage.in_memory_tables false puts every table on disk, and storage.kind memory every "
+                             "table in memory: choose one")
         if self.storage.virtual_tables.enabled and self.storage.kind == "memory":
             raise ValueError("storage.virtual_tables: virtual tables live on disk (storage.kind disk or rocksdb); "
                              "TorchRec's own need fbgemm-gpu's CUDA SSD kernels")

@@ -31,8 +31,14 @@ class DiskTableModule(abc.ABC):
         is its own (one process, or no disk table)."""
 
     @abc.abstractmethod
-    def lookahead(self, features: Any) -> None:
-        """Starts reading the rows a future batch's KeyedJaggedTensor will look up; returns at once."""
+    def lookahead(self, features: Any) -> Optional[int]:
+        """Starts reading the rows a future batch's KeyedJaggedTensor will look up; returns at once,
+        with the read-ahead's token (None: nothing to read)."""
+
+    @abc.abstractmethod
+    def read_ahead_next(self, token: Optional[int]) -> None:
+        """The next training forward is the batch read ahead as `token` (None: one not read ahead):
+        its lookup pools from that read-ahead instead of finding the batch among them by its ids."""
 
     @abc.abstractmethod
     def flush(self) -> None:

@@ -27,6 +27,7 @@ forward's input distribution instead, but looks only one batch ahead and needs C
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -38,6 +39,7 @@ from torch import nn
 
 from .checks import is_int
 from .disk_modules import DiskTableModule
+from .ranks import collective_device
 
 __all__ = ["LookaheadPipeline"]
 
@@ -127,21 +129,24 @@ class LookaheadPipeline:
                 return
             self._batches_taken += 1
             self._check_batch(batch, self._batches_taken - 1)
-            self._window.append(batch)
+            tokens: List[Optional[int]] = []  # each collection's read-ahead of the batch
             if self._depth > 0 and self._tables:  # rows of this batch start coming in now, steps before it trains
                 start = time.perf_counter()
-                for collection in self._tables:
-                    collection.lookahead(batch.sparse_features)
+                tokens = [collection.lookahead(batch.sparse_features) for collection in self._tables]
                 self._lookahead_ms = self._average(self._lookahead_ms, (time.perf_counter() - start) * 1e3)
             if self._device is not None:
-                self._window[-1] = batch.to(self._device, non_blocking=True)
+                batch = batch.to(self._device, non_blocking=True)
+            self._window.append((batch, tokens))
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Trains one batch; returns the model's output. Raises StopIteration when the data ends."""
         self._fill(dataloader_iter)
         if not self._window:
             raise StopIteration
-        batch = self._window.popleft()
+        batch, tokens = self._window.popleft()
+        # Its lookups pool from its read-aheads, named: no search among them by its ids.
+        for collection, token in itertools.zip_longest(self._tables, tokens):
+            collection.read_ahead_next(token)
         start = time.perf_counter()
         self._optimizer.zero_grad()
         loss, output = self._model(batch)
@@ -187,8 +192,10 @@ class LookaheadPipeline:
             wanted = min(self._max_depth, max(1, math.ceil(latency_ms / self._step_ms)))
         if self._groups:  # every rank must fill its window alike, or the lookaheads' collectives deadlock
             agreed = torch.tensor([latency_ms, float(wanted)], dtype=torch.float64)
-            for group in self._groups:
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            for group in self._groups:  # the model's groups: NCCL on GPUs
+                on_device = agreed.to(collective_device(group))
+                dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+                agreed = on_device.cpu()
             latency_ms, wanted = float(agreed[0]), int(agreed[1])
         self._latency_ms = latency_ms
         if wanted > 0:

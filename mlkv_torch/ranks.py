@@ -22,8 +22,9 @@ import itertools
 import os
 import pickle
 import sys
-from typing import Any, List, NoReturn
+from typing import Any, List, NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 
 _exchanges = itertools.count()  # every rank makes the same calls in the same order
@@ -36,6 +37,14 @@ def all_gather_objects(obj: Any) -> List[Any]:
     exchange = next(_exchanges)
     store.set(f"mlkv/exchange{exchange}/{dist.get_rank()}", pickle.dumps(obj))
     return [pickle.loads(store.get(f"mlkv/exchange{exchange}/{rank}")) for rank in range(dist.get_world_size())]
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a collective's tensors must be for `group` (None: the default group): the current GPU
+    for NCCL, which refuses CPU tensors, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def exit_without_finalizing(code: int = 0) -> NoReturn:

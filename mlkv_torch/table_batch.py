@@ -447,6 +447,12 @@ class DiskTableBatch:
         self.step += 1
         self.cache.update_on_device(unique, slots, version, outside, grads.contiguous(), self.step, self.lr)
 
+    def read_ahead_waiting(self, ticket: int) -> bool:
+        """Whether the read-ahead with `ticket` still waits for `pool` to take it (not looked up,
+        not let go: a pool without a ticket lets go of the read-aheads before its own)."""
+        self._check_open()
+        return self.cache.read_ahead_waiting(ticket)
+
     def lookahead(self, values: torch.Tensor, feature_counts: List[int], feature_tables: List[int]) -> int:
         """Starts reading a future batch's rows (as `pool` takes them) into memory; returns at once,
         with the read-ahead's ticket (`pool`'s `read_ahead`). Pools take read-aheads in order: read

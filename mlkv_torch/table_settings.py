@@ -61,6 +61,9 @@ class DiskTableSettings:
             (FileExistsError).
         virtual_tables: for tables with ``use_virtual_table``: the frequency filter, the clock of
             their eviction policy and the cap after a round (`VirtualTableOptions`).
+        read_ahead_into_slots: rows read ahead go straight into cache slots, and the batch's
+            forward pools from its read-ahead (no second deduplication; on CUDA no host
+            synchronisation); None: on CUDA only (`DiskTableBatch`'s).
     """
 
     optimizer: Optional[optim_lib.SparseOptimizer] = None
@@ -70,6 +73,7 @@ class DiskTableSettings:
     seed: Optional[int] = None
     reopen: bool = False
     virtual_tables: Optional[VirtualTableOptions] = None
+    read_ahead_into_slots: Optional[bool] = None
     # The seed was drawn (`with_seed`), not chosen: a reopened table then keeps its recorded one.
     seed_drawn: bool = field(default=False, repr=False)
 
@@ -82,6 +86,8 @@ class DiskTableSettings:
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         if not isinstance(self.reopen, bool):
             raise TypeError(f"reopen must be a bool, got {self.reopen!r}")
+        if self.read_ahead_into_slots is not None and not isinstance(self.read_ahead_into_slots, bool):
+            raise TypeError(f"read_ahead_into_slots must be a bool or None, got {self.read_ahead_into_slots!r}")
         if self.virtual_tables is not None and not isinstance(self.virtual_tables, VirtualTableOptions):
             raise TypeError(f"virtual_tables must be a VirtualTableOptions, got {type(self.virtual_tables).__name__}")
 

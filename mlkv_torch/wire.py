@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .ranks import collective_device
+
 KINDS = ("ids", "outputs", "gradients", "replica_pushes", "replica_refreshes", "replica_choice")
 
 _lock = threading.Lock()
@@ -156,11 +158,11 @@ class EmbeddingTraffic:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def all_ranks(self) -> Dict[str, int]:
-        """The totals by kind summed over the ranks: a collective (every rank calls it) when a
-        process group of several ranks is up, else this rank's."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+    def all_ranks(self, group: Optional[dist.ProcessGroup] = None) -> Dict[str, int]:
+        """The totals by kind summed over the ranks of `group` (None: the default group): a
+        collective (every rank calls it) when a process group is up, else this rank's."""
+        if not (dist.is_available() and dist.is_initialized()):
             return dict(self.bytes)
-        totals = torch.tensor([self.bytes[k] for k in KINDS], dtype=torch.int64)
-        dist.all_reduce(totals)
-        return dict(zip(KINDS, (int(x) for x in totals)))
+        totals = torch.tensor([self.bytes[k] for k in KINDS], dtype=torch.int64, device=collective_device(group))
+        dist.all_reduce(totals, group=group)
+        return dict(zip(KINDS, (int(x) for x in totals.cpu())))

@@ -35,18 +35,19 @@ class Rule:
     extra: Optional[str] = None
 
 
-def _has_gpu() -> bool:
+def _gpus() -> int:
     try:
         import torch
-        return torch.cuda.is_available()
+        return torch.cuda.device_count()
     except ImportError:
-        return False
+        return 0
 
 
 RULES = [
     Rule(r"scripts/(setup|test)\.sh|^pip install", "CI ran it before this check"),
     Rule(r"/data/|/scratch/|<[a-z ]+>", "the reader's own data or hosts"),
-    *([] if _has_gpu() else [Rule(r"device=cuda|gpu_check", "needs a GPU")]),
+    *([] if _gpus() else [Rule(r"device=cuda|gpu_check", "needs a GPU")]),
+    *([] if _gpus() >= 8 else [Rule(r"--nproc_per_node 8 .*device=cuda", "needs 8 GPUs")]),
     Rule(r"configs/synthetic_large\.yaml", "2,000 steps as written: the check trains 40",
          "train.steps=40 eval.every=40 output_dir=runs/synthetic_large"),
 ]

@@ -63,6 +63,16 @@ if has train; then
     python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('[gpu_check] quickstart', s['device'], \
       f\"{s['samples_per_s']:.0f} samples/s auc {s['auc']:.4f} hit rate {s['hit_rate']:.3f}\")" "$run/summary.json"
   done
+  # The same under torchrun on NCCL: one rank of DistributedModelParallel on the GPU, every table on
+  # disk (fbgemm-gpu's CPU build here has no GPU kernels for TorchRec's in-memory tables).
+  run=/tmp/quickstart-nccl
+  rm -rf "$run"
+  PYTHONPATH="tests/workers${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 -m torch.distributed.run --standalone \
+    --nproc_per_node 1 tests/workers/runner_on_ranks.py configs/quickstart.yaml device=cuda output_dir="$run" \
+    storage.in_memory_tables=false train.steps=100 eval.every=100 >"$run.log" 2>&1 || { status=1; tail -20 "$run.log"; }
+  cp "$run/summary.json" "$OUT/quickstart-nccl.json" 2>/dev/null
+  python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('[gpu_check] quickstart under torchrun, NCCL', \
+    f\"{s['samples_per_s']:.0f} samples/s auc {s['auc']:.4f}\")" "$run/summary.json"
 fi
 if has disk; then
   echo "[gpu_check] the disk's limits at $(( $(date +%s) - start )) s"

@@ -100,6 +100,8 @@ def test_the_runner_refuses_a_device_it_cannot_train_on(tmp_path):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", "device=cuda", "storage.kind=memory"])
     with pytest.raises(ConfigError, match="device"):
         load_config(QUICKSTART, [f"output_dir={tmp_path}", "device=tpu"])
+    with pytest.raises(ConfigError, match="in_memory_tables false puts every table on disk"):
+        load_config(QUICKSTART, [f"output_dir={tmp_path}", "storage.kind=memory", "storage.in_memory_tables=false"])
     if not torch.cuda.is_available():
         config = load_config(QUICKSTART, [f"output_dir={tmp_path / 'run'}", "device=cuda", *SMALL])
         with pytest.raises(ConfigError, match="torch sees no GPU"):
@@ -129,3 +131,56 @@ def test_dmp_with_nccl_on_one_gpu_trains_disk_tables_as_on_the_cpu(tmp_path, sha
     prefetch = result["cuda_prefetch"]
     assert_losses_follow(prefetch["losses"], result["cuda"]["losses"])
     assert all(stats["read_ahead_rows"] > 0 for stats in prefetch["stats"].values()), prefetch["stats"]
+
+
+def test_a_rank_trains_on_the_gpu_of_its_local_rank_over_nccl_and_a_config_that_cannot_is_refused():
+    from mlkv_torch.train.placement import choose_placement
+
+    assert choose_placement("cpu", True, 1, 2, gpus=8) == choose_placement("cpu", False, 0, 1, gpus=0)
+    assert choose_placement("cpu", True, 1, 2, gpus=8).device == torch.device("cpu")
+    assert choose_placement("cpu", True, 1, 2, gpus=8).backend == "gloo"
+    placed = choose_placement("cuda", True, 3, 8, gpus=8)
+    assert (placed.device, placed.backend) == (torch.device("cuda", 3), "nccl")
+    assert choose_placement("cuda", False, 0, 1, gpus=1).device.type == "cuda"  # one process: no group of its own
+    with pytest.raises(ConfigError, match=r"4 ranks on this node .* and 2 GPUs here"):
+        choose_placement("cuda", True, 0, 4, gpus=2)
+    with pytest.raises(ConfigError, match="torch sees no GPU"):
+        choose_placement("cuda", True, 0, 1, gpus=0)
+
+
+def test_torchrun_with_more_ranks_than_gpus_is_refused_on_every_rank_before_training(tmp_path):
+    ranks = torch.cuda.device_count() + 1
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(ranks), "-m", "mlkv_torch.train", str(QUICKSTART), f"output_dir={tmp_path}",
+                           "device=cuda", *SMALL], capture_output=True, text=True, timeout=300,
+                          cwd=QUICKSTART.parents[1])
+    assert done.returncode != 0
+    expected = "torch sees no GPU" if ranks == 1 else f"{ranks} ranks on this node"
+    assert done.stderr.count(f"config error: device cuda: {expected}") == ranks, done.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_the_runner_under_torchrun_follows_the_one_process_run(tmp_path, device):
+    # One rank of DistributedModelParallel over the default group the runner chooses (NCCL on a
+    # GPU, gloo on the CPU), its own collectives over a gloo group of their own, every table on disk
+    # as in one process: the same model, trained as the one-process run trains it.
+    worker = Path(__file__).parent / "workers" / "runner_on_ranks.py"
+    overrides = [f"device={device}", "storage.in_memory_tables=false", *SMALL]
+    repo = str(worker.parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, str(worker.parent),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           str(worker), str(QUICKSTART), f"output_dir={tmp_path / 'ranks'}", *overrides],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    on_ranks = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (on_ranks["backend"], on_ranks["device"]) == ({"cpu": "gloo", "cuda": "nccl"}[device], device)
+    one = run(load_config(QUICKSTART, [f"output_dir={tmp_path / 'one'}", *overrides]), progress=False)
+    got, expected = _losses(tmp_path / "ranks"), _losses(tmp_path / "one")
+    assert len(got) == 12
+    if device == "cpu":  # the same kernels in the same order
+        assert got == pytest.approx(expected, rel=1e-6)
+    else:  # DDP's and the pipeline's order on the GPU
+        assert_losses_follow(got, expected)
+    assert on_ranks["auc"] == pytest.approx(one["auc"], abs=2e-3)

@@ -153,6 +153,7 @@ void BindEmbeddingCache(py::module_& m) {
       .def("delete_rows", &EmbeddingCache::DeleteRows, nogil)
       .def("lookahead", &EmbeddingCache::ReadAheadBatch, nogil)
       .def("lookup_read_ahead", &EmbeddingCache::LookupReadAhead, nogil)
+      .def("read_ahead_waiting", &EmbeddingCache::ReadAheadWaiting, nogil)
       .def("write_back", &EmbeddingCache::WriteBack, nogil)
       .def("begin_cut", &EmbeddingCache::BeginCut, nogil)
       .def("finish_cut", &EmbeddingCache::FinishCut, py::arg("superseded") = false, nogil)

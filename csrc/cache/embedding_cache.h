@@ -218,6 +218,9 @@ class EmbeddingCache {
   // left rows out of the slots (too little room, a failed read) is fetched as FetchBatch does.
   DeviceLookup LookupReadAhead(int64_t ticket, const std::vector<int64_t>& feature_counts,
                                const std::vector<int64_t>& feature_tables) EXCLUDES(fetch_mu_, mu_);
+  // Whether the read-ahead with `ticket` still waits for its lookup (LookupReadAhead would take it):
+  // a caller that may have let it go (a lookup without a ticket in between) then looks up by key.
+  bool ReadAheadWaiting(int64_t ticket) EXCLUDES(mu_);
 #ifdef MLKV_WITH_CUDA
   // One optimizer step for the keys of a LookupOnDevice (CUDA), with gradient rows `grads`
   // [n, dim] float32 on the device: the cached rows by one kernel over their slots, the

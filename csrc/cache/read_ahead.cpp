@@ -176,6 +176,12 @@ EmbeddingCache::DeviceLookup EmbeddingCache::LookupReadAhead(int64_t ticket, con
 #endif
 }
 
+bool EmbeddingCache::ReadAheadWaiting(int64_t ticket) {
+  MutexLock lock(&mu_);
+  return std::any_of(read_aheads_.untaken.begin(), read_aheads_.untaken.end(),
+                     [&](const UntakenReadAhead& r) { return r.sequence == ticket && r.batch; });
+}
+
 std::shared_ptr<BatchReadAhead> EmbeddingCache::TakeNamedReadAhead(int64_t ticket,
                                                                    const std::vector<int64_t>& feature_counts,
                                                                    const std::vector<int64_t>& feature_tables,

@@ -83,5 +83,6 @@ class DiskEmbeddingBagCollection(DiskTableCollection):
         if not self._batches:  # no tables: no embeddings
             return KeyedTensor(keys=[], values=torch.empty(features.stride(), 0, device=self._device),
                                length_per_key=[])
-        values = self._routing.pool(self._batches, in_order, self._is_weighted, self.training)
+        values = self._routing.pool(self._batches, in_order, self._is_weighted, self.training,
+                                    self._read_aheads.take(self.training))
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)

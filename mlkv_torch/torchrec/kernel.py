@@ -28,6 +28,7 @@ from ..embedding import DiskEmbeddingBag
 from ..memory_budget import shard_memory_budget
 from ..table_settings import DiskTableSettings
 from ..virtual_tables import IdPolicy, activity_bytes, id_policy_of
+from .read_aheads import ReadAheads
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
 from .state_dicts import disk_tables_in_state_dict
 from .tables import DATA_TYPES, disk_table_spec, open_disk_tables, table_seed
@@ -174,6 +175,7 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                      for shard, spec in zip(self._shards, specs))
         self._memory_budget_bytes = budget
         lr = lrs.pop() if lrs else 0.01
+        self._read_aheads = ReadAheads()
         if self._device.type == "meta":  # as TorchRec's kernels on meta: shapes alone, nothing opened or written
             self._batches, self._routing, self.bags = [], None, nn.ModuleList()
             self._bags_by_table: Dict[str, List[Tuple[ShardedEmbeddingTable, DiskEmbeddingBag]]] = defaultdict(list)
@@ -183,7 +185,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             return
         opened = open_disk_tables(self._shards, specs, memory_budget_bytes=max(budget, 1), settings=settings.batch,
                                   device=self._device, cut_dir=self._rank_dir, reopen=settings.reopen,
-                                  cut=(options.cuts or {}).get(rank))
+                                  cut=(options.cuts or {}).get(rank),
+                                  read_ahead_into_slots=settings.read_ahead_into_slots)
         self._batches, self._routing = opened.batches, opened.routing
         for batch in self._batches:
             # TorchRec's dense optimizers skip parameters that an in-backward optimizer owns.
@@ -228,10 +231,11 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if self._device.type == "meta":
             return self._shapes_on_meta(features)
         self._optimizer.apply_lr(self._batches)  # its param_groups set the learning rate of this step
+        read_aheads = self._read_aheads.take(self.training)
         if not self._pooled:
-            per_feature = self._routing.look_up(self._batches, features, self.training)
+            per_feature = self._routing.look_up(self._batches, features, self.training, read_aheads)
             return torch.cat(per_feature) if per_feature else torch.empty(0, device=self._device)
-        pooled = self._routing.pool(self._batches, features, self._config.is_weighted, self.training)
+        pooled = self._routing.pool(self._batches, features, self._config.is_weighted, self.training, read_aheads)
         if vbe_output is None:
             return pooled
         bags, dims = features.stride_per_key_per_rank(), self._config.embedding_dims()
@@ -247,10 +251,18 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             return torch.empty(features.values().numel(), self._config.embedding_dims()[0], device="meta")
         return torch.empty(features.stride(), sum(self._config.embedding_dims()), device="meta")
 
-    def lookahead(self, features: KeyedJaggedTensor) -> None:
-        """Starts reading the rows that `features` (as `forward` receives them) will look up; returns at once."""
+    def lookahead(self, features: KeyedJaggedTensor, token: Optional[int] = None) -> None:
+        """Starts reading the rows that `features` (as `forward` receives them) will look up; returns
+        at once. The forward of that batch pools from this read-ahead once named (`read_ahead_next`
+        with `token`), or, without a token (TorchRec's prefetch, one batch ahead), as the next
+        training forward in order."""
         if self._routing is not None:  # on meta there is nothing to read
-            self._routing.lookahead(self._batches, features)
+            self._read_aheads.add(token, self._routing.lookahead(self._batches, features))
+
+    def read_ahead_next(self, token: Optional[int]) -> None:
+        """The next training forward pools the batch read ahead as `token` (`ReadAheads.name_next`)."""
+        if self._routing is not None:
+            self._read_aheads.name_next(token)
 
     @property
     def memory_budget_bytes(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..table_batch import DiskTableBatch
+from .read_aheads import Tickets
 
 
 def select_features(features: KeyedJaggedTensor, positions: List[int]) -> KeyedJaggedTensor:
@@ -60,6 +61,13 @@ def variable_batch_layout(per_feature: Sequence[torch.Tensor], bags_per_rank: Se
     return torch.cat(parts)
 
 
+def _waiting(batch: DiskTableBatch, read_aheads: Optional[Tickets], k: int) -> Optional[int]:
+    """Kernel `k`'s ticket of the batch's read-ahead while it still waits; else None (a lookup
+    without a ticket, an evaluation's, let it go meanwhile): the batch is then looked up by key."""
+    ticket = read_aheads[k] if read_aheads else None
+    return ticket if ticket is not None and batch.read_ahead_waiting(ticket) else None
+
+
 class KernelRouting:
     """How the features of a batch reach the table-batched kernels that pool them.
 
@@ -85,10 +93,11 @@ class KernelRouting:
         return select_features(features, self.positions[kernel])
 
     def pool(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, weighted: bool,
-             training: bool = True) -> torch.Tensor:
+             training: bool = True, read_aheads: Optional[Tickets] = None) -> torch.Tensor:
         """[batch, sum of feature dims] float32, features in order; with TorchRec's variable batch
         per feature, the 1-D layout of fbgemm's kernel (`variable_batch_layout`). `training` as
-        `DiskTableBatch.pool`'s (the module's mode)."""
+        `DiskTableBatch.pool`'s (the module's mode); `read_aheads`: the batch's tickets, from
+        `lookahead` of these features."""
         pooled = []  # each kernel's bags, feature after feature
         for k, batch in enumerate(batches):
             kjt = self._kernel_input(features, k)
@@ -96,7 +105,8 @@ class KernelRouting:
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=offsets[1:])
             pooled.append(batch.pool(kjt.values(), kjt.length_per_key(), self.tables[k], offsets,
-                                     kjt.weights() if weighted else None, training=training).float())
+                                     kjt.weights() if weighted else None, training=training,
+                                     read_ahead=_waiting(batch, read_aheads, k)).float())
         if features.variable_stride_per_key():
             bags = features.stride_per_key()
             per_feature: List[torch.Tensor] = [torch.empty(0)] * len(bags)
@@ -115,8 +125,8 @@ class KernelRouting:
                        for chunk in out.split(out.shape[1] // len(positions), dim=1)]
         return torch.cat([per_feature[i] for i in self.output_permutation], dim=1)
 
-    def look_up(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, training: bool = True
-                ) -> List[torch.Tensor]:
+    def look_up(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor, training: bool = True,
+                read_aheads: Optional[Tickets] = None) -> List[torch.Tensor]:
         """Each feature's embeddings, one per id: [ids of the feature, dim] float32, features in
         order (EmbeddingCollection's lookup). Each id is a bag of one, so a kernel's one call looks
         up every id of its features, and backward sums each row's gradients as a pooled lookup."""
@@ -125,14 +135,18 @@ class KernelRouting:
             kjt = self._kernel_input(features, k)
             ids = kjt.values()
             one_per_bag = torch.arange(ids.numel() + 1, device=ids.device)
-            out = batch.pool(ids, kjt.length_per_key(), self.tables[k], one_per_bag, training=training).float()
+            out = batch.pool(ids, kjt.length_per_key(), self.tables[k], one_per_bag, training=training,
+                             read_ahead=_waiting(batch, read_aheads, k)).float()
             for i, chunk in zip(self.positions[k], out.split(kjt.length_per_key())):
                 per_feature[i] = chunk
         return per_feature
 
-    def lookahead(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> None:
-        """Starts each kernel's reads of the rows `features` (as `pool` takes them) will look up."""
+    def lookahead(self, batches: Sequence[DiskTableBatch], features: KeyedJaggedTensor) -> Tickets:
+        """Starts each kernel's reads of the rows `features` (as `pool` takes them) will look up;
+        returns their tickets (None for a kernel with no id in the batch)."""
+        tickets: Tickets = []
         for k, batch in enumerate(batches):
             kjt = self._kernel_input(features, k)
-            if kjt.values().numel():
-                batch.lookahead(kjt.values(), kjt.length_per_key(), self.tables[k])
+            tickets.append(batch.lookahead(kjt.values(), kjt.length_per_key(), self.tables[k])
+                           if kjt.values().numel() else None)
+        return tickets

@@ -74,7 +74,8 @@ class DiskEmbeddingCollection(DiskTableCollection):
             in_order = self._features_of_tables(features)
             if not self._batches:
                 return {}
-            per_feature = self._routing.look_up(self._batches, in_order, self.training)
+            per_feature = self._routing.look_up(self._batches, in_order, self.training,
+                                                self._read_aheads.take(self.training))
         lengths = in_order.lengths().view(len(self._feature_order), -1)
         ids = in_order.values().split(in_order.length_per_key())
         return {name: JaggedTensor(values=embeddings, lengths=lengths[i],

@@ -133,8 +133,9 @@ class DiskShardedTables(DiskTableModule):
         the input distribution); None when the plan has no disk table, and `lookahead` does nothing."""
         return self._env.process_group if self._disk_table_names else None
 
-    def lookahead(self, features: KeyedJaggedTensor) -> None:
-        """Starts reading, on the ranks that hold them, the disk rows a future batch will look up.
+    def lookahead(self, features: KeyedJaggedTensor) -> Optional[int]:
+        """Starts reading, on the ranks that hold them, the disk rows a future batch will look up;
+        returns the read-ahead's token (`read_ahead_next`; None: no disk table).
 
         A collective over `lookahead_process_group`: it runs TorchRec's input distribution of
         `features` (an all-to-all of the ids, which the batch's forward runs again) and waits for
@@ -145,11 +146,20 @@ class DiskShardedTables(DiskTableModule):
             features: this rank's sparse features of the future batch.
         """
         if not self._disk_table_names:  # the same on every rank: the plan is global
-            return
+            return None
+        token = self._read_ahead_token = getattr(self, "_read_ahead_token", 0) + 1
         dist_input = self.input_dist(self.create_context(), features).wait().wait()
         for lookup, sharding_features in zip(self._unwrapped_lookups(), dist_input):
             if isinstance(lookup, DiskGroupLookahead):
-                lookup.lookahead(sharding_features)
+                lookup.lookahead(sharding_features, token)
+        return token
+
+    def read_ahead_next(self, token: Optional[int]) -> None:
+        """The next training forward is the batch read ahead as `token` (None: one not read ahead):
+        each disk kernel then pools from its read-ahead, which the input distribution of that
+        forward routes the same ids to."""
+        for kernel in self.disk_kernels():
+            kernel.read_ahead_next(token)
 
     def input_dist(self, ctx: Any, features: Union[KeyedJaggedTensor, TensorDict]
                    ) -> Awaitable[Awaitable[KJTList]]:

@@ -4,6 +4,7 @@ optimizer, cuts, meta-device construction and statistics. The two differ in what
 back (pooled bags, or one embedding per id)."""
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from dataclasses import replace
@@ -27,6 +28,7 @@ from ..table_batch import DiskTableBatch
 from ..table_settings import DiskTableSettings
 from ..virtual_tables import id_policy_of
 from .fused_optimizer import DiskFusedOptimizer, TableOptimizerState, optimizer_from_fused_params
+from .read_aheads import ReadAheads
 from .routing import KernelRouting, select_features
 from .tables import disk_table_spec, open_disk_tables, table_seed
 
@@ -152,7 +154,8 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule, DiskTableModule):
                                              id_policy=id_policy_of(t, settings.virtual_tables))
                              for t in tables]
         self._memory_budget_bytes, self._cache_rows = memory_budget_bytes, cache_rows
-        self._settings = settings.batch
+        self._settings, self._read_ahead_into_slots = settings.batch, settings.read_ahead_into_slots
+        self._read_aheads, self._read_ahead_tokens = ReadAheads(), itertools.count(1)
         if cut is not None:
             check_cut(cut, "cut")
         elif settings.reopen:
@@ -184,7 +187,8 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule, DiskTableModule):
         tables = self._configs
         opened = open_disk_tables(tables, self._table_specs, memory_budget_bytes=self._memory_budget_bytes,
                                   cache_rows=self._cache_rows, settings=self._settings, device=self._device,
-                                  cut_dir=self._path, reopen=self._reopen, cut=self._cut)
+                                  cut_dir=self._path, reopen=self._reopen, cut=self._cut,
+                                  read_ahead_into_slots=self._read_ahead_into_slots)
         self._batches, self._routing = opened.batches, opened.routing
         bags = {t.name: bag for t, bag in zip(tables, opened.bags)}
         setattr(self, self.tables_attribute, nn.ModuleDict(bags))
@@ -325,9 +329,16 @@ class DiskTableCollection(nn.Module, FusedOptimizerModule, DiskTableModule):
         """None: one process's tables look ahead on their own."""
         return None
 
-    def lookahead(self, features: KeyedJaggedTensor) -> None:
-        """Starts reading the rows of a future batch's features into memory; returns at once."""
-        self._routing.lookahead(self._batches, self._in_table_order(features))
+    def lookahead(self, features: KeyedJaggedTensor) -> int:
+        """Starts reading the rows of a future batch's features into memory; returns at once, with
+        the read-ahead's token (`read_ahead_next`)."""
+        token = next(self._read_ahead_tokens)
+        self._read_aheads.add(token, self._routing.lookahead(self._batches, self._in_table_order(features)))
+        return token
+
+    def read_ahead_next(self, token: Optional[int]) -> None:
+        """The next training forward is the batch read ahead as `token` (None: one not read ahead)."""
+        self._read_aheads.name_next(token)
 
     # ---- tables -----------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -94,12 +94,14 @@ class OpenDiskTables(NamedTuple):
 
 def open_disk_tables(configs: Sequence[BaseEmbeddingConfig], specs: Sequence[TableSpec], *, memory_budget_bytes: int,
                      settings: BatchSettings, device: Union[str, torch.device], cut_dir: str, reopen: bool,
-                     cut: Optional[Dict[str, Any]] = None, cache_rows: Optional[int] = None) -> OpenDiskTables:
+                     cut: Optional[Dict[str, Any]] = None, cache_rows: Optional[int] = None,
+                     read_ahead_into_slots: Optional[bool] = None) -> OpenDiskTables:
     """Opens the tables `specs` describes (`opening.open_tables`, the cut reconciled with the one
     `cut_dir` records), views each as a DiskEmbeddingBag, and routes the features of `configs` (the
     same tables, in the same order) to the batches that pool them."""
     opened = open_tables(specs, memory_budget_bytes=memory_budget_bytes, cache_rows=cache_rows, settings=settings,
-                         device=device, reopen=reopen, cut=cut, cut_dir=cut_dir)
+                         device=device, reopen=reopen, cut=cut, cut_dir=cut_dir,
+                         read_ahead_into_slots=read_ahead_into_slots)
     bags = [DiskEmbeddingBag.of_batch(opened.batches[b], k) for b, k in opened.places]
     routing = KernelRouting([opened.places[i] for i, config in enumerate(configs) for _ in config.feature_names])
     return OpenDiskTables(opened.batches, bags, routing)

@@ -118,15 +118,16 @@ def save_whole(state: Any, path: str) -> None:
 
 
 def local_copy(state: Any) -> Any:
-    """This rank's part of a state_dict, copied (later steps cannot change it), as plain objects: a
-    ShardedTensor becomes {"local_shards": [(offsets, tensor)]}."""
+    """This rank's part of a state_dict, copied to the CPU (later steps cannot change it, and any
+    device of any world reads it back), as plain objects: a ShardedTensor becomes
+    {"local_shards": [(offsets, tensor)]}."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     if isinstance(state, ShardedTensor):
-        return {"local_shards": [(list(shard.metadata.shard_offsets), shard.tensor.detach().clone())
+        return {"local_shards": [(list(shard.metadata.shard_offsets), shard.tensor.detach().to("cpu", copy=True))
                                  for shard in state.local_shards()]}
     if isinstance(state, torch.Tensor):
-        return state.detach().clone()
+        return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
         return {k: local_copy(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):

@@ -14,8 +14,7 @@ from ..config import ConfigError, ExperimentConfig, load_config
 from . import checkpoints, elastic, outputs
 from .quiet import quiet_known_warnings
 from .loop import run
-
-RUNNER_BACKEND = "gloo"  # the runner trains on the CPU, on a CUDA host too: its collectives carry CPU tensors
+from .placement import forget_runner_group, join_process_group, make_runner_group, runner_group, this_process_placement
 
 
 def _leave_process_group(quiesce: bool) -> None:
@@ -31,32 +30,11 @@ def _leave_process_group(quiesce: bool) -> None:
     try:
         if quiesce:
             gc.collect()
-            dist.barrier()
+            dist.barrier()  # the model's group
+            dist.barrier(group=runner_group())
     finally:
         dist.destroy_process_group()
-
-
-def _join_process_group() -> None:
-    """init_process_group for a worker that torchrun started, in a store of its attempt's own.
-
-    TorchElastic's agent keeps one store for the whole job, and an attempt's ranks would read the
-    gloo addresses the ranks of the attempt it restarts left there (and fail to connect): each
-    attempt (TORCHELASTIC_RESTART_COUNT) keys its process group under a prefix of its own. A node
-    that joins again counts its attempts from 0, so a job whose nodes come and go
-    (`--nnodes MIN:MAX`) runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 then hosts a store of
-    each attempt's own, and no prefix is needed.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:  # another launcher: its own rendezvous
-        dist.init_process_group(RUNNER_BACKEND)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's agent hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0)
-    if agent_store:  # else rank 0 hosts a store of this attempt's own
-        store = dist.PrefixStore(f"mlkv/attempt{attempt}/", store)
-    dist.init_process_group(RUNNER_BACKEND, store=store, rank=rank, world_size=world)
+        forget_runner_group()
 
 
 def _refuse_an_earlier_run(config: ExperimentConfig, distributed: bool) -> None:
@@ -96,10 +74,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by torchrun
+    try:
+        placement = this_process_placement(config.device, distributed)
+    except ConfigError as e:  # before any rank joins: every rank refuses alike
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if distributed:
-        # gloo even on a CUDA host: the runner keeps the model, the plan and the collectives on the
-        # CPU (NCCL would refuse their CPU tensors).
-        _join_process_group()
+        join_process_group(placement)
+        make_runner_group()
     resume, overwrite, imported = args.resume, args.overwrite, args.imported
     # A restart may have another world than the attempt before (nodes gone or back): one process
     # (a world of 1) continues a checkpoint of ranks, and ranks one of a process.

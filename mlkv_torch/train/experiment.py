@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import optim as optim_lib
-from ..config import CommsConfig, ConfigError, ExperimentConfig
+from ..config import CommsConfig, ConfigError, ExperimentConfig, StorageConfig
 from ..cut import PendingCut, read_json_record, write_json_record
 from ..disk_modules import DiskTableModule
 from ..exported_tables import read_export, read_export_on_ranks
@@ -26,6 +26,7 @@ from ..table_settings import DiskTableSettings
 from . import checkpoints, reshard
 from .auc import binary_auc
 from .checkpoint_tables import WrittenCheckpoint, read_pointer, written_checkpoint
+from .placement import runner_group, this_process_placement
 from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 
 _OPTIMIZERS = {rule.name: rule for rule in (optim_lib.SGD, optim_lib.Adagrad, optim_lib.RowWiseAdagrad, optim_lib.Adam)}
@@ -97,12 +98,7 @@ class Experiment:
         if self._written is not None and (self._written.one_process, self._written.processes) != (
                 not self.distributed, self.world_size):
             self._reshard_from(self._written)
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda":
-            if self.distributed:
-                raise ConfigError("device cuda trains in one process; under torchrun the runner trains on the CPU")
-            if not torch.cuda.is_available():
-                raise ConfigError("device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+        self.device = this_process_placement(config.device, self.distributed).device
         self._saving: Optional[threading.Thread] = None  # the checkpoint being written
         # The training loop marks each boundary; the checkpoint's work follows them.
         self.boundaries = checkpoints.StepBoundaries()
@@ -141,22 +137,29 @@ class Experiment:
 
     def _dlrm(self, collection: torch.nn.Module) -> torch.nn.Module:
         """DLRM over `collection`; its dense layers start from the seed's CPU values on every device, so
-        a run on CUDA starts where the same run on the CPU does."""
+        a run on CUDA starts where the same run on the CPU does (on the meta device, an
+        EmbeddingBagCollection for DistributedModelParallel, which moves the model itself)."""
         from torchrec.models.dlrm import DLRM, DLRMTrain
 
         model = self.config.model
         dlrm = DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=self.source.num_dense,
                               dense_arch_layer_sizes=model.dense_arch, over_arch_layer_sizes=model.over_arch,
                               dense_device=torch.device("cpu")))
-        return dlrm.to(self.device) if self.device.type != "cpu" else dlrm
+        on_meta = any(p.is_meta for p in collection.parameters())
+        return dlrm.to(self.device) if self.device.type != "cpu" and not on_meta else dlrm
 
     def _table_settings(self) -> DiskTableSettings:
         """How the run's disk tables train and are stored, one process or sharded."""
         storage = self.config.storage
+        # Rows read ahead into cache slots on every device: each batch's lookup then pools from the
+        # read-ahead the pipeline names (on CUDA no host synchronisation; on the CPU no second
+        # deduplication, docs/benchmarks.md). Virtual tables keep the device's default: their ids
+        # are admitted and counted by their lookups, not by read-aheads.
         return DiskTableSettings(optimizer=self.rule, staleness=storage.staleness, cache_policy=storage.cache_policy,
                                  backend=_BACKENDS.get(storage.kind, "mlkv"),  # memory: nothing on disk
                                  seed=self.config.train.seed, reopen=self.resume and self.resharding is None,
-                                 virtual_tables=self.virtual_tables)
+                                 virtual_tables=self.virtual_tables,
+                                 read_ahead_into_slots=None if self.virtual_tables else True)
 
     def _sharder(self, tables: List[Any]) -> Any:
         """The sharder of this run's tables: under its tables path, reopening a checkpoint's cuts
@@ -215,12 +218,11 @@ class Experiment:
             if storage.kind != "memory" else 1 << 40
         topology = TopologyFactory.create_topology(  # TorchRec's way: it warns about a Topology made directly
             TrainerConfig(world_size=dist.get_world_size(), ddr_cap_bytes=int(ddr_cap), ssd_cap_bytes=1 << 42),
-            kernel_config=KernelConfig(compute_device="cpu"))
+            kernel_config=KernelConfig(compute_device=self.device.type))
         if storage.kind == "memory":
             _check_in_memory_sharding(storage.sharding_types)
         constraints = {t.name: ParameterConstraints(sharding_types=list(storage.sharding_types),
-                                                    compute_kernels=_in_memory_kernels() if storage.kind == "memory"
-                                                    else None) for t in tables}
+                                                    compute_kernels=_kernels(storage, self.device)) for t in tables}
         planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, constraints=constraints,
                                    debug=False)
         try:
@@ -234,7 +236,7 @@ class Experiment:
         if self.resharding is None and self._written is not None and reshard.plan_differs(self._written.tables, plan):
             self._reshard_from(self._written)  # the storage settings changed the plan: its tables move
             sharder = self._sharder(tables)
-        self.model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        self.model = DistributedModelParallel(model, device=self.device, plan=plan, sharders=[sharder])
         self.collection = self.model.module.model.sparse_arch.embedding_bag_collection
         if storage.replicas.fraction > 0:
             try:
@@ -545,7 +547,7 @@ class Experiment:
         self.save(step)
         self.finish_save()
         if self.distributed:
-            dist.barrier()  # every rank has let go of the old tables
+            dist.barrier(group=runner_group())  # every rank has let go of the old tables
         if isinstance(source, WrittenCheckpoint):
             if self.is_main:
                 _remove_read_checkpoint(self.config, self.distributed)
@@ -675,13 +677,24 @@ def torch_threads(config: ExperimentConfig) -> int:
     return max(1, threads - 1) if config.looks_ahead else threads
 
 
-def _in_memory_kernels() -> List[str]:
-    """TorchRec's compute kernels but the disk one: storage kind memory keeps every table in memory."""
+def _kernels(storage: StorageConfig, device: torch.device) -> Optional[List[str]]:
+    """The compute kernels the planner may choose for a table (None: any): storage kind memory keeps
+    every table in memory (TorchRec's kernels but the disk one), `in_memory_tables` false puts every
+    one on disk. ConfigError where TorchRec's in-memory kernels cannot run on `device`."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
     from ..torchrec.kernel import DISK_KERNEL
 
-    return [kernel.value for kernel in EmbeddingComputeKernel if kernel.value != DISK_KERNEL]
+    if storage.kind != "memory" and not storage.in_memory_tables:
+        return [DISK_KERNEL]
+    if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::bounds_check_indices",
+                                                                                    "CUDA"):
+        raise ConfigError("device cuda under torchrun: fbgemm-gpu here is its CPU build, so TorchRec's in-memory "
+                          "kernels cannot run on the GPU: set storage.in_memory_tables=false (every table on disk), "
+                          "or install fbgemm-gpu's CUDA build")
+    if storage.kind == "memory":
+        return [kernel.value for kernel in EmbeddingComputeKernel if kernel.value != DISK_KERNEL]
+    return None
 
 
 def _check_in_memory_sharding(sharding_types: List[str]) -> None:

@@ -16,6 +16,7 @@ from ..ranks import all_gather_objects
 from ..wire import EmbeddingTraffic
 from . import checkpoints, elastic, outputs
 from .experiment import Experiment, torch_threads
+from .placement import runner_group, runner_group_held
 
 
 
@@ -59,7 +60,8 @@ def run(config: ExperimentConfig, resume: bool = False, progress: bool = True, o
     threads = torch.get_num_threads()
     torch.set_num_threads(torch_threads(config))
     try:
-        return _run(config, resume, progress, overwrite, imported)
+        with runner_group_held():
+            return _run(config, resume, progress, overwrite, imported)
     finally:
         torch.set_num_threads(threads)
         if own_group:
@@ -131,7 +133,7 @@ def _start_over(config: ExperimentConfig) -> None:
             print(f"[train] --overwrite: removed the earlier run's {removed} tables, checkpoints and files",
                   file=sys.stderr, flush=True)
     if distributed:
-        dist.barrier()
+        dist.barrier(group=runner_group())
 
 
 def _populate(experiment: Experiment, config: ExperimentConfig, loads: bool) -> float:
@@ -169,7 +171,7 @@ class _LogWindow:
         collective under torchrun: every rank logs at the same steps."""
         now = time.perf_counter()
         rate = self._samples / max(now - self._start, 1e-9)
-        sent = sum(self._traffic.all_ranks().values())
+        sent = sum(self._traffic.all_ranks(_runner_group_if_any()).values())
         record: Dict[str, Any] = dict(
             step=step, loss=float(loss), samples_per_s=rate, step_ms=(train_s - self._train_s) * 1e3 / self._steps,
             depth=depth, embedding_bytes_per_step=(sent - self._sent) / self._steps,
@@ -269,7 +271,7 @@ def _summary(experiment: Experiment, config: ExperimentConfig, training: _Traini
     """The run's summary (written to summary.json by rank 0), once training has ended; closes the tables."""
     step, start_step, evaluation = training.step, training.start_step, training.evaluation
     elapsed = time.perf_counter() - training.started
-    sent = training.traffic.all_ranks()
+    sent = training.traffic.all_ranks(_runner_group_if_any())
     served = training.replica_lookups.all_ranks()
     experiment.collection.flush()
     # Each rank's rows read from its stores a step (evaluations' reads included): where row-wise
@@ -336,8 +338,13 @@ class _ReplicaLookups:
             return 0, 0
         counts = torch.tensor([self.replicas.stats["replica_hits"], self.replicas.stats["lookups"]],
                               dtype=torch.int64)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=runner_group())
         return int(counts[0]), int(counts[1])
+
+
+def _runner_group_if_any() -> Optional[dist.ProcessGroup]:
+    """The runner's group where a process group is up (`run` holds one), else None."""
+    return runner_group() if dist.is_available() and dist.is_initialized() else None
 
 
 def _share(now: Tuple[int, int], before: Tuple[int, int]) -> Optional[float]:

@@ -27,6 +27,7 @@ from ..store import KVStore
 from ..stored_shards import StoredShard, open_shard, same_columns, stored_shards
 from ..virtual_tables import activity_file
 from .checkpoint_tables import WrittenCheckpoint, row_layout_of
+from .placement import runner_group
 
 __all__ = ["ShardsOnRanks", "rows_held", "receive_unseen_shards"]
 
@@ -231,7 +232,7 @@ def _send_files(shard: StoredShard, takers: Sequence[int]) -> None:
             with open(path, "rb") as f:
                 files[name] = f.read()
     for taker in takers:
-        dist.send_object_list([files], dst=taker)
+        dist.send_object_list([files], dst=taker, group=runner_group())
 
 
 def _send_rows(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tuple[int, int]]]) -> None:
@@ -244,11 +245,11 @@ def _send_rows(shard: StoredShard, layout: RowLayout, takers: Dict[int, List[Tup
                 inside |= (ids >= start) & (ids < stop)
             count = int(inside.sum())
             if count:
-                dist.send(torch.tensor([count]), dst=taker)
-                dist.send(ids[inside] - shard.first_row, dst=taker)
-                dist.send(rows[inside].contiguous(), dst=taker)
+                dist.send(torch.tensor([count]), dst=taker, group=runner_group())
+                dist.send(ids[inside] - shard.first_row, dst=taker, group=runner_group())
+                dist.send(rows[inside].contiguous(), dst=taker, group=runner_group())
     for taker in takers:
-        dist.send(torch.tensor([-1]), dst=taker)
+        dist.send(torch.tensor([-1]), dst=taker, group=runner_group())
 
 
 def _receive_shard(shard: StoredShard, layout: RowLayout, reader: Optional[int], files: Dict[str, bytes],
@@ -282,12 +283,12 @@ def _received_rows(reader: int, words: int) -> Iterator[Tuple[torch.Tensor, torc
     """The (keys, rows) chunks `reader` sends (`_send_shard`), to its count of -1."""
     count = torch.empty(1, dtype=torch.int64)
     while True:
-        dist.recv(count, src=reader)
+        dist.recv(count, src=reader, group=runner_group())
         if int(count) < 0:
             return
         keys, rows = torch.empty(int(count), dtype=torch.int64), torch.empty(int(count), words)
-        dist.recv(keys, src=reader)
-        dist.recv(rows, src=reader)
+        dist.recv(keys, src=reader, group=runner_group())
+        dist.recv(rows, src=reader, group=runner_group())
         yield keys, rows
 
 
@@ -308,5 +309,5 @@ def _write_rows(ids: torch.Tensor, rows: torch.Tensor, layout: RowLayout,
 
 def _received_objects(source: int) -> List[Any]:
     objects: List[Optional[Any]] = [None]
-    dist.recv_object_list(objects, src=source)
+    dist.recv_object_list(objects, src=source, group=runner_group())
     return objects

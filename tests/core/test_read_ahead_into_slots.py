@@ -229,8 +229,10 @@ def test_a_ticket_not_waiting_is_refused_by_name_and_loses_nothing(tmp_path):
     wrong = feature_batch(1)
     with pytest.raises(ValueError, match=f"not those of the batch read ahead with ticket {first}"):
         batch.pool(wrong[0], wrong[1], TABLES, wrong[2], read_ahead=first)
+    assert batch.read_ahead_waiting(first) and batch.read_ahead_waiting(second)
     for step, ticket in enumerate([first, second]):  # the refused calls took nothing: both train in order
         check_step(batch, reference, step, "cpu", 4, bound, ticket)
+    assert not batch.read_ahead_waiting(first) and not batch.read_ahead_waiting(second)  # looked up
     with pytest.raises(ValueError, match=f"ticket {first} is no longer waiting"):
         batch.pool(values, counts, TABLES, offsets, read_ahead=first)
     # A batch read ahead and never pooled: the next batch's ticket lets it go; a ticket dropped
@@ -238,8 +240,10 @@ def test_a_ticket_not_waiting_is_refused_by_name_and_loses_nothing(tmp_path):
     batch.lookahead(*feature_batch(10_002)[:2], TABLES)
     check_step(batch, reference, 2, "cpu", 4, bound, batch.lookahead(*feature_batch(2)[:2], TABLES))
     dropped = batch.lookahead(*feature_batch(3)[:2], TABLES)
+    assert batch.read_ahead_waiting(dropped)
     for _ in range(64):
         batch.lookahead(*feature_batch(4)[:2], TABLES)
+    assert not batch.read_ahead_waiting(dropped)
     values, counts, offsets, _ = feature_batch(3)
     with pytest.raises(ValueError, match=f"ticket {dropped} is no longer waiting"):
         batch.pool(values, counts, TABLES, offsets, read_ahead=dropped)

@@ -2,9 +2,11 @@
 
 tests/workers/lookahead_dmp_worker.py trains DLRM (DLRMTrain) with the mixed plan of
 tests/workers/dmp_worker.py (a table-wise and a column-wise table on disk, row-wise Adagrad) with the
-plain loop and with the pipeline at depths 0, 1, 3 and "auto". The losses must equal the plain
-loop's exactly on every rank, and at depth >= 1 the disk shards of every rank must have served
-rows read ahead (read-ahead hits), which only a lookahead on the distributed ids produces. A
+plain loop and with the pipeline at depths 0, 1, 3 and "auto", and at depth 3 with rows read ahead
+into cache slots. The losses must equal the plain loop's exactly on every rank, and at depth >= 1
+the disk shards of every rank must have served rows read ahead (read-ahead hits), which only a
+lookahead on the distributed ids produces; into slots, every batch is pooled from the read-ahead
+the pipeline named for it. A
 lookahead on features in another order than the forward's is refused, not misrouted.
 """
 import json
@@ -46,6 +48,19 @@ def test_training_equals_the_plain_loop_and_rows_are_read_ahead(runs, depth):
             assert piped["read_ahead_hits"][rank] > 0, f"rank {rank}: rows of future batches must be read ahead"
             assert stats["lookahead_ms"] > 0
     assert plain["read_ahead_hits"] == [0, 0]
+    assert piped["read_ahead_lookups"] == [0, 0]  # not into slots: each lookup finds its rows by key
+
+
+def test_into_slots_each_batch_is_pooled_from_the_read_ahead_the_pipeline_names(runs):
+    # As on CUDA by default: the pipeline names each batch's read-ahead as it enters the step, and
+    # the disk kernels pool from it (its deduplication and slots: on CUDA no host synchronisation).
+    plain, piped = runs["plain"], runs["3-into-slots"]
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(piped["losses"][rank]), torch.tensor(plain["losses"][rank]),
+                                   rtol=0, atol=0)
+        # Every step, on each of the rank's disk shards: the plan's two disk tables (a table-wise
+        # and a column-wise one) are split over the ranks.
+        assert piped["read_ahead_lookups"][rank] == 24 * piped["disk_shards"][rank], piped
 
 
 def test_auto_depth_is_agreed_by_all_ranks(runs):

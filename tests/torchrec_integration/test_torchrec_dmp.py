@@ -105,6 +105,15 @@ def test_torchrecs_prefetch_pipeline_reads_disk_rows_ahead_and_trains_as_the_pla
     assert sum(s["read_ahead_hits"] for s in prefetched) >= 0.5 * sum(s["cache_misses"] for s in prefetched)
     # TorchRec's own pipeline on the CPU prefetches nothing and its forward finds no input.
     assert pipeline["torchrec_prefetch_on_cpu"].startswith("AssertionError: Invalid PrefetchPipelinedForward")
+    # Into cache slots (CUDA's default): each forward pools from the read-ahead its prefetch queued
+    # (no search among the read-aheads by ids: on CUDA no host synchronisation), every step.
+    into_slots = pipeline["prefetch-into-slots"]
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(into_slots["losses"][rank]),
+                                   torch.tensor(pipeline["plain"]["losses"][rank]), rtol=0, atol=0)
+    assert [s["read_ahead_lookups"] for rank in into_slots["stats"] for s in rank.values()] == [len(
+        pipeline["plain"]["losses"][0])] * 3
+    assert all(s["read_ahead_lookups"] == 0 for rank in pipeline["prefetch"]["stats"] for s in rank.values())
 
 
 def test_the_one_process_collection_in_a_multi_rank_job_names_the_sharder(runs):

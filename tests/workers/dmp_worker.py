@@ -63,7 +63,7 @@ def constraints(mixed: bool):
     }
 
 
-def build(mixed: bool, optimizer: str, storage_dir: str, train_model: bool = False):
+def build(mixed: bool, optimizer: str, storage_dir: str, train_model: bool = False, **settings):
     torch.manual_seed(0)  # the same dense layers in every build
     ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
@@ -72,9 +72,9 @@ def build(mixed: bool, optimizer: str, storage_dir: str, train_model: bool = Fal
         model = DLRMTrain(model)
     if optimizer == "rowwise_adagrad":  # TorchRec's way: an in-backward optimizer on the tables
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags.parameters(), {"lr": LR, "eps": 1e-8})
-        sharder = DiskEmbeddingBagCollectionSharder(storage_dir)
+        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, **settings)
     else:  # an mlkv_torch rule on the sharder, which the in-memory tables share
-        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR))
+        sharder = DiskEmbeddingBagCollectionSharder(storage_dir, optimizer=optim.SGD(lr=LR), **settings)
     planner = DiskAwarePlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
                                batch_size=BATCH, constraints=constraints(mixed))
     plan = planner.collective_plan(model, [sharder])
@@ -165,8 +165,12 @@ def run_phase(phase: str, out_dir: str) -> dict:
         # TorchRec's TrainPipelineSparseDist (input distribution of batch t+1 overlapped with step t)
         # and PrefetchPipeline (TorchRec's PrefetchTrainPipelineSparseDist, which also reads batch
         # t+1's disk rows ahead) over the mixed plan, against the plain loop on the same batches.
-        for kind in ("plain", "pipelined", "prefetch"):
-            dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, f"store-pipeline-{kind}"), train_model=True)
+        # "prefetch-into-slots": rows read ahead into cache slots (CUDA's default), each forward
+        # pooling from the read-ahead its prefetch queued.
+        for kind in ("plain", "pipelined", "prefetch", "prefetch-into-slots"):
+            into_slots = {"read_ahead_into_slots": True, "memory_fraction": 1.0} if kind.endswith("slots") else {}
+            dmp, opt, _ = build(True, "sgd", os.path.join(out_dir, f"store-pipeline-{kind}"), train_model=True,
+                                **into_slots)
             set_initial_rows(dmp, "model.sparse_arch.embedding_bag_collection")
             batches = [Batch(*batch(step)) for step in range(STEPS)]
             losses = []
@@ -178,7 +182,8 @@ def run_phase(phase: str, out_dir: str) -> dict:
                     opt.step()
                     losses.append(float(loss))
             else:
-                kinds = {"pipelined": TrainPipelineSparseDist, "prefetch": PrefetchPipeline}
+                kinds = {"pipelined": TrainPipelineSparseDist, "prefetch": PrefetchPipeline,
+                         "prefetch-into-slots": PrefetchPipeline}
                 pipeline, it = kinds[kind](dmp, opt, torch.device("cpu")), iter(batches)
                 for _ in range(STEPS):
                     losses.append(float(pipeline.progress(it)[0]))

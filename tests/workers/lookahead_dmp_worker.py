@@ -4,10 +4,12 @@ column-wise on disk).
 
     torchrun --nproc_per_node 2 tests/workers/lookahead_dmp_worker.py OUT_DIR
 
-For each mode (the plain loop, then the pipeline at each of DEPTHS), a fresh model from the same
+For each mode (the plain loop, then the pipeline at each of DEPTHS, and at depth 3 with rows read
+ahead into cache slots: INTO_SLOTS), a fresh model from the same
 initial rows trains the same STEPS batches, with ids drawn over whole tables so that most rows a
 batch needs are not in memory yet. Rank 0 writes OUT_DIR/lookahead.json: per mode, every rank's
-losses, the read-ahead hits and rows read ahead of its disk shards (DiskEmbeddingBag.stats()), its
+losses, the read-ahead hits, rows read ahead and batches pooled from their named read-aheads of
+its disk shards (DiskEmbeddingBag.stats()), its
 number of disk shards, the pipeline's stats(), and whether a lookahead on features in another
 order than the forward's is refused.
 """
@@ -24,10 +26,16 @@ from mlkv_torch import LookaheadPipeline
 
 STEPS = 24  # three re-measurements of the auto depth
 DEPTHS = (0, 1, 3, "auto")
+# Rows read ahead into cache slots (the default on CUDA), each batch's lookup named its read-ahead.
+INTO_SLOTS = "3-into-slots"
 
 
 def train(mode, storage_dir: str) -> dict:
-    dmp, opt, _ = build(True, "rowwise_adagrad", storage_dir, train_model=True)
+    into_slots = mode == INTO_SLOTS
+    # Into slots only while the caches hold every batch in the window: the whole tables there.
+    dmp, opt, _ = build(True, "rowwise_adagrad", storage_dir, train_model=True,
+                        **({"read_ahead_into_slots": True, "memory_fraction": 1.0} if into_slots else {}))
+    mode = 3 if into_slots else mode
     set_initial_rows(dmp, collection="model.sparse_arch.embedding_bag_collection")
     batches = (Batch(*batch(step, hot_ids=max(SIZES.values()))) for step in range(STEPS))
     losses, pipeline = [], None
@@ -52,6 +60,7 @@ def train(mode, storage_dir: str) -> dict:
               "losses": gathered(losses),
               "read_ahead_hits": gathered(sum(s["read_ahead_hits"] for s in stats.values())),
               "read_ahead_rows": gathered(sum(s["read_ahead_rows"] for s in stats.values())),
+              "read_ahead_lookups": gathered(sum(s["read_ahead_lookups"] for s in stats.values())),
               "disk_shards": gathered(len(stats)),
               "pipeline": gathered(pipeline.stats() if pipeline is not None else None)}
     sharded.close()
@@ -72,7 +81,8 @@ def refuses_other_keys(sharded, features: KeyedJaggedTensor) -> bool:
 def main() -> None:
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
-    result = {str(mode): train(mode, os.path.join(out_dir, f"store-{mode}")) for mode in ("plain",) + DEPTHS}
+    result = {str(mode): train(mode, os.path.join(out_dir, f"store-{mode}"))
+              for mode in ("plain",) + DEPTHS + (INTO_SLOTS,)}
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "lookahead.json"), "w") as f:
             json.dump(result, f)

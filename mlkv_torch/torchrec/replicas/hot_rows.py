@@ -176,9 +176,12 @@ class HotRowReplicas:
         return (kjt,) + tuple(args[1:])
 
     def _lookahead_misses(self, features: KeyedJaggedTensor) -> None:
-        """The sharded collection's lookahead, for the bags that will miss the replicas."""
+        """The sharded collection's lookahead, for the bags that will miss the replicas. No token:
+        the step's bags may differ from these (push bags, hot rows chosen meanwhile), so its lookup
+        finds its rows among the read-aheads by its ids."""
         if not self._chosen:
-            return self._lookahead(features)  # type: ignore[misc]
+            self._lookahead(features)  # type: ignore[misc]
+            return
         self._lookahead(self._split(features, push_all=False, train=False)[0])  # type: ignore[misc]
 
     def _split(self, features: KeyedJaggedTensor, push_all: bool, train: bool

@@ -23,19 +23,20 @@ class DiskGroupLookahead:
     _emb_modules: nn.ModuleList
     _feature_splits: List[int]
 
-    def lookahead(self, features: KeyedJaggedTensor) -> None:
+    def lookahead(self, features: KeyedJaggedTensor, token: Optional[int] = None) -> None:
         """Starts reading the rows of the disk groups that `features` (as `forward` receives them) will
-        look up; the in-memory groups have nothing to read."""
+        look up, as the read-ahead `token` (`DiskEmbeddingKernel.lookahead`); the in-memory groups
+        have nothing to read."""
         for kernel, group in zip(self._emb_modules, features.split(self._feature_splits)):
             if isinstance(kernel, DiskEmbeddingKernel):
-                kernel.lookahead(group)
+                kernel.lookahead(group, token)
 
     def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream: Optional[torch.Stream] = None) -> None:
         """TorchRec's prefetch contract (its sharded module's ``prefetch``, which
         PrefetchTrainPipelineSparseDist calls one batch ahead): the disk groups start reading the
-        batch's rows (`lookahead`; they stay staged until the batch's forward takes them), TorchRec's
-        own caching groups prefetch as theirs do."""
-        self.lookahead(sparse_features)
+        batch's rows (`lookahead`; they stay staged until the batch's forward takes them, the next
+        training forward in order), TorchRec's own caching groups prefetch as theirs do."""
+        self.lookahead(sparse_features, token=None)
         super().prefetch(sparse_features, forward_stream)  # type: ignore[misc]
 
 
