@@ -219,8 +219,9 @@ class DiskTableBatch:
         read_ahead_into_slots: rows read ahead (`lookahead`) go straight into cache slots, through
             pinned buffers and a side stream on CUDA, and stay until their batch is done; each
             `pool` takes the read-aheads in the order they were asked for. Default: on CUDA only
-            (there it lets batches read ahead run on the device alone). Off, they wait in the
-            staging area for their fetch.
+            (there it lets batches read ahead run on the device alone), and never for virtual
+            tables (refused: their eviction rounds). Off, they wait in the staging area for their
+            fetch.
         transfer_delay_us: on the CPU, each copy into slots lands this many microseconds late
             (tests hold copies in flight with it).
     """
@@ -231,8 +232,15 @@ class DiskTableBatch:
         if not is_int(transfer_delay_us) or transfer_delay_us < 0:
             raise ValueError(f"transfer_delay_us must be a non-negative int, got {transfer_delay_us!r}")
         device = resolve_device(device)
+        # A virtual table's eviction round between a read-ahead and its batch would leave the rows
+        # of the ids it evicted in the slots they were read into: its rows wait in the staging area.
+        follows_ids = any(t.id_policy is not None and t.id_policy.tracked for t in spec.tables)
         if read_ahead_into_slots is None:
-            read_ahead_into_slots = device.type == "cuda"
+            read_ahead_into_slots = device.type == "cuda" and not follows_ids
+        elif read_ahead_into_slots and follows_ids:
+            raise ValueError("read_ahead_into_slots: virtual tables (tables with an IdPolicy) read ahead into the "
+                             "staging area: an eviction round between a read-ahead and its batch would leave the "
+                             "evicted ids' rows in their slots")
         layout, settings, optimizer = spec.layout, spec.settings, spec.layout.optimizer
         self.spec = spec
         self.read_ahead_into_slots = bool(read_ahead_into_slots)

@@ -434,3 +434,28 @@ def test_an_evaluation_reads_the_rows_ids_hold_and_changes_no_id(tmp_path):
     assert torch.equal(live_rows(ebc)[0], ids)  # nothing admitted (30 fresh ids would pass the trigger)
     assert train(ebc, batches[3:]) == train(reference, batches[3:])  # counts and ages as never read
     assert torch.equal(live_rows(ebc)[0], live_rows(reference)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_read_ahead_across_eviction_rounds_train_as_without_look_ahead(tmp_path, device):
+    # Eviction rounds come between a batch's read-ahead and its lookup: the rows read ahead wait in
+    # the staging area (never in cache slots, where an evicted id's row would outlive its round,
+    # as it did on CUDA's default), and training is the same as without look-ahead.
+    policy = CountBasedEvictionPolicy(training_id_eviction_trigger_count=30, eviction_threshold=2, decay_rate=0.9)
+    batches = raw_batches(40, pool=200)
+    plain = collection(tmp_path, config(policy=policy), sub="plain", device=device,
+                       virtual_tables=STEPS_PER_MINUTE)
+    ahead = collection(tmp_path, config(policy=policy), sub="ahead", device=device,
+                       virtual_tables=STEPS_PER_MINUTE)
+    expected = train(plain, batches)
+    assert plain.stats()["t"]["evicted_ids"] > 0, "the rounds must evict"
+    losses, token = [], ahead.lookahead(kjt(batches[0].to(device)))
+    for step, ids in enumerate(batches):  # one batch ahead, as the pipeline reads
+        following = ahead.lookahead(kjt(batches[step + 1].to(device))) if step + 1 < len(batches) else None
+        ahead.read_ahead_next(token)
+        losses.extend(train(ahead, [ids]))
+        token = following
+    assert ahead.stats()["t"]["read_ahead_rows"] > 0
+    assert losses == expected
+    with pytest.raises(ValueError, match="virtual tables .* read ahead into the staging area"):
+        collection(tmp_path, config(policy=policy), sub="slots", read_ahead_into_slots=True)
