@@ -195,7 +195,9 @@ class StorageConfig(_Section):
     cache_rows: Optional[int] = Field(None, ge=0)
     staleness: int = Field(0, ge=0)
     cache_policy: Literal["lfu", "lru"] = "lfu"
-    memory_fraction: float = Field(0.1, gt=0, le=1)  # under torchrun: a disk table's memory, of its bytes
+    # Under torchrun: a disk table's memory, of its bytes; auto: the planner spends the job's budget
+    # (memory_budget_bytes a rank) by each table's reads predicted from the input's first batches.
+    memory_fraction: Union[Literal["auto"], Annotated[float, Field(gt=0, le=1)]] = 0.1
     # Write every row to the store before training, so reads come from disk as in a table trained
     # for a while, not from the generator of fresh rows (benchmarks).
     populate: bool = False

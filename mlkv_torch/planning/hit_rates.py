@@ -57,10 +57,25 @@ class TableAccess:
                                                              1.0 - float(self._head.sum()))
 
     def _shares(self) -> "tuple[torch.Tensor, torch.Tensor]":
-        """(rows, share of lookups of each of those rows) per group, by rank: the head's rows one by
-        one, then the tail's buckets."""
+        """(rows, share of lookups of each of those rows) per group, the most popular first: the
+        head's rows one by one, and the tail's buckets."""
         rows = torch.cat([torch.ones_like(self._head), self._tail_ranks])
-        return rows, torch.cat([self._head, self._tail_share])
+        share = torch.cat([self._head, self._tail_share])
+        order = share.argsort(descending=True, stable=True)
+        return rows[order], share[order]
+
+    def read_chances(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(rows, the chance a batch looks up each of those rows) per group, the most popular first:
+        what caching a row saves, in reads a batch."""
+        rows, share = self._shares()
+        return rows, self._in_batch(share)
+
+    def scaled(self, batches: float) -> "TableAccess":
+        """The same popularity, for `batches` batches looked up together (a step of several ranks'
+        batches on a table-wise shard)."""
+        copy = object.__new__(TableAccess)
+        copy.__dict__.update(self.__dict__, lookups_per_batch=self.lookups_per_batch * batches)
+        return copy
 
     def hit_rate(self, cache_rows: int, policy: str = "lfu") -> float:
         """The share of lookups a cache of `cache_rows` rows serves under `policy`."""

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.optim.fused import FusedOptimizer
 
 from .. import optim as optim_lib
@@ -76,6 +77,20 @@ _FUSED_KINDS = {
 # tables take for what fused_params leaves out: disk and in-memory tables of one plan train alike.
 _FBGEMM_DEFAULTS: Dict[str, Any] = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01, "eps": 1.0e-8,
                                     "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0}
+
+
+def planned_optimizer(tensor: Any, fused_params: Optional[Mapping[str, Any]], table: str) -> optim_lib.SparseOptimizer:
+    """The optimizer a sharder gives the table of `tensor` (its weight): an in-backward optimizer's
+    (`apply_optimizer_in_backward`), over the sharder's fused_params, as TorchRec merges them (its
+    ``lr`` is FBGEMM's ``learning_rate``)."""
+    params = dict(fused_params or {})
+    classes = getattr(tensor, "_optimizer_classes", [None])
+    if classes and classes[0] is not None:
+        declared = dict(getattr(tensor, "_optimizer_kwargs", [{}])[0])
+        if "lr" in declared:
+            declared["learning_rate"] = declared.pop("lr")
+        params.update(declared, optimizer=optimizer_type_to_emb_opt_type(classes[0]))
+    return optimizer_from_fused_params(params, table)
 
 
 def optimizer_from_fused_params(fused_params: Optional[Mapping[str, Any]], table: str) -> optim_lib.SparseOptimizer:

@@ -104,13 +104,16 @@ class DiskTableOptions:
                              f"most ids a rank keeps), or the sharder live_ids={{{config.name!r}: <ids>}}")
         return policy.cap
 
-    def shard_budget(self, config: Any, rows: int, row_bytes: int) -> int:
+    def shard_budget(self, config: Any, rows: int, row_bytes: int, load_factor: Optional[float] = None) -> int:
         """The host memory of a rank's shard of `rows` rows of the table `config` describes, each of
         `row_bytes` (`memory_budget.shard_memory_budget` of the rows it holds, and what a virtual
-        table keeps of its ids): what the planner charges the shard and what its kernel opens with."""
+        table keeps of its ids): what the planner charges the shard and what its kernel opens with.
+        `load_factor`, the plan's for this table (TorchRec's ``CacheParams.load_factor``), takes the
+        place of `memory_fraction`."""
         config = self.config_of(config)
         held = self.live_rows(config.name, rows, config.num_embeddings, self.virtual_cap(config))
-        return shard_memory_budget(held, row_bytes, self.memory_fraction, activity_bytes(self.id_policy(config)))
+        fraction = self.memory_fraction if load_factor is None else _checked_load_factor(config.name, load_factor)
+        return shard_memory_budget(held, row_bytes, fraction, activity_bytes(self.id_policy(config)))
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -119,6 +122,19 @@ class DiskTableOptions:
             raise TypeError(f"settings must be a DiskTableSettings, got {type(self.settings).__name__}")
         if any(not is_int(n) or n < 1 for n in (self.live_ids or {}).values()):
             raise ValueError(f"live_ids must map table names to positive ints, got {self.live_ids!r}")
+
+
+def _checked_load_factor(table: str, load_factor: Any) -> float:
+    if not isinstance(load_factor, (int, float)) or not 0.0 < load_factor <= 1.0:
+        raise ValueError(f"table {table!r}: its cache load factor (CacheParams.load_factor, the share of its bytes "
+                         f"a disk table holds in memory) must be in (0, 1], got {load_factor!r}")
+    return float(load_factor)
+
+
+def planned_load_factor(shard: Any, group_fused_params: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The memory share the plan gives a disk shard: its ``CacheParams.load_factor``, which TorchRec
+    hands the kernel as the fused parameter ``cache_load_factor`` (None: the sharder's memory_fraction)."""
+    return (shard.fused_params or group_fused_params or {}).get("cache_load_factor")
 
 
 def bucket_problem(config: Any, world_size: int) -> Optional[str]:
@@ -171,7 +187,8 @@ class DiskEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if len(lrs) > 1:
             raise ValueError(f"the disk tables of one group must share a learning rate, got {sorted(lrs)}")
         # The rank's budget: each shard's, as the planner charged it; its row layouts share it by one rule.
-        budget = sum(options.shard_budget(shard, shard.local_rows, spec.layout.row_bytes)
+        budget = sum(options.shard_budget(shard, shard.local_rows, spec.layout.row_bytes,
+                                          planned_load_factor(shard, config.fused_params))
                      for shard, spec in zip(self._shards, specs))
         self._memory_budget_bytes = budget
         lr = lrs.pop() if lrs else 0.01

@@ -32,6 +32,7 @@ from .sources import BatchSource, batch_source, input_cpu_budget, loader_tuner
 _OPTIMIZERS = {rule.name: rule for rule in (optim_lib.SGD, optim_lib.Adagrad, optim_lib.RowWiseAdagrad, optim_lib.Adam)}
 _BACKENDS = {"disk": "mlkv", "rocksdb": "rocksdb"}  # storage kind -> DiskEmbeddingBag backend
 _PLANNER_RESERVED = 0.15  # DiskAwarePlanner's default storage reservation
+_PLANNING_SAMPLE_BATCHES = 8  # the input's first batches, whose ids predict the tables' hit rates
 _PLANNER_HEADROOM = 8 << 20  # what it reserves per rank for the dense model and input buffers
 _NOT_COMMITTED = "not-committed.json"  # in a torchrun checkpoint's directory: rank 0 gave it up
 
@@ -169,7 +170,7 @@ class Experiment:
         storage = self.config.storage
         reopening = self.resume and self.resharding is None and os.path.exists(self.checkpoint_path())
         return DiskEmbeddingBagCollectionSharder(
-            self.tables_path, memory_fraction=storage.memory_fraction,
+            self.tables_path, memory_fraction=storage.memory_fraction if storage.memory_fraction != "auto" else 0.1,
             cuts=self._latest_sharded()[1] if reopening else None, live_ids=self._live_ids(tables),
             settings=self._table_settings(), qcomm_codecs_registry=_comms_codecs(storage.comms))
 
@@ -224,9 +225,13 @@ class Experiment:
         constraints = {t.name: ParameterConstraints(sharding_types=list(storage.sharding_types),
                                                     compute_kernels=_kernels(storage, self.device)) for t in tables}
         planner = DiskAwarePlanner(topology=topology, batch_size=config.train.batch_size, constraints=constraints,
-                                   debug=False)
+                                   debug=False, **self._job_budget(tables, replica_bytes))
         try:
             plan = planner.collective_plan(model, [sharder])
+            if planner.table_memory and self.is_main:
+                lines = planner.explain().splitlines()
+                print("[train] the tables' memory, chosen from the input's first batches and this machine's "
+                      "calibration:\n" + "\n".join(f"[train]   {line}" for line in lines), file=sys.stderr, flush=True)
         except PlannerError as e:
             if not replica_bytes:
                 raise
@@ -247,6 +252,30 @@ class Experiment:
                                       lambda params: torch.optim.Adagrad(params,
                                                                          lr=config.train.dense_lr or config.train.lr))
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
+
+    def _job_budget(self, tables: List[Any], replica_bytes: int) -> Dict[str, Any]:
+        """With storage.memory_fraction auto, what DiskAwarePlanner needs to spend the job's budget
+        (every rank's memory_budget_bytes, less the replicas') by the tables' predicted reads: each
+        table's popularity over the input's first `_PLANNING_SAMPLE_BATCHES` batches (every rank
+        samples the same ones) and this machine's calibration under the tables' path."""
+        storage = self.config.storage
+        if storage.memory_fraction != "auto" or storage.kind == "memory":
+            return {}
+        from ..planning.calibration import calibration_for
+        from ..planning.hit_rates import access_from_batches
+
+        features = {t.name: list(t.feature_names) for t in tables}
+
+        def table_ids(batch: Any) -> Dict[str, torch.Tensor]:
+            sparse = batch.sparse_features.to_dict()
+            return {name: torch.cat([sparse[f].values() for f in names]) for name, names in features.items()}
+
+        sample = (table_ids(self.source.make_batch(number)) for number in range(_PLANNING_SAMPLE_BATCHES))
+        access = access_from_batches(sample, {t.name: t.num_embeddings for t in tables})
+        calibration = calibration_for(self.tables_path, self.device, group=runner_group(),
+                                      needs_wire=self.world_size > 1)
+        return dict(access=access, calibration=calibration,
+                    memory_budget_bytes=(storage.memory_budget_bytes - replica_bytes) * self.world_size)
 
     def populate(self) -> int:
         """Writes every row of this rank's disk tables to their stores (storage.populate); returns the rows."""

@@ -647,3 +647,16 @@ def test_virtual_tables_under_torchrun_killed_and_resumed_end_as_the_uninterrupt
     assert from_export.keys() == activity.keys()
     for table, columns in activity.items():
         assert all(torch.equal(a, b) for a, b in zip(from_export[table], columns)), table
+
+
+def test_memory_fraction_auto_plans_each_tables_memory_from_the_input_under_torchrun(tmp_path):
+    out = tmp_path / "auto"
+    done = _torchrun(out, 6, "storage.memory_fraction=auto", "storage.memory_budget_bytes=4194304", *COMMS)
+    said = done.stderr
+    assert "[train] the tables' memory, chosen from the input's first batches" in said
+    lines = [line for line in said.splitlines() if line.startswith("[train]   t_cat_")]
+    assert len(lines) == 26 and any(" disk " in line for line in lines) and any(" memory " in line for line in lines)
+    assert "No available compute kernels" not in said  # the choice's constraints fit each sharding type
+    assert (out / "tables" / ".mlkv_calibration.json").exists()  # measured once, beside the tables
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == 2
