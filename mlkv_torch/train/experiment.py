@@ -313,6 +313,11 @@ class Experiment:
         """Rows this rank's disk tables have read from their stores since they were opened."""
         return sum(s["store_reads"] for s in self.collection.stats().values())
 
+    def cache_misses(self) -> int:
+        """Distinct rows this rank's disk tables' batches have missed in their caches at their lookup
+        since opened (a row the pipeline read ahead into the cache is a hit)."""
+        return sum(s["cache_misses"] for s in self.collection.stats().values())
+
     def _live_ids(self, tables: List[Any]) -> Optional[Dict[str, int]]:
         """With raw ids, the ids each table is expected to hold by the end of the run, by name (the
         planner and the shards' budgets count them, not the id space)."""

@@ -202,6 +202,7 @@ class _Training:
             # A killed run's steps past its checkpoint are trained again.
             checkpoints.drop_records_after(self.metrics_path, start_step)
         self.reads_at_start = experiment.store_reads()
+        self.misses_at_start = experiment.cache_misses()
         self.evaluation: Dict[str, float] = {}
         self.samples = 0
         self.train_s = 0.0  # in pipeline.progress: the training steps, their waits for input included
@@ -279,6 +280,11 @@ def _summary(experiment: Experiment, config: ExperimentConfig, training: _Traini
     reads = experiment.store_reads() - training.reads_at_start
     reads_per_step = [r / max(1, step - start_step)
                       for r in (all_gather_objects(reads) if experiment.distributed else [reads])]
+    # The distinct rows a step's batches missed in the caches (what the planner predicts); a miss
+    # the store serves from its in-memory log reads nothing from disk.
+    misses = experiment.cache_misses() - training.misses_at_start
+    misses_per_step = [m / max(1, step - start_step)
+                       for m in (all_gather_objects(misses) if experiment.distributed else [misses])]
     live = all_gather_objects(experiment.live_ids()) if experiment.distributed else [experiment.live_ids()]
     live_ids = None if None in live else sum(live)
     eviction = all_gather_objects(experiment.eviction()) if experiment.distributed else [experiment.eviction()]
@@ -310,7 +316,8 @@ def _summary(experiment: Experiment, config: ExperimentConfig, training: _Traini
                "embedding_bytes_per_step_by_kind": {k: v / steps for k, v in sent.items()},
                "peak_rss_bytes": _peak_rss_bytes(),
                "disk_bytes": _disk_bytes(experiment.tables_path),
-               "store_reads_per_step_by_rank": reads_per_step, "live_ids": live_ids, "evicted_ids": evicted_ids,
+               "store_reads_per_step_by_rank": reads_per_step,
+               "cache_misses_per_step_by_rank": misses_per_step, "live_ids": live_ids, "evicted_ids": evicted_ids,
                "peak_live_ids": peak_live_ids,
                "storage": config.storage.kind, "populate_s": populate_s,
                "torch_threads": torch.get_num_threads(),
