@@ -41,10 +41,12 @@ class JobBudget:
     access: Optional[Mapping[str, TableAccess]]
     calibration: Optional[Calibration]
     memory_budget_bytes: Optional[int]
+    compute_device: str = "cpu"
 
     def choose(self, module: nn.Module, disk_sharders: List[Any], constraints: Dict[str, ParameterConstraints],
                world_size: int) -> Dict[str, TableMemory]:
-        """Decides each table's memory and writes it into `constraints` (the planner's own)."""
+        """Decides each table's memory and writes it into `constraints` (the planner's own); called
+        while the planner plans with the disk kernel (`planning_with_disk`), which the sharder then offers."""
         if not disk_sharders:
             raise ValueError("memory_budget_bytes: plan with a disk sharder (DiskEmbeddingBagCollectionSharder), "
                              "whose tables the budget may put on disk")
@@ -61,23 +63,27 @@ class JobBudget:
                                      may_go_to_disk=kernels is None or DISK_KERNEL in kernels))
         step = {name: a.scaled(world_size) for name, a in (self.access or {}).items()}  # all ranks' batches a step
         chosen = choose_table_memory(shapes, step, self.calibration, self.memory_budget_bytes)
+        sharder, device = disk_sharders[0], self.compute_device
+        kernels_of = {t: sharder.compute_kernels(t, device) for t in sharder.sharding_types(device)}
         for name, memory in chosen.items():
-            constraints[name] = _constrained(constraints.get(name), memory, disk_sharders[0].disk_sharding_types)
+            constraints[name] = _constrained(constraints.get(name), memory, kernels_of)
         return chosen
 
 
 def _constrained(constraint: Optional[ParameterConstraints], memory: TableMemory,
-                 disk_sharding_types: List[str]) -> ParameterConstraints:
-    """The user's constraint of a table (or none) with the choice's kernels (in memory: any of
-    TorchRec's; on disk: ours, in the shardings it has) and load factor."""
+                 kernels_of: Dict[str, List[str]]) -> ParameterConstraints:
+    """The user's constraint of a table (or none) with the choice's kernels (in memory: TorchRec's,
+    on disk: ours) and load factor, in the shardings the sharder offers those kernels in."""
     constraint = constraint or ParameterConstraints()
+    wanted = (lambda k: k != DISK_KERNEL) if memory.in_memory else (lambda k: k == DISK_KERNEL)
+    kernels = [k for k in (constraint.compute_kernels or [k.value for k in EmbeddingComputeKernel] + [DISK_KERNEL])
+               if wanted(k)]
+    shardings = [t for t in (constraint.sharding_types or list(kernels_of))
+                 if any(k in kernels for k in kernels_of.get(t, []))]
     if memory.in_memory:
-        kernels = [k for k in (constraint.compute_kernels or [k.value for k in EmbeddingComputeKernel])
-                   if k != DISK_KERNEL]
-        return dataclasses.replace(constraint, compute_kernels=kernels)
+        return dataclasses.replace(constraint, compute_kernels=kernels, sharding_types=shardings)
     cache = dataclasses.replace(constraint.cache_params or CacheParams(), load_factor=memory.load_factor)
-    shardings = [t for t in (constraint.sharding_types or disk_sharding_types) if t in disk_sharding_types]
-    return dataclasses.replace(constraint, compute_kernels=[DISK_KERNEL], cache_params=cache, sharding_types=shardings)
+    return dataclasses.replace(constraint, compute_kernels=kernels, cache_params=cache, sharding_types=shardings)
 
 
 def explain_table_memory(chosen: Mapping[str, TableMemory]) -> str:

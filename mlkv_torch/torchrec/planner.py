@@ -203,8 +203,10 @@ class DiskAwarePlanner(EmbeddingShardingPlanner):
                              "(planning.calibration_for) too")
         self._disk_estimators: List[_DiskEstimatorBase] = []
         # The planner's own constraints (the user's, copied): a job budget's choice writes each table's into it.
-        self._own_constraints: Dict[str, ParameterConstraints] = dict(constraints or {})
-        self._job = _JobBudget(access, calibration, memory_budget_bytes)
+        self._user_constraints = dict(constraints or {})
+        self._own_constraints: Dict[str, ParameterConstraints] = dict(self._user_constraints)
+        self._job = _JobBudget(access, calibration, memory_budget_bytes,
+                               topology.compute_device if topology is not None else "cpu")
         self.table_memory: Dict[str, TableMemory] = {}
         if topology is not None and kwargs.get("enumerator") is None:
             self._disk_estimators = [DiskAwarePerfEstimator(topology, self._own_constraints, access=access,
@@ -219,10 +221,12 @@ class DiskAwarePlanner(EmbeddingShardingPlanner):
         disk_sharders = [s for s in sharders if isinstance(s, DiskSharder)]
         for estimator in self._disk_estimators:
             estimator.options = disk_sharders[0].options if disk_sharders else DiskTableOptions(storage_dir="")
-        if self._job.memory_budget_bytes is not None:
-            self.table_memory = self._job.choose(module, disk_sharders, self._own_constraints,
-                                                 self._topology.world_size)
         with planning_with_disk():
+            if self._job.memory_budget_bytes is not None:
+                self._own_constraints.clear()  # from the user's each time: a second plan is not bound by the first
+                self._own_constraints.update(self._user_constraints)
+                self.table_memory = self._job.choose(module, disk_sharders, self._own_constraints,
+                                                     self._topology.world_size)
             try:
                 return super().plan(module, sharders)
             except PlannerError as e:

@@ -71,10 +71,12 @@ def _sharder():
     return DiskEmbeddingBagCollectionSharder("/nonexistent/not-used-by-planning", optimizer=optim.SGD(lr=0.1))
 
 
-def test_the_budget_goes_to_the_rows_read_most_and_the_plan_carries_each_tables_load_factor(ebc, access):
+def test_the_budget_goes_to_the_rows_read_most_and_the_plan_carries_each_tables_load_factor(ebc, access, caplog):
     budget = 40 * MiB
     planner = _planner(access, budget)
     plan = planner.plan(ebc, [_sharder()]).plan[""]
+    # Each table's constraint names only shardings its chosen kernels take (TorchRec warns of others).
+    assert "No available compute kernels" not in caplog.text
     chosen = planner.table_memory
     assert sum(m.memory_bytes for m in chosen.values()) <= budget
     assert chosen["small"].in_memory
@@ -88,6 +90,11 @@ def test_the_budget_goes_to_the_rows_read_most_and_the_plan_carries_each_tables_
     # A flat table's rows are each read rarely: its memory buys few reads, the skewed one's many.
     assert chosen["skewed"].cache_rows > 2 * chosen["flat"].cache_rows
     assert chosen["skewed"].row_hit_rate > 0.5 > chosen["flat"].row_hit_rate
+    # Planned again with half the budget: chosen from the user's constraints, not bound by the first choice.
+    again = planner._job.memory_budget_bytes = budget // 2
+    planner.plan(ebc, [_sharder()])
+    assert sum(m.memory_bytes for m in planner.table_memory.values()) <= again
+    assert planner.table_memory["skewed"].cache_rows < chosen["skewed"].cache_rows
     text = planner.explain()
     assert all(f"\n{name} " in text for name in TABLES) and "read share" in text
 
