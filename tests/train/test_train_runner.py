@@ -657,6 +657,7 @@ def test_memory_fraction_auto_plans_each_tables_memory_from_the_input_under_torc
     lines = [line for line in said.splitlines() if line.startswith("[train]   t_cat_")]
     assert len(lines) == 26 and any(" disk " in line for line in lines) and any(" memory " in line for line in lines)
     assert "No available compute kernels" not in said  # the choice's constraints fit each sharding type
-    assert (out / "tables" / ".mlkv_calibration.json").exists()  # measured once, beside the tables
+    record = json.loads((out / "tables" / ".mlkv_calibration.json").read_text())  # measured once, beside the tables
+    assert record["all_to_all_bytes_per_s"] > 0  # the ranks measured their all-to-all together
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["world_size"] == 2
