@@ -14,6 +14,7 @@ from torchrec.distributed.types import CacheParams
 from ..planning.calibration import Calibration
 from ..planning.hit_rates import TableAccess
 from ..row_layout import row_bytes
+from ..virtual_tables import activity_bytes
 from .fused_optimizer import planned_optimizer
 from .kernel import DISK_KERNEL, DiskTableOptions
 from .memory_choice import TableMemory, TableShape, choose_table_memory
@@ -58,11 +59,17 @@ class JobBudget:
             rows = options.live_rows(config.name, config.num_embeddings, config.num_embeddings,
                                      options.virtual_cap(config))
             layout = row_bytes(config.embedding_dim, weight.dtype, planned_optimizer(weight, fused, config.name))
+            # A table sized by the ids it will hold rather than its rows (raw ids, a virtual table)
+            # has no in-memory form: TorchRec's kernels would hold every row of its id space.
+            sized_by_ids = rows < config.num_embeddings or options.id_policy(config) is not None
             shapes.append(TableShape(config.name, rows, config.embedding_dim, layout,
-                                     may_stay_in_memory=kernels is None or any(k != DISK_KERNEL for k in kernels),
+                                     may_stay_in_memory=not sized_by_ids and (
+                                         kernels is None or any(k != DISK_KERNEL for k in kernels)),
                                      may_go_to_disk=kernels is None or DISK_KERNEL in kernels))
         step = {name: a.scaled(world_size) for name, a in (self.access or {}).items()}  # all ranks' batches a step
-        chosen = choose_table_memory(shapes, step, self.calibration, self.memory_budget_bytes)
+        # What a virtual table keeps of its ids comes beside its share (each shard's: at most one a rank).
+        ids_bytes = sum(activity_bytes(options.id_policy(config)) for config, _ in _tables_of(module)) * world_size
+        chosen = choose_table_memory(shapes, step, self.calibration, self.memory_budget_bytes - ids_bytes)
         sharder, device = disk_sharders[0], self.compute_device
         kernels_of = {t: sharder.compute_kernels(t, device) for t in sharder.sharding_types(device)}
         for name, memory in chosen.items():

@@ -128,6 +128,17 @@ def test_constraints_stay_the_users_and_a_budget_too_small_says_by_how_much(ebc,
         DiskAwarePlanner(topology=Topology(world_size=1, compute_device="cpu"), memory_budget_bytes=1 << 30)
 
 
+def test_a_table_of_raw_ids_is_never_chosen_for_memory(access):
+    """Sized by the ids it will hold, a table of raw ids would fit memory; TorchRec's in-memory
+    kernels would hold its whole id space."""
+    raw = EmbeddingBagCollection([EmbeddingBagConfig(name="small", embedding_dim=DIM, num_embeddings=1 << 40,
+                                                     feature_names=["f_small"])], device=torch.device("meta"))
+    sharder = DiskEmbeddingBagCollectionSharder("/unused", optimizer=optim.SGD(lr=0.1), live_ids={"small": 2_000})
+    planner = _planner({"small": access["small"]}, 40 * MiB)
+    plan = planner.plan(raw, [sharder]).plan[""]
+    assert not planner.table_memory["small"].in_memory and plan["small"].compute_kernel == DISK_KERNEL
+
+
 def test_the_kernel_opens_a_shard_with_the_plans_load_factor():
     options = DiskTableOptions("/unused", memory_fraction=0.1)
     config = EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=1_000_000, feature_names=["f"])

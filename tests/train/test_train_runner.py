@@ -661,3 +661,16 @@ def test_memory_fraction_auto_plans_each_tables_memory_from_the_input_under_torc
     assert record["all_to_all_bytes_per_s"] > 0  # the ranks measured their all-to-all together
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["world_size"] == 2
+
+
+def test_memory_fraction_auto_keeps_virtual_tables_on_disk_and_their_ids_within_the_budget(tmp_path):
+    out = tmp_path / "virtual"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "mlkv_torch.train", str(REPO / "configs" / "virtual_tables.yaml"), f"output_dir={out}",
+                           "--no-progress", "train.steps=4", "train.batch_size=512", "eval.batches=2",
+                           "eval.every=100", "storage.memory_fraction=auto"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-6000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[train]   t_cat_")]
+    assert len(lines) == 26 and all(" disk " in line for line in lines)  # no in-memory form of a 2**40-id table
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
