@@ -76,6 +76,22 @@ def _run(out: str, ranks: int, overrides: List[str], steps: int, batch: int) -> 
     return summary
 
 
+def _row(name: str, budget: int, measured: Dict[str, Optional[Dict[str, Any]]]) -> List[str]:
+    """A configuration's line of the table; an arm that did not plan shows "no plan"."""
+    def rate(arm: str) -> str:
+        return f"{measured[arm]['samples_per_s']:,.0f}" if measured[arm] else "no plan"
+
+    auto, today = measured["auto"], measured["fraction 0.1"]
+    ran = [m["samples_per_s"] for m in measured.values() if m]
+    ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+    return [name, f"{budget / 2**20:.1f}", *(rate(arm) for arm in measured),
+            ratio(auto and auto["samples_per_s"], today and today["samples_per_s"]),
+            ratio(auto and auto["samples_per_s"], max(ran, default=0)),
+            f"{(auto or {}).get('predicted_reads_per_step') or 0:,.0f}",
+            f"{(auto or {}).get('misses_per_step', 0):,.0f}", f"{(auto or {}).get('reads_per_step', 0):,.0f}",
+            f"{(today or {}).get('misses_per_step', 0):,.0f}"]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench-out/bench_planner.json")
@@ -102,21 +118,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 summary = _run(out, ranks, [*overrides, f"storage.memory_budget_bytes={budget}", *extra], steps,
                                args.batch)
                 shutil.rmtree(out, ignore_errors=True)
-                if summary is None:
-                    return 1
+                if summary is None:  # a plan that does not fit the budget (today's rule at a small one)
+                    measured[arm] = None
+                    continue
                 measured[arm] = {"samples_per_s": summary["samples_per_s"], "hit_rate": summary["hit_rate"],
                                  "reads_per_step": sum(summary["store_reads_per_step_by_rank"] or [0]),
                                  "misses_per_step": sum(summary["cache_misses_per_step_by_rank"] or [0]),
                                  "predicted_reads_per_step": summary["predicted_reads_per_step"]}
             results.append({"name": name, "ranks": ranks, "budget_per_rank": budget, "table_bytes": table_bytes,
                             "arms": measured})
-            auto, today = measured["auto"], measured["fraction 0.1"]
-            best = max(m["samples_per_s"] for m in measured.values())
-            rows.append([name, f"{budget / 2**20:.1f}", *(f"{m['samples_per_s']:,.0f}" for m in measured.values()),
-                         f"{auto['samples_per_s'] / today['samples_per_s']:.2f}x",
-                         f"{auto['samples_per_s'] / best:.2f}", f"{auto['predicted_reads_per_step'] or 0:,.0f}",
-                         f"{auto['misses_per_step']:,.0f}", f"{auto['reads_per_step']:,.0f}",
-                         f"{today['misses_per_step']:,.0f}"])
+            rows.append(_row(name, budget, measured))
             print(f"[bench_planner] {name}: {measured}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
