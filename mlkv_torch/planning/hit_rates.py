@@ -19,7 +19,7 @@ rows never written cost no disk read when first looked up (they start from their
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Sequence
 
 import torch
 
@@ -94,9 +94,9 @@ class TableAccess:
         held, missed = self._distinct_per_batch(cache_rows, policy)
         return held / (held + missed) if held + missed else 0.0
 
-    def _in_batch(self, share: torch.Tensor) -> torch.Tensor:
-        """The chance that a batch looks a row of each share up at least once."""
-        return -torch.expm1(self.lookups_per_batch * torch.log1p(-share.clamp(max=1 - 1e-15)))
+    def _in_batch(self, share: torch.Tensor, batches: float = 1.0) -> torch.Tensor:
+        """The chance that `batches` batches look a row of each share up at least once."""
+        return -torch.expm1(batches * self.lookups_per_batch * torch.log1p(-share.clamp(max=1 - 1e-15)))
 
     def _distinct_per_batch(self, cache_rows: int, policy: str) -> "tuple[float, float]":
         rows, share = self._shares()
@@ -108,18 +108,12 @@ class TableAccess:
         """The expected rows at least one of `batches` batches looks up (each lookup drawn from the
         popularity): the misses of rows never written, which read nothing from disk."""
         rows, share = self._shares()
-        draws = batches * self.lookups_per_batch
-        return float((rows * -torch.expm1(draws * torch.log1p(-share.clamp(max=1 - 1e-15)))).sum())
+        return float((rows * self._in_batch(share, batches)).sum())
 
     def rows_per_lookup_rate(self) -> "tuple[torch.Tensor, torch.Tensor]":
         """(rows, lookups per batch of each of those rows) by group: what a shared cache ranks by."""
         rows, share = self._shares()
         return rows, share * self.lookups_per_batch
-
-    def restricted(self, counts: torch.Tensor, num_rows: int, name: Optional[str] = None) -> "TableAccess":
-        """The same table's access over a part of its rows (a row shard), from that part's counts."""
-        share = float(counts.sum()) / max(1, self.sampled_lookups)
-        return TableAccess(name or self.name, counts, self.lookups_per_batch * share, num_rows)
 
     def __repr__(self) -> str:
         return (f"TableAccess({self.name!r}, rows={self.num_rows}, sampled_rows={self.sampled_rows}, "
@@ -185,7 +179,7 @@ def shared_cache_hit_rates(accesses: Sequence[TableAccess], cache_rows: int) -> 
     owner = torch.cat([torch.full_like(g[0], i) for i, g in enumerate(groups)])
     order = rate.argsort(descending=True)
     rows, rate, owner = rows[order], rate[order], owner[order]
-    held = torch.minimum(torch.clamp(cache_rows - (torch.cumsum(rows, 0) - rows), min=0.0), rows)
+    held = _held_rows(rows, rate, cache_rows, "lfu")  # one frequency cache: the rows looked up most
     served = torch.zeros(len(accesses), dtype=torch.float64).index_add_(0, owner.long(), held * rate)
     return {a.name: min(1.0, float(served[i]) / a.lookups_per_batch) if a.lookups_per_batch else 0.0
             for i, a in enumerate(accesses)}

@@ -53,8 +53,8 @@ class JobBudget:
                              "whose tables the budget may put on disk")
         options: DiskTableOptions = disk_sharders[0].options
         fused = disk_sharders[0].fused_params
-        shapes = []
-        for config, weight in _tables_of(module):
+        shapes, tables = [], _tables_of(module)
+        for config, weight in tables:
             kernels = (constraints.get(config.name) or ParameterConstraints()).compute_kernels
             rows = options.live_rows(config.name, config.num_embeddings, config.num_embeddings,
                                      options.virtual_cap(config))
@@ -68,7 +68,7 @@ class JobBudget:
                                      may_go_to_disk=kernels is None or DISK_KERNEL in kernels))
         step = {name: a.scaled(world_size) for name, a in (self.access or {}).items()}  # all ranks' batches a step
         # What a virtual table keeps of its ids comes beside its share (each shard's: at most one a rank).
-        ids_bytes = sum(activity_bytes(options.id_policy(config)) for config, _ in _tables_of(module)) * world_size
+        ids_bytes = sum(activity_bytes(options.id_policy(config)) for config, _ in tables) * world_size
         chosen = choose_table_memory(shapes, step, self.calibration, self.memory_budget_bytes - ids_bytes)
         sharder, device = disk_sharders[0], self.compute_device
         kernels_of = {t: sharder.compute_kernels(t, device) for t in sharder.sharding_types(device)}

@@ -31,7 +31,7 @@ BUDGET = 6 << 20  # the job's, for all ranks
 TABLES = {"skewed": (200_000, 1.1), "flat": (200_000, 0.0), "small": (1_000, 1.05)}  # rows, Zipf exponent
 
 
-def ids(rows: int, exponent: float, batch: int, generator: torch.Generator) -> torch.Tensor:
+def ids(rows: int, exponent: float, generator: torch.Generator) -> torch.Tensor:
     if exponent == 0:
         return torch.randint(0, rows, (BATCH,), generator=generator)
     weight = torch.arange(1, rows + 1, dtype=torch.float64) ** -exponent
@@ -41,7 +41,7 @@ def ids(rows: int, exponent: float, batch: int, generator: torch.Generator) -> t
 
 def batch_ids(number: int):
     generator = torch.Generator().manual_seed(number)
-    return {name: ids(rows, a, number, generator) for name, (rows, a) in TABLES.items()}
+    return {name: ids(rows, a, generator) for name, (rows, a) in TABLES.items()}
 
 
 def main() -> None:
